@@ -1,0 +1,32 @@
+# Every target builds .venv from a bare Python 3.11 first. torch is pinned: the CPU wheel of
+# 2.13.0 lies on this machine's disk, an unpinned torch would pull a multi-GB CUDA build.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -e '.[dev,plot]'
+	touch $(STAMP)
+
+test: venv
+	$(BIN)/python -m pytest -q
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: venv
+	$(BIN)/zeroshard train
+
+bench: venv
+	$(BIN)/zeroshard bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
