@@ -1,1 +1,16 @@
-pass
+"""zeroshard: ZeRO (Zero Redundancy Optimizer) data parallelism for PyTorch.
+
+`import zeroshard as deepspeed` runs a DeepSpeed ZeRO training script; see README.md.
+"""
+from .api import init_distributed, initialize
+from .comm import CollectiveError
+from .config import ConfigError, load_config
+from .engine import ZeroEngine
+from .policy import STAGES, StagePolicy, stage_policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CollectiveError", "ConfigError", "STAGES", "StagePolicy", "ZeroEngine", "init_distributed",
+    "initialize", "load_config", "stage_policy", "__version__",
+]

@@ -1,0 +1,194 @@
+"""The engine: the facade users touch, with DeepSpeed's call shape. Composition only: it wires the
+communicator, the units (sharding.py), their lifecycle and the optimizer, and keeps the counters of
+gradient accumulation."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch
+from torch import nn
+
+from .comm import Communicator
+from .lifecycle import Lifecycle, Phase
+from .policy import stage_policy
+from .sharding import shard_module
+from .zero_optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
+
+log = logging.getLogger(__name__)
+
+
+class ZeroEngine(nn.Module):
+    """Wraps a model for ZeRO training. Use through `zeroshard.initialize`.
+
+    An `nn.Module` so that `engine(...)`, `engine.train()` and `engine.eval()` read as they do in
+    DeepSpeed; the wrapped model is `engine.module`.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None):
+        super().__init__()
+        zero = config.zero_optimization
+        self.config = config
+        self.policy = stage_policy(zero.stage)
+        extras = config.zeroshard
+        self.comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
+        self.module = model
+        self.param_dtype = _param_dtype(config)
+        self.units = shard_module(
+            model, self.policy, self.comm, optimizer_groups=optimizer_group_index(optimizer),
+            param_dtype=self.param_dtype,
+            persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            wrap_modules=extras.wrap_modules)
+        self.groups = [g for unit in self.units for g in unit.groups]
+        self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
+        repoint_optimizer(optimizer, self.groups)
+        self.optimizer = ZeroOptimizer(optimizer, self.groups, self.comm, self.policy,
+                                       float(config.gradient_clipping or 0.0))
+        self.lifecycle = Lifecycle(self.units, self.policy, self.comm.world_size,
+                                   prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+                                   overlap_comm=bool(zero.overlap_comm))
+        self.lifecycle.register()
+        self.lr_scheduler = lr_scheduler
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._backward_done = False
+        self._comm_at_init = self.comm.counter.data_bytes()
+        log.info("zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
+                 self.policy.stage, self.comm.world_size, len(self.units), self.num_parameters() / 1e6)
+
+    # -- DeepSpeed's accessors ------------------------------------------------------------------------
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.policy.stage
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    def num_parameters(self) -> int:
+        return sum(slot.numel for g in self.groups for slot in g.layout.slots)
+
+    # -- training -------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self.lifecycle.begin_forward()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.lifecycle.end_forward()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of `loss / gradient_accumulation_steps`, reducing gradients as units finish."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("engine.backward(loss) needs a scalar loss tensor that requires grad, got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        self.lifecycle.begin_backward(self.is_gradient_accumulation_boundary())
+        try:
+            (loss / self.gradient_accumulation_steps()).backward(retain_graph=retain_graph)
+        except BaseException:
+            self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
+            raise
+        self.lifecycle.end_backward()
+        self._backward_done = True
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every micro step's backward; the optimizer steps at accumulation boundaries."""
+        if not self._backward_done:
+            raise RuntimeError(
+                f"engine.step() called before engine.backward() (micro step {self.micro_steps}, global "
+                f"step {self.global_steps}): call engine.backward(loss) first on every rank")
+        self._backward_done = False
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    # -- parameters outside forward -------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Full parameters inside the block (stage 3 keeps only shards otherwise). With
+        `modifier_rank`, that rank's changes are broadcast and re-partitioned on exit."""
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unknown = [p for p in params if id(p) not in self._param_groups]
+        if unknown:
+            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters "
+                             "of this engine's model")
+        wanted = {id(self._param_groups[id(p)][0]) for p in params}
+        units = [u for u in self.units if id(u) in wanted]  # engine order: the same on every rank
+        for unit in units:
+            unit.unshard("gathered parameters")
+            unit.wait_unshard()
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                for unit in units:
+                    for group in unit.groups:
+                        self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
+                        start, end = group.opt_range
+                        if group.master.data_ptr() != group.full.data_ptr():
+                            group.master.copy_(group.full[start:end])
+            if self.lifecycle.phase is Phase.IDLE:
+                for unit in units:
+                    unit.reshard()
+
+    # -- reports --------------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model states this rank holds (counted from its tensors), by kind."""
+        report = {"params": 0, "master": 0, "grads": 0}
+        for group in self.groups:
+            for key, value in group.state_bytes().items():
+                report[key] += value
+        report["optimizer"] = self.optimizer.state_bytes()
+        report["total"] = sum(report.values())
+        return report
+
+    def comm_report(self) -> dict:
+        return self.comm.counter.snapshot()
+
+    def destroy(self) -> None:
+        """Remove every hook and free every buffer; the module's parameters are released too."""
+        self.lifecycle.remove_hooks()
+        for unit in self.units:
+            unit.destroy()
+        self.optimizer.optimizer.state.clear()
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = []
+        self.units, self.groups, self._param_groups = [], [], {}
+        self.comm.destroy()
+
+
+def _param_dtype(config) -> torch.dtype:
+    if getattr(config.bf16, "enabled", False):
+        return torch.bfloat16
+    if getattr(config.fp16, "enabled", False):
+        return torch.float16
+    return torch.float32

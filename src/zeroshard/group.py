@@ -1,0 +1,139 @@
+"""One flat group: the parameters of one unit that share a fate (same optimizer param group, same
+requires_grad), their flat buffers, and how the module's parameters point into them.
+
+[Note: parameter storage]
+Module parameters stay the user's `nn.Parameter` objects (names, optimizer groups and hooks keep
+working); only their `.data` changes:
+  * unsharded: `.data` is a view of the group's full flat buffer (see [Note: flat layout]);
+  * sharded (stage 3 between uses): `.data` is an empty tensor, so the full buffer is freed. Autograd
+    keeps referring to the same Parameter objects, and before the unit's backward the buffer is
+    gathered again and `.data` re-pointed, so saved tensors see valid values.
+The fp32 master shard is what the optimizer updates. When the compute dtype is fp32 and parameters are
+not sharded, the master shard is simply this rank's slice of the full buffer (no copy); at stage 3 it
+is the only copy the rank keeps.
+This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .flat import FlatLayout
+
+
+class FlatGroup:
+    def __init__(self, names: list[str], params: list[nn.Parameter], *, world_size: int, rank: int,
+                 param_dtype: torch.dtype, keep_full: bool, shard_optimizer: bool,
+                 optimizer_group: int | None, grads_persist_full: bool):
+        self.names = names
+        self.params = params
+        self.layout = FlatLayout(names, [p.shape for p in params], world_size)
+        self.rank = rank
+        self.param_dtype = param_dtype
+        self.keep_full = keep_full  # False only for stage-3 sharded groups
+        self.optimizer_group = optimizer_group  # index into optimizer.param_groups, None = not optimized
+        self.trainable = optimizer_group is not None
+        device = params[0].device
+        full = self.layout.flatten([p.detach() for p in params], torch.float32)  # 1-D, padded
+        self.device = device
+        # The range this rank's optimizer updates: its shard, or the whole buffer for stage 0.
+        start, end = self.layout.shard_range(rank) if shard_optimizer else (0, self.layout.padded_numel)
+        self.opt_range = (start, end)
+        self.full: torch.Tensor | None = None  # param_dtype, 1-D, numel = padded_numel
+        self.master: torch.Tensor  # fp32, 1-D, numel = end - start
+        self._init_storage(full)
+        # Gradients: full flat fp32 buffer kept across micro steps (stages 0/1), or built per
+        # backward and reduce-scattered into `grad_shard` (stages 2/3).
+        self.grads_persist_full = grads_persist_full
+        self.full_grad: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if self.trainable:
+            if grads_persist_full:
+                self.full_grad = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+            else:
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+
+    def _init_storage(self, full_fp32: torch.Tensor) -> None:
+        start, end = self.opt_range
+        if self.keep_full and self.param_dtype == torch.float32:
+            self.full = full_fp32
+            self.master = full_fp32[start:end]  # a view: the parameters *are* the master weights
+            self.point_params_at_full()
+            return
+        self.master = full_fp32[start:end].clone()
+        if self.keep_full:
+            self.full = full_fp32.to(self.param_dtype)
+            self.point_params_at_full()
+        else:
+            self.free_full()
+
+    # -- parameter storage ----------------------------------------------------------------------------
+    def point_params_at_full(self) -> None:
+        for param, view in zip(self.params, self.layout.views(self.full)):
+            param.data = view
+
+    def free_full(self) -> None:
+        """Drop the full buffer; parameters become empty (see [Note: parameter storage])."""
+        empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        for param in self.params:
+            param.data = empty
+        self.full = None
+
+    def new_full(self) -> torch.Tensor:
+        self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+        return self.full
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's shard of the parameters in compute dtype (input of the all-gather)."""
+        # Only sharded (stage-3) groups gather from the master, and there opt_range is the shard.
+        assert self.master.numel() == self.layout.shard_numel
+        return self.master if self.master.dtype == self.param_dtype else self.master.to(self.param_dtype)
+
+    def own_slice_of_full(self) -> torch.Tensor:
+        start, end = self.layout.shard_range(self.rank)
+        return self.full[start:end]
+
+    def copy_master_into_full(self) -> None:
+        """After the optimizer step: refresh this rank's slice of a separately stored full buffer."""
+        if self.full is not None and self.full.data_ptr() != self.master.data_ptr():
+            start, end = self.opt_range
+            self.full[start:end].copy_(self.master)
+
+    # -- gradients -----------------------------------------------------------------------------------
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self.full_grad is None:
+            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+        slot = self.layout.slots[index]
+        self.full_grad[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+
+    def grad_for_optimizer(self) -> torch.Tensor:
+        """fp32 gradient matching `master` (after reduction)."""
+        if self.grad_shard is not None:
+            return self.grad_shard
+        start, end = self.opt_range
+        return self.full_grad[start:end]
+
+    def zero_grads(self) -> None:
+        if self.grads_persist_full and self.full_grad is not None:
+            self.full_grad.zero_()
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model states this rank holds for this group at rest."""
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        shares_storage = self.full is not None and self.full.data_ptr() == self.master.data_ptr()
+        params = nbytes(self.full) if self.keep_full else 0
+        master = 0 if shares_storage else nbytes(self.master)
+        if not self.keep_full and self.param_dtype == torch.float32:
+            params, master = master, 0  # stage 3, fp32: the master shard is the parameter shard
+        grads = nbytes(self.full_grad) if self.grads_persist_full else nbytes(self.grad_shard)
+        return {"params": params, "master": master, "grads": grads}
+
+    def destroy(self) -> None:
+        self.free_full()
+        self.full_grad = None
+        self.grad_shard = None
+        self.master = torch.empty(0)

@@ -1,0 +1,121 @@
+"""The optimizer step over flat master shards.
+
+The user's (or the config's) torch optimizer is kept — its class, hyper-parameters and param-group
+dicts, so LR schedulers built against it keep working — but each param group's `params` is
+re-pointed at the fp32 master shards of the flat groups (see [Note: flat layout]). That is correct
+exactly for optimizers whose update of an element depends only on that element's own state
+(SGD, Adam, AdamW, ...), which `check_shardable` enforces.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .comm import Communicator
+from .group import FlatGroup
+from .policy import StagePolicy
+
+_NORM_CHUNK = 1 << 22  # fp64 squares are summed in chunks so the temporary stays small
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
+    for index, param_group in enumerate(optimizer.param_groups):
+        param_group["params"] = [g.master for g in groups if g.optimizer_group == index]
+    optimizer.state.clear()
+
+
+def optimizer_group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(param) -> index of the param group holding it."""
+    index = {}
+    for i, param_group in enumerate(optimizer.param_groups):
+        for param in param_group["params"]:
+            if id(param) in index:
+                raise ValueError("a parameter appears in two optimizer param groups")
+            index[id(param)] = i
+    return index
+
+
+class ZeroOptimizer:
+    """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
+                 policy: StagePolicy, clip: float):
+        self.optimizer = optimizer
+        self.groups = [g for g in groups if g.trainable]
+        self.comm = comm
+        self.policy = policy
+        self.clip = clip
+        self.last_grad_norm: float | None = None
+
+    # Users and LR schedulers read and write these as on a torch optimizer.
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in zeroshard's flat buffers and are cleared after each step."""
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64."""
+        total = torch.zeros(1, dtype=torch.float64)
+        for group in self.groups:
+            grad = group.grad_for_optimizer()
+            for chunk in grad.split(_NORM_CHUNK):
+                total += chunk.double().pow(2).sum().cpu()
+        if self.policy.shard_optimizer:  # shards are disjoint: sum them; stage 0 holds everything
+            self.comm.all_reduce(total, "gradient norm", kind="control")
+        return math.sqrt(total.item())
+
+    def step(self) -> None:
+        norm = self.grad_norm()
+        self.last_grad_norm = norm
+        if self.clip > 0:
+            coef = self.clip / (norm + 1e-6)  # DeepSpeed's and torch's clip_grad_norm_ epsilon
+            if coef < 1.0:
+                for group in self.groups:
+                    group.grad_for_optimizer().mul_(coef)
+        for group in self.groups:
+            group.master.grad = group.grad_for_optimizer()
+        try:
+            self.optimizer.step()
+        finally:
+            for group in self.groups:
+                group.master.grad = None
+        self._refresh_parameters()
+        for group in self.groups:
+            group.zero_grads()
+
+    def _refresh_parameters(self) -> None:
+        """Make every rank's unsharded parameters match the updated master shards."""
+        handles = []
+        for group in self.groups:
+            group.copy_master_into_full()
+            if group.keep_full and self.policy.shard_optimizer:
+                own = group.own_slice_of_full()
+                what = f"all-gather of updated parameters ({group.names[0]}...)"
+                handles.append(self.comm.all_gather(group.full, own, what, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+    def state_bytes(self) -> int:
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        return total
