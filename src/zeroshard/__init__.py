@@ -2,7 +2,7 @@
 
 `import zeroshard as deepspeed` runs a DeepSpeed ZeRO training script; see README.md.
 """
-from .api import init_distributed, initialize
+from .api import add_config_arguments, init_distributed, initialize
 from .comm import CollectiveError
 from .config import ConfigError, load_config
 from .engine import ZeroEngine
@@ -11,6 +11,6 @@ from .policy import STAGES, StagePolicy, stage_policy
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveError", "ConfigError", "STAGES", "StagePolicy", "ZeroEngine", "init_distributed",
+    "CollectiveError", "ConfigError", "add_config_arguments", "STAGES", "StagePolicy", "ZeroEngine", "init_distributed",
     "initialize", "load_config", "stage_policy", "__version__",
 ]

@@ -103,3 +103,14 @@ def _dataloader(dataset, collate_fn, engine):
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank)
     return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
                       collate_fn=collate_fn, drop_last=True)
+
+
+def add_config_arguments(parser):
+    """DeepSpeed's `add_config_arguments`: adds --deepspeed, --deepspeed_config to an argparse parser."""
+    group = parser.add_argument_group("zeroshard", "DeepSpeed-compatible configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable zeroshard (kept for DeepSpeed scripts; always on)")
+    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config path")
+    group.add_argument("--local_rank", default=int(os.environ.get("LOCAL_RANK", 0)), type=int,
+                       help="set by the launcher")
+    return parser

@@ -160,6 +160,25 @@ class ZeroEngine(nn.Module):
                 for unit in units:
                     unit.reshard()
 
+    # -- checkpoints (checkpoint/ does the work) ------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+                               save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, **kwargs):
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
+        from .checkpoint import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename)
+
     # -- reports --------------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
         """Bytes of model states this rank holds (counted from its tensors), by kind."""
