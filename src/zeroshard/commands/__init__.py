@@ -1,0 +1,23 @@
+"""Subcommands of the `zeroshard` CLI, one module each.
+
+A command module exposes `register(subparsers)`, which adds its parser (best through `add_command`, so
+every command gets the same help layout) and calls `parser.set_defaults(func=run)`; `run(args) -> int`
+does the work. `zeroshard.cli.COMMAND_MODULES` lists the modules; one that is absent is simply not offered.
+Import only light modules at module level and heavy ones (torch) inside `run`, so that `zeroshard --help`
+and `zeroshard estimate` stay fast.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+class CommandError(Exception):
+    """A user error: the CLI prints `zeroshard <command>: error: <message>` and exits with code 2."""
+
+
+def add_command(subparsers: argparse._SubParsersAction, name: str, *, summary: str, description: str,
+                examples: list[str]) -> argparse.ArgumentParser:
+    """Add a subparser whose --help shows the description and an 'examples:' section."""
+    epilog = "examples:\n" + "\n".join(f"  {example}" for example in examples)
+    return subparsers.add_parser(name, help=summary, description=description, epilog=epilog,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
