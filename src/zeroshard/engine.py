@@ -45,7 +45,7 @@ class ZeroEngine(nn.Module):
         repoint_optimizer(optimizer, self.groups)
         self.optimizer = ZeroOptimizer(optimizer, self.groups, self.comm, self.policy,
                                        float(config.gradient_clipping or 0.0))
-        self.lifecycle = Lifecycle(self.units, self.policy, self.comm.world_size,
+        self.lifecycle = Lifecycle(self.units, self.policy, self.comm.rank, self.comm.world_size,
                                    prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                                    overlap_comm=bool(zero.overlap_comm))
         self.lifecycle.register()
@@ -121,7 +121,7 @@ class ZeroEngine(nn.Module):
         """Call after every micro step's backward; the optimizer steps at accumulation boundaries."""
         if not self._backward_done:
             raise RuntimeError(
-                f"engine.step() called before engine.backward() (micro step {self.micro_steps}, global "
+                f"rank {self.comm.rank}: engine.step() called before engine.backward() (micro step {self.micro_steps}, global "
                 f"step {self.global_steps}): call engine.backward(loss) first on every rank")
         self._backward_done = False
         if self.is_gradient_accumulation_boundary():
@@ -154,7 +154,7 @@ class ZeroEngine(nn.Module):
                     for group in unit.groups:
                         self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
                         start, end = group.opt_range
-                        if group.master.data_ptr() != group.full.data_ptr():
+                        if not group.master_is_view_of_full():
                             group.master.copy_(group.full[start:end])
             if self.lifecycle.phase is Phase.IDLE:
                 for unit in units:

@@ -93,9 +93,13 @@ class FlatGroup:
         start, end = self.layout.shard_range(self.rank)
         return self.full[start:end]
 
+    def master_is_view_of_full(self) -> bool:
+        return (self.full is not None
+                and self.full.untyped_storage().data_ptr() == self.master.untyped_storage().data_ptr())
+
     def copy_master_into_full(self) -> None:
         """After the optimizer step: refresh this rank's slice of a separately stored full buffer."""
-        if self.full is not None and self.full.data_ptr() != self.master.data_ptr():
+        if self.full is not None and not self.master_is_view_of_full():
             start, end = self.opt_range
             self.full[start:end].copy_(self.master)
 
@@ -124,7 +128,7 @@ class FlatGroup:
         """Bytes of model states this rank holds for this group at rest."""
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
-        shares_storage = self.full is not None and self.full.data_ptr() == self.master.data_ptr()
+        shares_storage = self.master_is_view_of_full()
         params = nbytes(self.full) if self.keep_full else 0
         master = 0 if shares_storage else nbytes(self.master)
         if not self.keep_full and self.param_dtype == torch.float32:

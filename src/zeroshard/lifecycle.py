@@ -31,10 +31,11 @@ class Phase(enum.Enum):
 
 
 class Lifecycle:
-    def __init__(self, units: list[Unit], policy: StagePolicy, world_size: int, *,
+    def __init__(self, units: list[Unit], policy: StagePolicy, rank: int, world_size: int, *,
                  prefetch_numel: int, overlap_comm: bool, max_inflight_reductions: int = 2):
         self.units = units
         self.policy = policy
+        self.rank = rank
         self.world_size = world_size
         self.prefetch_numel = prefetch_numel if overlap_comm else 0
         self.max_inflight = max_inflight_reductions
@@ -101,7 +102,7 @@ class Lifecycle:
         expected = self.forward_order[position] if position < len(self.forward_order) else None
         if expected is not unit:
             raise RuntimeError(
-                f"unit '{unit.name}' ran as forward unit #{position}, where the first step ran "
+                f"rank {self.rank}: unit '{unit.name}' ran as forward unit #{position}, where the first step ran "
                 f"'{expected.name if expected else '(none)'}': zeroshard prefetches parameters in the "
                 "recorded order, so every step (and every rank) must run units in the same order"
             )
@@ -132,7 +133,7 @@ class Lifecycle:
 
     def _require_backward(self) -> None:
         if self.phase is not Phase.BACKWARD:
-            raise RuntimeError("gradients arrived outside engine.backward(): call engine.backward(loss) "
+            raise RuntimeError(f"rank {self.rank}: gradients arrived outside engine.backward(): call engine.backward(loss) "
                                "instead of loss.backward()")
 
     def _pre_backward(self, unit: Unit, grad):

@@ -1,0 +1,90 @@
+"""Issue 2, item 6: ranks that diverge fail — every one of them, within a bounded time, with a
+message naming the unit or the rank — instead of hanging or silently exchanging wrong tensors."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import zeroshard
+from tests.harness import run_distributed_expect_failure
+from tests.hard_models import LM, VOCAB
+from tests.zs_common import make_config
+
+COMM_TIMEOUT_S = 8
+
+
+def _engine(stage: int):
+    torch.manual_seed(0)
+    model = LM()
+    config = make_config(stage)
+    config["zeroshard"]["comm_timeout_s"] = COMM_TIMEOUT_S
+    engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=config)
+    return engine
+
+
+def _batch():
+    tokens = torch.randint(0, VOCAB, (2, 9))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train_step(engine, skip_backward=False):
+    loss = engine(*_batch())
+    if not skip_backward:
+        engine.backward(loss)
+    engine.step()
+
+
+def _worker(rank: int, world: int, case: str, stage: int) -> str:
+    engine = _engine(stage)
+    started = time.monotonic()
+    try:
+        if case == "unit order":  # rank 1 runs its blocks in another order from the first step on
+            if rank == 1:
+                engine.module.blocks = torch.nn.ModuleList(reversed(list(engine.module.blocks)))
+            _train_step(engine)
+        elif case == "order changes later":  # recorded on step 0, rank 1 deviates on step 2
+            for step in range(3):
+                if step == 2 and rank == 1:
+                    blocks = engine.module.blocks
+                    blocks[0], blocks[1] = blocks[1], blocks[0]
+                _train_step(engine)
+        elif case == "skipped backward":
+            for step in range(3):
+                _train_step(engine, skip_backward=(rank == 1 and step == 1))
+        elif case == "rank raises":
+            for step in range(3):
+                if rank == 1 and step == 1:
+                    raise ValueError("user code failed on rank 1")
+                _train_step(engine)
+        return "no error"
+    finally:
+        # Report how long the failure took to surface; the harness records the exception.
+        elapsed = time.monotonic() - started
+        assert elapsed < 3 * COMM_TIMEOUT_S, f"took {elapsed:.1f}s to fail"
+
+
+CASES = [("unit order", 3), ("unit order", 2), ("order changes later", 3), ("skipped backward", 3),
+         ("skipped backward", 1), ("rank raises", 3)]
+
+
+@pytest.mark.parametrize("case,stage", CASES)
+def test_divergence_fails_every_rank(case, stage):
+    started = time.monotonic()
+    reports = run_distributed_expect_failure(_worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage)
+    assert time.monotonic() - started < 6 * COMM_TIMEOUT_S
+    for report in reports:
+        assert report.reported and not report.ok, f"rank {report.rank} did not fail: {report.describe()}"
+        text = report.message
+        assert "rank" in text, text
+        if report.exc_type == "CollectiveError":
+            assert "unit '" in text or "gradient" in text or "parameters" in text, text
+    messages = " | ".join(r.message for r in reports)
+    if case == "unit order":
+        assert "diverged" in messages and "blocks." in messages, messages
+    if case == "order changes later":
+        assert "blocks.1" in messages and "recorded order" in messages, messages
+    if case == "skipped backward":
+        assert "before engine.backward()" in messages, messages
