@@ -36,8 +36,8 @@ def train_engine(model_fn, batches, *, config: dict, optimizer_fn=adamw, steps: 
                  record_params: bool = False) -> dict:
     """Train with zeroshard; returns the same keys as tests.reference.train_ddp plus the engine's reports."""
     model = model_fn()
-    engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer_fn(model.parameters()),
-                                           config=config)
+    optimizer = optimizer_fn(model.parameters()) if optimizer_fn is not None else None  # None: config's
+    engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
     rank, gas = engine.global_rank, engine.gradient_accumulation_steps()
     out = {"losses": [], "grad_norms": [], "params_per_step": []}
     comm_before = engine.comm.counter.data_bytes()
