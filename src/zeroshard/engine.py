@@ -13,6 +13,7 @@ from torch import nn
 from .comm import Communicator
 from .lifecycle import Lifecycle, Phase
 from .policy import stage_policy
+from .precision import DynamicLossScaler, PrecisionPolicy, cast_floating
 from .sharding import shard_module
 from .zero_optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
 
@@ -34,17 +35,19 @@ class ZeroEngine(nn.Module):
         extras = config.zeroshard
         self.comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         self.module = model
-        self.param_dtype = _param_dtype(config)
+        self.precision = PrecisionPolicy.from_config(config)
+        _cast_buffers(model, self.precision.param_dtype)
         self.units = shard_module(
             model, self.policy, self.comm, optimizer_groups=optimizer_group_index(optimizer),
-            param_dtype=self.param_dtype,
+            precision=self.precision,
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             wrap_modules=extras.wrap_modules)
         self.groups = [g for unit in self.units for g in unit.groups]
         self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
         repoint_optimizer(optimizer, self.groups)
+        self.loss_scaler = DynamicLossScaler(config.fp16) if config.fp16.enabled else None
         self.optimizer = ZeroOptimizer(optimizer, self.groups, self.comm, self.policy,
-                                       float(config.gradient_clipping or 0.0))
+                                       float(config.gradient_clipping or 0.0), self.loss_scaler)
         self.lifecycle = Lifecycle(self.units, self.policy, self.comm.rank, self.comm.world_size,
                                    prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                                    overlap_comm=bool(zero.overlap_comm))
@@ -76,6 +79,13 @@ class ZeroEngine(nn.Module):
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.last_grad_norm
 
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
 
@@ -96,6 +106,8 @@ class ZeroEngine(nn.Module):
 
     # -- training -------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = cast_floating((args, kwargs), self.precision.param_dtype)
         self.lifecycle.begin_forward()
         try:
             return self.module(*args, **kwargs)
@@ -108,8 +120,11 @@ class ZeroEngine(nn.Module):
             raise ValueError("engine.backward(loss) needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         self.lifecycle.begin_backward(self.is_gradient_accumulation_boundary())
+        scaled = loss / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled.float() * self.loss_scaler.scale
         try:
-            (loss / self.gradient_accumulation_steps()).backward(retain_graph=retain_graph)
+            scaled.backward(retain_graph=retain_graph)
         except BaseException:
             self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
             raise
@@ -125,8 +140,8 @@ class ZeroEngine(nn.Module):
                 f"step {self.global_steps}): call engine.backward(loss) first on every rank")
         self._backward_done = False
         if self.is_gradient_accumulation_boundary():
-            self.optimizer.step()
-            if self.lr_scheduler is not None:
+            applied = self.optimizer.step()
+            if applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
         self.micro_steps += 1
@@ -205,9 +220,8 @@ class ZeroEngine(nn.Module):
         self.comm.destroy()
 
 
-def _param_dtype(config) -> torch.dtype:
-    if getattr(config.bf16, "enabled", False):
-        return torch.bfloat16
-    if getattr(config.fp16, "enabled", False):
-        return torch.float16
-    return torch.float32
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating buffers compute in the parameters' dtype, as in DeepSpeed's module.half()/bfloat16()."""
+    for buffer in model.buffers():
+        if buffer.is_floating_point() and buffer.dtype != dtype:
+            buffer.data = buffer.data.to(dtype)

@@ -23,13 +23,14 @@ from .flat import FlatLayout
 
 class FlatGroup:
     def __init__(self, names: list[str], params: list[nn.Parameter], *, world_size: int, rank: int,
-                 param_dtype: torch.dtype, keep_full: bool, shard_optimizer: bool,
+                 param_dtype: torch.dtype, grad_dtype: torch.dtype, keep_full: bool, shard_optimizer: bool,
                  optimizer_group: int | None, grads_persist_full: bool):
         self.names = names
         self.params = params
         self.layout = FlatLayout(names, [p.shape for p in params], world_size)
         self.rank = rank
         self.param_dtype = param_dtype
+        self.grad_dtype = grad_dtype  # accumulation and reduction dtype (see precision.py)
         self.keep_full = keep_full  # False only for stage-3 sharded groups
         self.optimizer_group = optimizer_group  # index into optimizer.param_groups, None = not optimized
         self.trainable = optimizer_group is not None
@@ -49,9 +50,9 @@ class FlatGroup:
         self.grad_shard: torch.Tensor | None = None
         if self.trainable:
             if grads_persist_full:
-                self.full_grad = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=device)
+                self.full_grad = self.zeros_full_grad()
             else:
-                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=torch.float32, device=device)
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
 
     def _init_storage(self, full_fp32: torch.Tensor) -> None:
         start, end = self.opt_range
@@ -104,14 +105,17 @@ class FlatGroup:
             self.full[start:end].copy_(self.master)
 
     # -- gradients -----------------------------------------------------------------------------------
+    def zeros_full_grad(self) -> torch.Tensor:
+        return torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.full_grad is None:
-            self.full_grad = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
+            self.full_grad = self.zeros_full_grad()
         slot = self.layout.slots[index]
         self.full_grad[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
 
     def grad_for_optimizer(self) -> torch.Tensor:
-        """fp32 gradient matching `master` (after reduction)."""
+        """The reduced gradient matching `master`, in grad_dtype."""
         if self.grad_shard is not None:
             return self.grad_shard
         start, end = self.opt_range

@@ -13,6 +13,7 @@ from torch import nn
 from .comm import Communicator
 from .group import FlatGroup
 from .policy import StagePolicy
+from .precision import PrecisionPolicy
 from .unit import Unit
 from .wrap import ROOT, assign_owners, unit_modules
 
@@ -22,7 +23,7 @@ PERSISTENT = "<persistent>"
 
 
 def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
-                 optimizer_groups: dict[int, int], param_dtype: torch.dtype = torch.float32,
+                 optimizer_groups: dict[int, int], precision: PrecisionPolicy = PrecisionPolicy(),
                  persistence_threshold: int = 0, wrap_modules: list[str] | None = None) -> list[Unit]:
     """Build the units of `model`. `optimizer_groups`: id(param) -> index of its optimizer param group.
 
@@ -51,13 +52,13 @@ def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
         if not members:
             continue
         reshards = policy.shard_parameters and unit_name != PERSISTENT
-        groups = _build_groups(members, policy, comm, optimizer_groups, param_dtype, reshards)
+        groups = _build_groups(members, policy, comm, optimizer_groups, precision, reshards)
         units.append(Unit(unit_name, module_of.get(unit_name), groups, comm, reshards))
     log.info("zeroshard: %d units, %s", len(units), ", ".join(f"{u.name}={u.numel}" for u in units))
     return units
 
 
-def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_groups, param_dtype,
+def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_groups, precision,
                   reshards: bool) -> list[FlatGroup]:
     by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, param in members:
@@ -70,7 +71,8 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
             # Same start on every rank (DDP broadcasts rank 0's parameters too).
             comm.broadcast(param.data, 0, f"initial broadcast of '{name}'")
         groups.append(FlatGroup(
-            names, params, world_size=comm.world_size, rank=comm.rank, param_dtype=param_dtype,
+            names, params, world_size=comm.world_size, rank=comm.rank, param_dtype=precision.param_dtype,
+            grad_dtype=precision.reduce_dtype,
             keep_full=not reshards, shard_optimizer=policy.shard_optimizer, optimizer_group=index,
             grads_persist_full=not policy.shard_gradients))
     return groups

@@ -81,7 +81,7 @@ class Unit:
             if not group.trainable:
                 continue
             if group.full_grad is None:  # no parameter of this group got a gradient: reduce zeros
-                group.full_grad = torch.zeros(group.layout.padded_numel, device=group.device)
+                group.full_grad = group.zeros_full_grad()
             group.full_grad.mul_(1.0 / average_over)
             self._reductions.append(self._reduce_group(group))
         self.reduced_this_backward = True
@@ -95,7 +95,7 @@ class Unit:
             # Stage 1: reduce-scatter in place; this rank's slice of full_grad becomes its gradient.
             out = group.full_grad[slice(*group.layout.shard_range(group.rank))]
             return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, None
-        out = torch.empty(group.layout.shard_numel, device=group.device)  # stages 2/3
+        out = torch.empty(group.layout.shard_numel, dtype=group.grad_dtype, device=group.device)  # 2/3
         return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, out
 
     def finish_reduce(self) -> None:

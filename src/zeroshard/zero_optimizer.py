@@ -15,6 +15,7 @@ import torch
 from .comm import Communicator
 from .group import FlatGroup
 from .policy import StagePolicy
+from .precision import DynamicLossScaler
 
 _NORM_CHUNK = 1 << 22  # fp64 squares are summed in chunks so the temporary stays small
 
@@ -40,13 +41,15 @@ class ZeroOptimizer:
     """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
-                 policy: StagePolicy, clip: float):
+                 policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None):
         self.optimizer = optimizer
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
         self.policy = policy
         self.clip = clip
+        self.loss_scaler = loss_scaler
         self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
 
     # Users and LR schedulers read and write these as on a torch optimizer.
     @property
@@ -64,27 +67,37 @@ class ZeroOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in zeroshard's flat buffers and are cleared after each step."""
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64."""
         total = torch.zeros(1, dtype=torch.float64)
-        for group in self.groups:
-            grad = group.grad_for_optimizer()
+        for grad in grads:
             for chunk in grad.split(_NORM_CHUNK):
                 total += chunk.double().pow(2).sum().cpu()
         if self.policy.shard_optimizer:  # shards are disjoint: sum them; stage 0 holds everything
             self.comm.all_reduce(total, "gradient norm", kind="control")
         return math.sqrt(total.item())
 
-    def step(self) -> None:
-        norm = self.grad_norm()
+    def step(self) -> bool:
+        """One optimizer step on this rank's shards; False when fp16 overflow skipped it."""
+        if self.loss_scaler is not None and self._overflow():
+            for group in self.groups:
+                group.zero_grads()
+            self.loss_scaler.update(overflow=True)
+            self.skipped_steps += 1
+            return False
+        # The optimizer needs fp32 gradients like its fp32 master; a copy only in mixed precision.
+        grads = [g.grad_for_optimizer() for g in self.groups]
+        grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        norm = self.grad_norm(grads) / scale
         self.last_grad_norm = norm
-        if self.clip > 0:
-            coef = self.clip / (norm + 1e-6)  # DeepSpeed's and torch's clip_grad_norm_ epsilon
-            if coef < 1.0:
-                for group in self.groups:
-                    group.grad_for_optimizer().mul_(coef)
-        for group in self.groups:
-            group.master.grad = group.grad_for_optimizer()
+        coef = 1.0 / scale  # unscale and clip in one pass, as DeepSpeed does
+        if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
+            coef *= self.clip / (norm + 1e-6)
+        for group, grad in zip(self.groups, grads):
+            if coef != 1.0:
+                grad.mul_(coef)
+            group.master.grad = grad
         try:
             self.optimizer.step()
         finally:
@@ -93,6 +106,16 @@ class ZeroOptimizer:
         self._refresh_parameters()
         for group in self.groups:
             group.zero_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        return True
+
+    def _overflow(self) -> bool:
+        """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""
+        bad = any(not bool(torch.isfinite(g.grad_for_optimizer()).all()) for g in self.groups)
+        flag = torch.tensor([1.0 if bad else 0.0])
+        self.comm.all_reduce(flag, "fp16 overflow check", op=torch.distributed.ReduceOp.MAX, kind="control")
+        return bool(flag.item())
 
     def _refresh_parameters(self) -> None:
         """Make every rank's unsharded parameters match the updated master shards."""

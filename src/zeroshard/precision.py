@@ -1,0 +1,93 @@
+"""Mixed precision: which dtypes compute and communicate, and fp16's dynamic loss scaling.
+
+Master weights and optimizer states are always fp32 shards (ZeRO §3.1: "mixed-precision Adam keeps
+fp32 copies of parameters, momentum and variance"). Parameters used in compute are `param_dtype`.
+Gradients are accumulated and reduced in `reduce_dtype` — DeepSpeed's `communication_data_type`,
+defaulting like DeepSpeed to the compute dtype, so that the bytes held and moved are the paper's
+2Ψ / 2Ψ/N — and converted to fp32 only for the optimizer step.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_config(cls, config) -> "PrecisionPolicy":
+        if config.bf16.enabled:
+            param = torch.bfloat16
+        elif config.fp16.enabled:
+            param = torch.float16
+        else:
+            param = torch.float32
+        reduce = DTYPES[config.communication_data_type] if config.communication_data_type else param
+        return cls(param, reduce)
+
+
+class DynamicLossScaler:
+    """DeepSpeed's fp16 loss scaling (`fp16` config section), the same state machine.
+
+    An overflow (inf/nan in any rank's gradients; all ranks agree through one all-reduce) skips the
+    step. After `hysteresis` consecutive overflows the scale is halved (never below
+    `min_loss_scale`); after `loss_scale_window` clean steps since the last overflow it doubles.
+    `loss_scale > 0` is a static scale: overflowing steps are still skipped, the scale never moves.
+    """
+
+    def __init__(self, section):
+        self.dynamic = section.loss_scale == 0
+        self.scale = float(2 ** section.initial_scale_power if self.dynamic else section.loss_scale)
+        self.window = section.loss_scale_window
+        self.min_scale = float(section.min_loss_scale)
+        self.hysteresis = section.hysteresis
+        self.consecutive_hysteresis = section.consecutive_hysteresis
+        self.hysteresis_left = section.hysteresis
+        self.iteration = 0
+        self.last_overflow = -1
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            self.iteration += 1
+            return
+        if overflow:
+            if self.hysteresis == 1 or self.hysteresis_left == 1:
+                self.scale = max(self.scale / 2, self.min_scale)
+                log.info("fp16 overflow: loss scale lowered to %g", self.scale)
+            else:
+                self.hysteresis_left -= 1
+            self.last_overflow = self.iteration
+        else:
+            if self.consecutive_hysteresis:
+                self.hysteresis_left = self.hysteresis
+            if (self.iteration - self.last_overflow) % self.window == 0:
+                if not self.consecutive_hysteresis:
+                    self.hysteresis_left = self.hysteresis
+                self.scale *= 2
+        self.iteration += 1
+
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("scale", "hysteresis_left", "iteration", "last_overflow")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def cast_floating(tree, dtype: torch.dtype):
+    """Floating tensors of a (nested) argument structure cast to `dtype` (fp16.auto_cast)."""
+    from torch.utils._pytree import tree_map
+
+    def cast(x):
+        return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    return tree_map(cast, tree)

@@ -1,0 +1,151 @@
+"""The multi-process harness itself: values come back, failures and hangs are reported, nothing leaks."""
+import os
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import grid, run_distributed, run_distributed_expect_failure, send_note, subtests
+
+
+def _spawned_ranks() -> list[psutil.Process]:
+    """Our rank processes still alive (the resource tracker that spawn starts is not one of them)."""
+    alive = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "spawn_main" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+                alive.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+# ---------------------------------------------------------------- workers (module level: spawn pickles them)
+
+def _all_reduce_worker(rank, world_size, *, scale):
+    t = torch.tensor([float(rank + 1)]) * scale
+    dist.all_reduce(t)
+
+    def case(op, size):
+        x = torch.full((size,), float(rank + 1))
+        dist.all_reduce(x, op=op)
+        return x[0].item()
+
+    per_case = subtests(grid(op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX], size=[1, 1000]), case)
+    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZS_FLAG")}
+    return {"sum": t, "cases": per_case, "env": env, "threads": torch.get_num_threads()}
+
+
+def _raise_on_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one exploded on purpose")
+    dist.barrier()  # rank 0 waits for a peer that is gone: gloo raises "Connection closed by peer"
+    return rank
+
+
+def _subtests_with_one_bad_case(rank, world_size):
+    def case(k):
+        x = torch.tensor([float(k)])
+        dist.all_reduce(x)
+        assert not (k == 2 and rank == 1), f"case k={k} is wrong on rank {rank}"
+        return x.item()
+
+    return subtests(grid(k=[1, 2, 3, 4]), case)
+
+
+def _hang_on_rank1(rank, world_size):
+    if rank == 1:
+        send_note("about to sleep forever")
+        time.sleep(3600)
+    dist.barrier()
+
+
+def _four_outcomes(rank, world_size):
+    # No collectives, so each rank's outcome is independent of the others'.
+    if rank == 1:
+        raise KeyError("bad key")
+    if rank == 2:
+        time.sleep(3600)
+    if rank == 3:
+        os._exit(3)
+    return "fine"
+
+
+# ---------------------------------------------------------------- tests
+
+def test_values_env_and_subtests_at_world_2():
+    reports = run_distributed(_all_reduce_worker, 2, scale=2.0, env={"ZS_FLAG": "on"})
+    assert len(reports) == 2
+    for rank, r in enumerate(reports):
+        assert torch.equal(r["sum"], torch.tensor([6.0]))  # 2*1 + 2*2
+        assert r["cases"] == [3.0, 3.0, 2.0, 2.0]  # grid order: (SUM,1), (SUM,1000), (MAX,1), (MAX,1000)
+        assert r["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                            "MASTER_PORT": r["env"]["MASTER_PORT"], "ZS_FLAG": "on"}
+        assert r["threads"] == 1
+    assert "ZS_FLAG" not in os.environ  # env is set for the children only
+
+
+def test_values_at_world_4():
+    reports = run_distributed(_all_reduce_worker, 4, scale=1.0, env={"ZS_FLAG": "x"})
+    assert [r["sum"].item() for r in reports] == [10.0] * 4
+    assert [r["cases"] for r in reports] == [[10.0, 10.0, 4.0, 4.0]] * 4
+
+
+def test_a_failing_rank_raises_with_its_traceback():
+    start = time.time()
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_raise_on_rank1, 2, timeout=600)
+    text = str(info.value)
+    assert "rank 1: raised ValueError" in text and "ValueError: rank one exploded on purpose" in text
+    assert "in _raise_on_rank1" in text and "Traceback" in text
+    assert time.time() - start < 120  # a failure does not wait for the 600 s timeout
+    assert _spawned_ranks() == []
+
+
+def test_subtests_name_the_failing_case_and_run_the_others():
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_subtests_with_one_bad_case, 2)
+    text = str(info.value)
+    assert "1 of 4 sub-cases failed" in text  # k = 3, 4 still ran after k = 2 failed
+    assert "sub-case {'k': 2} failed on ranks [1]" in text
+    assert "case k=2 is wrong on rank 1" in text
+    assert "(passed on this rank)" in text  # rank 0 reports the same failure
+
+
+def test_a_hang_is_killed_at_the_timeout_with_its_stack():
+    start = time.time()
+    with pytest.raises(AssertionError) as info:
+        run_distributed(_hang_on_rank1, 2, timeout=4)
+    elapsed = time.time() - start
+    text = str(info.value)
+    assert "rank 1: did not report within the 4 s timeout" in text
+    assert "about to sleep forever" in text  # the note sent before hanging
+    assert "in _hang_on_rank1" in text  # faulthandler's stack dump says where it hung
+    assert elapsed >= 4  # no upper bound: starting ranks on a loaded machine may take a while
+    assert _spawned_ranks() == []
+
+
+def test_expect_failure_returns_every_outcome():
+    reports = run_distributed_expect_failure(_four_outcomes, 4, timeout=4)
+    ok, raised, hung, died = reports
+    assert ok.ok and ok.value == "fine"
+    assert not raised.ok and raised.exc_type == "KeyError" and "bad key" in raised.message
+    assert "in _four_outcomes" in raised.traceback
+    assert not hung.reported and "did not report within the 4 s timeout" in hung.message
+    assert not died.reported and "exited with code 3 before reporting" in died.message
+    assert not any(psutil.pid_exists(r.pid) and psutil.Process(r.pid).status() != psutil.STATUS_ZOMBIE
+                   for r in reports)
+    assert _spawned_ranks() == []
+
+
+def test_an_unpicklable_worker_is_rejected_before_spawning():
+    with pytest.raises(TypeError, match="module level"):
+        run_distributed(lambda rank, world_size: rank, 2)
+
+
+def test_subtests_in_one_process():
+    assert subtests([{"a": 1}, {"a": 2}], lambda a: a * 10) == [10, 20]
+    with pytest.raises(AssertionError, match=r"sub-case \{'a': 2\} failed on ranks \[0\]"):
+        subtests([{"a": 1}, {"a": 2}], lambda a: 1 / (a - 2))
