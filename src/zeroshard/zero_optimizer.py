@@ -23,7 +23,11 @@ _NORM_CHUNK = 1 << 22  # fp64 squares are summed in chunks so the temporary stay
 def repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
     for index, param_group in enumerate(optimizer.param_groups):
         param_group["params"] = [g.master for g in groups if g.optimizer_group == index]
+    # Some optimizers (Adagrad) create state in their constructor: build a throwaway twin over the
+    # shards to get that initial state, keeping the user's object and param-group dicts.
+    twin = type(optimizer)([dict(g) for g in optimizer.param_groups])
     optimizer.state.clear()
+    optimizer.state.update(twin.state)
 
 
 def optimizer_group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
