@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .comm import Communicator
+from .config import ConfigError, warn_not_acted_on
 from .lifecycle import Lifecycle, Phase
 from .policy import stage_policy
 from .precision import DynamicLossScaler, PrecisionPolicy, cast_floating
@@ -30,6 +31,7 @@ class ZeroEngine(nn.Module):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None):
         super().__init__()
         zero = config.zero_optimization
+        _check_supported(zero)
         self.config = config
         self.policy = stage_policy(zero.stage)
         extras = config.zeroshard
@@ -218,6 +220,20 @@ class ZeroEngine(nn.Module):
             param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}
         self.comm.destroy()
+
+
+def _check_supported(zero) -> None:
+    """Say which accepted DeepSpeed knobs change nothing here, and refuse what is not built yet."""
+    # Units are the communication granularity (one collective per flat group), so bucket sizes and
+    # DeepSpeed's buffer-layout switches have nothing to act on.
+    warn_not_acted_on(zero, "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients",
+                      "reduce_scatter", "allgather_partitions", "round_robin_gradients",
+                      "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size")
+    for name in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, name)
+        if section is not None and section.device != "none":
+            raise ConfigError(f"zero_optimization.{name}.device={section.device!r}: offload is not "
+                              "implemented in this version of zeroshard; allowed: 'none'")
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
