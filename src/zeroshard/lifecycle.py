@@ -14,6 +14,7 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+from collections.abc import Mapping
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -22,6 +23,17 @@ from .policy import StagePolicy
 from .unit import Unit
 
 log = logging.getLogger(__name__)
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """Tensors of a module output: pytree containers, and any Mapping (HuggingFace's ModelOutput is an
+    OrderedDict that older transformers releases do not register with torch's pytree)."""
+    if isinstance(output, Mapping):
+        return [t for value in output.values() for t in _tensors_in(value)]
+    leaves, _ = tree_flatten(output)
+    if len(leaves) == 1 and leaves[0] is output:
+        return [output] if isinstance(output, torch.Tensor) else []
+    return [t for leaf in leaves for t in _tensors_in(leaf)]
 
 
 class Phase(enum.Enum):
@@ -116,9 +128,8 @@ class Lifecycle:
         return output
 
     def _hook_outputs(self, unit: Unit, output) -> None:
-        tensors, _ = tree_flatten(output)
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
                 tensor.register_hook(functools.partial(self._pre_backward, unit))
 
     # -- backward ----------------------------------------------------------------------------------
