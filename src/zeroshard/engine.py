@@ -10,12 +10,15 @@ import os
 import torch
 from torch import nn
 
+from .checkpointing import configure_engine as configure_activation_checkpointing
 from .comm import Communicator
 from .config import ConfigError, warn_not_acted_on
 from .lifecycle import Lifecycle, Phase
+from .offload import StreamedStep, build_plan, split
 from .policy import stage_policy
 from .precision import DynamicLossScaler, PrecisionPolicy, cast_floating
 from .sharding import shard_module
+from .zero.partition import register_engine
 from .zero_optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
 
 log = logging.getLogger(__name__)
@@ -38,22 +41,27 @@ class ZeroEngine(nn.Module):
         self.comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         self.module = model
         self.precision = PrecisionPolicy.from_config(config)
+        self.offload = build_plan(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
+                                  self.comm.rank, self.comm.world_size)
         _cast_buffers(model, self.precision.param_dtype)
         self.units = shard_module(
             model, self.policy, self.comm, optimizer_groups=optimizer_group_index(optimizer),
-            precision=self.precision,
+            precision=self.precision, offload=self.offload,
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             wrap_modules=extras.wrap_modules)
         self.groups = [g for unit in self.units for g in unit.groups]
         self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
+        register_engine(self)  # for zero.GatheredParameters, which gets parameters and no engine
         repoint_optimizer(optimizer, self.groups)
         self.loss_scaler = DynamicLossScaler(config.fp16) if config.fp16.enabled else None
         self.optimizer = ZeroOptimizer(optimizer, self.groups, self.comm, self.policy,
-                                       float(config.gradient_clipping or 0.0), self.loss_scaler)
+                                       float(config.gradient_clipping or 0.0), self.loss_scaler,
+                                       self._streamed_step(optimizer))
         self.lifecycle = Lifecycle(self.units, self.policy, self.comm.rank, self.comm.world_size,
                                    prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                                    overlap_comm=bool(zero.overlap_comm))
         self.lifecycle.register()
+        configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
         self.micro_steps = 0
         self.global_steps = 0
@@ -61,6 +69,16 @@ class ZeroEngine(nn.Module):
         self._comm_at_init = self.comm.counter.data_bytes()
         log.info("zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
                  self.policy.stage, self.comm.world_size, len(self.units), self.num_parameters() / 1e6)
+
+    def _streamed_step(self, optimizer) -> StreamedStep | None:
+        if self.offload.optimizer_store is None:
+            return None
+        trainable = [g for g in self.groups if g.trainable]
+        subs = split(trainable, self.offload.sub_group_size)
+        for index, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [s.param for s in subs if s.group.optimizer_group == index]
+        return StreamedStep(optimizer, subs, self.offload.optimizer_store,
+                            master_store=self.offload.param_store or None)
 
     # -- DeepSpeed's accessors ------------------------------------------------------------------------
     def train_micro_batch_size_per_gpu(self) -> int:
@@ -203,8 +221,9 @@ class ZeroEngine(nn.Module):
         for group in self.groups:
             for key, value in group.state_bytes().items():
                 report[key] += value
-        report["optimizer"] = self.optimizer.state_bytes()
+        report["optimizer"] = self.optimizer.state_bytes(self.offload.stores())
         report["total"] = sum(report.values())
+        report["offloaded_nvme"] = sum(s.bytes_held for s in self.offload.stores() if s.kind == "nvme")
         return report
 
     def comm_report(self) -> dict:
@@ -219,6 +238,7 @@ class ZeroEngine(nn.Module):
         for param_group in self.optimizer.param_groups:
             param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}
+        self.offload.destroy()
         self.comm.destroy()
 
 
@@ -228,12 +248,9 @@ def _check_supported(zero) -> None:
     # DeepSpeed's buffer-layout switches have nothing to act on.
     warn_not_acted_on(zero, "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients",
                       "reduce_scatter", "allgather_partitions", "round_robin_gradients",
-                      "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size")
-    for name in ("offload_optimizer", "offload_param"):
-        section = getattr(zero, name)
-        if section is not None and section.device != "none":
-            raise ConfigError(f"zero_optimization.{name}.device={section.device!r}: offload is not "
-                              "implemented in this version of zeroshard; allowed: 'none'")
+                      "stage3_max_live_parameters", "stage3_max_reuse_distance")
+    if zero.offload_optimizer is None or zero.offload_optimizer.device == "none":
+        warn_not_acted_on(zero, "sub_group_size")  # only the streamed (offloaded) step uses it
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:

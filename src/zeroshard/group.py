@@ -24,7 +24,8 @@ from .flat import FlatLayout
 class FlatGroup:
     def __init__(self, names: list[str], params: list[nn.Parameter], *, world_size: int, rank: int,
                  param_dtype: torch.dtype, grad_dtype: torch.dtype, keep_full: bool, shard_optimizer: bool,
-                 optimizer_group: int | None, grads_persist_full: bool):
+                 optimizer_group: int | None, grads_persist_full: bool, master_store=None,
+                 grad_store=None):
         self.names = names
         self.params = params
         self.layout = FlatLayout(names, [p.shape for p in params], world_size)
@@ -34,6 +35,9 @@ class FlatGroup:
         self.keep_full = keep_full  # False only for stage-3 sharded groups
         self.optimizer_group = optimizer_group  # index into optimizer.param_groups, None = not optimized
         self.trainable = optimizer_group is not None
+        # Offload stores (offload/store.py) that hold the master and the gradient shard, or None.
+        self.master_store = master_store
+        self.grad_store = grad_store
         device = params[0].device
         full = self.layout.flatten([p.detach() for p in params], torch.float32)  # 1-D, padded
         self.device = device
@@ -51,6 +55,8 @@ class FlatGroup:
         if self.trainable:
             if grads_persist_full:
                 self.full_grad = self.zeros_full_grad()
+            elif grad_store is not None:
+                self.grad_shard = grad_store.tensor(f"{names[0]}.grad", self.layout.shard_numel, grad_dtype)
             else:
                 self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
 
@@ -61,7 +67,12 @@ class FlatGroup:
             self.master = full_fp32[start:end]  # a view: the parameters *are* the master weights
             self.point_params_at_full()
             return
-        self.master = full_fp32[start:end].clone()
+        if self.master_store is not None:
+            self.master = self.master_store.tensor(f"{self.names[0]}.master", end - start, torch.float32)
+            self.master.copy_(full_fp32[start:end])
+            self.master_store.release([self.master])
+        else:
+            self.master = full_fp32[start:end].clone()
         if self.keep_full:
             self.full = full_fp32.to(self.param_dtype)
             self.point_params_at_full()
@@ -88,7 +99,16 @@ class FlatGroup:
         """This rank's shard of the parameters in compute dtype (input of the all-gather)."""
         # Only sharded (stage-3) groups gather from the master, and there opt_range is the shard.
         assert self.master.numel() == self.layout.shard_numel
-        return self.master if self.master.dtype == self.param_dtype else self.master.to(self.param_dtype)
+        if self.master_store is not None:
+            self.master_store.prefetch([self.master])
+        if self.master.dtype == self.param_dtype and self.master.device == self.device:
+            return self.master
+        return self.master.to(device=self.device, dtype=self.param_dtype)
+
+    def release_master(self) -> None:
+        """An offloaded master shard is not needed until its next use: let the store write it out."""
+        if self.master_store is not None:
+            self.master_store.release([self.master])
 
     def own_slice_of_full(self) -> torch.Tensor:
         start, end = self.layout.shard_range(self.rank)
@@ -102,7 +122,7 @@ class FlatGroup:
         """After the optimizer step: refresh this rank's slice of a separately stored full buffer."""
         if self.full is not None and not self.master_is_view_of_full():
             start, end = self.opt_range
-            self.full[start:end].copy_(self.master)
+            self.full[start:end].copy_(self.master)  # casts to the compute dtype and device
 
     # -- gradients -----------------------------------------------------------------------------------
     def zeros_full_grad(self) -> torch.Tensor:
@@ -132,12 +152,15 @@ class FlatGroup:
         """Bytes of model states this rank holds for this group at rest."""
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
+        def in_memory(t):  # tensors an NVMe store holds are reported by the store
+            stores = [s for s in (self.master_store, self.grad_store) if s is not None]
+            return 0 if t is None or any(s.holds(t) for s in stores) else nbytes(t)
         shares_storage = self.master_is_view_of_full()
         params = nbytes(self.full) if self.keep_full else 0
-        master = 0 if shares_storage else nbytes(self.master)
+        master = 0 if shares_storage else in_memory(self.master)
         if not self.keep_full and self.param_dtype == torch.float32:
             params, master = master, 0  # stage 3, fp32: the master shard is the parameter shard
-        grads = nbytes(self.full_grad) if self.grads_persist_full else nbytes(self.grad_shard)
+        grads = nbytes(self.full_grad) if self.grads_persist_full else in_memory(self.grad_shard)
         return {"params": params, "master": master, "grads": grads}
 
     def destroy(self) -> None:

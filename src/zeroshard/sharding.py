@@ -13,9 +13,11 @@ from torch import nn
 from .comm import Communicator
 from .group import FlatGroup
 from .policy import StagePolicy
+from .offload import OffloadPlan
 from .precision import PrecisionPolicy
 from .unit import Unit
 from .wrap import ROOT, assign_owners, unit_modules
+from .zero.partition import materialize
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +26,8 @@ PERSISTENT = "<persistent>"
 
 def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
                  optimizer_groups: dict[int, int], precision: PrecisionPolicy = PrecisionPolicy(),
-                 persistence_threshold: int = 0, wrap_modules: list[str] | None = None) -> list[Unit]:
+                 persistence_threshold: int = 0, wrap_modules: list[str] | None = None,
+                 offload: OffloadPlan | None = None) -> list[Unit]:
     """Build the units of `model`. `optimizer_groups`: id(param) -> index of its optimizer param group.
 
     Rank 0's values are broadcast first, as DDP does, so that every rank starts from the same model.
@@ -52,14 +55,16 @@ def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
         if not members:
             continue
         reshards = policy.shard_parameters and unit_name != PERSISTENT
-        groups = _build_groups(members, policy, comm, optimizer_groups, precision, reshards)
+        materialize([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
+        groups = _build_groups(members, policy, comm, optimizer_groups, precision, reshards,
+                               offload or OffloadPlan())
         units.append(Unit(unit_name, module_of.get(unit_name), groups, comm, reshards))
     log.info("zeroshard: %d units, %s", len(units), ", ".join(f"{u.name}={u.numel}" for u in units))
     return units
 
 
 def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_groups, precision,
-                  reshards: bool) -> list[FlatGroup]:
+                  reshards: bool, offload: OffloadPlan) -> list[FlatGroup]:
     by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, param in members:
         index = optimizer_groups.get(id(param)) if param.requires_grad else None
@@ -70,9 +75,22 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
         for name, param in items:
             # Same start on every rank (DDP broadcasts rank 0's parameters too).
             comm.broadcast(param.data, 0, f"initial broadcast of '{name}'")
+        trainable = index is not None
         groups.append(FlatGroup(
             names, params, world_size=comm.world_size, rank=comm.rank, param_dtype=precision.param_dtype,
             grad_dtype=precision.reduce_dtype,
             keep_full=not reshards, shard_optimizer=policy.shard_optimizer, optimizer_group=index,
-            grads_persist_full=not policy.shard_gradients))
+            grads_persist_full=not policy.shard_gradients,
+            master_store=_master_store(offload, precision, reshards, trainable),
+            grad_store=offload.optimizer_store if trainable else None))
     return groups
+
+
+def _master_store(offload: OffloadPlan, precision: PrecisionPolicy, reshards: bool, trainable: bool):
+    """Where a group's fp32 master lives. At stage 3 the master shard is what gets gathered, so it
+    follows offload_param; otherwise it follows offload_optimizer when it is a copy of its own (mixed
+    precision). An fp32 master that is the parameter storage itself (stages 0-2) stays put."""
+    if reshards and offload.param_store is not None:
+        return offload.param_store
+    separate_copy = precision.param_dtype != torch.float32
+    return offload.optimizer_store if (trainable and separate_copy) else None

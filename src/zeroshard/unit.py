@@ -57,6 +57,7 @@ class Unit:
             self._gathers.clear()
             for group in self.groups:
                 group.point_params_at_full()
+                group.release_master()
             self.state = UnitState.UNSHARDED
         assert self.state is UnitState.UNSHARDED, (self.name, self.state)
 

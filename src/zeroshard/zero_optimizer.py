@@ -15,6 +15,7 @@ import torch
 from .comm import Communicator
 from .group import FlatGroup
 from .policy import StagePolicy
+from .offload import StreamedStep
 from .precision import DynamicLossScaler
 
 _NORM_CHUNK = 1 << 22  # fp64 squares are summed in chunks so the temporary stays small
@@ -45,7 +46,8 @@ class ZeroOptimizer:
     """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
-                 policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None):
+                 policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
+                 streamed: "StreamedStep | None" = None):
         self.optimizer = optimizer
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
@@ -54,6 +56,7 @@ class ZeroOptimizer:
         self.loss_scaler = loss_scaler
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
+        self.streamed = streamed  # offload: step sub-group by sub-group through a store
 
     # Users and LR schedulers read and write these as on a torch optimizer.
     @property
@@ -98,21 +101,28 @@ class ZeroOptimizer:
         coef = 1.0 / scale  # unscale and clip in one pass, as DeepSpeed does
         if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
             coef *= self.clip / (norm + 1e-6)
-        for group, grad in zip(self.groups, grads):
+        for grad in grads:
             if coef != 1.0:
                 grad.mul_(coef)
-            group.master.grad = grad
-        try:
-            self.optimizer.step()
-        finally:
-            for group in self.groups:
-                group.master.grad = None
+        self._apply(grads)
         self._refresh_parameters()
         for group in self.groups:
             group.zero_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         return True
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        if self.streamed is not None:
+            self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)})
+            return
+        for group, grad in zip(self.groups, grads):
+            group.master.grad = grad
+        try:
+            self.optimizer.step()
+        finally:
+            for group in self.groups:
+                group.master.grad = None
 
     def _overflow(self) -> bool:
         """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""
@@ -139,10 +149,11 @@ class ZeroOptimizer:
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state)
 
-    def state_bytes(self) -> int:
+    def state_bytes(self, stores=()) -> int:
+        """Bytes of optimizer state in this process's memory (not those an NVMe store holds)."""
         total = 0
         for state in self.optimizer.state.values():
             for value in state.values():
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor) and not any(s.holds(value) for s in stores):
                     total += value.numel() * value.element_size()
         return total

@@ -1,0 +1,197 @@
+"""Offload stores: where tensors that do not need to stay in device memory live between uses.
+
+One interface, two homes (DESIGN.md, "Offload stores"):
+  * `CPUStore` — host memory (page-locked when a GPU exists, so copies to it can be asynchronous).
+  * `NVMeStore` — one preallocated file per tensor under the user's `nvme_path`, memory-mapped. The
+    tensor the engine holds *is* the mapping, so every consumer (optimizer, all-gather, checkpoint)
+    reads and writes it like any tensor, while the kernel moves the bytes. zeroshard steers that
+    movement explicitly: `prefetch` asks for the next tensors' pages ahead of use (asynchronous
+    read-ahead, MADV_WILLNEED), `release` writes dirty pages back and drops them from memory
+    (msync + MADV_DONTNEED) on a thread pool, so that I/O of sub-group k+1 overlaps the math on
+    sub-group k and resident memory stays bounded by the tensors in use.
+
+[Note: why memory-mapped files]
+Explicit reads into staging buffers on a thread pool and a mapping with read-ahead both stream a
+multi-MB tensor at the disk's sequential rate (benchmarks/offload_io.py compares them), but the
+mapping needs no copy between a staging buffer and the tensor and no second buffer per tensor, and
+every consumer keeps using plain tensors. Files are preallocated with
+posix_fallocate, so a full disk is an error before training starts rather than SIGBUS in a step;
+each use first checks that the file still exists with its full size, so a deleted or truncated
+swap file is reported instead of crashing the process.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import mmap
+import os
+import shutil
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class StoreError(RuntimeError):
+    """The store cannot hold or return a tensor (unwritable path, full disk, damaged swap file)."""
+
+
+@dataclass
+class IOCounters:
+    prefetched_bytes: int = 0
+    released_bytes: int = 0
+    wait_s: float = 0.0  # time the training thread waited for the store
+
+
+class CPUStore:
+    """Host memory. On a CPU-only machine this is where the tensors were anyway: the offload is then
+    a no-op placement, kept so that the same configuration runs on GPU machines."""
+
+    kind = "cpu"
+
+    def __init__(self, pin_memory: bool = False):
+        self.pin = pin_memory and torch.cuda.is_available()
+        self.counters = IOCounters()
+        self.bytes_held = 0
+
+    def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.bytes_held += numel * torch.empty(0, dtype=dtype).element_size()
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return False  # host memory: on a CPU machine it is the memory the engine computes in
+
+    def prefetch(self, tensors) -> None:
+        pass
+
+    def release(self, tensors) -> None:
+        pass
+
+    def check(self, tensors) -> None:
+        pass
+
+    def wait(self) -> None:
+        pass
+
+    def destroy(self) -> None:
+        self.bytes_held = 0
+
+
+@dataclass
+class _Mapped:
+    path: Path
+    nbytes: int
+    inode: int
+    buffer: mmap.mmap
+    tensor: torch.Tensor
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class NVMeStore:
+    kind = "nvme"
+
+    def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2):
+        self.root = _make_root(Path(nvme_path), rank, bytes_needed)
+        self.counters = IOCounters()
+        self.bytes_held = 0
+        self._files: dict[int, _Mapped] = {}  # id(tensor) -> mapping
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroshard-nvme")
+        self._pending: list[Future] = []
+        # Files go away on destroy() and at normal interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(self, _remove_tree, self.root)
+        atexit.register(self._finalizer)
+
+    def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        path = self.root / f"{key}.swp"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, max(nbytes, 1))  # reserve the blocks now: ENOSPC here, not later
+                buffer = mmap.mmap(fd, max(nbytes, 1))
+            finally:
+                os.close(fd)
+        except OSError as error:
+            raise StoreError(f"NVMe store cannot create {path} ({nbytes} bytes): {error}") from error
+        tensor = torch.frombuffer(buffer, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+        self._files[id(tensor)] = _Mapped(path, nbytes, path.stat().st_ino, buffer, tensor)
+        self.bytes_held += nbytes
+        return tensor
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self._files
+
+    def _mapped(self, tensors) -> list[_Mapped]:
+        return [self._files[id(t)] for t in tensors if id(t) in self._files]
+
+    def check(self, tensors) -> None:
+        """A swap file that vanished or shrank is an error, never garbage or SIGBUS."""
+        for mapped in self._mapped(tensors):
+            try:
+                stat = mapped.path.stat()
+            except FileNotFoundError:
+                raise StoreError(f"NVMe swap file {mapped.path} is missing (deleted while training?)") from None
+            if stat.st_ino != mapped.inode or stat.st_size < mapped.nbytes:
+                raise StoreError(f"NVMe swap file {mapped.path} is truncated or replaced: {stat.st_size} "
+                                 f"bytes on disk, {mapped.nbytes} expected")
+
+    def prefetch(self, tensors) -> None:
+        """Start reading these tensors' pages (the kernel reads ahead asynchronously)."""
+        mapped = self._mapped(tensors)
+        self.check(tensors)
+        for item in mapped:
+            item.buffer.madvise(mmap.MADV_WILLNEED)
+            self.counters.prefetched_bytes += item.nbytes
+
+    def release(self, tensors) -> None:
+        """Write these tensors back and drop their pages from memory, off the training thread."""
+        for item in self._mapped(tensors):
+            self.counters.released_bytes += item.nbytes
+            self._pending.append(self._pool.submit(_write_back, item))
+        self._pending = [f for f in self._pending if not f.done() or f.exception()]
+
+    def wait(self) -> None:
+        for future in self._pending:
+            future.result()
+        self._pending.clear()
+
+    def destroy(self) -> None:
+        self.wait()
+        self._pool.shutdown(wait=True)
+        self._files.clear()  # the tensors keep their mappings alive until they are dropped
+        self._finalizer()
+        self.bytes_held = 0
+
+
+def _write_back(item: _Mapped) -> None:
+    with item.lock:
+        item.buffer.flush()
+        item.buffer.madvise(mmap.MADV_DONTNEED)
+
+
+def _make_root(base: Path, rank: int, bytes_needed: int) -> Path:
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        root = base / f"zeroshard-{os.getpid()}-rank{rank}"
+        root.mkdir(exist_ok=True)
+        probe = root / ".probe"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as error:
+        raise StoreError(f"offload nvme_path '{base}' is not writable: {error}") from error
+    free = shutil.disk_usage(root).free
+    bytes_needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the other ranks of this node too
+    if free < bytes_needed:
+        _remove_tree(root)
+        raise StoreError(f"offload nvme_path '{base}' has {free / 1e9:.2f} GB free, this rank needs "
+                         f"{bytes_needed / 1e9:.2f} GB for the offloaded states of this node's ranks")
+    return root
+
+
+def _remove_tree(root: Path) -> None:
+    shutil.rmtree(root, ignore_errors=True)
