@@ -29,6 +29,11 @@ def _grouped_adamw(params):
                               {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2)
 
 
+def _fused_adamw(params):
+    """What the config's "Adam" builds: DeepSpeed's FusedAdam is torch's fused kernel here."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+
 def _sgd_momentum(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
 
@@ -50,7 +55,7 @@ def _against_oracle(stage: int, option: str) -> None:
         config["optimizer"] = {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.1}}
         config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-2, "warmup_num_steps": 4}}
         optimizer_fn = None
-        ref_optimizer_fn = adamw
+        ref_optimizer_fn = _fused_adamw
         scheduler_fn = lambda opt: WarmupLR(opt, warmup_max_lr=1e-2, warmup_num_steps=4)  # noqa: E731
     ref = train_single(gpt_model_fn(), BATCHES, optimizer_fn=ref_optimizer_fn, steps=STEPS, world_size=2,
                        reduce_every_micro_step=True, lr_scheduler_fn=scheduler_fn, record_params=True)

@@ -8,7 +8,9 @@ DeepSpeed semantics (``DeepSpeedEngine._configure_basic_optimizer``):
 - DeepSpeed runs these as FusedAdam (weight_decay default 0.0), or as torch.optim.Adam/AdamW when
   ``torch_adam: true`` (then an absent weight_decay takes torch's default: 0.01 for AdamW). FusedAdam and
   torch's Adam/AdamW compute the same update, so zeroshard always builds the torch class and only
-  reproduces the defaults.
+  reproduces the defaults. Like FusedAdam it asks for torch's fused kernel (``fused=True``) unless
+  ``torch_adam: true``: on CPU it is 5-6x faster than the default foreach path (benchmarks/cpu_adam.py:
+  273 vs 46 Melem/s on one core here), which matters most for the offloaded optimizer step.
 - type "SGD" is torch.optim.SGD with the given params.
 """
 
@@ -54,6 +56,8 @@ def build_optimizer(section: OptimizerConfig, params: ParamsArg) -> torch.optim.
     kwargs: dict[str, Any] = dict(lr=hp.lr, betas=hp.betas, eps=hp.eps, amsgrad=hp.amsgrad)
     if not hp.torch_adam or "weight_decay" in hp.model_fields_set:
         kwargs["weight_decay"] = hp.weight_decay
+    if not hp.torch_adam:
+        kwargs["fused"] = True
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
 
 
