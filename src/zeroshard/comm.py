@@ -43,6 +43,7 @@ class ByteCounter:
     paper: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wire: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wait_s: float = 0.0  # time the calling thread spent blocked on collectives
 
     def add(self, kind: str, nbytes: int) -> None:
         """`nbytes`: the size of the full (unsharded) tensor the collective is about."""
@@ -63,6 +64,7 @@ class ByteCounter:
         return sum(v for k, v in self.paper.items() if k != "control")
 
     def reset(self) -> None:
+        self.wait_s = 0.0
         self.paper.clear()
         self.wire.clear()
         self.calls.clear()
@@ -78,10 +80,13 @@ class Handle:
         if self._work is None:
             return
         work, self._work = self._work, None
+        blocked = time.monotonic()
         try:
             work.wait()
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses; keep the cause
             raise self._comm.error(self.what, self._started, error) from error
+        finally:
+            self._comm.counter.wait_s += time.monotonic() - blocked
 
 
 class Communicator:

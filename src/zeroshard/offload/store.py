@@ -89,6 +89,7 @@ class _Mapped:
     inode: int
     buffer: mmap.mmap
     tensor: torch.Tensor
+    fd: int
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -114,12 +115,13 @@ class NVMeStore:
             try:
                 os.posix_fallocate(fd, 0, max(nbytes, 1))  # reserve the blocks now: ENOSPC here, not later
                 buffer = mmap.mmap(fd, max(nbytes, 1))
-            finally:
+            except OSError:
                 os.close(fd)
+                raise
         except OSError as error:
             raise StoreError(f"NVMe store cannot create {path} ({nbytes} bytes): {error}") from error
         tensor = torch.frombuffer(buffer, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-        self._files[id(tensor)] = _Mapped(path, nbytes, path.stat().st_ino, buffer, tensor)
+        self._files[id(tensor)] = _Mapped(path, nbytes, path.stat().st_ino, buffer, tensor, fd)
         self.bytes_held += nbytes
         return tensor
 
@@ -163,15 +165,20 @@ class NVMeStore:
     def destroy(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+        for item in self._files.values():
+            os.close(item.fd)
         self._files.clear()  # the tensors keep their mappings alive until they are dropped
         self._finalizer()
         self.bytes_held = 0
 
 
 def _write_back(item: _Mapped) -> None:
+    """Dirty pages to disk, then out of this process and out of the page cache: the memory a
+    released tensor used is free again, and its next use reads from the disk."""
     with item.lock:
         item.buffer.flush()
         item.buffer.madvise(mmap.MADV_DONTNEED)
+        os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _make_root(base: Path, rank: int, bytes_needed: int) -> Path:

@@ -1,0 +1,138 @@
+"""Train a GPT whose model states do not fit in this machine's RAM: stage 3 + NVMe offload of
+parameters and optimizer states (ZeRO-Infinity, arXiv 2104.07857), on ranks launched by torchrun.
+
+    torchrun --nproc_per_node 2 benchmarks/offload_nvme.py --nvme /work/nvme --steps 3 --out offload.json
+
+Reports, per rank: peak RSS (sampled; anonymous and file-backed), step time split into compute /
+communication wait / optimizer step (whose I/O wait is measured separately), bytes read and written
+per step (/proc/self/io, block layer), and the achieved disk throughput against what `dd` with
+O_DIRECT measures on the same path in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import threading
+import time
+
+import psutil
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.models.gpt import GPT, GPTConfig
+
+
+def dd_throughput(path: str, gigabytes: int = 2) -> dict:
+    """Sequential write and read with O_DIRECT (no page cache), in GB/s."""
+    target = os.path.join(path, "dd-probe.bin")
+    count = gigabytes * 64  # 16 MiB blocks
+    out = {}
+    for name, args in (("write", ["if=/dev/zero", f"of={target}", "oflag=direct"]),
+                       ("read", [f"if={target}", "of=/dev/null", "iflag=direct"])):
+        result = subprocess.run(["dd", *args, "bs=16M", f"count={count}"], capture_output=True, text=True)
+        match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", result.stderr)
+        out[name] = int(match.group(1)) / float(match.group(2)) / 1e9 if match else None
+    os.unlink(target)
+    return out
+
+
+class RSSSampler(threading.Thread):
+    def __init__(self, period: float = 0.2):
+        super().__init__(daemon=True)
+        self.period, self.peak, self.peak_anon, self.stop = period, 0, 0, False
+
+    def run(self):
+        while not self.stop:
+            info = dict(line.split(":", 1) for line in open("/proc/self/status") if line.startswith("Rss"))
+            anon = int(info["RssAnon"].split()[0]) * 1024
+            rss = psutil.Process().memory_info().rss
+            self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
+            time.sleep(self.period)
+
+
+def io_bytes() -> tuple[int, int]:
+    fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nvme", required=True, help="directory on the disk to offload to")
+    parser.add_argument("--n-layer", type=int, default=40)
+    parser.add_argument("--n-embd", type=int, default=2048)
+    parser.add_argument("--n-head", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default="offload_nvme.json")
+    args = parser.parse_args()
+
+    zeroshard.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, os.cpu_count() // world))
+    sampler = RSSSampler()
+    sampler.start()
+    dd = dd_throughput(args.nvme) if rank == 0 else None
+    dist.barrier()
+
+    torch.manual_seed(0)
+    started = time.monotonic()
+    model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
+                          n_head=args.n_head, n_embd=args.n_embd))
+    params = sum(p.numel() for p in model.parameters())
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+        "zero_optimization": {
+            "stage": 3, "overlap_comm": True,
+            "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme},
+            "offload_param": {"device": "nvme", "nvme_path": args.nvme},
+        },
+    }
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    build_s = time.monotonic() - started
+    peak_after_build = sampler.peak
+    store = engine.offload.optimizer_store
+    steps = []
+    for step in range(args.steps):
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step * world + rank))
+        read0, write0 = io_bytes()
+        comm0, io_wait0 = engine.comm.counter.wait_s, store.counters.wait_s
+        t0 = time.monotonic()
+        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        t1 = time.monotonic()
+        engine.step()
+        t2 = time.monotonic()
+        read1, write1 = io_bytes()
+        comm = engine.comm.counter.wait_s - comm0
+        steps.append(dict(step=step, loss=loss.item(), total_s=t2 - t0, forward_backward_s=t1 - t0,
+                          optimizer_s=t2 - t1, comm_wait_s=comm, io_wait_s=store.counters.wait_s - io_wait0,
+                          compute_s=(t1 - t0) - comm, read_bytes=read1 - read0, written_bytes=write1 - write0))
+    sampler.stop = True
+    report = dict(rank=rank, params=params, model_state_bytes_fp32_adam=16 * params, build_s=build_s,
+                  peak_rss=sampler.peak, peak_rss_anon=sampler.peak_anon, peak_rss_after_build=peak_after_build,
+                  ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  offloaded_bytes=engine.memory_report()["offloaded_nvme"], steps=steps)
+    reports = engine.comm.all_gather_objects(report, "benchmark report")
+    if rank == 0:
+        disk = sum(s["read_bytes"] + s["written_bytes"] for r in reports for s in r["steps"][1:])
+        seconds = sum(s["total_s"] for s in reports[0]["steps"][1:])
+        summary = dict(dd_gb_per_s=dd, ranks=reports, achieved_gb_per_s=disk / seconds / 1e9 if seconds else None,
+                       command="torchrun --nproc_per_node %d benchmarks/offload_nvme.py %s" % (
+                           world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())))
+        with open(args.out, "w") as handle:
+            json.dump(summary, handle, indent=2)
+        print(json.dumps(summary, indent=2))
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
