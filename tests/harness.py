@@ -48,7 +48,7 @@ _STARTUP_TIMEOUT_S = 120.0  # spawn + imports + rendezvous: slow on a loaded 2-c
 _FAILURE_GRACE_S = 5.0  # after one rank fails, how long run_distributed waits for the others' reports
 _STACK_DUMP_WAIT_S = 1.0  # how long the parent waits for a hung rank to dump its stacks (SIGUSR1)
 _BACKSTOP_S = 10.0  # a rank whose parent is stuck exits on its own this long after the parent's deadline
-_REPORT_TAIL_CHARS = 4000  # per rank, of a stack dump quoted in an error
+_REPORT_TAIL_CHARS = 4000  # of each rank's stack dump, quoted in an error
 
 
 @dataclasses.dataclass
@@ -67,9 +67,10 @@ class RankReport:
     notes: list[str] = dataclasses.field(default_factory=list)  # sent early, e.g. by subtests()
 
     def describe(self) -> str:
-        head = (f"returned {self.value!r:.200}" if self.ok
-                else f"{self.exc_type}: {self.message}" if self.exc_type else self.message)
-        return "\n".join(p for p in [f"rank {self.rank}: {head}", *self.notes, self.traceback] if p).rstrip()
+        head = (f"returned {self.value!r:.200}" if self.ok else self.message if not self.exc_type
+                else f"raised {self.exc_type}" if self.traceback else f"{self.exc_type}: {self.message}")
+        notes = [] if self.reported else self.notes  # a final report repeats what its notes said
+        return "\n".join(p for p in [f"rank {self.rank}: {head}", *notes, self.traceback] if p).rstrip()
 
 
 def run_distributed(fn, world_size: int, *, timeout: float = 120.0, env: dict | None = None,
@@ -88,9 +89,8 @@ def run_distributed(fn, world_size: int, *, timeout: float = 120.0, env: dict | 
 
 def run_distributed_expect_failure(fn, world_size: int, timeout: float = 60.0, *,
                                    env: dict | None = None, **kwargs) -> list[RankReport]:
-    """Every rank's RankReport, never raising for a rank's failure; for tests that expect failures.
-
-    Waits for every rank (up to `timeout`), so a test can assert that *all* ranks detected a problem."""
+    """Every rank's RankReport, never raising for a rank's failure. Waits for every rank (up to
+    `timeout`), so a test that expects failures can assert that *all* ranks detected the problem."""
     return _run(fn, world_size, timeout, env, kwargs, fail_fast=False)
 
 

@@ -2,8 +2,8 @@
 
 `train_ddp` runs torch's DistributedDataParallel inside an initialised process group (a harness worker);
 `train_single` is the same math in one process, emulating `world_size` ranks by computing each rank's
-gradients separately and averaging them the way DDP does (each divided by N, summed in rank order), so at
-N = 2 it is bit-for-bit equal to `train_ddp` (a + b is exact in either order).
+gradients separately and averaging them the way DDP's reducer does (each multiplied by 1/N, then summed in
+rank order), so at N = 2 it is bit-for-bit equal to `train_ddp` (a + b == b + a in floating point).
 
 Both return {"losses": [[float per micro step] per step], "grad_norms": [float per step],
 "params": {name: tensor}, and "params_per_step" / "grads_per_step" when asked}. Names are those of
