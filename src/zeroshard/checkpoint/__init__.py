@@ -1,0 +1,37 @@
+"""Checkpoints that survive: sharded save and load at any world size and stage, atomic publication,
+consolidation to one file, and full weights in and out of a live engine.
+
+[Note: checkpoint layout]
+    save_dir/
+      latest                     the newest tag, plain text (DeepSpeed's convention)
+      global_step<N>/            one checkpoint (the tag; any name given to save_checkpoint)
+        manifest.json            rank 0: format and library version, world size, stage, step counts,
+                                 param dtype, optimizer class, scheduler and loss-scaler state,
+                                 tied aliases, buffer names, every flat group (unit, optimizer
+                                 group, numel, shard size, each parameter's name, shape, dtype and
+                                 offset, the kinds of optimizer state), and the size and sha256 of
+                                 every other file
+        rank_<r>.safetensors     rank r: per group g, `g<g>/master` = elements [r*S, (r+1)*S) of the
+                                 fp32 master buffer, `g<g>/state/<name>` the same slice of each
+                                 elementwise optimizer state (exp_avg, momentum_buffer, ...), and
+                                 `g<g>/grad` (rank-local accumulated gradients) when saved in the
+                                 middle of gradient accumulation. At stage 0, where every rank holds
+                                 the whole buffer, each rank writes its slice of it: the files are
+                                 alike at every stage.
+        objects.pt               rank 0, torch.save: client state, scheduler and loss-scaler state,
+                                 optimizer param-group hyper-parameters and scalar optimizer state
+                                 (Adam's `step`), per group
+        buffers.safetensors      rank 0: the model's buffers (only when it has any)
+Readers re-slice by parameter and element range ([Note: resharding by element ranges] in
+reader.py), so a checkpoint written at N ranks and stage s loads at M ranks and stage t.
+Publication is atomic ([Note: atomic publication] in save.py).
+"""
+from .consolidate import consolidate, open_checkpoint
+from .files import CheckpointError
+from .full import full_state_dict, save_16bit_model
+from .load import load_checkpoint
+from .save import save_checkpoint
+from .weights import load_full_weights
+
+__all__ = ["CheckpointError", "consolidate", "full_state_dict", "load_checkpoint", "load_full_weights",
+           "open_checkpoint", "save_16bit_model", "save_checkpoint"]

@@ -1,0 +1,273 @@
+"""The files of a checkpoint: safetensors written as a stream and read by element range, checksums,
+atomic small files.
+
+[Note: our own safetensors reader and writer]
+A safetensors file is 8 bytes of header length (little-endian u64), a JSON header giving each
+tensor's dtype, shape and byte range, then the raw little-endian bytes, back to back. The
+`safetensors` package writes a file only from tensors that are all in memory at once, and reads
+through a memory map whose touched pages count towards the process's resident memory until it is
+closed. Checkpoints need three things it does not offer:
+  * write a file whose tensors arrive one at a time (consolidation: peak memory ~ one unit),
+  * hash the bytes while they are written (no second pass over a shard to checksum it),
+  * read an arbitrary element range of a flattened tensor (the part of a parameter that falls into
+    one rank's shard) straight into a destination buffer.
+So this module writes and reads the format itself (it is that small). The files are ordinary
+safetensors files: the tests read them with `safetensors.torch.load_file` and `safe_open`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+import uuid
+from pathlib import Path
+
+import torch
+
+_HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors reference reader's limit, too
+_HASH_CHUNK = 1024 * 1024  # small: hashing must not add to the peak memory of consolidation
+
+DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or loaded: damaged, incomplete, or from another model.
+    The message names the file and the problem."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype '{name}'")
+    return dtype
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (a CPU tensor that is already contiguous)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+class SafetensorsWriter:
+    """A safetensors file whose header is known up front and whose tensors are written one by one,
+    in `specs` order. The sha256 of the file is computed while writing; `close()` returns it."""
+
+    def __init__(self, path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        for name, dtype, shape in specs:
+            if name in header:
+                raise ValueError(f"tensor '{name}' listed twice")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
+        self.path = Path(path)
+        self._pending = list(specs)
+        self._next = 0
+        self._hash = hashlib.sha256()
+        self._bytes = 0
+        self._file = open(self.path, "wb")
+        self._emit(memoryview(struct.pack("<Q", len(raw))))
+        self._emit(memoryview(raw))
+
+    def _emit(self, data: memoryview) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._bytes += data.nbytes
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if self._next >= len(self._pending):
+            raise ValueError(f"{self.path.name}: tensor '{name}' written after the last one")
+        expected, dtype, shape = self._pending[self._next]
+        if (name, tensor.dtype, tuple(tensor.shape)) != (expected, dtype, tuple(shape)):
+            raise ValueError(f"{self.path.name}: expected tensor '{expected}' {dtype} {list(shape)} next, "
+                             f"got '{name}' {tensor.dtype} {list(tensor.shape)}")
+        self._emit(_as_bytes(tensor))
+        self._next += 1
+
+    def close(self) -> dict:
+        """Flush and fsync; returns {"sha256": ..., "bytes": ...}."""
+        if self._next != len(self._pending):
+            missing = [name for name, _, _ in self._pending[self._next:]]
+            raise ValueError(f"{self.path.name}: {len(missing)} tensors never written, first '{missing[0]}'")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        return {"sha256": self._hash.hexdigest(), "bytes": self._bytes}
+
+    def abort(self) -> None:
+        self._file.close()
+        self.path.unlink(missing_ok=True)
+
+
+def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
+    """All of `tensors` into one file; returns its {"sha256", "bytes"}."""
+    writer = SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata)
+    try:
+        for name, tensor in tensors.items():
+            writer.write(name, tensor)
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+class SafetensorsReader:
+    """Reads element ranges of the tensors in one safetensors file with positioned reads (no mmap).
+    Every structural problem is a CheckpointError naming the file."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        try:
+            self._file = open(self.path, "rb")
+        except FileNotFoundError:
+            raise CheckpointError(f"{self.path}: file is missing") from None
+        try:
+            self._parse_header(os.fstat(self._file.fileno()).st_size)
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _damaged(self, problem: str) -> CheckpointError:
+        return CheckpointError(f"{self.path}: {problem} (truncated or corrupted file)")
+
+    def _parse_header(self, size: int) -> None:
+        head = self._file.read(8)
+        if len(head) < 8:
+            raise self._damaged(f"only {size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(size - 8, _HEADER_LIMIT):
+            raise self._damaged(f"header claims {length} bytes but the file has {size}")
+        try:
+            header = json.loads(self._file.read(length))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise self._damaged(f"header is not valid JSON ({error})") from None
+        if not isinstance(header, dict):
+            raise self._damaged("header is not a JSON object")
+        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        self._data_start = 8 + length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+        for name, entry in header.items():
+            try:
+                dtype, shape = CODE_DTYPES[entry["dtype"]], tuple(entry["shape"])
+                begin, end = entry["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise self._damaged(f"header entry of tensor '{name}' is malformed") from None
+            if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+                raise self._damaged(f"tensor '{name}' has {end - begin} bytes for shape {list(shape)}")
+            if self._data_start + end > size:
+                raise self._damaged(f"tensor '{name}' ends at byte {self._data_start + end} but the file "
+                                    f"has {size} bytes")
+            self.entries[name] = (dtype, shape, self._data_start + begin)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._entry(name)[1]
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entry(name)[0]
+
+    def _entry(self, name: str):
+        if name not in self.entries:
+            raise CheckpointError(f"{self.path}: has no tensor '{name}' (damaged or not this checkpoint's file)")
+        return self.entries[name]
+
+    def read(self, name: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Elements [lo, hi) of the flattened tensor, in the file's dtype (1-D, CPU)."""
+        dtype, shape, _ = self._entry(name)
+        hi = math.prod(shape) if hi is None else hi
+        out = torch.empty(hi - lo, dtype=dtype)
+        self._read_raw(name, lo, hi, out)
+        return out
+
+    def read_into(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Elements [lo, hi) of the flattened tensor into `out` (1-D, hi - lo elements, any dtype/device)."""
+        assert out.dim() == 1 and out.numel() == hi - lo, (out.shape, lo, hi)
+        if out.dtype == self._entry(name)[0] and out.device.type == "cpu" and out.is_contiguous():
+            self._read_raw(name, lo, hi, out)
+        else:
+            out.copy_(self.read(name, lo, hi))
+
+    def _read_raw(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        dtype, shape, start = self.entries[name]
+        if not 0 <= lo <= hi <= math.prod(shape):
+            raise IndexError(f"{self.path}: elements [{lo}, {hi}) outside tensor '{name}' {list(shape)}")
+        buffer = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        position, done = start + lo * dtype.itemsize, 0
+        while done < buffer.nbytes:
+            got = os.preadv(self._file.fileno(), [buffer[done:]], position + done)
+            if got == 0:
+                raise self._damaged(f"tensor '{name}' ends early")
+            done += got
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "SafetensorsReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def hash_file(path) -> dict:
+    """{"sha256", "bytes"} of a file, read in chunks (constant memory)."""
+    digest, size = hashlib.sha256(), 0
+    chunk = bytearray(_HASH_CHUNK)
+    view = memoryview(chunk)
+    with open(path, "rb") as file:
+        while got := file.readinto(chunk):
+            digest.update(view[:got])
+            size += got
+    return {"sha256": digest.hexdigest(), "bytes": size}
+
+
+def fsync_dir(path) -> None:
+    """Make a rename inside `path` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path, data: bytes) -> dict:
+    """Write `data` to a temporary name beside `path`, fsync, then rename over `path`."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

@@ -1,0 +1,100 @@
+"""Full (unsharded) weights from a live engine: a state dict on rank 0, or a file, gathered one
+flat group at a time so that no rank holds more than one group's full buffer beyond the result."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .common import agree, attempt, compute_dtype
+from .manifest import model_aliases, persistent_buffers, state_dict_order
+from .output import FullModelWriter, format_for
+
+
+def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None]) -> None:
+    """visit(group, full fp32 master buffer (1-D, numel = padded_numel)) for each group in engine
+    order. Collective: every rank runs it. Each buffer is dropped before the next is gathered, so
+    `visit` must not keep views of it."""
+    for group in engine.groups:
+        padded = group.layout.padded_numel
+        if group.opt_range == (0, padded):  # stage 0: the master is already whole
+            visit(group, group.master)
+            continue
+        full = torch.empty(padded, dtype=torch.float32, device=group.master.device)
+        engine.comm.all_gather(full, group.master, f"gather of master weights ({group.names[0]}...)")
+        visit(group, full)
+        del full
+
+
+def full_state_dict(engine, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict, unsharded, on rank 0 (CPU tensors, keys as `module.state_dict()`:
+    tied aliases and buffers included); {} on the other ranks. Collective.
+
+    Parameters come from the fp32 master weights, converted to `dtype` (default: the dtype the
+    engine computes in, so the values equal the module's own parameters).
+    """
+    dtype = dtype or compute_dtype(engine)
+    module = engine.module
+    keep = engine.comm.rank == 0
+    aliases_of: dict[str, list[str]] = {}
+    for alias, name in model_aliases(module).items():
+        aliases_of.setdefault(name, []).append(alias)
+    out: dict[str, torch.Tensor] = {}
+
+    def collect(group, full: torch.Tensor) -> None:
+        for slot, view in zip(group.layout.slots, group.layout.views(full)):
+            out[slot.name] = view.to("cpu", dtype, copy=True)
+            for alias in aliases_of.get(slot.name, []):
+                out[alias] = out[slot.name]
+
+    for_each_gathered_group(engine, collect if keep else lambda group, full: None)
+    if not keep:
+        return {}
+    for name, value in persistent_buffers(module).items():
+        out[name] = value.detach().to("cpu", copy=True)
+    order = state_dict_order(module)
+    return {name: out[name] for name in order if name in out}
+
+
+def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> str:
+    """Rank 0 writes the full model in the engine's compute dtype (bf16/fp16 with mixed precision,
+    else fp32) to `save_dir/save_filename`: safetensors, streamed group by group, or torch.save for a
+    .pt/.bin name. Collective; returns the file's path on every rank."""
+    path = Path(save_dir) / save_filename
+    what = f"saving the model to {path}"
+    writer, error = attempt(_open_writer, engine, path) if engine.comm.rank == 0 else (None, None)
+    agree(engine.comm, error, what)
+    failed = [error]
+
+    def write(group, full: torch.Tensor) -> None:
+        if writer is not None and failed[0] is None:  # after a failure rank 0 still joins the gathers
+            failed[0] = attempt(_write_group, writer, group, full)[1]
+
+    for_each_gathered_group(engine, write)
+    error = failed[0]
+    if writer is not None:
+        if error is None:
+            _, error = attempt(_finish, writer, engine.module)
+        if error is not None:
+            writer.abort()
+    agree(engine.comm, error, what)
+    return str(path)
+
+
+def _open_writer(engine, path: Path) -> FullModelWriter:
+    params = [(s.name, tuple(s.shape)) for g in engine.groups for s in g.layout.slots]
+    buffers = {n: (b.dtype, tuple(b.shape)) for n, b in persistent_buffers(engine.module).items()}
+    return FullModelWriter(path, params, model_aliases(engine.module), buffers, compute_dtype(engine),
+                           format_for(path, None))
+
+
+def _write_group(writer: FullModelWriter, group, full: torch.Tensor) -> None:
+    for slot, view in zip(group.layout.slots, group.layout.views(full)):
+        writer.add_param(slot.name, view)
+
+
+def _finish(writer: FullModelWriter, module) -> None:
+    for name, value in persistent_buffers(module).items():
+        writer.add_buffer(name, value)
+    writer.close()

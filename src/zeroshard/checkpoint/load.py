@@ -1,0 +1,203 @@
+"""Loading a checkpoint into an engine of any world size and stage.
+
+Order of work, each phase ending with every rank agreeing it succeeded (see `agree`):
+  1. find the checkpoint (`latest` or the tag) and read its manifest;
+  2. verify every file's size and checksum, the files spread over the ranks;
+  3. check the model and optimizer fit, then read this rank's shard of every group's master
+     weights and optimizer state, re-sliced by element ranges ([Note: resharding by element
+     ranges] in reader.py);
+  4. gather the unsharded parameters from the loaded masters, restore counters, scheduler and loss
+     scaler.
+A damaged or incompatible checkpoint is reported in phase 1-3 before anything is changed, except
+for an I/O failure while reading after verification succeeded.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from pathlib import Path
+
+import torch
+
+from .common import agree, attempt, pieces_in_range, refresh_full_parameters
+from .files import CheckpointError
+from .manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
+                       persistent_buffers, rank_file, read_manifest, resolve_tag)
+from .reader import CheckpointReader
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
+                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                    load_module_strict: bool = True, verify: bool = True):
+    """Restore `engine` from `load_dir/<tag>` (default: the tag `latest` names, or `load_dir`
+    itself when it is the directory of one checkpoint). Collective.
+
+    Returns `(checkpoint directory, client_state)`, or `(None, None)` with a warning when
+    `load_dir` has no `latest` and no tag was given (DeepSpeed's behaviour). `load_module_only`
+    restores the weights alone; `load_module_strict=False` loads the parameters the checkpoint and
+    the model share and leaves the others as they are; `verify=False` skips the checksums.
+    """
+    comm = engine.comm
+    load_dir = Path(load_dir)
+    found, error = attempt(_find, load_dir, tag)
+    agree(comm, error, f"loading checkpoint from {load_dir}")
+    if found is None:
+        log.warning("zeroshard: %s has no '%s' file and no tag was given: nothing loaded", load_dir, "latest")
+        return None, None
+    path, manifest = found
+    what = f"loading checkpoint {path}"
+    if verify:
+        files = sorted(manifest["files"])
+        problems = check_files(path, manifest, files[comm.rank::comm.world_size])
+        every = [p for mine in comm.all_gather_objects(problems, f"{what}: verification") for p in mine]
+        agree(comm, "; ".join(every) if every else None, what)
+    restore_optimizer = load_optimizer_states and not load_module_only
+    objects, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict,
+                             load_module_only)
+    agree(comm, error, what)
+    refresh_full_parameters(engine)
+    if restore_optimizer:
+        _restore_param_groups(engine, objects["optimizer"]["param_groups"])
+    if not load_module_only:
+        _restore_counters(engine, manifest)
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and objects["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(objects["lr_scheduler"])
+        scaler = getattr(engine, "loss_scaler", None)
+        if scaler is not None and objects["loss_scaler"] is not None:
+            scaler.load_state_dict(objects["loss_scaler"])
+    log.info("zeroshard: loaded checkpoint %s (saved at %d ranks, stage %d; now %d ranks, stage %d)", path,
+             manifest["world_size"], manifest["stage"], comm.world_size, engine.policy.stage)
+    return str(path), objects["client_state"]
+
+
+def _find(load_dir: Path, tag):
+    if tag is None and (load_dir / MANIFEST).is_file():  # the directory of one checkpoint
+        return load_dir, read_manifest(load_dir)
+    tag = resolve_tag(load_dir, tag)
+    if tag is None:
+        return None
+    path = checkpoint_path(load_dir, tag)
+    return path, read_manifest(path)
+
+
+def engine_param_shapes(engine) -> dict[str, list[int]]:
+    return {s.name: list(s.shape) for g in engine.groups for s in g.layout.slots}
+
+
+@torch.no_grad()
+def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, strict: bool,
+                 module_only: bool) -> dict:
+    check_compatible(path, manifest, engine_param_shapes(engine), strict)
+    objects = torch.load(path / OBJECTS, map_location="cpu", weights_only=False)
+    optimizer = engine.optimizer.optimizer
+    if restore_optimizer:
+        _check_optimizer(path, manifest, objects, optimizer)
+    with_grads = manifest["mid_accumulation"] and not module_only
+    if with_grads:
+        _check_same_partition(path, manifest, engine)
+    with CheckpointReader(path, manifest) as reader:
+        for index, group in enumerate(engine.groups):
+            start, end = group.opt_range
+            for slot, lo, hi in pieces_in_range(group.layout, start, end):
+                if slot.name in reader.index:
+                    dest = group.master[slot.offset + lo - start: slot.offset + hi - start]
+                    reader.read_param(slot.name, "master", lo, hi, dest)
+            group.master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
+            if restore_optimizer and group.trainable:
+                _load_optimizer_state(reader, group, objects["optimizer"]["scalars"], optimizer)
+            if with_grads and group.trainable:
+                _load_grads(reader, index, group, engine.comm.rank)
+        _load_buffers(engine.module, reader.buffers(), path, strict)
+    return objects
+
+
+def _check_optimizer(path: Path, manifest: dict, objects: dict, optimizer) -> None:
+    saved = len(objects["optimizer"]["param_groups"])
+    if manifest["optimizer"] != type(optimizer).__name__ or saved != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{path / MANIFEST}: optimizer states of {manifest['optimizer']} with {saved} param group(s) "
+            f"cannot be loaded into {type(optimizer).__name__} with {len(optimizer.param_groups)}; "
+            "pass load_optimizer_states=False to load the weights only")
+
+
+def _check_same_partition(path: Path, manifest: dict, engine) -> None:
+    """Gradients accumulated so far are rank-local (unreduced at stages 0/1): they only fit the same
+    world size, stage, accumulation steps and grouping."""
+    same = (manifest["world_size"] == engine.comm.world_size and manifest["stage"] == engine.policy.stage
+            and manifest["gradient_accumulation_steps"] == engine.gradient_accumulation_steps()
+            and [[p["name"] for p in g["params"]] for g in manifest["groups"]] == [g.names for g in engine.groups])
+    if not same:
+        raise CheckpointError(
+            f"{path / MANIFEST}: saved in the middle of gradient accumulation (micro step "
+            f"{manifest['micro_steps']}, {manifest['gradient_accumulation_steps']} per step) at "
+            f"{manifest['world_size']} ranks and stage {manifest['stage']}; its accumulated gradients load "
+            f"only into the same setup, not {engine.comm.world_size} ranks, stage {engine.policy.stage}, "
+            f"{engine.gradient_accumulation_steps()} micro steps. Save at an accumulation boundary to "
+            "change the world size or stage, or pass load_module_only=True")
+
+
+def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimizer) -> None:
+    """Rebuild `optimizer.state[group.master]` from the checkpoint: elementwise state re-sliced,
+    scalar state (Adam's `step`) from the saved group holding this group's first parameter."""
+    names = [s.name for s in group.layout.slots if s.name in reader.index]
+    if not names:
+        return
+    source, _ = reader.index.locate(names[0])
+    kinds = reader.manifest["groups"][source]["state"]
+    if not kinds:
+        optimizer.state.pop(group.master, None)  # saved before the first step
+        return
+    start, end = group.opt_range
+    state = {}
+    for key, kind in kinds:
+        if kind == "scalar":
+            # A copy per group: optimizers update scalar state in place (Adam: step += 1), and two
+            # groups may take theirs from the same saved group.
+            value, on_device = scalars[source][key]
+            state[key] = copy.deepcopy(value.to(group.master.device) if on_device else value)
+            continue
+        state[key] = torch.zeros_like(group.master)  # 1-D, numel = end - start
+        for slot, lo, hi in pieces_in_range(group.layout, start, end):
+            if slot.name in reader.index and reader.index.state_kinds(slot.name).get(key) == "elementwise":
+                dest = state[key][slot.offset + lo - start: slot.offset + hi - start]
+                reader.read_param(slot.name, key, lo, hi, dest)
+            else:
+                log.warning("checkpoint %s has no optimizer state '%s' for '%s': starting it at zero",
+                            reader.path, key, slot.name)
+    optimizer.state[group.master] = state
+
+
+def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> None:
+    grad = group.full_grad if group.grads_persist_full else group.grad_shard
+    file = reader.file(rank_file(rank))
+    if grad is not None and grad_key(index) in file:
+        file.read_into(grad_key(index), 0, grad.numel(), grad)
+
+
+def _load_buffers(module, saved: dict[str, torch.Tensor], path: Path, strict: bool) -> None:
+    buffers = persistent_buffers(module)
+    if strict and set(saved) != set(buffers):
+        missing, unexpected = sorted(set(buffers) - set(saved)), sorted(set(saved) - set(buffers))
+        raise CheckpointError(f"{path / MANIFEST}: the checkpoint is from an incompatible model: buffers "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for name, value in saved.items():
+        if name in buffers:
+            buffers[name].copy_(value)
+
+
+def _restore_param_groups(engine, saved: list[dict]) -> None:
+    """Hyper-parameters (lr, betas, weight decay, ...), as torch's Optimizer.load_state_dict does."""
+    for group, values in zip(engine.optimizer.optimizer.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def _restore_counters(engine, manifest: dict) -> None:
+    engine.global_steps = manifest["global_steps"]
+    if hasattr(engine.optimizer, "skipped_steps"):  # fp16 steps skipped on overflow
+        engine.optimizer.skipped_steps = manifest.get("skipped_steps", 0)
+    if manifest["gradient_accumulation_steps"] == engine.gradient_accumulation_steps():
+        engine.micro_steps = manifest["micro_steps"]
+    else:  # at a boundary (checked): the position in a step is 0 whatever the accumulation steps are now
+        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()

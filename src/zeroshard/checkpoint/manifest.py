@@ -1,0 +1,219 @@
+"""The manifest of a checkpoint: what was saved, where each parameter lives, and the checks that a
+checkpoint is whole and fits the model it is loaded into.
+
+See [Note: checkpoint layout] in checkpoint/__init__.py for the directory and the key names.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .files import CheckpointError, dtype_name, hash_file
+
+log = logging.getLogger(__name__)
+
+FORMAT = "zeroshard.checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+OBJECTS = "objects.pt"
+BUFFERS = "buffers.safetensors"
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def master_key(group_index: int) -> str:
+    return f"g{group_index}/master"
+
+
+def state_key(group_index: int, name: str) -> str:
+    return f"g{group_index}/state/{name}"
+
+
+def grad_key(group_index: int) -> str:
+    return f"g{group_index}/grad"
+
+
+def check_tag(tag: str) -> str:
+    if not _TAG.fullmatch(tag) or tag == LATEST:
+        raise CheckpointError(f"checkpoint tag {tag!r} is not usable as a directory name: use letters, "
+                              "digits and _ . + = - (not starting with '.' and not 'latest')")
+    return tag
+
+
+# -- what the model looks like ----------------------------------------------------------------------
+def model_aliases(module: nn.Module) -> dict[str, str]:
+    """Second (and later) names of tied parameters -> the first name, as named_parameters() yields it."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state_dict entries that are not parameters (running stats, ...)."""
+    params = {id(p) for p in module.parameters()}
+    return {name: value for name, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.Tensor) and id(value) not in params}
+
+
+def state_dict_order(module: nn.Module) -> list[str]:
+    """Keys of `module.state_dict()` in its order (tied aliases and buffers included)."""
+    return list(module.state_dict(keep_vars=True))
+
+
+def describe_groups(engine) -> list[dict]:
+    """One entry per flat group, in engine order: the layout every reader re-slices by."""
+    unit_of = {id(g): unit.name for unit in engine.units for g in unit.groups}
+    optimizer = engine.optimizer.optimizer
+    groups = []
+    for group in engine.groups:
+        layout = group.layout
+        state = optimizer.state.get(group.master, {}) if group.trainable else {}
+        groups.append({
+            "unit": unit_of[id(group)],
+            "optimizer_group": group.optimizer_group,
+            "numel": layout.numel,
+            "shard_numel": layout.shard_numel,
+            "params": [{"name": s.name, "shape": list(s.shape), "dtype": dtype_name(group.param_dtype),
+                        "offset": s.offset, "numel": s.numel} for s in layout.slots],
+            "state": [[key, "elementwise" if is_elementwise(value, group.master) else "scalar"]
+                      for key, value in state.items()],
+        })
+    return groups
+
+
+def is_elementwise(value, master: torch.Tensor) -> bool:
+    """Optimizer state with one entry per master element (exp_avg, momentum_buffer, ...)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == master.shape
+
+
+def manifest_text(manifest: dict) -> str:
+    """JSON with one line per parameter: readable, and diffable between two checkpoints."""
+    head = json.dumps({k: v for k, v in manifest.items() if k != "groups"}, indent=1)[:-2]
+    groups = []
+    for group in manifest["groups"]:
+        fields = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in group.items() if k != "params")
+        params = ",\n".join("   " + json.dumps(p) for p in group["params"])
+        groups.append(f'  {{{fields}, "params": [\n{params}]}}')
+    return head + ',\n "groups": [\n' + ",\n".join(groups) + "\n ]\n}\n"
+
+
+# -- finding a checkpoint -----------------------------------------------------------------------------
+def resolve_tag(load_dir: Path, tag) -> str | None:
+    """`tag`, or the one `latest` names; None when there is no `latest` (DeepSpeed: nothing to load)."""
+    if tag is not None:
+        return check_tag(str(tag))
+    latest = load_dir / LATEST
+    if not latest.is_file():
+        return None
+    named = latest.read_text().strip()
+    if not named:
+        raise CheckpointError(f"{latest}: is empty; it should name the newest checkpoint tag")
+    return check_tag(named)
+
+
+def checkpoint_path(load_dir: Path, tag: str) -> Path:
+    """The directory of `tag`. A save that replaced this tag and crashed between its two renames
+    left the previous checkpoint as `.old-<tag>-<nonce>`: that one is used (see save.publish)."""
+    path = load_dir / tag
+    if path.is_dir():
+        return path
+    stranded = sorted(load_dir.glob(f".old-{tag}-*"), key=lambda p: p.stat().st_mtime)
+    stranded = [p for p in stranded if (p / MANIFEST).is_file()]
+    if stranded:
+        log.warning("checkpoint %s: using %s, left by a save that was interrupted", path, stranded[-1].name)
+        return stranded[-1]
+    present = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) \
+        if load_dir.is_dir() else []
+    raise CheckpointError(f"{path}: no checkpoint with tag '{tag}' (tags present: {present or 'none'})")
+
+
+def read_manifest(path: Path) -> dict:
+    file = path / MANIFEST
+    try:
+        manifest = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: manifest is missing; {path} is not a complete zeroshard "
+                              "checkpoint") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: manifest is not valid JSON ({error}): the file is damaged") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{file}: not a zeroshard checkpoint manifest")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{file}: format version {manifest['format_version']} is newer than this "
+                              f"zeroshard ({manifest.get('library_version')} wrote it); upgrade zeroshard")
+    return manifest
+
+
+def check_file(path: Path, name: str, expected: dict) -> str | None:
+    """The problem with one file of the checkpoint, or None when it is whole."""
+    file = path / name
+    if not file.is_file():
+        return f"{file}: file is missing"
+    size = file.stat().st_size
+    if size != expected["bytes"]:
+        shorter = "truncated" if size < expected["bytes"] else "longer than written"
+        return f"{file}: {shorter}, {size} bytes on disk but {expected['bytes']} were written"
+    if hash_file(file)["sha256"] != expected["sha256"]:
+        return f"{file}: corrupted, its sha256 checksum does not match the manifest's"
+    return None
+
+
+def check_files(path: Path, manifest: dict, names=None) -> list[str]:
+    files = manifest["files"]
+    return [problem for name in (files if names is None else names)
+            if (problem := check_file(path, name, files[name])) is not None]
+
+
+def check_compatible(path: Path, manifest: dict, engine_params: dict[str, list[int]], strict: bool) -> None:
+    """The checkpoint's parameters (names and shapes) against the model's; raises when they differ."""
+    saved = {p["name"]: p["shape"] for g in manifest["groups"] for p in g["params"]}
+    missing = [n for n in engine_params if n not in saved]
+    unexpected = [n for n in saved if n not in engine_params]
+    reshaped = [n for n in engine_params if n in saved and list(saved[n]) != list(engine_params[n])]
+    problems = []
+    if reshaped:
+        n = reshaped[0]
+        problems.append(f"{len(reshaped)} parameter(s) with a different shape (e.g. '{n}': "
+                        f"{saved[n]} in the checkpoint, {list(engine_params[n])} in the model)")
+    if strict and missing:
+        problems.append(f"{len(missing)} parameter(s) of the model missing from the checkpoint "
+                        f"(e.g. {missing[:3]})")
+    if strict and unexpected:
+        problems.append(f"{len(unexpected)} parameter(s) in the checkpoint that the model does not have "
+                        f"(e.g. {unexpected[:3]})")
+    if problems:
+        raise CheckpointError(f"{path / MANIFEST}: the checkpoint is from an incompatible model: "
+                              + "; ".join(problems))
+
+
+class ParamIndex:
+    """Where each parameter of a checkpoint lives: its group and first element in that group's buffer."""
+
+    def __init__(self, manifest: dict):
+        self.groups = manifest["groups"]
+        self.where = {p["name"]: (gi, p) for gi, g in enumerate(self.groups) for p in g["params"]}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def locate(self, name: str) -> tuple[int, int]:
+        group_index, param = self.where[name]
+        return group_index, param["offset"]
+
+    def state_kinds(self, name: str) -> dict[str, str]:
+        group_index, _ = self.where[name]
+        return dict(self.groups[group_index]["state"])

@@ -1,0 +1,221 @@
+"""Saving a checkpoint: every rank writes its own shards, rank 0 the manifest, published atomically.
+
+[Note: atomic publication]
+Nothing is written under a name a reader looks for until the whole checkpoint exists:
+  1. every rank writes `save_dir/.tmp-<tag>-<nonce>/rank_<r>.safetensors` (fsynced, hashed while
+     written) and reports its checksum; ranks agree that all succeeded;
+  2. rank 0 writes objects.pt, buffers.safetensors and, last, manifest.json into the same directory;
+  3. rank 0 renames the directory to `save_dir/<tag>`. An existing `<tag>` is first renamed away to
+     `.old-<tag>-<nonce>` and deleted only after the new one is in place; a crash between the two
+     renames leaves the old checkpoint under that name, which `checkpoint_path` (manifest.py) loads
+     and the next save renames back;
+  4. rank 0 replaces `latest` (temporary file + os.replace) and only then deletes the old copy.
+A crash at any moment therefore leaves `latest` naming a complete checkpoint. Leftover `.tmp-*`
+directories of crashed saves are removed by the next save. Every rank must see the same `save_dir`
+(a shared file system when ranks run on several machines).
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from .common import agree, attempt, compute_dtype, own_range_in_master
+from .files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
+from .manifest import (BUFFERS, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, OBJECTS, check_tag, describe_groups,
+                       grad_key, is_elementwise, manifest_text, master_key, model_aliases, persistent_buffers,
+                       rank_file, state_key)
+
+log = logging.getLogger(__name__)
+
+
+def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
+    """Write a checkpoint of `engine` to `save_dir/<tag>` (default tag `global_step<N>`) and, with
+    `save_latest`, point `save_dir/latest` at it. Collective: every rank calls it with the same
+    arguments. Returns the checkpoint directory."""
+    if getattr(engine, "_backward_done", False):
+        raise CheckpointError("save_checkpoint() called between engine.backward() and engine.step(): "
+                              "call engine.step() first, the gradients of this micro step are not saved")
+    comm = engine.comm
+    save_dir = Path(save_dir)
+    tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    proposals = comm.all_gather_objects((tag, uuid.uuid4().hex[:12]), "checkpoint tag")
+    if len({t for t, _ in proposals}) > 1:
+        raise CheckpointError(f"ranks passed different checkpoint tags: {[t for t, _ in proposals]}")
+    nonce = proposals[0][1]
+    what = f"saving checkpoint {save_dir / tag}"
+    staging = save_dir / f".tmp-{tag}-{nonce}"
+    _, error = attempt(_prepare, save_dir, staging) if comm.rank == 0 else (None, None)
+    agree(comm, error, what)
+    record, error = attempt(_write_rank_file, engine, staging)
+    records = comm.all_gather_objects(record, f"{what}: shard checksums")
+    if comm.rank == 0 and all(r is not None for r in records):  # every shard is written
+        _, error = attempt(_finish, engine, staging, save_dir, tag, nonce, records, client_state or {},
+                           save_latest)
+    try:
+        agree(comm, error, what)
+    except CheckpointError:
+        if comm.rank == 0 and staging.exists():  # every rank is done with it; a crash would leave it too
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("zeroshard: saved checkpoint %s", save_dir / tag)
+    return str(save_dir / tag)
+
+
+def mid_accumulation(engine) -> bool:
+    return engine.micro_steps % engine.gradient_accumulation_steps() != 0
+
+
+# -- every rank ---------------------------------------------------------------------------------------
+def rank_tensors(engine) -> dict[str, torch.Tensor]:
+    """This rank's part of the model states: for each group, elements [r*S, (r+1)*S) of its fp32
+    master weights and of each elementwise optimizer state; at stage 0, where every rank holds the
+    whole buffer, each rank writes that same slice of it, so the files look alike at every stage.
+    In the middle of gradient accumulation also the gradients accumulated so far (rank-local)."""
+    rank, optimizer = engine.comm.rank, engine.optimizer.optimizer
+    with_grads = mid_accumulation(engine)
+    tensors = {}
+    for index, group in enumerate(engine.groups):
+        lo, hi = own_range_in_master(group, rank)
+        tensors[master_key(index)] = group.master[lo:hi]  # 1-D fp32, numel = shard_numel
+        state = optimizer.state.get(group.master, {}) if group.trainable else {}
+        for key, value in state.items():
+            if is_elementwise(value, group.master):
+                tensors[state_key(index, key)] = value[lo:hi]
+        grad = (group.full_grad if group.grads_persist_full else group.grad_shard) if group.trainable else None
+        if with_grads and grad is not None:
+            tensors[grad_key(index)] = grad
+    return tensors
+
+
+def _write_rank_file(engine, staging: Path) -> tuple[str, dict]:
+    staging.mkdir(parents=True, exist_ok=True)
+    name = rank_file(engine.comm.rank)
+    metadata = {"format": FORMAT, "rank": str(engine.comm.rank), "world_size": str(engine.comm.world_size)}
+    return name, write_safetensors(staging / name, rank_tensors(engine), metadata)
+
+
+# -- rank 0 -------------------------------------------------------------------------------------------
+def _prepare(save_dir: Path, staging: Path) -> None:
+    """Create `save_dir`; clear what crashed saves left behind (see [Note: atomic publication])."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    for entry in save_dir.iterdir():
+        if entry.name.startswith(".tmp-") and entry != staging:
+            log.warning("removing %s, left by an interrupted save", entry)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        elif entry.name.startswith(".old-"):
+            tag = entry.name[len(".old-"):].rsplit("-", 1)[0]
+            if (save_dir / tag).exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                log.warning("restoring checkpoint %s from %s, left by an interrupted save", tag, entry.name)
+                _rename(entry, save_dir / tag)
+        elif entry.name.startswith(f".{LATEST}.tmp-"):
+            entry.unlink(missing_ok=True)
+
+
+def _finish(engine, staging: Path, save_dir: Path, tag: str, nonce: str, records, client_state,
+            save_latest: bool) -> None:
+    files = dict(records)
+    files[OBJECTS] = write_atomic(staging / OBJECTS, _objects_bytes(engine, client_state))
+    buffers = persistent_buffers(engine.module)
+    if buffers:
+        files[BUFFERS] = write_safetensors(staging / BUFFERS, {k: v.detach() for k, v in buffers.items()})
+    manifest = build_manifest(engine, tag, files, list(buffers))
+    write_atomic(staging / MANIFEST, manifest_text(manifest).encode())
+    publish(staging, save_dir, tag, nonce, save_latest)
+
+
+def _objects_bytes(engine, client_state) -> bytes:
+    """What is not a per-element tensor: client state, scheduler, loss scaler, optimizer param-group
+    hyper-parameters and scalar optimizer state (Adam's `step`), per group, pickled with torch.save."""
+    optimizer = engine.optimizer.optimizer
+    scalars = {}
+    for index, group in enumerate(engine.groups):
+        state = optimizer.state.get(group.master, {}) if group.trainable else {}
+        scalars[index] = {key: (value.detach().cpu() if isinstance(value, torch.Tensor) else value,
+                                isinstance(value, torch.Tensor) and value.device.type != "cpu")
+                          for key, value in state.items() if not is_elementwise(value, group.master)}
+    objects = {
+        "client_state": client_state,
+        "optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                       for g in optimizer.param_groups], "scalars": scalars},
+        "lr_scheduler": _state_of(engine.lr_scheduler),
+        "loss_scaler": _state_of(getattr(engine, "loss_scaler", None)),
+    }
+    buffer = io.BytesIO()
+    torch.save(objects, buffer)
+    return buffer.getvalue()
+
+
+def _state_of(component):
+    return component.state_dict() if component is not None and hasattr(component, "state_dict") else None
+
+
+def _readable(value):
+    """`value` when it survives JSON unchanged, else a pointer to objects.pt (which always has it)."""
+    try:
+        if json.loads(json.dumps(value)) == value:
+            return value
+    except (TypeError, ValueError):
+        pass
+    return {"stored_in": OBJECTS}
+
+
+def build_manifest(engine, tag: str, files: dict, buffers: list[str]) -> dict:
+    from .. import __version__
+
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
+        "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": engine.comm.world_size, "stage": engine.policy.stage,
+        "param_dtype": dtype_name(compute_dtype(engine)),
+        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+        "skipped_steps": getattr(engine.optimizer, "skipped_steps", 0),
+        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+        "mid_accumulation": mid_accumulation(engine),
+        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "lr_scheduler": _readable(_state_of(engine.lr_scheduler)),
+        "loss_scaler": _readable(_state_of(getattr(engine, "loss_scaler", None))),
+        "aliases": model_aliases(engine.module),
+        "buffers": buffers,
+        "groups": describe_groups(engine),
+        "files": files,
+        "config": _config_of(engine),
+    }
+
+
+def _config_of(engine) -> dict | None:
+    """The run's parsed config, for people reading the manifest (loading never uses it)."""
+    try:
+        return json.loads(json.dumps(engine.config.model_dump(mode="json")))
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def _rename(source: Path, target: Path) -> None:
+    source.rename(target)
+
+
+def publish(staging: Path, save_dir: Path, tag: str, nonce: str, save_latest: bool) -> None:
+    """Steps 3 and 4 of [Note: atomic publication]."""
+    fsync_dir(staging)
+    final, old = save_dir / tag, save_dir / f".old-{tag}-{nonce}"
+    replacing = final.exists()
+    if replacing:
+        _rename(final, old)
+    _rename(staging, final)
+    fsync_dir(save_dir)
+    if save_latest:
+        write_atomic(save_dir / LATEST, tag.encode())
+    if replacing:
+        shutil.rmtree(old, ignore_errors=True)
