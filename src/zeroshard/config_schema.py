@@ -429,4 +429,6 @@ class ZeroShardExtConfig(Section):
     """Check across ranks that every rank issues the same collective (catches divergent code paths)."""
     wrap_modules: Optional[list[str]] = None
     """Module class names that become sharding units; None = chosen automatically."""
-
+    activation_checkpointing_units: bool = False
+    """Checkpoint the activations of every unit but the root (see zeroshard.checkpointing), without
+    editing the model; the ``activation_checkpointing`` section's options apply to them."""
