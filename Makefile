@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev,plot]'
+	$(BIN)/pip install -e '.[dev,plot,hf,lightning]'
 	touch $(STAMP)
 
 test: venv

@@ -1,0 +1,223 @@
+"""HuggingFace transformers on zeroshard (2 gloo ranks, models built from configs, nothing
+downloaded): GPT-2 (tied embeddings) and a Llama-style model (grouped-query attention, untied head)
+train at every stage with the losses and parameters of DDP bit for bit, called with keywords and
+returning ModelOutput; `generate` on the engine returns the tokens of the DDP-trained model and
+leaves nothing gathered. The Trainer: a stage-3 `ZeroShardTrainer` run saves a model.safetensors
+that `from_pretrained` loads with the engine's logits, and resuming from its checkpoint continues
+exactly where the uninterrupted run goes."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+
+import zeroshard  # noqa: E402
+from tests.harness import run_distributed, subtests  # noqa: E402
+from tests.reference import train_ddp  # noqa: E402
+from tests.zs_common import adamw, assert_close, full_params, make_config  # noqa: E402
+from zeroshard.unit import UnitState  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
+VOCAB, SEQ, BATCH, STEPS = 96, 16, 4, 4
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def model_fn(kind: str, seed: int = 0):
+    def build():
+        import transformers
+
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    return build
+
+
+def hf_config(kind: str):
+    import transformers
+
+    special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    if kind == "gpt2":  # tied embedding and LM head
+        return transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=2,
+                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **special)
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
+                                    tie_word_embeddings=False, **special)
+
+
+def batches(step: int, micro: int, rank: int):
+    """Rows that count up from a random start (mod vocab): learnable, so losses fall."""
+    gen = torch.Generator().manual_seed((step * 1009 + micro) * 1009 + rank)
+    start = torch.randint(2, VOCAB, (BATCH, 1), generator=gen)  # (B, 1)
+    tokens = (start + torch.arange(SEQ)) % VOCAB  # (B, T)
+    return tokens, tokens
+
+
+def causal_lm_loss(model, inputs, targets) -> torch.Tensor:
+    out = model(input_ids=inputs, labels=targets)  # keywords only; a ModelOutput comes back
+    return out.loss
+
+
+def prompt_and_length(rank: int) -> tuple[torch.Tensor, int]:
+    """Per-rank prompts and lengths: rank 1 finishes generating first, rank 0 runs on alone."""
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randint(2, VOCAB, (2, 5), generator=gen), 8 - 3 * rank
+
+
+# -- models as they are, against DDP -------------------------------------------------------------------
+def _against_ddp(kind: str, stage: int) -> None:
+    from zeroshard.integrations.hf import generate
+
+    rank = torch.distributed.get_rank()
+    ref = train_ddp(model_fn(kind), batches, optimizer_fn=adamw, steps=STEPS, loss_fn=causal_lm_loss)
+    model = model_fn(kind)()
+    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage))
+    blocks = "transformer.h" if kind == "gpt2" else "model.layers"
+    assert [u.name for u in engine.units] == [f"{blocks}.0", f"{blocks}.1", "<root>"]
+    ours = {"losses": []}
+    for step in range(STEPS):
+        loss = causal_lm_loss(engine, *batches(step, 0, rank))
+        engine.backward(loss)
+        engine.step()
+        ours["losses"].append([loss.item()])
+    ours["params"] = full_params(engine)
+    assert_close(ours, ref, exact=True, what=f"{kind} at stage {stage}")
+
+    oracle = model_fn(kind)()  # the DDP-trained weights in a plain model
+    loaded = oracle.load_state_dict(ref["params"], strict=False)
+    assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}, loaded  # tied head
+    oracle.eval()
+    engine.eval()
+    prompt, new_tokens = prompt_and_length(rank)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(prompt))
+    expected = oracle.generate(prompt, **kwargs)
+    layers = [unit for unit in engine.units if unit.name != "<root>"]
+    gathered_layers = []  # at each layer's forward: how many layers are gathered
+    probes = [unit.module.register_forward_pre_hook(
+        lambda module, args: gathered_layers.append(sum(u.state is UnitState.UNSHARDED for u in layers)))
+        for unit in layers]
+    got = generate(engine, prompt, **kwargs)
+    for probe in probes:
+        probe.remove()
+    assert torch.equal(got, expected), f"{kind} stage {stage}: generate gave\n{got}\nDDP model gave\n{expected}"
+    forwards = 8 if stage == 3 else new_tokens  # stage 3: as many as the longest rank's (synced_gpus)
+    assert len(gathered_layers) == forwards * len(layers), len(gathered_layers)
+    if stage == 3:  # one layer at a time, and nothing left afterwards
+        assert set(gathered_layers) == {1}, gathered_layers
+        assert all(p.numel() == 0 for p in engine.module.parameters()), "parameters left gathered"
+    engine.destroy()
+
+
+def _models_worker(rank: int, world_size: int) -> None:
+    subtests([dict(kind=k, stage=s) for k in ("gpt2", "llama") for s in (0, 1, 2, 3)], _against_ddp)
+
+
+def test_transformers_models_match_ddp_and_generate():
+    run_distributed(_models_worker, 2, timeout=300, env=ENV)
+
+
+# -- the Trainer ---------------------------------------------------------------------------------------
+class CountingDataset(torch.utils.data.Dataset):
+    """16 rows that count up from a start fixed by the row index."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int) -> dict:
+        start = torch.randint(2, VOCAB, (1,), generator=torch.Generator().manual_seed(index))
+        ids = (start + torch.arange(SEQ)) % VOCAB  # (T,)
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(output_dir: str):
+    import transformers
+
+    from zeroshard.integrations.hf import ZeroShardTrainer
+
+    args = transformers.TrainingArguments(
+        output_dir=output_dir, per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1,
+        learning_rate=1e-2, warmup_steps=1, weight_decay=0.1, report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"}
+    return ZeroShardTrainer(model=model_fn("gpt2")(), args=args, train_dataset=CountingDataset(),
+                            eval_dataset=CountingDataset(), zeroshard_config=config)
+
+
+def _losses(trainer) -> dict[int, float]:
+    return {entry["step"]: entry["loss"] for entry in trainer.state.log_history if "loss" in entry}
+
+
+def _trainer_worker(rank: int, world_size: int, out: str) -> None:
+    import transformers
+
+    probe = torch.arange(2, 2 + SEQ).reshape(2, SEQ // 2)  # (2, T/2)
+    first = _trainer(os.path.join(out, "run"))
+    first.train()
+    engine = first.engine
+    assert engine.zero_optimization_stage() == 3 and engine.global_steps == 4
+    eval_loss = first.evaluate()["eval_loss"]  # the module's hooks gather what evaluation runs
+    assert 0 < eval_loss < _losses(first)[1], eval_loss
+    final = os.path.join(out, "final")
+    first.save_model(final)
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=probe).logits
+    expected_params, expected_losses = full_params(engine), _losses(first)
+    engine.destroy()
+    if rank == 0:
+        weights = os.path.join(final, "model.safetensors")
+        numel = sum(p.numel() for p in expected_params.values())
+        assert os.path.getsize(weights) >= 4 * numel, f"{weights}: {os.path.getsize(weights)} bytes for {numel} params"
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+        assert loaded.lm_head.weight is loaded.transformer.wte.weight, "tied weights not tied after loading"
+        with torch.no_grad():
+            reloaded = loaded(input_ids=probe).logits
+        assert torch.equal(reloaded, logits), f"logits differ by {(reloaded - logits).abs().max()}"
+
+    resumed = _trainer(os.path.join(out, "resumed"))
+    resumed.train(resume_from_checkpoint=os.path.join(out, "run", "checkpoint-2"))
+    assert resumed.engine.global_steps == 4
+    assert _losses(resumed) == expected_losses  # steps 1-2 from the checkpoint's trainer state, 3-4 run again
+    for name, value in full_params(resumed.engine).items():
+        assert torch.equal(value, expected_params[name]), f"resumed run differs at '{name}'"
+    resumed.engine.destroy()
+
+
+def test_trainer_saves_loadable_model_and_resumes(tmp_path):
+    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    run_distributed(_trainer_worker, 2, timeout=300, env=ENV, out=str(tmp_path))
+
+
+# -- the documented examples ---------------------------------------------------------------------------
+def _documented_scripts(directory) -> None:
+    """Write the files of docs/integrations.md (fenced blocks with a title) into `directory`."""
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    for name, body in re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', text, re.S):
+        (directory / name).write_text(body)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["hf_train.py", "trainer_train.py"])
+def test_documented_example_runs_under_torchrun(script, tmp_path):
+    pytest.importorskip("accelerate")
+    _documented_scripts(tmp_path)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **ENV))
+    assert result.returncode == 0 or TEARDOWN_ABORT in result.stderr, result.stdout + result.stderr[-3000:]
+    if script == "hf_train.py":  # the reloaded model generates what the engine generated on rank 0
+        generated = re.search(r"rank 0: \[[\d, ]+\] -> (\[[\d, ]+\])", result.stdout)
+        assert generated and f"reloaded: {generated.group(1)}" in result.stdout, result.stdout
+        assert "'model.layers.0', 'model.layers.1', '<root>'" in result.stdout, result.stdout
+    else:
+        assert "loaded 112384 parameters from trainer-out/final" in result.stdout, result.stdout + result.stderr
+        assert (tmp_path / "trainer-out" / "checkpoint-16" / "global_step16" / "manifest.json").is_file()
