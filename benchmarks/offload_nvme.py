@@ -83,8 +83,9 @@ def main() -> None:
 
     torch.manual_seed(0)
     started = time.monotonic()
-    model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
-                          n_head=args.n_head, n_embd=args.n_embd))
+    with zeroshard.zero.Init():  # no rank ever holds the whole model (issue 3, item 3)
+        model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
+                              n_head=args.n_head, n_embd=args.n_embd))
     params = sum(p.numel() for p in model.parameters())
     config = {
         "train_micro_batch_size_per_gpu": args.batch,

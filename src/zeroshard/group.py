@@ -5,9 +5,12 @@ requires_grad), their flat buffers, and how the module's parameters point into t
 Module parameters stay the user's `nn.Parameter` objects (names, optimizer groups and hooks keep
 working); only their `.data` changes:
   * unsharded: `.data` is a view of the group's full flat buffer (see [Note: flat layout]);
-  * sharded (stage 3 between uses): `.data` is an empty tensor, so the full buffer is freed. Autograd
-    keeps referring to the same Parameter objects, and before the unit's backward the buffer is
-    gathered again and `.data` re-pointed, so saved tensors see valid values.
+  * sharded (stage 3 between uses): `.data` is an empty tensor, and the full buffer's *storage* is
+    resized to zero bytes. Resizing the storage, not dropping the tensor, is what frees the memory:
+    autograd saves views of the parameters (`weight.t()` for a Linear's backward), and those views
+    would otherwise keep every unit's gathered parameters alive from forward until backward.
+    Before the unit's backward the storage is grown back and gathered into again, so the saved
+    views see the same values as in forward, and `.data` is re-pointed at fresh views.
 The fp32 master shard is what the optimizer updates. When the compute dtype is fp32 and parameters are
 not sharded, the master shard is simply this rank's slice of the full buffer (no copy); at stage 3 it
 is the only copy the rank keeps.
@@ -85,14 +88,19 @@ class FlatGroup:
             param.data = view
 
     def free_full(self) -> None:
-        """Drop the full buffer; parameters become empty (see [Note: parameter storage])."""
+        """Free the gathered storage; parameters become empty (see [Note: parameter storage])."""
         empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
         for param in self.params:
             param.data = empty
-        self.full = None
+        if self.full is not None and not self.keep_full:
+            self.full.untyped_storage().resize_(0)
 
     def new_full(self) -> torch.Tensor:
-        self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+        """The full buffer to gather into: the *same* storage every time, grown back to size."""
+        if self.full is None:
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+        else:
+            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         return self.full
 
     def gather_input(self) -> torch.Tensor:
@@ -120,7 +128,7 @@ class FlatGroup:
 
     def copy_master_into_full(self) -> None:
         """After the optimizer step: refresh this rank's slice of a separately stored full buffer."""
-        if self.full is not None and not self.master_is_view_of_full():
+        if self.keep_full and not self.master_is_view_of_full():
             start, end = self.opt_range
             self.full[start:end].copy_(self.master)  # casts to the compute dtype and device
 
@@ -164,7 +172,10 @@ class FlatGroup:
         return {"params": params, "master": master, "grads": grads}
 
     def destroy(self) -> None:
-        self.free_full()
+        empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        for param in self.params:
+            param.data = empty
+        self.full = None
         self.full_grad = None
         self.grad_shard = None
         self.master = torch.empty(0)

@@ -68,7 +68,7 @@ def refresh_full_parameters(engine) -> None:
     match them (stage-3 units are gathered from the master shards on their next use)."""
     handles = []
     for group in engine.groups:
-        if group.full is None:
+        if not group.keep_full:  # stage 3: gathered from the master on next use
             continue
         group.copy_master_into_full()
         if group.opt_range != (0, group.layout.padded_numel):  # sharded master: gather the others' slices
