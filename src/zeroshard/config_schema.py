@@ -5,66 +5,21 @@ default (``deepspeed/runtime/zero/config.py``, ``zero/offload_config.py``, ``fp1
 ``lr_schedules.py``). Parsing (unknown keys, ``"auto"``, warnings, error messages) lives in
 ``zeroshard.config``; this module only describes what a valid section is.
 
-Class-level tables read by the parser (they are data, not behaviour):
-
-- ``section_path``: where the section sits in the JSON (for messages and warnings).
-- ``ignored_keys``: keys DeepSpeed knows that zeroshard accepts without validating or acting on them
-  (one warning each).
-- ``not_acted_on``: our own fields that are validated but not used yet (one warning when given).
-- ``auto_keys``: keys for which the value ``"auto"`` means "not given" (see [Note: "auto" values]).
-- ``sections``: nested keys whose value is itself a section model.
+The shared base and number types are in ``config_base``, the offload and ``aio`` sections in
+``config_offload``; both are re-exported here.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo
+from pydantic import AliasChoices, Field, ValidationInfo
 from pydantic import field_validator, model_validator
 
-# [Note: "auto" values]
-# The Hugging Face Trainer writes "auto" for keys it fills from its own arguments (batch sizes,
-# gradient_accumulation_steps, gradient_clipping, optimizer lr/betas/eps/weight_decay, scheduler
-# warmup/total steps, fp16/bf16 enabled, three ZeRO bucket sizes) and replaces them before DeepSpeed
-# sees the config. When zeroshard still sees "auto" nothing has filled it, so for exactly those keys
-# "auto" means "not given": the DeepSpeed default (or the batch-size derivation) applies. "auto" for
-# any other key, or for a key that is required, is an error.
-
-
-def _reject_bool(value: Any) -> Any:
-    # JSON true/false would otherwise pass as 1/0 for an integer or float field.
-    if isinstance(value, bool):
-        raise ValueError("expected a number, got a boolean")
-    return value
-
-
-NonNegInt = Annotated[int, BeforeValidator(_reject_bool), Field(ge=0)]
-PosInt = Annotated[int, BeforeValidator(_reject_bool), Field(gt=0)]
-NonNegFloat = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0.0)]
-PosFloat = Annotated[float, BeforeValidator(_reject_bool), Field(gt=0.0)]
-Fraction = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0.0, le=1.0)]
-LrValue = Union[NonNegFloat, list[NonNegFloat]]
-
-
-def canonical_name(value: Any, allowed: tuple[str, ...], what: str) -> str:
-    """Match ``value`` case-insensitively against ``allowed`` and return the canonical spelling."""
-    for name in allowed:
-        if isinstance(value, str) and value.lower() == name.lower():
-            return name
-    raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
-
-
-class Section(BaseModel):
-    """Base of every config section: immutable, no unknown fields, docstrings become descriptions."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    section_path: ClassVar[str] = ""
-    ignored_keys: ClassVar[frozenset[str]] = frozenset()
-    not_acted_on: ClassVar[frozenset[str]] = frozenset()
-    auto_keys: ClassVar[frozenset[str]] = frozenset()
-    sections: ClassVar[dict[str, type["Section"]]] = {}
-
+from .config_base import (Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section,  # noqa: F401
+                          canonical_name)
+from .config_offload import (AioConfig, OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig,  # noqa: F401
+                             _check_nvme_path)
 
 # --- optimizer -----------------------------------------------------------------------------------
 
@@ -260,53 +215,6 @@ class BF16Config(Section):
 
 # --- ZeRO ----------------------------------------------------------------------------------------
 
-OffloadDevice = Literal["none", "cpu", "nvme"]
-
-
-class OffloadOptimizerConfig(Section):
-    """``zero_optimization.offload_optimizer``: keep optimizer state (and its step) on CPU or NVMe."""
-
-    section_path: ClassVar[str] = "zero_optimization.offload_optimizer"
-    ignored_keys: ClassVar[frozenset[str]] = frozenset({"pipeline_read", "pipeline_write"})
-
-    device: OffloadDevice = "none"
-    """Where optimizer state lives: none, cpu or nvme."""
-    nvme_path: Optional[str] = None
-    """Directory for the NVMe store (required when device is nvme)."""
-    pin_memory: bool = False
-    """Use page-locked CPU buffers (faster host-device copies, more pinned memory)."""
-    buffer_count: NonNegInt = 4
-    """Buffers in the NVMe swap pool (at least the number of states per parameter)."""
-    ratio: Fraction = 1.0
-    """Fraction of optimizer state offloaded; below 1 only with stage 3."""
-    fast_init: bool = False
-    """Faster optimizer initialisation when offloading to NVMe."""
-
-
-class OffloadParamConfig(Section):
-    """``zero_optimization.offload_param``: keep stage-3 parameter shards on CPU or NVMe."""
-
-    section_path: ClassVar[str] = "zero_optimization.offload_param"
-
-    device: OffloadDevice = "none"
-    """Where parameter shards live: none, cpu or nvme."""
-    nvme_path: Optional[str] = None
-    """Directory for the NVMe store (required when device is nvme)."""
-    pin_memory: bool = False
-    """Use page-locked CPU buffers."""
-    buffer_count: NonNegInt = 5
-    """Buffers in the NVMe parameter pool."""
-    buffer_size: NonNegInt = 100_000_000
-    """Elements per buffer of the NVMe parameter pool."""
-    max_in_cpu: NonNegInt = 1_000_000_000
-    """Parameter elements kept in CPU memory when offloading to NVMe."""
-
-
-def _check_nvme_path(section: OffloadOptimizerConfig | OffloadParamConfig | None, name: str) -> None:
-    if section is not None and section.device == "nvme" and not section.nvme_path:
-        raise ValueError(f"{name}.device is 'nvme' but {name}.nvme_path is not set")
-
-
 class ZeroConfig(Section):
     """The ``zero_optimization`` section: what is sharded and how it is communicated."""
 
@@ -379,24 +287,6 @@ class ZeroConfig(Section):
         _check_nvme_path(opt, "offload_optimizer")
         _check_nvme_path(par, "offload_param")
         return self
-
-
-class AioConfig(Section):
-    """The ``aio`` section: asynchronous I/O settings of the NVMe store."""
-
-    section_path: ClassVar[str] = "aio"
-    ignored_keys: ClassVar[frozenset[str]] = frozenset({"use_gds"})
-
-    block_size: PosInt = 1_048_576
-    """Bytes per I/O request."""
-    queue_depth: PosInt = 8
-    """I/O requests in flight."""
-    thread_count: PosInt = Field(1, validation_alias=AliasChoices("thread_count", "intra_op_parallelism"))
-    """I/O worker threads (newer DeepSpeed calls it ``intra_op_parallelism``)."""
-    single_submit: bool = False
-    """Submit requests one at a time instead of in batches."""
-    overlap_events: bool = True
-    """Overlap submission and completion of requests."""
 
 
 class ActivationCheckpointingConfig(Section):

@@ -12,7 +12,7 @@ from torch import nn
 
 from .checkpointing import configure_engine as configure_activation_checkpointing
 from .comm import Communicator
-from .config import ConfigError, warn_not_acted_on
+from .config import warn_not_acted_on
 from .lifecycle import Lifecycle, Phase
 from .offload import StreamedStep, build_plan, split
 from .policy import stage_policy
@@ -251,6 +251,12 @@ def _check_supported(zero) -> None:
                       "stage3_max_live_parameters", "stage3_max_reuse_distance")
     if zero.offload_optimizer is None or zero.offload_optimizer.device == "none":
         warn_not_acted_on(zero, "sub_group_size")  # only the streamed (offloaded) step uses it
+    # The stores size themselves (offload/store.py): DeepSpeed's swap-buffer pools have no equivalent,
+    # and everything the user chose to offload is offloaded (no partial ratio).
+    if zero.offload_optimizer is not None:
+        warn_not_acted_on(zero.offload_optimizer, "buffer_count", "ratio", "fast_init")
+    if zero.offload_param is not None:
+        warn_not_acted_on(zero.offload_param, "buffer_count", "buffer_size", "max_in_cpu")
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:

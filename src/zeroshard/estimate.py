@@ -9,7 +9,6 @@ keeps every byte count an exact integer. No torch here; the engine's measured by
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path

@@ -16,7 +16,7 @@ from .policy import StagePolicy
 from .offload import OffloadPlan
 from .precision import PrecisionPolicy
 from .unit import Unit
-from .wrap import ROOT, assign_owners, unit_modules
+from .wrap import assign_owners, unit_modules
 from .zero.partition import materialize
 
 log = logging.getLogger(__name__)
