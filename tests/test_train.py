@@ -1,0 +1,83 @@
+"""`zeroshard train`: the demo job end to end on 2 ranks (tiny), its corpus, config handling and errors."""
+import json
+
+import pytest
+import torch
+
+from zeroshard import cli
+from zeroshard.commands import CommandError
+from zeroshard.commands.train import _check_config, _read_config
+from zeroshard.demo.corpus import Batches, CharTokenizer, load_corpus
+from zeroshard.demo.loop import build_config
+
+
+def run(capsys, *argv):
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_train_tiny_on_two_ranks_loss_falls(capsys):
+    code, out, _ = run(capsys, "train", "--size", "1", "--seq-len", "32", "--batch", "8", "--steps", "40",
+                       "--lr", "1e-2", "--sample-chars", "40", "--no-table", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["stage"] == 3 and result["world_size"] == 2
+    losses = result["losses"]
+    assert len(losses) == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    assert result["sample"].startswith("def ") and len(result["sample"]) == 4 + 40
+    assert result["memory_report"]["total"] > 0
+
+
+@pytest.mark.slow
+def test_train_text_output_with_stage_table(capsys):
+    code, out, _ = run(capsys, "train", "--size", "1", "--seq-len", "32", "--steps", "10", "--table-steps", "2")
+    assert code == 0 and "loss" in out and "sample:" in out and "stage table" in out
+    rows = [line.split()[1] for line in out.splitlines() if line.startswith("stage ") and line[6].isdigit()]
+    assert rows == ["0", "1", "2", "3"]
+
+
+def test_corpus_and_tokenizer_are_deterministic():
+    corpus = load_corpus()
+    assert len(corpus.text) > 100_000 and corpus.sources
+    tokenizer = CharTokenizer(corpus.text)
+    assert tokenizer.decode(tokenizer.encode("def f(x):\n")) == "def f(x):\n"
+    tokens = tokenizer.encode(corpus.text[:5000])
+    a, b = Batches(tokens, 16, 4, seed=0, rank=1), Batches(tokens, 16, 4, seed=0, rank=1)
+    x, y = a.next()
+    assert x.shape == (4, 16) and torch.equal(x, b.next()[0]) and torch.equal(x[:, 1:], y[:, :-1])
+    assert not torch.equal(x, Batches(tokens, 16, 4, seed=0, rank=0).next()[0])  # ranks see different data
+
+
+def test_stage_flag_beats_config_file_which_beats_defaults():
+    spec = {"steps": 100, "batch": 4, "lr": 1e-3, "precision": "fp32", "stage": None,
+            "config": {"zero_optimization": {"stage": 1}, "optimizer": {"params": {"lr": 5e-4}}}}
+    config = build_config(spec)
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True}
+    assert config["optimizer"]["params"]["lr"] == 5e-4 and config["optimizer"]["type"] == "AdamW"
+    assert build_config({**spec, "stage": 2})["zero_optimization"]["stage"] == 2
+
+
+def test_config_file_errors_name_the_key(tmp_path):
+    path = tmp_path / "ds.json"
+    spec = {"steps": 100, "batch": 4, "lr": 1e-3, "precision": "fp32", "stage": None,
+            "config": {"zero_optimisation": {"stage": 2}}}
+    with pytest.raises(CommandError, match="zero_optimization"):
+        _check_config(spec, 2, path)
+    spec["config"] = {"train_batch_size": 16, "gradient_accumulation_steps": 2}  # micro batch derived: 4
+    _check_config(spec, 2, path)
+    with pytest.raises(CommandError, match="no such file"):
+        _read_config(tmp_path / "missing.json")
+    path.write_text("{not json")
+    with pytest.raises(CommandError, match="not valid JSON"):
+        _read_config(path)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["train", "--stage", "4"], "--stage"),
+    (["train", "--ranks", "0"], "--ranks"),
+    (["train", "--steps", "0", "--no-table"], "--steps"),
+    (["train", "--config", "/no/such/file.json"], "--config"),
+])
+def test_errors_name_the_flag(capsys, argv, named):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and named in err and "Traceback" not in err
