@@ -100,12 +100,13 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
             continue  # listed under the table
         t = row["step_time"]
         largest = row.get("largest")
+        comparable = row["kind"] != "deepspeed"  # see the DeepSpeed footnote in format_table
         lines.append([
             row["name"], f"{_ms(t['median_s'])} [{_ms(t['min_s'])}-{_ms(t['max_s'])}]", f"{row['tokens_per_s']:,.0f}",
             est.format_bytes(row["peak_memory"]),
-            _vs(row["states_measured"]["total"], row.get("states_predicted", {}).get("total")),
-            _vs(row["comm_measured"], row.get("comm_predicted")),
-            f"{row['comm_ratio']:.3f}" if row.get("comm_ratio") else "-",
+            _vs(row["states_measured"]["total"], row.get("states_predicted", {}).get("total")) if comparable else "n/a",
+            _vs(row["comm_measured"], row.get("comm_predicted")) if comparable else "n/a",
+            f"{row['comm_ratio']:.3f}" if row.get("comm_ratio") and comparable else "-",
             "-" if not largest else (f"{est.format_count(largest['params'])} (k={largest['size']})"
                                      if largest["size"] else "none fits")])
     return lines
@@ -136,6 +137,10 @@ def format_table(result: dict, rows: list[dict], budget: int | None) -> str:
                "counted from its tensors, vs the paper's §5 formula.")
     out.append("comm/step: paper convention (all-reduce of Ψ = 2Ψ, all-gather/reduce-scatter = Ψ) vs 2Ψ "
                "(stages 0-2) / 3Ψ (stage 3).")
+    if any(r.get("kind") == "deepspeed" and "skipped" not in r for r in rows):
+        out.append("DeepSpeed rows: step time and peak memory only. Its gradient partitions live in internal "
+                   "buffers that a census of torch-visible tensors misses, and part of its communication "
+                   "bypasses the torch.distributed calls we count, so those columns would not be comparable.")
     if result["device"] == "cpu" and any(r.get("offload_optimizer") for r in rows):
         out.append("offload rows: on CPU the host is the device, so their model states are compared with the "
                    "formula's device + offloaded bytes.")
