@@ -19,6 +19,8 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
+from ..comm import Communicator
+
 from zeroshard.bench import measure
 from zeroshard.bench.subject import Subject
 
@@ -41,15 +43,17 @@ def unavailable_reason(kind: str) -> str | None:
 
 
 def _collective_helpers(device: torch.device):
+    """The bench's own reductions for a peer, through zeroshard's communication layer (its own group,
+    so they are not counted as the peer's traffic)."""
+    comm = Communicator(check_collectives=False)
+
     def slowest(value: float) -> float:
         tensor = torch.tensor([value], dtype=torch.float64, device=device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        comm.all_reduce(tensor, "bench: slowest rank's step time", op=dist.ReduceOp.MAX, kind="control")
         return float(tensor.item())
 
     def gather(obj) -> list:
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+        return comm.all_gather_objects(obj, "bench: per-rank report")
 
     return slowest, gather
 
