@@ -174,3 +174,16 @@ def _worker(rank: int, world: int) -> dict:
 def test_mixed_precision(world):
     reports = run_distributed(_worker, world, timeout=600)
     assert reports[0]["recipe"], reports
+
+
+def test_unsupported_half_precision_is_named(monkeypatch):
+    """A torch build without fp16 kernels on this device fails at initialize, naming fp16."""
+    from zeroshard.precision import check_supported
+
+    def no_half_layer_norm(*args, **kwargs):
+        raise RuntimeError('"LayerNormKernelImpl" not implemented for \'Half\'')
+
+    monkeypatch.setattr(torch.nn.functional, "layer_norm", no_half_layer_norm)
+    with pytest.raises(RuntimeError, match="fp16 is enabled in the config.*cannot train in fp16 on cpu"):
+        check_supported(torch.float16, torch.device("cpu"))
+    check_supported(torch.float32, torch.device("cpu"))  # fp32 needs no probe

@@ -102,6 +102,9 @@ class Communicator:
         self.world_size = dist.get_world_size()
         self.timeout_s = timeout_s
         self.check_collectives = check_collectives
+        # Where small control tensors must live: NCCL only moves CUDA tensors, gloo CPU ones.
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         # A group of our own so that the timeout is ours, not the launcher's default of 30 minutes.
         self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s))
         self.counter = ByteCounter(self.world_size)
@@ -140,7 +143,7 @@ class Communicator:
         return out
 
     def barrier(self, what: str) -> None:
-        self.all_reduce(torch.zeros(1), what, kind="control")
+        self.all_reduce(torch.zeros(1, device=self.device), what, kind="control")
 
     # -- internals ------------------------------------------------------------------------------------
     def _run(self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch) -> Handle:
@@ -160,8 +163,9 @@ class Communicator:
         """Every rank must be about to run the same collective; otherwise all ranks raise together."""
         if not self.check_collectives or self.world_size == 1:
             return
-        tag = torch.tensor([_KIND_ID[kind], nbytes, zlib.crc32(what.encode())], dtype=torch.int64)
-        tags = torch.empty(self.world_size * 3, dtype=torch.int64)
+        tag = torch.tensor([_KIND_ID[kind], nbytes, zlib.crc32(what.encode())], dtype=torch.int64,
+                           device=self.device)
+        tags = torch.empty(self.world_size * 3, dtype=torch.int64, device=self.device)
         started = time.monotonic()
         try:
             _all_gather(tags, tag, group=self.group)

@@ -16,7 +16,7 @@ from .config import warn_not_acted_on
 from .lifecycle import Lifecycle, Phase
 from .offload import StreamedStep, build_plan, split
 from .policy import stage_policy
-from .precision import DynamicLossScaler, PrecisionPolicy, cast_floating
+from .precision import DynamicLossScaler, PrecisionPolicy, cast_floating, check_supported
 from .sharding import shard_module
 from .zero.partition import register_engine
 from .zero_optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
@@ -41,6 +41,7 @@ class ZeroEngine(nn.Module):
         self.comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         self.module = model
         self.precision = PrecisionPolicy.from_config(config)
+        check_supported(self.precision.param_dtype, next(model.parameters()).device)
         self.offload = build_plan(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
                                   self.comm.rank, self.comm.world_size)
         _cast_buffers(model, self.precision.param_dtype)

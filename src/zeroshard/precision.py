@@ -83,6 +83,23 @@ class DynamicLossScaler:
             setattr(self, key, value)
 
 
+def check_supported(dtype: torch.dtype, device: torch.device) -> None:
+    """Fail at initialize, with a clear message, where this torch build cannot compute in `dtype`
+    (older CPU builds lack fp16 kernels for matmul or layer norm); otherwise the first forward would
+    fail deep inside the model."""
+    if dtype == torch.float32:
+        return
+    try:
+        x = torch.ones(2, 4, dtype=dtype, device=device, requires_grad=True)
+        w = torch.ones(4, 4, dtype=dtype, device=device, requires_grad=True)
+        torch.nn.functional.layer_norm(x @ w, (4,)).sum().backward()
+    except (RuntimeError, NotImplementedError) as error:
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+        raise RuntimeError(f"{name} is enabled in the config, but this torch ({torch.__version__}) cannot "
+                           f"train in {name} on {device.type}: {error}; disable '{name}' or use another "
+                           "precision") from error
+
+
 def cast_floating(tree, dtype: torch.dtype):
     """Floating tensors of a (nested) argument structure cast to `dtype` (fp16.auto_cast)."""
     from torch.utils._pytree import tree_map

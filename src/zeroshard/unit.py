@@ -103,7 +103,7 @@ class Unit:
         for handle, group, out in self._reductions:
             handle.wait()
             if out is not None:
-                group.grad_shard.add_(out)  # accumulate across micro steps
+                group.grad_shard.add_(out.to(group.grad_shard.device))  # accumulate; offload: to host
                 group.full_grad = None  # stages 2/3: the full gradient lives only until reduced
         self._reductions.clear()
 

@@ -76,10 +76,10 @@ class ZeroOptimizer:
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64."""
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
         for grad in grads:
             for chunk in grad.split(_NORM_CHUNK):
-                total += chunk.double().pow(2).sum().cpu()
+                total += chunk.double().pow(2).sum().to(total.device)
         if self.policy.shard_optimizer:  # shards are disjoint: sum them; stage 0 holds everything
             self.comm.all_reduce(total, "gradient norm", kind="control")
         return math.sqrt(total.item())
@@ -127,7 +127,7 @@ class ZeroOptimizer:
     def _overflow(self) -> bool:
         """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""
         bad = any(not bool(torch.isfinite(g.grad_for_optimizer()).all()) for g in self.groups)
-        flag = torch.tensor([1.0 if bad else 0.0])
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.comm.device)
         self.comm.all_reduce(flag, "fp16 overflow check", op=torch.distributed.ReduceOp.MAX, kind="control")
         return bool(flag.item())
 
