@@ -34,7 +34,7 @@ class ZeroEngine(nn.Module):
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None):
         super().__init__()
         zero = config.zero_optimization
-        _check_supported(zero)
+        _warn_knobs_not_acted_on(zero)
         self.config = config
         self.policy = stage_policy(zero.stage)
         extras = config.zeroshard
@@ -67,7 +67,6 @@ class ZeroEngine(nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self._backward_done = False
-        self._comm_at_init = self.comm.counter.data_bytes()
         log.info("zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
                  self.policy.stage, self.comm.world_size, len(self.units), self.num_parameters() / 1e6)
 
@@ -243,8 +242,8 @@ class ZeroEngine(nn.Module):
         self.comm.destroy()
 
 
-def _check_supported(zero) -> None:
-    """Say which accepted DeepSpeed knobs change nothing here, and refuse what is not built yet."""
+def _warn_knobs_not_acted_on(zero) -> None:
+    """Say, once each, which accepted DeepSpeed knobs change nothing here."""
     # Units are the communication granularity (one collective per flat group), so bucket sizes and
     # DeepSpeed's buffer-layout switches have nothing to act on.
     warn_not_acted_on(zero, "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients",
