@@ -41,7 +41,7 @@ class ZeroEngine(nn.Module):
         self.comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         self.module = model
         self.precision = PrecisionPolicy.from_config(config)
-        check_supported(self.precision.param_dtype, next(model.parameters()).device)
+        check_supported(self.precision.param_dtype, next(model.parameters(), torch.empty(0)).device)
         self.offload = build_plan(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
                                   self.comm.rank, self.comm.world_size)
         _cast_buffers(model, self.precision.param_dtype)
