@@ -26,8 +26,12 @@ COMMAND_MODULES = [
 ]
 
 EXAMPLES = """examples:
-  zeroshard estimate --params 7.5e9 --ranks 64
-  zeroshard estimate --help
+  zeroshard train                                   # the demo: a small GPT, 2 ranks, stage 3
+  zeroshard estimate --params 7.5e9 --ranks 64      # the paper's Figure 1 for your model
+  zeroshard bench --ranks 2 --peers                 # stages 0-3 (and torch/DeepSpeed) side by side
+  zeroshard advise --params 7.5e9 --ranks 64 --memory 32GB --bandwidth 25GB
+  zeroshard consolidate ckpt model.safetensors      # sharded checkpoint -> one file
+  zeroshard COMMAND --help
 """
 
 
