@@ -21,3 +21,18 @@ def add_command(subparsers: argparse._SubParsersAction, name: str, *, summary: s
     epilog = "examples:\n" + "\n".join(f"  {example}" for example in examples)
     return subparsers.add_parser(name, help=summary, description=description, epilog=epilog,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def bounded(parse, minimum: float, *, inclusive: bool = True):
+    """An argparse `type` that parses with `parse` (e.g. "7.5B", "32GiB") and enforces a lower bound,
+    naming the flag's value in the error."""
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        if value < minimum or (not inclusive and value == minimum):
+            bound = "at least" if inclusive else "greater than"
+            raise argparse.ArgumentTypeError(f"must be {bound} {minimum}, got {text!r}")
+        return value
+    return convert

@@ -8,7 +8,7 @@ import re
 import sys
 
 from zeroshard import estimate as est
-from zeroshard.commands import CommandError, add_command
+from zeroshard.commands import CommandError, add_command, bounded
 
 log = logging.getLogger(__name__)
 
@@ -44,42 +44,30 @@ def parse_rate(text: str) -> float:
                                          "12.5GiB/s, 100Gbit/s or bytes per second") from None
 
 
-def _type(parse, minimum: float = 0):
-    def convert(text: str):
-        try:
-            value = parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        if value <= minimum:
-            raise argparse.ArgumentTypeError(f"must be greater than {minimum}, got {text!r}")
-        return value
-    return convert
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "advise", summary="recommend a ZeRO stage for a model, ranks, memory, network",
                          description=DESCRIPTION, examples=EXAMPLES)
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=_type(est.parse_count), metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
+    size.add_argument("--params", type=bounded(est.parse_count, 0, inclusive=False), metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
     size.add_argument("--model", metavar="NAME_OR_JSON",
                       help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
-    parser.add_argument("--ranks", type=_type(int), required=True, metavar="N", help="data-parallel ranks")
-    parser.add_argument("--memory", type=_type(est.parse_bytes), required=True, metavar="SIZE",
+    parser.add_argument("--ranks", type=bounded(int, 0, inclusive=False), required=True, metavar="N", help="data-parallel ranks")
+    parser.add_argument("--memory", type=bounded(est.parse_bytes, 0, inclusive=False), required=True, metavar="SIZE",
                         help="device memory per rank: 24GiB, 80GB")
     net = parser.add_mutually_exclusive_group(required=True)
     net.add_argument("--bandwidth", type=parse_rate, metavar="RATE",
                      help="interconnect bus bandwidth per rank: 25GB/s, 100Gbit/s (nccl-tests' busbw)")
     net.add_argument("--measure-bandwidth", action="store_true",
                      help="measure all-reduce bus bandwidth between --measure-ranks local ranks first")
-    parser.add_argument("--measure-ranks", type=_type(int, 1), default=2, metavar="N",
+    parser.add_argument("--measure-ranks", type=bounded(int, 1, inclusive=False), default=2, metavar="N",
                         help="local ranks for --measure-bandwidth (default: 2)")
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16", help="default: bf16")
     parser.add_argument("--optimizer", choices=list(est.OPTIMIZER_STATES), default="adam", help="default: adam")
-    parser.add_argument("--activations", type=_type(est.parse_bytes, -1), metavar="SIZE",
+    parser.add_argument("--activations", type=bounded(est.parse_bytes, -1, inclusive=False), metavar="SIZE",
                         help="memory per rank besides model states (activations, buffers); "
                              "estimated for built-in GPTs from --batch/--seq-len, else 0")
-    parser.add_argument("--batch", type=_type(int), metavar="B", help="micro batch per rank, for the activation estimate")
-    parser.add_argument("--seq-len", type=_type(int), metavar="T", help="sequence length, for the activation estimate")
+    parser.add_argument("--batch", type=bounded(int, 0, inclusive=False), metavar="B", help="micro batch per rank, for the activation estimate")
+    parser.add_argument("--seq-len", type=bounded(int, 0, inclusive=False), metavar="T", help="sequence length, for the activation estimate")
     parser.add_argument("--reserve", type=float, default=0.1, metavar="FRACTION",
                         help="share of memory kept free for fragmentation and temporaries (default: 0.1)")
     parser.add_argument("--compute-time", type=float, default=0.0, metavar="S",
@@ -87,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--offload", action="store_true", help="also consider ZeRO-Offload to CPU")
     parser.add_argument("--host-bandwidth", type=parse_rate, default=12e9, metavar="RATE",
                         help="device<->host bandwidth for offload (default: 12GB/s, PCIe 4 x16 in practice)")
-    parser.add_argument("--cpu-memory", type=_type(est.parse_bytes), metavar="SIZE", help="host memory per rank for offload")
+    parser.add_argument("--cpu-memory", type=bounded(est.parse_bytes, 0, inclusive=False), metavar="SIZE", help="host memory per rank for offload")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 

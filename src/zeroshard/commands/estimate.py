@@ -6,7 +6,7 @@ import json
 import sys
 
 from zeroshard import estimate as est
-from zeroshard.commands import CommandError, add_command
+from zeroshard.commands import CommandError, add_command, bounded
 
 SHARDED = {0: "nothing (DDP)", 1: "optimizer states", 2: "+ gradients", 3: "+ parameters"}
 
@@ -24,41 +24,29 @@ EXAMPLES = [
 ]
 
 
-def _argument_type(parse, minimum: int):
-    def convert(text: str) -> int:
-        try:
-            value = parse(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text!r}")
-        return value
-    return convert
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "estimate", summary="model-state memory and communication per ZeRO stage",
                          description=DESCRIPTION, examples=EXAMPLES)
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=_argument_type(est.parse_count, 1), metavar="N",
+    size.add_argument("--params", type=bounded(est.parse_count, 1), metavar="N",
                       help="parameter count: 7.5e9, 7.5B, 350M")
     size.add_argument("--model", metavar="NAME_OR_JSON",
                       help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
-    parser.add_argument("--ranks", type=_argument_type(int, 1), default=1, metavar="N",
+    parser.add_argument("--ranks", type=bounded(int, 1), default=1, metavar="N",
                         help="data-parallel ranks (default: 1)")
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16",
                         help="compute dtype; bf16/fp16 keep fp32 master weights (default: bf16)")
     parser.add_argument("--optimizer", choices=list(est.OPTIMIZER_STATES), default="adam",
                         help="sets K, the optimizer bytes per parameter (default: adam, K=12 mixed)")
-    parser.add_argument("--k", type=_argument_type(int, 0), metavar="BYTES",
+    parser.add_argument("--k", type=bounded(int, 0), metavar="BYTES",
                         help="override K, optimizer-state bytes per parameter (incl. fp32 master copy)")
     parser.add_argument("--offload-optimizer", choices=list(est.OFFLOAD_TARGETS),
                         help="ZeRO-Offload: optimizer states and their fp32 gradients off the device")
     parser.add_argument("--offload-param", choices=list(est.OFFLOAD_TARGETS),
                         help="stage 3 only: the parameter shard off the device")
-    parser.add_argument("--memory", type=_argument_type(est.parse_bytes, 1), metavar="SIZE",
+    parser.add_argument("--memory", type=bounded(est.parse_bytes, 1), metavar="SIZE",
                         help="device memory per rank (32GiB, 80GB, 1.5e10): adds the largest model that fits")
-    parser.add_argument("--cpu-memory", type=_argument_type(est.parse_bytes, 1), metavar="SIZE",
+    parser.add_argument("--cpu-memory", type=bounded(est.parse_bytes, 1), metavar="SIZE",
                         help="host memory per rank bounding CPU offload in the largest-model column")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
