@@ -36,3 +36,15 @@ def bounded(parse, minimum: float, *, inclusive: bool = True):
             raise argparse.ArgumentTypeError(f"must be {bound} {minimum}, got {text!r}")
         return value
     return convert
+
+
+def params_from_args(args: argparse.Namespace) -> int:
+    """The parameter count of `--params N` or `--model NAME_OR_JSON` (mutually exclusive flags)."""
+    if args.params is not None:
+        return args.params
+    from zeroshard import estimate
+
+    try:
+        return estimate.count_params_from_config(args.model)
+    except ValueError as err:
+        raise CommandError(f"--model: {err}") from None

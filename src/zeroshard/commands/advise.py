@@ -8,7 +8,7 @@ import re
 import sys
 
 from zeroshard import estimate as est
-from zeroshard.commands import CommandError, add_command, bounded
+from zeroshard.commands import CommandError, add_command, bounded, params_from_args
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.reserve < 1:
         raise CommandError(f"--reserve must be in [0, 1), got {args.reserve}")
-    params = args.params
-    if params is None:
-        try:
-            params = est.count_params_from_config(args.model)
-        except ValueError as err:
-            raise CommandError(f"--model: {err}") from None
+    params = params_from_args(args)
     bandwidth, source = args.bandwidth, "given"
     if args.measure_bandwidth:
         probe = measure_bandwidth(args.measure_ranks)

@@ -6,7 +6,7 @@ import json
 import sys
 
 from zeroshard import estimate as est
-from zeroshard.commands import CommandError, add_command, bounded
+from zeroshard.commands import add_command, bounded, params_from_args
 
 SHARDED = {0: "nothing (DDP)", 1: "optimizer states", 2: "+ gradients", 3: "+ parameters"}
 
@@ -75,12 +75,7 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
 
 
 def _result(args: argparse.Namespace) -> dict:
-    params = args.params
-    if params is None:
-        try:
-            params = est.count_params_from_config(args.model)
-        except ValueError as err:
-            raise CommandError(f"--model: {err}") from None
+    params = params_from_args(args)
     rec = est.recipe(args.precision, args.optimizer, args.k)  # argparse has validated every input
     return {"params": params, "model": args.model, "ranks": args.ranks,
             "recipe": {"name": rec.name, "param_bytes": rec.param_bytes, "grad_bytes": rec.grad_bytes, "k": rec.k},
