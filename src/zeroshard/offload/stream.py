@@ -103,7 +103,7 @@ class StreamedStep:
 
     def _prefetch(self, sub: SubGroup) -> None:
         self.store.prefetch(self.state_tensors(sub))
-        if self.master_store is not None:
+        if self.master_store is not None and sub.start == 0:  # once per group, not per sub-group
             self.master_store.prefetch([sub.group.master])
 
     def _release(self, sub: SubGroup) -> None:
