@@ -63,12 +63,6 @@ class ByteCounter:
         """Paper-convention bytes of the collectives that move model states (not control)."""
         return sum(v for k, v in self.paper.items() if k != "control")
 
-    def reset(self) -> None:
-        self.wait_s = 0.0
-        self.paper.clear()
-        self.wire.clear()
-        self.calls.clear()
-
 
 class Handle:
     """An in-flight collective; `wait()` raises `CollectiveError` with context on failure."""

@@ -107,10 +107,6 @@ class Unit:
                 group.full_grad = None  # stages 2/3: the full gradient lives only until reduced
         self._reductions.clear()
 
-    @property
-    def reducing(self) -> bool:
-        return bool(self._reductions)
-
     def destroy(self) -> None:
         for handle in self._gathers:
             handle.wait()
