@@ -36,7 +36,7 @@ def worker(args) -> None:
     import torch
 
     import zeroshard
-    from zeroshard.models.gpt import GPT, GPTConfig
+    from zeroshard.tools.models.gpt import GPT, GPTConfig
 
     zeroshard.init_distributed()
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 
 def run(args, offload: bool) -> dict:

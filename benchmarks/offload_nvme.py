@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 
 def dd_throughput(path: str, gigabytes: int = 2) -> dict:

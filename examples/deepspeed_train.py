@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import zeroshard as deepspeed
-from zeroshard.models.gpt import GPT, GPTConfig
+from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 
 def main() -> None:

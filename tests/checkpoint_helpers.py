@@ -6,7 +6,7 @@ import torch
 import zeroshard
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import adamw, gpt_model_fn, make_config
-from zeroshard.models.gpt import tiny_gpt_config
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
                                             "warmup_num_steps": 6, "warmup_type": "linear"}}

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def gpt_loss(model, inputs, targets) -> torch.Tensor:
-    """Default loss_fn: models that return (output, loss) when given targets, like zeroshard.models.GPT."""
+    """Default loss_fn: models that return (output, loss) when given targets, like zeroshard.tools.models.GPT."""
     out = model(inputs, targets)
     return out[1] if isinstance(out, tuple) else out
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from zeroshard import cli
-from zeroshard import estimate as est
-from zeroshard.bench import advise, family
+from zeroshard.tools import cli
+from zeroshard.tools import estimator as est
+from zeroshard.tools.bench import advisor as advise, family
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

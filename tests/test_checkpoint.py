@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from tests.checkpoint_helpers import (assert_equal_params, build_engine, full_params, tiny_batches,
                                       train_micro_steps)
 from tests.harness import run_distributed, subtests
-from zeroshard import cli
+from zeroshard.tools import cli
 from zeroshard.checkpoint import CheckpointError, consolidate, full_state_dict, load_full_weights
 from zeroshard.checkpoint.files import SafetensorsReader
-from zeroshard.models.gpt import GPT, tiny_gpt_config
+from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
 
 STEPS = 10
 # split: micro steps done before the save; split % gas != 0 saves in the middle of an accumulation.

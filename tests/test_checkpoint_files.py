@@ -9,12 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from zeroshard import cli
-from zeroshard.checkpoint.common import pieces_in_range
+from zeroshard.tools import cli
 from zeroshard.checkpoint.files import CheckpointError, SafetensorsReader, SafetensorsWriter, write_safetensors
 from zeroshard.checkpoint.manifest import manifest_text, master_key, rank_file, state_key
 from zeroshard.checkpoint.reader import CheckpointReader
-from zeroshard.flat import FlatLayout
+from zeroshard.core.flat import FlatLayout
 
 
 def _sample_tensors() -> dict[str, torch.Tensor]:
@@ -138,7 +137,7 @@ def test_reslicing_every_world_size_and_grouping(tmp_path, source_world):
                     for rank in range(target_world):
                         start, end = layout.shard_range(rank)
                         got = torch.zeros(end - start)
-                        for slot, lo, hi in pieces_in_range(layout, start, end):
+                        for slot, lo, hi in layout.pieces_in(start, end):
                             dest = got[slot.offset + lo - start: slot.offset + hi - start]
                             reader.read_param(slot.name, key, lo, hi, dest)
                         assert torch.equal(got, expected[start:end]), (source_world, target_world, names, rank)

@@ -21,7 +21,7 @@ from tests.harness import run_distributed, subtests
 from tests.reference import gpt_loss
 from zeroshard.checkpoint import open_checkpoint
 from zeroshard.checkpoint.reader import CheckpointReader
-from zeroshard.models.gpt import tiny_gpt_config
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4 ranks
 BEFORE, AFTER = 2, 3  # steps before the save, steps after the load

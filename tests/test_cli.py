@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from zeroshard import cli
+from zeroshard.tools import cli
 
 
 def run(capsys, *argv):
@@ -82,8 +82,8 @@ def test_registry_skips_missing_and_broken_modules(monkeypatch, tmp_path, caplog
         "    subparsers.add_parser('hello').set_defaults(func=lambda args: 7)\n")
     (tmp_path / "zs_test_broken.py").write_text("raise RuntimeError('half-written command')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    parser = cli.build_parser(["zeroshard.commands.not_written_yet", "zs_test_broken", "zs_test_hello",
-                               "zeroshard.commands.estimate"])
+    parser = cli.build_parser(["zeroshard.tools.commands.not_written_yet", "zs_test_broken", "zs_test_hello",
+                               "zeroshard.tools.commands.estimate"])
     args = parser.parse_args(["hello"])
     assert args.func(args) == 7
     assert parser.parse_args(["estimate", "--params", "1"]).params == 1

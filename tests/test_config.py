@@ -6,7 +6,7 @@ import warnings
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from zeroshard import config_schema as schema
+from zeroshard.config import schema
 from zeroshard.config import (
     ConfigError, ConfigKeyNotActedOnWarning, ZeroShardConfig, load_config, warn_not_acted_on,
 )

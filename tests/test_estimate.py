@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from zeroshard import estimate as est
+from zeroshard.tools import estimator as est
 
 PSI, N = 7_500_000_000, 64
 

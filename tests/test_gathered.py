@@ -10,8 +10,8 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_single
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
-from zeroshard.models.gpt import tiny_gpt_config
-from zeroshard.zero import GatheredParameters
+from zeroshard.tools.models.gpt import tiny_gpt_config
+from zeroshard.compat.zero import GatheredParameters
 
 STEPS = 2
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
@@ -95,7 +95,7 @@ def _without_modifier_changes_are_discarded() -> None:
 def _before_initialize(stage: int) -> None:
     torch.manual_seed(0)
     with zeroshard.zero.Init():
-        model = zeroshard.models.GPT(tiny_gpt_config())
+        model = zeroshard.tools.models.GPT(tiny_gpt_config())
     rank = torch.distributed.get_rank()
     with GatheredParameters(_targets(model)):  # inspection: the values of normal construction
         for got, want in zip(_targets(model), _targets(gpt_model_fn()())):
@@ -113,7 +113,7 @@ def _inside_init() -> None:
     """Post-hoc initialisation inside the Init context, the way DeepSpeed documents it."""
     torch.manual_seed(0)
     with zeroshard.zero.Init():
-        model = zeroshard.models.GPT(tiny_gpt_config())
+        model = zeroshard.tools.models.GPT(tiny_gpt_config())
         with GatheredParameters(_targets(model), modifier_rank=0):
             _change(model, torch.distributed.get_rank())
     _expect_targets(model, _changed_model_fn()())

@@ -23,7 +23,7 @@ import zeroshard  # noqa: E402
 from tests.harness import run_distributed, subtests  # noqa: E402
 from tests.reference import train_ddp  # noqa: E402
 from tests.zs_common import adamw, assert_close, full_params, make_config  # noqa: E402
-from zeroshard.unit import UnitState  # noqa: E402
+from zeroshard.core.unit import UnitState  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work

@@ -22,7 +22,7 @@ import zeroshard  # noqa: E402
 from tests.harness import run_distributed, subtests  # noqa: E402
 from tests.reference import gpt_batches  # noqa: E402
 from tests.zs_common import adamw, full_params, gpt_model_fn, make_config  # noqa: E402
-from zeroshard.models.gpt import tiny_gpt_config  # noqa: E402
+from zeroshard.tools.models.gpt import tiny_gpt_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work

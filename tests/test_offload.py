@@ -17,7 +17,7 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches
 from tests.zs_common import adamw, assert_close, gpt_model_fn, make_config, train_engine
-from zeroshard.models.gpt import tiny_gpt_config
+from zeroshard.tools.models.gpt import tiny_gpt_config
 from zeroshard.offload import StoreError
 
 STEPS = 10

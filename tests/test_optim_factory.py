@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from zeroshard.config import load_config
-from zeroshard.optim_factory import (
+from zeroshard.compat.optimizers import (
     ELEMENTWISE_OPTIMIZERS, OptimizerNotShardableError, build_optimizer, check_shardable,
 )
 

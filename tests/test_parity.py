@@ -11,8 +11,8 @@ import pytest
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
 from tests.zs_common import adamw, assert_close, gpt_model_fn, make_config, train_engine
-from zeroshard.estimate import model_state_bytes, recipe
-from zeroshard.models.gpt import tiny_gpt_config
+from zeroshard.tools.estimator import model_state_bytes, recipe
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 10
 CASES = [dict(stage=s, gas=g, clip=c) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]

@@ -16,7 +16,7 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import full_params, gpt_model_fn, make_config
-from zeroshard.models.gpt import tiny_gpt_config
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 20
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
@@ -178,7 +178,7 @@ def test_mixed_precision(world):
 
 def test_unsupported_half_precision_is_named(monkeypatch):
     """A torch build without fp16 kernels on this device fails at initialize, naming fp16."""
-    from zeroshard.precision import check_supported
+    from zeroshard.core.precision import check_supported
 
     def no_half_layer_norm(*args, **kwargs):
         raise RuntimeError('"LayerNormKernelImpl" not implemented for \'Half\'')

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tests.harness import grid, run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp, train_single
-from zeroshard.models import GPT, GPTConfig, tiny_gpt_config
+from zeroshard.tools.models import GPT, GPTConfig, tiny_gpt_config
 
 GPT2_SMALL = dict(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from zeroshard.config import load_config
-from zeroshard.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from zeroshard.compat.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 
 
 class DuckOptimizer:

@@ -16,7 +16,7 @@ from torch import nn
 import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.zs_common import adamw, make_config
-from zeroshard.models.gpt import GPT, GPTConfig, tiny_gpt_config
+from zeroshard.tools.models.gpt import GPT, GPTConfig, tiny_gpt_config
 
 MIB = 2**20
 

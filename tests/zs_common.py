@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import zeroshard
-from zeroshard.models.gpt import GPT, tiny_gpt_config
+from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
 from tests.reference import gpt_batches, gpt_loss
 
 LR = 1e-2

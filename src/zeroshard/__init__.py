@@ -1,17 +1,23 @@
 """zeroshard: ZeRO (Zero Redundancy Optimizer) data parallelism for PyTorch.
 
-`import zeroshard as deepspeed` runs a DeepSpeed ZeRO training script; see README.md.
+Two ways in:
+  * `zeroshard.shard(model, optimizer, stage=...)` — the composable core (zeroshard/core/), no config;
+  * `zeroshard.initialize(model=..., config=...)` — DeepSpeed's call shape (zeroshard/compat/):
+    `import zeroshard as deepspeed` runs a DeepSpeed ZeRO training script; see README.md.
+The layers are drawn in docs/architecture.md.
 """
-from . import checkpointing, zero
-from .api import add_config_arguments, init_distributed, initialize
-from .comm import CollectiveError
-from .config import ConfigError, load_config
-from .engine import ZeroEngine
-from .policy import STAGES, StagePolicy, stage_policy
+from zeroshard.compat import paths as _paths
+from zeroshard.compat.api import add_config_arguments, init_distributed, initialize
+from zeroshard.compat.engine import ZeroEngine
+from zeroshard.config import ConfigError, load_config
+from zeroshard.core import STAGES, CollectiveError, Placement, PrecisionPolicy, Sharded, StagePolicy, shard, stage_policy
 
 __version__ = "0.1.0"
 
+_paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)
+
 __all__ = [
-    "CollectiveError", "ConfigError", "add_config_arguments", "STAGES", "StagePolicy", "ZeroEngine", "init_distributed",
-    "checkpointing", "initialize", "load_config", "stage_policy", "zero", "__version__",
+    "CollectiveError", "ConfigError", "Placement", "PrecisionPolicy", "STAGES", "Sharded", "StagePolicy",
+    "ZeroEngine", "add_config_arguments", "checkpointing", "init_distributed", "initialize", "load_config",
+    "shard", "stage_policy", "zero", "__version__",
 ]

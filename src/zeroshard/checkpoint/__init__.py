@@ -26,12 +26,12 @@ Readers re-slice by parameter and element range ([Note: resharding by element ra
 reader.py), so a checkpoint written at N ranks and stage s loads at M ranks and stage t.
 Publication is atomic ([Note: atomic publication] in save.py).
 """
-from .consolidate import consolidate, open_checkpoint
-from .files import CheckpointError
-from .full import full_state_dict, save_16bit_model
-from .load import load_checkpoint
-from .save import save_checkpoint
-from .weights import load_full_weights
+from zeroshard.checkpoint.consolidate import consolidate, open_checkpoint
+from zeroshard.checkpoint.files import CheckpointError
+from zeroshard.checkpoint.full import full_state_dict, save_16bit_model
+from zeroshard.checkpoint.load import load_checkpoint
+from zeroshard.checkpoint.save import save_checkpoint
+from zeroshard.checkpoint.weights import load_full_weights
 
 __all__ = ["CheckpointError", "consolidate", "full_state_dict", "load_checkpoint", "load_full_weights",
            "open_checkpoint", "save_16bit_model", "save_checkpoint"]

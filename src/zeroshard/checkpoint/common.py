@@ -1,14 +1,11 @@
-"""Steps shared by saving, loading and gathering: agreeing on failures, walking a range of a flat
-buffer parameter by parameter, and refreshing the unsharded parameters from the master weights."""
+"""Steps shared by saving, loading and gathering: agreeing on failures, and where a rank's part of
+each flat group sits."""
 from __future__ import annotations
 
 import traceback
-from collections.abc import Iterator
-
 import torch
 
-from ..flat import FlatLayout, Slot
-from .files import CheckpointError
+from zeroshard.checkpoint.files import CheckpointError
 
 
 def agree(comm, error: str | None, what: str) -> None:
@@ -40,15 +37,6 @@ def attempt(fn, *args, **kwargs) -> tuple[object, str | None]:
         return None, f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
 
 
-def pieces_in_range(layout: FlatLayout, start: int, end: int) -> Iterator[tuple[Slot, int, int]]:
-    """(slot, lo, hi) for each parameter overlapping [start, end) of the padded buffer: elements
-    [lo, hi) of the flattened parameter sit at [slot.offset + lo, slot.offset + hi)."""
-    for slot in layout.slots:
-        lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
-        if lo < hi:
-            yield slot, lo - slot.offset, hi - slot.offset
-
-
 def compute_dtype(engine) -> torch.dtype:
     """The dtype the module's parameters have (bf16/fp16 with mixed precision, else fp32)."""
     return engine.groups[0].param_dtype
@@ -57,22 +45,11 @@ def compute_dtype(engine) -> torch.dtype:
 def own_range_in_master(group, rank: int) -> tuple[int, int]:
     """This rank's shard [r*S, (r+1)*S) as a range inside `group.master`, which is that shard at
     stages 1-3 and the whole padded buffer at stage 0."""
-    start, _ = group.opt_range
-    a, b = group.layout.shard_range(rank)
-    return a - start, b - start
+    if group.sharded_master:
+        return 0, group.master.numel()
+    return group.layout.shard_range(rank)
 
 
-@torch.no_grad()
-def refresh_full_parameters(engine) -> None:
-    """After the master weights changed outside a step: make every rank's unsharded parameters
-    match them (stage-3 units are gathered from the master shards on their next use)."""
-    handles = []
-    for group in engine.groups:
-        if not group.keep_full:  # stage 3: gathered from the master on next use
-            continue
-        group.copy_master_into_full()
-        if group.opt_range != (0, group.layout.padded_numel):  # sharded master: gather the others' slices
-            what = f"all-gather of loaded parameters ({group.names[0]}...)"
-            handles.append(engine.comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True))
-    for handle in handles:
-        handle.wait()
+def optimizer_states(engine) -> list[dict]:
+    """Per flat group (engine order), its optimizer state in one piece (ZeroOptimizer.group_state)."""
+    return [engine.optimizer.group_state(group) if group.trainable else {} for group in engine.groups]

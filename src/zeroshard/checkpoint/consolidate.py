@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .files import CheckpointError, dtype_name
-from .manifest import BUFFERS, MANIFEST, check_files, checkpoint_path, read_manifest, resolve_tag
-from .output import FullModelWriter, format_for
-from .reader import CheckpointReader
+from zeroshard.checkpoint.files import CheckpointError, dtype_name
+from zeroshard.checkpoint.manifest import BUFFERS, MANIFEST, check_files, checkpoint_path, read_manifest, resolve_tag
+from zeroshard.checkpoint.output import FullModelWriter, format_for
+from zeroshard.checkpoint.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
 

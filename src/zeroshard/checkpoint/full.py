@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .common import agree, attempt, compute_dtype
-from .manifest import model_aliases, persistent_buffers, state_dict_order
-from .output import FullModelWriter, format_for
+from zeroshard.checkpoint.common import agree, attempt, compute_dtype
+from zeroshard.checkpoint.manifest import model_aliases, persistent_buffers, state_dict_order
+from zeroshard.checkpoint.output import FullModelWriter, format_for
 
 
 def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None]) -> None:
@@ -18,7 +18,7 @@ def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None
     `visit` must not keep views of it."""
     for group in engine.groups:
         padded = group.layout.padded_numel
-        if group.opt_range == (0, padded):  # stage 0: the master is already whole
+        if not group.sharded_master:  # stage 0: the master is already whole
             visit(group, group.master)
             continue
         full = torch.empty(padded, dtype=torch.float32, device=group.master.device)

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from .common import agree, attempt, pieces_in_range, refresh_full_parameters
-from .files import CheckpointError
-from .manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
+from zeroshard.checkpoint.common import agree, attempt
+from zeroshard.checkpoint.contract import Counters
+from zeroshard.checkpoint.files import CheckpointError
+from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
                        persistent_buffers, rank_file, read_manifest, resolve_tag)
-from .reader import CheckpointReader
+from zeroshard.checkpoint.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +58,15 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     objects, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict,
                              load_module_only)
     agree(comm, error, what)
-    refresh_full_parameters(engine)
+    engine.refresh_parameters()
     if restore_optimizer:
         _restore_param_groups(engine, objects["optimizer"]["param_groups"])
     if not load_module_only:
         _restore_counters(engine, manifest)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and objects["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(objects["lr_scheduler"])
-        scaler = getattr(engine, "loss_scaler", None)
-        if scaler is not None and objects["loss_scaler"] is not None:
-            scaler.load_state_dict(objects["loss_scaler"])
+        if engine.loss_scaler is not None and objects["loss_scaler"] is not None:
+            engine.loss_scaler.load_state_dict(objects["loss_scaler"])
     log.info("zeroshard: loaded checkpoint %s (saved at %d ranks, stage %d; now %d ranks, stage %d)", path,
              manifest["world_size"], manifest["stage"], comm.world_size, engine.policy.stage)
     return str(path), objects["client_state"]
@@ -91,7 +91,7 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
                  module_only: bool) -> dict:
     check_compatible(path, manifest, engine_param_shapes(engine), strict)
     objects = torch.load(path / OBJECTS, map_location="cpu", weights_only=False)
-    optimizer = engine.optimizer.optimizer
+    optimizer = engine.optimizer
     if restore_optimizer:
         _check_optimizer(path, manifest, objects, optimizer)
     with_grads = manifest["mid_accumulation"] and not module_only
@@ -99,11 +99,10 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
         _check_same_partition(path, manifest, engine)
     with CheckpointReader(path, manifest) as reader:
         for index, group in enumerate(engine.groups):
-            start, end = group.opt_range
-            for slot, lo, hi in pieces_in_range(group.layout, start, end):
+            for slot, lo, hi, dest in group.master_pieces():
                 if slot.name in reader.index:
-                    dest = group.master[slot.offset + lo - start: slot.offset + hi - start]
                     reader.read_param(slot.name, "master", lo, hi, dest)
+            start = group.opt_range[0]
             group.master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
             if restore_optimizer and group.trainable:
                 _load_optimizer_state(reader, group, objects["optimizer"]["scalars"], optimizer)
@@ -115,10 +114,10 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
 
 def _check_optimizer(path: Path, manifest: dict, objects: dict, optimizer) -> None:
     saved = len(objects["optimizer"]["param_groups"])
-    if manifest["optimizer"] != type(optimizer).__name__ or saved != len(optimizer.param_groups):
+    if manifest["optimizer"] != optimizer.name or saved != len(optimizer.param_groups):
         raise CheckpointError(
             f"{path / MANIFEST}: optimizer states of {manifest['optimizer']} with {saved} param group(s) "
-            f"cannot be loaded into {type(optimizer).__name__} with {len(optimizer.param_groups)}; "
+            f"cannot be loaded into {optimizer.name} with {len(optimizer.param_groups)}; "
             "pass load_optimizer_states=False to load the weights only")
 
 
@@ -126,7 +125,7 @@ def _check_same_partition(path: Path, manifest: dict, engine) -> None:
     """Gradients accumulated so far are rank-local (unreduced at stages 0/1): they only fit the same
     world size, stage, accumulation steps and grouping."""
     same = (manifest["world_size"] == engine.comm.world_size and manifest["stage"] == engine.policy.stage
-            and manifest["gradient_accumulation_steps"] == engine.gradient_accumulation_steps()
+            and manifest["gradient_accumulation_steps"] == engine.counters().gradient_accumulation_steps
             and [[p["name"] for p in g["params"]] for g in manifest["groups"]] == [g.names for g in engine.groups])
     if not same:
         raise CheckpointError(
@@ -134,22 +133,19 @@ def _check_same_partition(path: Path, manifest: dict, engine) -> None:
             f"{manifest['micro_steps']}, {manifest['gradient_accumulation_steps']} per step) at "
             f"{manifest['world_size']} ranks and stage {manifest['stage']}; its accumulated gradients load "
             f"only into the same setup, not {engine.comm.world_size} ranks, stage {engine.policy.stage}, "
-            f"{engine.gradient_accumulation_steps()} micro steps. Save at an accumulation boundary to "
+            f"{engine.counters().gradient_accumulation_steps} micro steps. Save at an accumulation boundary to "
             "change the world size or stage, or pass load_module_only=True")
 
 
 def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimizer) -> None:
-    """Rebuild `optimizer.state[group.master]` from the checkpoint: elementwise state re-sliced,
-    scalar state (Adam's `step`) from the saved group holding this group's first parameter."""
+    """Rebuild one group's optimizer state from the checkpoint (ZeroOptimizer.load_group_state):
+    elementwise state re-sliced, scalar state (Adam's `step`) from the saved group holding this
+    group's first parameter."""
     names = [s.name for s in group.layout.slots if s.name in reader.index]
     if not names:
         return
     source, _ = reader.index.locate(names[0])
     kinds = reader.manifest["groups"][source]["state"]
-    if not kinds:
-        optimizer.state.pop(group.master, None)  # saved before the first step
-        return
-    start, end = group.opt_range
     state = {}
     for key, kind in kinds:
         if kind == "scalar":
@@ -159,18 +155,17 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
             state[key] = copy.deepcopy(value.to(group.master.device) if on_device else value)
             continue
         state[key] = torch.zeros_like(group.master)  # 1-D, numel = end - start
-        for slot, lo, hi in pieces_in_range(group.layout, start, end):
+        for slot, lo, hi, dest in group.master_pieces(state[key]):
             if slot.name in reader.index and reader.index.state_kinds(slot.name).get(key) == "elementwise":
-                dest = state[key][slot.offset + lo - start: slot.offset + hi - start]
                 reader.read_param(slot.name, key, lo, hi, dest)
             else:
                 log.warning("checkpoint %s has no optimizer state '%s' for '%s': starting it at zero",
                             reader.path, key, slot.name)
-    optimizer.state[group.master] = state
+    optimizer.load_group_state(group, state)  # {} when saved before the first step
 
 
 def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> None:
-    grad = group.full_grad if group.grads_persist_full else group.grad_shard
+    grad = group.grad()
     file = reader.file(rank_file(rank))
     if grad is not None and grad_key(index) in file:
         file.read_into(grad_key(index), 0, grad.numel(), grad)
@@ -189,15 +184,13 @@ def _load_buffers(module, saved: dict[str, torch.Tensor], path: Path, strict: bo
 
 def _restore_param_groups(engine, saved: list[dict]) -> None:
     """Hyper-parameters (lr, betas, weight decay, ...), as torch's Optimizer.load_state_dict does."""
-    for group, values in zip(engine.optimizer.optimizer.param_groups, saved):
+    for group, values in zip(engine.optimizer.param_groups, saved):
         group.update({k: v for k, v in values.items() if k != "params"})
 
 
 def _restore_counters(engine, manifest: dict) -> None:
-    engine.global_steps = manifest["global_steps"]
-    if hasattr(engine.optimizer, "skipped_steps"):  # fp16 steps skipped on overflow
-        engine.optimizer.skipped_steps = manifest.get("skipped_steps", 0)
-    if manifest["gradient_accumulation_steps"] == engine.gradient_accumulation_steps():
-        engine.micro_steps = manifest["micro_steps"]
-    else:  # at a boundary (checked): the position in a step is 0 whatever the accumulation steps are now
-        engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    gas = engine.counters().gradient_accumulation_steps
+    global_steps = manifest["global_steps"]
+    # At a boundary (checked) the position in a step is 0 whatever the accumulation steps are now.
+    micro_steps = manifest["micro_steps"] if manifest["gradient_accumulation_steps"] == gas else global_steps * gas
+    engine.restore_counters(Counters(global_steps, micro_steps, gas, manifest.get("skipped_steps", 0)))

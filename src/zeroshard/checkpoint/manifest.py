@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .files import CheckpointError, dtype_name, hash_file
+from zeroshard.checkpoint.files import CheckpointError, dtype_name, hash_file
+from zeroshard.core.streamed import is_elementwise
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +75,13 @@ def state_dict_order(module: nn.Module) -> list[str]:
     return list(module.state_dict(keep_vars=True))
 
 
-def describe_groups(engine) -> list[dict]:
-    """One entry per flat group, in engine order: the layout every reader re-slices by."""
+def describe_groups(engine, states: list[dict]) -> list[dict]:
+    """One entry per flat group, in engine order: the layout every reader re-slices by. `states`:
+    each group's optimizer state (common.optimizer_states)."""
     unit_of = {id(g): unit.name for unit in engine.units for g in unit.groups}
-    optimizer = engine.optimizer.optimizer
     groups = []
-    for group in engine.groups:
+    for group, state in zip(engine.groups, states):
         layout = group.layout
-        state = optimizer.state.get(group.master, {}) if group.trainable else {}
         groups.append({
             "unit": unit_of[id(group)],
             "optimizer_group": group.optimizer_group,
@@ -93,11 +93,6 @@ def describe_groups(engine) -> list[dict]:
                       for key, value in state.items()],
         })
     return groups
-
-
-def is_elementwise(value, master: torch.Tensor) -> bool:
-    """Optimizer state with one entry per master element (exp_avg, momentum_buffer, ...)."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == master.shape
 
 
 def manifest_text(manifest: dict) -> str:

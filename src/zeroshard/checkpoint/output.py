@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .files import SafetensorsWriter, fsync_dir
+from zeroshard.checkpoint.files import SafetensorsWriter, fsync_dir
 
 FORMATS = ("safetensors", "pt")
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .files import CheckpointError, SafetensorsReader
-from .manifest import BUFFERS, ParamIndex, master_key, rank_file, state_key
+from zeroshard.checkpoint.files import CheckpointError, SafetensorsReader
+from zeroshard.checkpoint.manifest import BUFFERS, ParamIndex, master_key, rank_file, state_key
 
 
 class CheckpointReader:

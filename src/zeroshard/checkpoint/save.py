@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from .common import agree, attempt, compute_dtype, own_range_in_master
-from .files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
-from .manifest import (BUFFERS, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, OBJECTS, check_tag, describe_groups,
+from zeroshard.checkpoint.common import agree, attempt, compute_dtype, optimizer_states, own_range_in_master
+from zeroshard.checkpoint.files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
+from zeroshard.checkpoint.manifest import (BUFFERS, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, OBJECTS, check_tag, describe_groups,
                        grad_key, is_elementwise, manifest_text, master_key, model_aliases, persistent_buffers,
                        rank_file, state_key)
 
@@ -39,12 +39,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     """Write a checkpoint of `engine` to `save_dir/<tag>` (default tag `global_step<N>`) and, with
     `save_latest`, point `save_dir/latest` at it. Collective: every rank calls it with the same
     arguments. Returns the checkpoint directory."""
-    if getattr(engine, "_backward_done", False):
+    counters = engine.counters()
+    if counters.backward_pending:
         raise CheckpointError("save_checkpoint() called between engine.backward() and engine.step(): "
                               "call engine.step() first, the gradients of this micro step are not saved")
     comm = engine.comm
     save_dir = Path(save_dir)
-    tag = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    tag = check_tag(str(tag) if tag is not None else f"global_step{counters.global_steps}")
     proposals = comm.all_gather_objects((tag, uuid.uuid4().hex[:12]), "checkpoint tag")
     if len({t for t, _ in proposals}) > 1:
         raise CheckpointError(f"ranks passed different checkpoint tags: {[t for t, _ in proposals]}")
@@ -53,10 +54,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     staging = save_dir / f".tmp-{tag}-{nonce}"
     _, error = attempt(_prepare, save_dir, staging) if comm.rank == 0 else (None, None)
     agree(comm, error, what)
-    record, error = attempt(_write_rank_file, engine, staging)
+    states = optimizer_states(engine)  # once: an offloaded step joins its sub-groups for it
+    record, error = attempt(_write_rank_file, engine, states, staging)
     records = comm.all_gather_objects(record, f"{what}: shard checksums")
     if comm.rank == 0 and all(r is not None for r in records):  # every shard is written
-        _, error = attempt(_finish, engine, staging, save_dir, tag, nonce, records, client_state or {},
+        _, error = attempt(_finish, engine, states, staging, save_dir, tag, nonce, records, client_state or {},
                            save_latest)
     try:
         agree(comm, error, what)
@@ -68,37 +70,32 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     return str(save_dir / tag)
 
 
-def mid_accumulation(engine) -> bool:
-    return engine.micro_steps % engine.gradient_accumulation_steps() != 0
-
-
 # -- every rank ---------------------------------------------------------------------------------------
-def rank_tensors(engine) -> dict[str, torch.Tensor]:
+def rank_tensors(engine, states: list[dict]) -> dict[str, torch.Tensor]:
     """This rank's part of the model states: for each group, elements [r*S, (r+1)*S) of its fp32
     master weights and of each elementwise optimizer state; at stage 0, where every rank holds the
     whole buffer, each rank writes that same slice of it, so the files look alike at every stage.
     In the middle of gradient accumulation also the gradients accumulated so far (rank-local)."""
-    rank, optimizer = engine.comm.rank, engine.optimizer.optimizer
-    with_grads = mid_accumulation(engine)
+    rank = engine.comm.rank
+    with_grads = engine.counters().mid_accumulation
     tensors = {}
-    for index, group in enumerate(engine.groups):
+    for index, (group, state) in enumerate(zip(engine.groups, states)):
         lo, hi = own_range_in_master(group, rank)
         tensors[master_key(index)] = group.master[lo:hi]  # 1-D fp32, numel = shard_numel
-        state = optimizer.state.get(group.master, {}) if group.trainable else {}
         for key, value in state.items():
             if is_elementwise(value, group.master):
                 tensors[state_key(index, key)] = value[lo:hi]
-        grad = (group.full_grad if group.grads_persist_full else group.grad_shard) if group.trainable else None
+        grad = group.grad() if group.trainable else None
         if with_grads and grad is not None:
             tensors[grad_key(index)] = grad
     return tensors
 
 
-def _write_rank_file(engine, staging: Path) -> tuple[str, dict]:
+def _write_rank_file(engine, states: list[dict], staging: Path) -> tuple[str, dict]:
     staging.mkdir(parents=True, exist_ok=True)
     name = rank_file(engine.comm.rank)
     metadata = {"format": FORMAT, "rank": str(engine.comm.rank), "world_size": str(engine.comm.world_size)}
-    return name, write_safetensors(staging / name, rank_tensors(engine), metadata)
+    return name, write_safetensors(staging / name, rank_tensors(engine, states), metadata)
 
 
 # -- rank 0 -------------------------------------------------------------------------------------------
@@ -123,34 +120,32 @@ def _prepare(save_dir: Path, staging: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
-def _finish(engine, staging: Path, save_dir: Path, tag: str, nonce: str, records, client_state,
-            save_latest: bool) -> None:
+def _finish(engine, states: list[dict], staging: Path, save_dir: Path, tag: str, nonce: str, records,
+            client_state, save_latest: bool) -> None:
     files = dict(records)
-    files[OBJECTS] = write_atomic(staging / OBJECTS, _objects_bytes(engine, client_state))
+    files[OBJECTS] = write_atomic(staging / OBJECTS, _objects_bytes(engine, states, client_state))
     buffers = persistent_buffers(engine.module)
     if buffers:
         files[BUFFERS] = write_safetensors(staging / BUFFERS, {k: v.detach() for k, v in buffers.items()})
-    manifest = build_manifest(engine, tag, files, list(buffers))
+    manifest = build_manifest(engine, states, tag, files, list(buffers))
     write_atomic(staging / MANIFEST, manifest_text(manifest).encode())
     publish(staging, save_dir, tag, nonce, save_latest)
 
 
-def _objects_bytes(engine, client_state) -> bytes:
+def _objects_bytes(engine, states: list[dict], client_state) -> bytes:
     """What is not a per-element tensor: client state, scheduler, loss scaler, optimizer param-group
     hyper-parameters and scalar optimizer state (Adam's `step`), per group, pickled with torch.save."""
-    optimizer = engine.optimizer.optimizer
     scalars = {}
-    for index, group in enumerate(engine.groups):
-        state = optimizer.state.get(group.master, {}) if group.trainable else {}
+    for index, (group, state) in enumerate(zip(engine.groups, states)):
         scalars[index] = {key: (value.detach().cpu() if isinstance(value, torch.Tensor) else value,
                                 isinstance(value, torch.Tensor) and value.device.type != "cpu")
                           for key, value in state.items() if not is_elementwise(value, group.master)}
     objects = {
         "client_state": client_state,
         "optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                       for g in optimizer.param_groups], "scalars": scalars},
+                                       for g in engine.optimizer.param_groups], "scalars": scalars},
         "lr_scheduler": _state_of(engine.lr_scheduler),
-        "loss_scaler": _state_of(getattr(engine, "loss_scaler", None)),
+        "loss_scaler": _state_of(engine.loss_scaler),
     }
     buffer = io.BytesIO()
     torch.save(objects, buffer)
@@ -171,24 +166,25 @@ def _readable(value):
     return {"stored_in": OBJECTS}
 
 
-def build_manifest(engine, tag: str, files: dict, buffers: list[str]) -> dict:
-    from .. import __version__
+def build_manifest(engine, states: list[dict], tag: str, files: dict, buffers: list[str]) -> dict:
+    from zeroshard import __version__
 
+    counters = engine.counters()
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
         "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "world_size": engine.comm.world_size, "stage": engine.policy.stage,
         "param_dtype": dtype_name(compute_dtype(engine)),
-        "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-        "skipped_steps": getattr(engine.optimizer, "skipped_steps", 0),
-        "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
-        "mid_accumulation": mid_accumulation(engine),
-        "optimizer": type(engine.optimizer.optimizer).__name__,
+        "global_steps": counters.global_steps, "micro_steps": counters.micro_steps,
+        "skipped_steps": counters.skipped_steps,
+        "gradient_accumulation_steps": counters.gradient_accumulation_steps,
+        "mid_accumulation": counters.mid_accumulation,
+        "optimizer": engine.optimizer.name,
         "lr_scheduler": _readable(_state_of(engine.lr_scheduler)),
-        "loss_scaler": _readable(_state_of(getattr(engine, "loss_scaler", None))),
+        "loss_scaler": _readable(_state_of(engine.loss_scaler)),
         "aliases": model_aliases(engine.module),
         "buffers": buffers,
-        "groups": describe_groups(engine),
+        "groups": describe_groups(engine, states),
         "files": files,
         "config": _config_of(engine),
     }

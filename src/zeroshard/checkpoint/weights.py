@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from .common import agree, attempt, pieces_in_range, refresh_full_parameters
-from .files import CheckpointError, SafetensorsReader
-from .manifest import model_aliases, persistent_buffers
+from zeroshard.checkpoint.common import agree, attempt
+from zeroshard.checkpoint.files import CheckpointError, SafetensorsReader
+from zeroshard.checkpoint.manifest import model_aliases, persistent_buffers
 
 
 class _StateDictSource:
@@ -80,7 +80,7 @@ def load_full_weights(engine, source, strict: bool = True) -> None:
     _, error = attempt(_load, engine, source, strict)
     where = "a state dict" if isinstance(source, dict) else source
     agree(engine.comm, error, f"loading full weights from {where}")
-    refresh_full_parameters(engine)
+    engine.refresh_parameters()
 
 
 @torch.no_grad()
@@ -89,10 +89,8 @@ def _load(engine, source, strict: bool) -> None:
     try:
         found = _match(engine, weights, strict)
         for group in engine.groups:
-            start, end = group.opt_range
-            for slot, lo, hi in pieces_in_range(group.layout, start, end):
+            for slot, lo, hi, dest in group.master_pieces():
                 if slot.name in found:
-                    dest = group.master[slot.offset + lo - start: slot.offset + hi - start]
                     weights.read_into(found[slot.name], lo, hi, dest)
         buffers = persistent_buffers(engine.module)
         for name in set(buffers) & set(weights.keys()):

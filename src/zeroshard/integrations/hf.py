@@ -9,9 +9,7 @@ calls reach the model through `engine(**batch)`, and the lifecycle hooks the ten
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 import transformers
@@ -19,8 +17,8 @@ from transformers.trainer import SCHEDULER_NAME
 
 import zeroshard
 from zeroshard.checkpoint import full_state_dict
-from zeroshard.config import ConfigError
-from zeroshard.unit import UnitState
+from zeroshard.config import ConfigError, read_config
+from zeroshard.core.unit import UnitState
 
 __all__ = ["ZeroShardTrainer", "generate", "trainer_config"]
 
@@ -57,7 +55,7 @@ def trainer_config(config, args: transformers.TrainingArguments, max_steps: int)
     `args` when missing or "auto" (a different explicit value is an error, the Trainer's loop and the
     engine must count the same micro steps); "auto" optimizer and scheduler parameters from the
     learning rate, Adam betas/epsilon, weight decay, warmup and total steps."""
-    config = json.loads(Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else dict(config)
+    config = read_config(config)
     if args.fp16 or args.bf16:
         raise ConfigError("ZeroShardTrainer: set precision in the zeroshard config ('bf16': {'enabled': true} or "
                           "'fp16'), not with TrainingArguments(fp16/bf16), which would autocast on top of it")

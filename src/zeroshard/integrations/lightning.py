@@ -14,10 +14,8 @@ schedulers, hyper-parameters) rides along as the engine's client state. Requires
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,7 +29,7 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
 import zeroshard
-from zeroshard.config import ConfigError
+from zeroshard.config import ConfigError, read_config
 
 __all__ = ["ZeroShardPrecision", "ZeroShardStrategy"]
 
@@ -83,7 +81,7 @@ class ZeroShardStrategy(DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
-        raw = json.loads(Path(config).read_text()) if isinstance(config, (str, os.PathLike)) else dict(config or {})
+        raw = read_config(config)
         if stage is not None:
             raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": stage}
         self.config = raw

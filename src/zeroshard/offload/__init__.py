@@ -2,30 +2,12 @@
 (ZeRO-Offload, arXiv 2101.06840; ZeRO-Infinity, arXiv 2104.07857)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .store import CPUStore, NVMeStore, StoreError
-from .stream import StreamedStep, SubGroup, split
+from zeroshard.offload.store import CPUStore, NVMeStore, StoreError
+from zeroshard.core.placement import Placement
 
-__all__ = ["CPUStore", "NVMeStore", "OffloadPlan", "StoreError", "StreamedStep", "SubGroup", "build_plan", "split"]
-
-
-@dataclass
-class OffloadPlan:
-    """Where offloaded tensors go; None = stays where it is computed."""
-
-    optimizer_store: CPUStore | NVMeStore | None = None  # optimizer states, fp32 master, fp32 grads
-    param_store: CPUStore | NVMeStore | None = None  # stage-3 parameter shards
-    sub_group_size: int = 1_000_000_000
-
-    def stores(self) -> list:
-        return [s for s in {id(s): s for s in (self.optimizer_store, self.param_store) if s}.values()]
-
-    def destroy(self) -> None:
-        for store in self.stores():
-            store.destroy()
+__all__ = ["CPUStore", "NVMeStore", "StoreError", "build_placement"]
 
 
 def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
@@ -47,12 +29,12 @@ def _store(section, rank: int, bytes_needed: int, aio):
     return NVMeStore(section.nvme_path, rank, bytes_needed, threads=max(2, threads))
 
 
-def build_plan(zero, aio, optimizer: torch.optim.Optimizer, model_numel: int, rank: int,
-               world_size: int) -> OffloadPlan:
+def build_placement(zero, aio, optimizer: torch.optim.Optimizer, model_numel: int, rank: int,
+               world_size: int) -> Placement:
     shard = -(-model_numel // world_size) + 1024  # padding of a few groups
     optimizer_bytes = shard * (_state_bytes_per_element(optimizer) + 4 + 4)  # states + master + grads
     param_bytes = shard * 4
-    plan = OffloadPlan(sub_group_size=int(zero.sub_group_size))
+    plan = Placement(sub_group_size=int(zero.sub_group_size))
     plan.optimizer_store = _store(zero.offload_optimizer, rank, optimizer_bytes, aio)
     same = (zero.offload_param is not None and zero.offload_optimizer is not None
             and zero.offload_param.device == zero.offload_optimizer.device == "nvme"

@@ -49,22 +49,30 @@ class IOCounters:
 
 
 class CPUStore:
-    """Host memory. On a CPU-only machine this is where the tensors were anyway: the offload is then
-    a no-op placement, kept so that the same configuration runs on GPU machines."""
+    """Host memory (zeroshard.core.placement.Store). On a CPU-only machine this is the memory the
+    engine computes in, so the offload moves no bytes; the same configuration moves states off the
+    GPU on a GPU machine."""
 
     kind = "cpu"
+    offloaded_bytes = 0  # nothing it holds lives outside this process's memory
 
     def __init__(self, pin_memory: bool = False):
         self.pin = pin_memory and torch.cuda.is_available()
         self.counters = IOCounters()
         self.bytes_held = 0
+        self._held: dict[int, torch.Tensor] = {}  # id -> tensor, so `holds` can answer
 
     def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         self.bytes_held += numel * torch.empty(0, dtype=dtype).element_size()
-        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+        tensor = torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+        self._held[id(tensor)] = tensor
+        return tensor
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        return False  # host memory: on a CPU machine it is the memory the engine computes in
+        return id(tensor) in self._held
+
+    def resident(self, tensor: torch.Tensor) -> bool:
+        return True
 
     def prefetch(self, tensors) -> None:
         pass
@@ -79,6 +87,7 @@ class CPUStore:
         pass
 
     def destroy(self) -> None:
+        self._held.clear()
         self.bytes_held = 0
 
 
@@ -94,6 +103,8 @@ class _Mapped:
 
 
 class NVMeStore:
+    """Memory-mapped swap files under `nvme_path` (zeroshard.core.placement.Store)."""
+
     kind = "nvme"
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2):
@@ -127,6 +138,13 @@ class NVMeStore:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._files
+
+    def resident(self, tensor: torch.Tensor) -> bool:
+        return not self.holds(tensor)  # its bytes live in a file; pages come and go
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.bytes_held
 
     def _mapped(self, tensors) -> list[_Mapped]:
         return [self._files[id(t)] for t in tensors if id(t) in self._files]

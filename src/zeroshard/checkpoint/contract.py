@@ -1,0 +1,43 @@
+"""What the checkpoint package needs from a training object, and nothing more.
+
+`Checkpointable` is satisfied by the DeepSpeed engine (compat/engine.py); anything else that offers
+the same can be checkpointed too. Checkpoint code reads and writes model states only through these
+names: the core's flat groups and units, the sharded optimizer's per-group state
+(`group_state` / `load_group_state`, which hide how an offloaded step cuts a group into
+sub-groups), the loss scaler, the scheduler, and a `Counters` view of the step counters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Counters:
+    global_steps: int  # optimizer steps taken (skipped fp16 steps included, as DeepSpeed counts)
+    micro_steps: int  # forward/backward passes taken
+    gradient_accumulation_steps: int
+    skipped_steps: int  # fp16 steps skipped on overflow
+    backward_pending: bool = False  # backward() ran, step() not yet: gradients in flight
+
+    @property
+    def mid_accumulation(self) -> bool:
+        return self.micro_steps % self.gradient_accumulation_steps != 0
+
+
+class Checkpointable(Protocol):
+    comm: Any  # zeroshard.core.comm.Communicator
+    groups: list  # zeroshard.core.group.FlatGroup, in unit order
+    units: list  # zeroshard.core.unit.Unit
+    module: Any  # the wrapped nn.Module
+    policy: Any  # zeroshard.core.policy.StagePolicy
+    optimizer: Any  # zeroshard.core.optimizer.ZeroOptimizer
+    loss_scaler: Any  # DynamicLossScaler or None
+    lr_scheduler: Any  # anything with state_dict()/load_state_dict(), or None
+    config: Any  # the parsed config, written to the manifest for readers (never read back)
+
+    def counters(self) -> Counters: ...
+
+    def restore_counters(self, counters: Counters) -> None: ...
+
+    def refresh_parameters(self) -> None: ...

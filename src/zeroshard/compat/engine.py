@@ -1,0 +1,214 @@
+"""The engine: the facade DeepSpeed users touch. A DeepSpeed config becomes policies for the
+composable core (`zeroshard.core.sharded.Sharded`), which does all the work; the engine adds
+DeepSpeed's accessors, the gradient-accumulation counters, the learning-rate scheduler and
+checkpoints."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
+from zeroshard.checkpoint.contract import Counters
+from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
+from zeroshard.core.comm import Communicator
+from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, cast_floating
+from zeroshard.core.policy import stage_policy
+from zeroshard.core.sharded import Sharded
+from zeroshard.offload import build_placement
+
+log = logging.getLogger(__name__)
+
+
+class ZeroEngine(nn.Module):
+    """Wraps a model for ZeRO training. Use through `zeroshard.initialize`.
+
+    An `nn.Module` so that `engine(...)`, `engine.train()` and `engine.eval()` read as they do in
+    DeepSpeed; the wrapped model is `engine.module`.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None):
+        super().__init__()
+        zero = config.zero_optimization
+        self.config = config
+        self.module = model
+        extras = config.zeroshard
+        comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
+        placement = build_placement(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
+                                    comm.rank, comm.world_size)
+        self.sharded = Sharded(
+            model, optimizer, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
+            wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
+            gradient_clipping=float(config.gradient_clipping or 0.0),
+            loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None)
+        configure_activation_checkpointing(self)
+        self.lr_scheduler = lr_scheduler
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._backward_done = False
+        log.info("zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
+                 self.policy.stage, self.comm.world_size, len(self.units), self.num_parameters() / 1e6)
+
+    # -- the core's parts, read-only ------------------------------------------------------------------
+    @property
+    def comm(self):
+        return self.sharded.comm
+
+    @property
+    def policy(self):
+        return self.sharded.policy
+
+    @property
+    def precision(self):
+        return self.sharded.precision
+
+    @property
+    def units(self):
+        return self.sharded.units
+
+    @property
+    def groups(self):
+        return self.sharded.groups
+
+    @property
+    def lifecycle(self):
+        return self.sharded.lifecycle
+
+    @property
+    def optimizer(self):
+        return self.sharded.optimizer
+
+    @property
+    def loss_scaler(self):
+        return self.sharded.loss_scaler
+
+    @property
+    def placement(self):
+        return self.sharded.placement
+
+    # -- DeepSpeed's accessors ------------------------------------------------------------------------
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self.policy.stage
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    # -- training -------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = cast_floating((args, kwargs), self.precision.param_dtype)
+        return self.sharded(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Backward of `loss / gradient_accumulation_steps`, reducing gradients as units finish."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise ValueError("engine.backward(loss) needs a scalar loss tensor that requires grad, got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        scaled = loss / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            scaled = scaled.float() * self.loss_scaler.scale
+        self.sharded.backward(scaled, boundary=self.is_gradient_accumulation_boundary(), retain_graph=retain_graph)
+        self._backward_done = True
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every micro step's backward; the optimizer steps at accumulation boundaries."""
+        if not self._backward_done:
+            raise RuntimeError(
+                f"rank {self.comm.rank}: engine.step() called before engine.backward() (micro step {self.micro_steps}, global "
+                f"step {self.global_steps}): call engine.backward(loss) first on every rank")
+        self._backward_done = False
+        if self.is_gradient_accumulation_boundary():
+            applied = self.optimizer.step()
+            if applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients accumulated since the last optimizer step (DeepSpeed's meaning) and
+        go back to the start of the accumulation window."""
+        self.sharded.zero_grad()
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
+        self._backward_done = False
+
+    # -- parameters outside forward -------------------------------------------------------------------
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Full parameters inside the block (stage 3 keeps only shards otherwise)."""
+        return self.sharded.gathered_parameters(params, modifier_rank)
+
+    # -- checkpoints (checkpoint/ does the work; checkpoint/contract.py says what it reads) ------------
+    def counters(self) -> Counters:
+        return Counters(self.global_steps, self.micro_steps, self.gradient_accumulation_steps(),
+                        self.optimizer.skipped_steps, backward_pending=self._backward_done)
+
+    def restore_counters(self, counters: Counters) -> None:
+        self.global_steps, self.micro_steps = counters.global_steps, counters.micro_steps
+        self.optimizer.skipped_steps = counters.skipped_steps
+
+    def refresh_parameters(self) -> None:
+        self.sharded.refresh_parameters()
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
+                               save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, **kwargs):
+        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
+        return save_16bit_model(self, save_dir, save_filename)
+
+    # -- reports --------------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return self.sharded.num_parameters()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model states this rank holds (counted from its tensors), by kind."""
+        return self.sharded.memory_report()
+
+    def comm_report(self) -> dict:
+        return self.sharded.comm_report()
+
+    def destroy(self) -> None:
+        """Remove every hook and free every buffer; the module's parameters are released too."""
+        self.sharded.destroy()

@@ -1,0 +1,137 @@
+"""[Note: keys accepted but not acted on] — the one table of them.
+
+A DeepSpeed config key that zeroshard accepts but that changes nothing here is reported once, by
+name, with a `ConfigKeyNotActedOnWarning` (DESIGN.md: nothing is silently ignored). Every such key is
+in `TABLE` and nowhere else; the parser reads it, and `tests/test_config_table.py` walks the schema
+to prove that every field is either read by the code or listed here.
+
+A rule is either
+  * unparsed — a DeepSpeed key we do not validate at all (monitoring, autotuning, ...): any value is
+    accepted and reported when present; or
+  * parsed — a field of our schema, validated, reported when the user set it and `when(config)`
+    holds (a condition on the parsed config: `sub_group_size` only matters with offload).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Rule:
+    why: str
+    parsed: bool = True  # a validated field of the schema; False = accepted without validation
+    when: Callable[[Any], bool] | None = None  # parsed rules: report only when this holds
+
+
+def _unparsed(why: str, *keys: str) -> dict[str, Rule]:
+    return {key: Rule(why, parsed=False) for key in keys}
+
+
+def _parsed(why: str, *keys: str, when=None) -> dict[str, Rule]:
+    return {key: Rule(why, when=when) for key in keys}
+
+
+def _no_optimizer_offload(cfg) -> bool:
+    opt = cfg.zero_optimization.offload_optimizer
+    return opt is None or opt.device == "none"
+
+
+def _optimizer_offload(cfg) -> bool:
+    return not _no_optimizer_offload(cfg)
+
+
+def _param_offload(cfg) -> bool:
+    par = cfg.zero_optimization.offload_param
+    return par is not None and par.device != "none"
+
+
+TABLE: dict[str, Rule] = {
+    **_unparsed(
+        "monitoring, profiling and launch features of DeepSpeed's runtime; zeroshard logs through "
+        "python logging and has no launcher",
+        "steps_per_print", "wall_clock_breakdown", "dump_state", "tensorboard", "wandb", "csv_monitor",
+        "comet", "comms_logger", "flops_profiler", "memory_breakdown", "monitor_config", "autotuning",
+        "nebula", "elasticity", "use_node_local_storage"),
+    **_unparsed(
+        "DeepSpeed training features outside ZeRO (compression, curriculum, sparse attention, pipeline "
+        "engine, ...)",
+        "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "sparse_gradients", "amp",
+        "data_efficiency", "compression_training", "checkpoint", "data_types", "seed", "disable_allgather",
+        "sparse_attention", "pipeline", "quantize_training", "eigenvalue", "progressive_layer_drop",
+        "curriculum_learning", "dataloader_drop_last", "load_universal_checkpoint", "hybrid_engine",
+        "weight_quantization", "graph_harvesting", "train_epochs", "torch_autocast", "compile"),
+    **_unparsed("DeepSpeed's fused-kernel switch; config-built Adam uses torch's fused kernel anyway",
+                "optimizer.legacy_fusion"),
+    **_unparsed("DeepSpeed's fp16 master-weight layout; masters are always fp32 shards here",
+                "fp16.fp16_master_weights_and_grads"),
+    **_unparsed("DeepSpeed's bf16 optimizer switches; overflow is never checked in bf16 here",
+                "bf16.immediate_grad_update", "bf16.check_grad_overflow"),
+    **_unparsed(
+        "DeepSpeed runtime switches with no counterpart (elastic checkpoints, ZeRO++ and MiCS "
+        "communication, module-granularity tuning)",
+        *(f"zero_optimization.{key}" for key in (
+            "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1", "load_from_fp32_weights",
+            "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+            "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
+            "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+            "stage3_module_granularity_threshold", "stage3_model_persistence_threshold",
+            "stage3_use_all_reduce_for_fetch_params", "pipeline_loading_checkpoint", "override_module_apply",
+            "log_trace_cache_warnings"))),
+    **_unparsed("pipelined swap of DeepSpeed's NVMe engine; the NVMe store overlaps reads and writes itself",
+                "zero_optimization.offload_optimizer.pipeline_read",
+                "zero_optimization.offload_optimizer.pipeline_write"),
+    **_unparsed("GPUDirect storage is not used", "aio.use_gds"),
+    # -- parsed fields ---------------------------------------------------------------------------------
+    **_parsed("gradients are pre-divided by the world size before the reduction, as DDP does",
+              "prescale_gradients", "gradient_predivide_factor"),
+    # Units are the communication granularity (one collective per flat group), so bucket sizes and
+    # DeepSpeed's buffer-layout switches have nothing to act on.
+    **_parsed("a unit (one flat group per block) is the bucket of every collective",
+              *(f"zero_optimization.{key}" for key in (
+                  "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter",
+                  "allgather_partitions", "round_robin_gradients", "stage3_max_live_parameters",
+                  "stage3_max_reuse_distance"))),
+    **_parsed("only the streamed (offloaded) optimizer step cuts shards into sub-groups",
+              "zero_optimization.sub_group_size", when=_no_optimizer_offload),
+    # The stores size themselves (offload/store.py): DeepSpeed's swap-buffer pools have no equivalent,
+    # and everything the user chose to offload is offloaded (no partial ratio).
+    **_parsed("the offload stores size themselves; everything chosen is offloaded",
+              *(f"zero_optimization.offload_optimizer.{key}" for key in ("buffer_count", "ratio", "fast_init")),
+              when=_optimizer_offload),
+    **_parsed("the offload stores size themselves; everything chosen is offloaded",
+              *(f"zero_optimization.offload_param.{key}" for key in ("buffer_count", "buffer_size", "max_in_cpu")),
+              when=_param_offload),
+}
+
+
+def unparsed_keys(section_path: str) -> frozenset[str]:
+    """Keys of the section at `section_path` that are accepted without validation."""
+    prefix = f"{section_path}." if section_path else ""
+    return frozenset(path[len(prefix):] for path, rule in TABLE.items()
+                     if not rule.parsed and path.startswith(prefix) and "." not in path[len(prefix):])
+
+
+def set_keys(cfg) -> list[str]:
+    """Dotted paths of every field the user set, sections included, in schema order."""
+    out = []
+
+    def walk(section, path: str) -> None:
+        for name in type(section).model_fields:
+            if name not in section.model_fields_set:
+                continue
+            value = getattr(section, name)
+            key = f"{path}.{name}" if path else name
+            out.append(key)
+            if hasattr(value, "model_fields_set"):
+                walk(value, key)
+
+    walk(cfg, "")
+    return out
+
+
+def reported_keys(cfg) -> list[str]:
+    """The parsed keys of `cfg` that zeroshard does not act on, given the rest of the config."""
+    return [key for key in set_keys(cfg)
+            if (rule := TABLE.get(key)) is not None and rule.parsed and (rule.when is None or rule.when(cfg))]

@@ -1,0 +1,312 @@
+"""Typed, documented sections of a DeepSpeed-style JSON config.
+
+Every attribute is named exactly as the DeepSpeed JSON key it comes from and defaults to DeepSpeed's
+default (``deepspeed/runtime/zero/config.py``, ``zero/offload_config.py``, ``fp16`` / ``aio`` constants,
+``lr_schedules.py``). Parsing (unknown keys, ``"auto"``, warnings, error messages) lives in
+``zeroshard.config``; this module only describes what a valid section is.
+
+The shared base and number types are in ``config_base``, the offload and ``aio`` sections in
+``config_offload``; both are re-exported here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+
+from pydantic import AliasChoices, Field, ValidationInfo
+from pydantic import field_validator, model_validator
+
+from zeroshard.config.base import (Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section,  # noqa: F401
+                          canonical_name)
+from zeroshard.config.offload import (AioConfig, OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig,  # noqa: F401
+                             _check_nvme_path)
+
+# --- optimizer -----------------------------------------------------------------------------------
+
+
+class AdamParams(Section):
+    """``optimizer.params`` for type Adam / AdamW (DeepSpeed FusedAdam defaults)."""
+
+    section_path: ClassVar[str] = "optimizer.params"
+    auto_keys: ClassVar[frozenset[str]] = frozenset({"lr", "betas", "eps", "weight_decay"})
+
+    lr: NonNegFloat = 1e-3
+    """Learning rate (the starting value; a scheduler may overwrite it)."""
+    betas: tuple[Fraction, Fraction] = (0.9, 0.999)
+    """Decay rates of the first and second moment estimates."""
+    eps: NonNegFloat = 1e-8
+    """Added to the denominator for numerical stability."""
+    weight_decay: NonNegFloat = 0.0
+    """FusedAdam's default 0.0. With ``torch_adam: true`` and the key absent, torch's default applies
+    (0.01 for AdamW math), as in DeepSpeed."""
+    adam_w_mode: bool = True
+    """Decoupled weight decay (AdamW math). DeepSpeed's "Adam" is AdamW unless this is false; type
+    "AdamW" is always AdamW."""
+    torch_adam: bool = False
+    """DeepSpeed: use torch.optim.Adam/AdamW instead of FusedAdam. zeroshard always uses torch's."""
+    amsgrad: bool = False
+    """Use the AMSGrad variant (maximum of past second moments)."""
+
+
+class SGDParams(Section):
+    """``optimizer.params`` for type SGD (torch.optim.SGD defaults, as DeepSpeed passes them through)."""
+
+    section_path: ClassVar[str] = "optimizer.params"
+    auto_keys: ClassVar[frozenset[str]] = frozenset({"lr", "weight_decay"})
+
+    lr: NonNegFloat = 1e-3
+    """Learning rate."""
+    momentum: NonNegFloat = 0.0
+    """Momentum factor."""
+    dampening: NonNegFloat = 0.0
+    """Dampening for momentum."""
+    weight_decay: NonNegFloat = 0.0
+    """L2 penalty added to the gradient."""
+    nesterov: bool = False
+    """Nesterov momentum; needs momentum > 0 and dampening = 0."""
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> "SGDParams":
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError("nesterov=true needs momentum > 0 and dampening = 0 "
+                             f"(got momentum={self.momentum}, dampening={self.dampening})")
+        return self
+
+
+OPTIMIZER_TYPES: dict[str, type[Section]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+
+
+class OptimizerConfig(Section):
+    """The ``optimizer`` section: which torch optimizer the engine builds, and its hyperparameters."""
+
+    section_path: ClassVar[str] = "optimizer"
+    params_by_type: ClassVar[dict[str, type[Section]]] = OPTIMIZER_TYPES
+
+    type: str
+    """One of Adam, AdamW, SGD (case-insensitive in the JSON; stored canonically)."""
+    params: Union[AdamParams, SGDParams]
+    """Hyperparameters; which keys are valid depends on ``type``."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> str:
+        return canonical_name(value, tuple(OPTIMIZER_TYPES), "optimizer type")
+
+
+# --- scheduler -----------------------------------------------------------------------------------
+
+WarmupType = Literal["log", "linear"]
+_SCHEDULER_AUTO = frozenset({"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps"})
+
+
+class WarmupLRParams(Section):
+    """``scheduler.params`` for WarmupLR: warm up from min to max lr, then hold max."""
+
+    section_path: ClassVar[str] = "scheduler.params"
+    auto_keys: ClassVar[frozenset[str]] = _SCHEDULER_AUTO
+
+    warmup_min_lr: LrValue = 0.0
+    """Starting lr (one value, or one per param group)."""
+    warmup_max_lr: Optional[LrValue] = None
+    """Lr reached after warmup; None = the optimizer's lr of param group 0 (DeepSpeed's WarmupLR)."""
+    warmup_num_steps: NonNegInt = 1000
+    """Steps of warmup; values below 2 are treated as 2 (DeepSpeed)."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup curve."""
+    last_batch_iteration: Annotated[int, Field(ge=-1)] = -1
+    """Index of the last step taken; -1 starts from the beginning."""
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """``scheduler.params`` for WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    total_num_steps: PosInt
+    """Total number of training steps (required)."""
+    warmup_max_lr: LrValue = 0.001
+    """Lr reached after warmup (DeepSpeed's WarmupDecayLR default 0.001, not the optimizer's lr)."""
+
+
+class WarmupCosineLRParams(Section):
+    """``scheduler.params`` for WarmupCosineLR: ratios of the optimizer's lr, warmup then cosine."""
+
+    section_path: ClassVar[str] = "scheduler.params"
+    auto_keys: ClassVar[frozenset[str]] = _SCHEDULER_AUTO
+
+    total_num_steps: PosInt
+    """Total number of training steps (required)."""
+    warmup_min_ratio: NonNegFloat = 0.0
+    """Starting lr as a fraction of the optimizer's lr."""
+    warmup_num_steps: NonNegInt = 1000
+    """Steps of warmup; values below 2 are treated as 2 (DeepSpeed)."""
+    cos_min_ratio: NonNegFloat = 0.0001
+    """Final lr as a fraction of the optimizer's lr."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup curve."""
+    last_batch_iteration: Annotated[int, Field(ge=-1)] = -1
+    """Index of the last step taken; -1 starts from the beginning."""
+
+
+SCHEDULER_TYPES: dict[str, type[Section]] = {
+    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams,
+}
+
+
+class SchedulerConfig(Section):
+    """The ``scheduler`` section: a DeepSpeed lr schedule stepped once per optimizer step."""
+
+    section_path: ClassVar[str] = "scheduler"
+    params_by_type: ClassVar[dict[str, type[Section]]] = SCHEDULER_TYPES
+
+    type: str
+    """One of WarmupLR, WarmupDecayLR, WarmupCosineLR (case-insensitive; stored canonically)."""
+    params: Union[WarmupDecayLRParams, WarmupLRParams, WarmupCosineLRParams]
+    """Schedule parameters; which keys are valid depends on ``type``."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> str:
+        return canonical_name(value, tuple(SCHEDULER_TYPES), "scheduler type")
+
+
+# --- precision -----------------------------------------------------------------------------------
+
+
+class FP16Config(Section):
+    """The ``fp16`` section: fp16 compute with fp32 master weights and a loss scaler."""
+
+    section_path: ClassVar[str] = "fp16"
+    auto_keys: ClassVar[frozenset[str]] = frozenset({"enabled"})
+
+    enabled: bool = False
+    """Train in fp16."""
+    auto_cast: bool = False
+    """Cast module inputs to fp16 automatically."""
+    loss_scale: NonNegFloat = 0.0
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: NonNegInt = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: PosInt = 1000
+    """Steps without overflow before the dynamic scale is doubled."""
+    hysteresis: PosInt = 2
+    """Overflows tolerated before the dynamic scale is lowered."""
+    consecutive_hysteresis: bool = False
+    """Refill hysteresis after each step without overflow."""
+    min_loss_scale: PosFloat = 1.0
+    """Lower bound of the dynamic loss scale."""
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """True when the loss scale adapts (``loss_scale == 0``)."""
+        return self.loss_scale == 0
+
+
+class BF16Config(Section):
+    """The ``bf16`` section (alias ``bfloat16``): bf16 compute with fp32 master weights."""
+
+    section_path: ClassVar[str] = "bf16"
+    auto_keys: ClassVar[frozenset[str]] = frozenset({"enabled"})
+
+    enabled: bool = False
+    """Train in bf16."""
+
+
+# --- ZeRO ----------------------------------------------------------------------------------------
+
+class ZeroConfig(Section):
+    """The ``zero_optimization`` section: what is sharded and how it is communicated."""
+
+    section_path: ClassVar[str] = "zero_optimization"
+    auto_keys: ClassVar[frozenset[str]] = frozenset(
+        {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"})
+    # Deprecated DeepSpeed spellings of the offload sections; the parser rewrites them.
+    legacy_offload_keys: ClassVar[frozenset[str]] = frozenset(
+        {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"})
+    sections: ClassVar[dict[str, type[Section]]] = {
+        "offload_optimizer": OffloadOptimizerConfig, "offload_param": OffloadParamConfig}
+
+    stage: Literal[0, 1, 2, 3] = 0
+    """0 = plain data parallel, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
+    overlap_comm: bool = Field(None, validate_default=True)  # type: ignore[assignment]
+    """Overlap gradient reduction with backward. Unset: true for stage 3, false otherwise (DeepSpeed)."""
+    contiguous_gradients: bool = True
+    """Copy gradients into one contiguous buffer as they are produced."""
+    reduce_scatter: bool = True
+    """Average gradients with reduce-scatter rather than all-reduce."""
+    reduce_bucket_size: NonNegInt = 500_000_000
+    """Elements reduced at a time."""
+    allgather_partitions: bool = True
+    """All-gather updated partitions (rather than a series of broadcasts) after the step."""
+    allgather_bucket_size: NonNegInt = 500_000_000
+    """Elements all-gathered at a time."""
+    round_robin_gradients: bool = False
+    """Stage 1/2 with CPU offload: spread gradient copies over ranks."""
+    stage3_prefetch_bucket_size: NonNegInt = 50_000_000
+    """Stage 3: parameter elements prefetched ahead of use."""
+    stage3_param_persistence_threshold: NonNegInt = 100_000
+    """Stage 3: parameters with fewer elements stay unsharded."""
+    stage3_max_live_parameters: NonNegInt = 1_000_000_000
+    """Stage 3: parameter elements kept gathered before releasing."""
+    stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    """Stage 3: do not release a parameter reused within this many elements."""
+    sub_group_size: NonNegInt = 1_000_000_000
+    """Elements per optimizer-step tile (offload streams the step tile by tile)."""
+    stage3_gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(
+        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
+    """Stage 3: gather full 16-bit weights when saving the model."""
+    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    """Optimizer-state offload (stages 1-3)."""
+    offload_param: Optional[OffloadParamConfig] = None
+    """Parameter offload (stage 3 only)."""
+
+    @field_validator("overlap_comm", mode="before")
+    @classmethod
+    def _overlap_default(cls, value: Any, info: ValidationInfo) -> Any:
+        return info.data.get("stage") == 3 if value is None else value
+
+    @model_validator(mode="after")
+    def _offload_fits_stage(self) -> "ZeroConfig":
+        opt, par = self.offload_optimizer, self.offload_param
+        if opt is not None and opt.device != "none" and self.stage == 0:
+            raise ValueError("offload_optimizer needs stage 1, 2 or 3 (got stage 0)")
+        if opt is not None and opt.ratio < 1.0 and self.stage != 3:
+            raise ValueError(f"offload_optimizer.ratio < 1 needs stage 3 (got stage {self.stage})")
+        if par is not None and par.device != "none" and self.stage != 3:
+            raise ValueError(f"offload_param needs stage 3 (got stage {self.stage})")
+        _check_nvme_path(opt, "offload_optimizer")
+        _check_nvme_path(par, "offload_param")
+        return self
+
+
+class ActivationCheckpointingConfig(Section):
+    """The ``activation_checkpointing`` section (DeepSpeed's checkpointing.configure options)."""
+
+    section_path: ClassVar[str] = "activation_checkpointing"
+
+    partition_activations: bool = False
+    """Shard checkpointed activations across data-parallel ranks."""
+    cpu_checkpointing: bool = False
+    """Keep checkpointed activations in CPU memory."""
+    contiguous_memory_optimization: bool = False
+    """Copy checkpointed activations into one contiguous buffer."""
+    number_checkpoints: Optional[PosInt] = None
+    """Number of checkpoints (sizes the contiguous buffer)."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronise the device at each checkpoint boundary."""
+    profile: bool = False
+    """Log the time spent in checkpointed forward and recompute."""
+
+
+class ZeroShardExtConfig(Section):
+    """The ``zeroshard`` section: our extensions, not part of DeepSpeed's schema."""
+
+    section_path: ClassVar[str] = "zeroshard"
+
+    comm_timeout_s: PosFloat = 300.0
+    """Seconds a collective may take before the process group reports a hang."""
+    check_collectives: bool = True
+    """Check across ranks that every rank issues the same collective (catches divergent code paths)."""
+    wrap_modules: Optional[list[str]] = None
+    """Module class names that become sharding units; None = chosen automatically."""
+    activation_checkpointing_units: bool = False
+    """Checkpoint the activations of every unit but the root (see zeroshard.checkpointing), without
+    editing the model; the ``activation_checkpointing`` section's options apply to them."""

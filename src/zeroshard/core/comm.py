@@ -1,0 +1,205 @@
+"""The communication layer: the only module that calls torch.distributed collectives.
+
+Every collective goes through a `Communicator`, which
+  * counts bytes per collective kind, in the ZeRO paper's convention (§7: an all-reduce of Ψ elements
+    moves 2Ψ, a reduce-scatter or all-gather Ψ) and as a ring algorithm really sends them
+    ((N-1)/N of that), so a run can report its volume against DESIGN.md's table;
+  * optionally checks, before each collective, that every rank is about to run the *same* one
+    (kind, size, description). Ranks that diverge (different unit order, a skipped backward) would
+    otherwise deadlock or, worse, silently exchange the wrong tensors of equal size;
+  * runs on its own process group with a bounded timeout, and turns every failure into a
+    `CollectiveError` naming the rank, the collective and what it was for.
+"""
+from __future__ import annotations
+
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Reductions by name, so that callers never import torch.distributed for an op.
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "control")
+_KIND_ID = {k: i for i, k in enumerate(KINDS)}
+# Paper convention (ZeRO §7.1): all-reduce = reduce-scatter + all-gather = 2Ψ.
+_PAPER_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "control": 1}
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed, timed out, or ranks disagreed about which collective comes next."""
+
+
+@dataclass
+class ByteCounter:
+    """Bytes per collective kind, as seen by this rank."""
+
+    world_size: int
+    paper: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wire: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    wait_s: float = 0.0  # time the calling thread spent blocked on collectives
+
+    def add(self, kind: str, nbytes: int) -> None:
+        """`nbytes`: the size of the full (unsharded) tensor the collective is about."""
+        self.paper[kind] += _PAPER_FACTOR[kind] * nbytes
+        ring = (self.world_size - 1) / self.world_size
+        self.wire[kind] += _PAPER_FACTOR[kind] * nbytes * ring
+        self.calls[kind] += 1
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {
+            "paper_bytes": dict(self.paper),
+            "wire_bytes": dict(self.wire),
+            "calls": dict(self.calls),
+        }
+
+    def data_bytes(self) -> int:
+        """Paper-convention bytes of the collectives that move model states (not control)."""
+        return sum(v for k, v in self.paper.items() if k != "control")
+
+
+class Handle:
+    """An in-flight collective; `wait()` raises `CollectiveError` with context on failure."""
+
+    def __init__(self, comm: "Communicator", work, what: str, started: float):
+        self._comm, self._work, self.what, self._started = comm, work, what, started
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        work, self._work = self._work, None
+        blocked = time.monotonic()
+        try:
+            work.wait()
+        except Exception as error:  # gloo/NCCL raise RuntimeError subclasses; keep the cause
+            raise self._comm.error(self.what, self._started, error) from error
+        finally:
+            self._comm.counter.wait_s += time.monotonic() - blocked
+
+
+class Communicator:
+    """Collectives over one process group, with byte counting, consistency checks and timeouts."""
+
+    def __init__(self, timeout_s: float = 300.0, check_collectives: bool = True, group=None):
+        """Over the whole world by default, on a group of our own so that the timeout is ours, not
+        the launcher's default of 30 minutes. `group`: an existing process group to run on instead
+        (the data-parallel group of a device mesh); its timeout is the one it was created with."""
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is not initialised: launch with `torchrun` (or call "
+                "torch.distributed.init_process_group) before zeroshard.initialize"
+            )
+        self.timeout_s = timeout_s
+        self.check_collectives = check_collectives
+        self._owns_group = group is None
+        self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) \
+            if group is None else group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        # Where small control tensors must live: NCCL only moves CUDA tensors, gloo CPU ones.
+        nccl = dist.get_backend(self.group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.counter = ByteCounter(self.world_size)
+
+    # -- collectives --------------------------------------------------------------------------------
+    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
+        """out (1-D, numel = world * shard.numel) <- every rank's `shard`."""
+        assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
+        return self._run("all_gather", out, what, async_op,
+                         lambda: _all_gather(out, shard, group=self.group, async_op=True))
+
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
+        """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`."""
+        assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
+        return self._run("reduce_scatter", full, what, async_op,
+                         lambda: _reduce_scatter(out, full, group=self.group, async_op=True))
+
+    def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False,
+                   kind: str = "all_reduce"):
+        """`op`: "sum", "max" or "min"; `kind` "control" counts it apart from the model states' bytes."""
+        if op not in _OPS:
+            raise ValueError(f"all_reduce op {op!r} is not one of {sorted(_OPS)}")
+        reduce_op = _OPS[op]
+        return self._run(kind, tensor, what, async_op,
+                         lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str):
+        """`src`: a rank of this communicator's group (torch wants the global rank)."""
+        global_src = dist.get_global_rank(self.group, src)
+        return self._run("broadcast", tensor, what, False,
+                         lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True))
+
+    def all_gather_objects(self, obj, what: str) -> list:
+        """Small Python objects (control data: manifests, error reports); counted as control."""
+        self._check("control", 0, what)
+        out = [None] * self.world_size
+        started = time.monotonic()
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as error:
+            raise self.error(what, started, error) from error
+        return out
+
+    def barrier(self, what: str) -> None:
+        self.all_reduce(torch.zeros(1, device=self.device), what, kind="control")
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _run(self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch) -> Handle:
+        nbytes = tensor.numel() * tensor.element_size()
+        self._check(kind, nbytes, what)
+        self.counter.add(kind, nbytes)
+        started = time.monotonic()
+        try:
+            handle = Handle(self, launch(), what, started)
+        except Exception as error:
+            raise self.error(what, started, error) from error
+        if not async_op:
+            handle.wait()
+        return handle
+
+    def _check(self, kind: str, nbytes: int, what: str) -> None:
+        """Every rank must be about to run the same collective; otherwise all ranks raise together."""
+        if not self.check_collectives or self.world_size == 1:
+            return
+        tag = torch.tensor([_KIND_ID[kind], nbytes, zlib.crc32(what.encode())], dtype=torch.int64,
+                           device=self.device)
+        tags = torch.empty(self.world_size * 3, dtype=torch.int64, device=self.device)
+        started = time.monotonic()
+        try:
+            _all_gather(tags, tag, group=self.group)
+        except Exception as error:
+            raise self.error(f"consistency check before {what}", started, error) from error
+        self.counter.add("control", tag.numel() * tag.element_size() * self.world_size)
+        tags = tags.view(self.world_size, 3)
+        if bool((tags == tags[0]).all()):
+            return
+        # Every rank saw the same mismatching tags, so every rank takes this branch: safe to talk.
+        whats = [None] * self.world_size
+        dist.all_gather_object(whats, f"{kind} of {nbytes} bytes for {what}", group=self.group)
+        lines = "\n".join(f"  rank {r}: {w}" for r, w in enumerate(whats))
+        raise CollectiveError(
+            f"rank {self.rank}: ranks diverged, they are not running the same collective:\n{lines}\n"
+            "every rank must run the same units in the same order and call backward()/step() alike"
+        )
+
+    def error(self, what: str, started: float, cause: BaseException) -> CollectiveError:
+        waited = time.monotonic() - started
+        return CollectiveError(
+            f"rank {self.rank}/{self.world_size}: collective '{what}' failed after {waited:.1f}s "
+            f"(timeout {self.timeout_s:g}s; another rank may have crashed, skipped a call or run a "
+            f"different unit): {cause}"
+        )
+
+    def destroy(self) -> None:
+        if self._owns_group and self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None

@@ -1,0 +1,66 @@
+"""Flat shard bookkeeping: where each parameter of a group lives in one padded 1-D buffer.
+
+[Note: flat layout]
+The parameters of a group are packed back to back into a 1-D buffer of `padded_numel` elements,
+`padded_numel = world_size * shard_numel`, zero padding at the end. Rank r owns the contiguous slice
+`[r * shard_numel, (r + 1) * shard_numel)`. Because the slices are equal, one all-gather or
+reduce-scatter moves a whole group, and an elementwise optimizer can run on a rank's slice as if it
+were one big parameter. Nothing here communicates; see comm.py for that.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in the flat buffer."""
+
+    name: str
+    shape: torch.Size
+    offset: int  # first element in the full (unsharded) flat buffer
+    numel: int
+
+
+class FlatLayout:
+    def __init__(self, names: list[str], shapes: list[torch.Size], world_size: int):
+        if not names:
+            raise ValueError("a flat layout needs at least one parameter")
+        slots, offset = [], 0
+        for name, shape in zip(names, shapes):
+            numel = int(torch.Size(shape).numel())
+            slots.append(Slot(name, torch.Size(shape), offset, numel))
+            offset += numel
+        self.slots: tuple[Slot, ...] = tuple(slots)
+        self.world_size = world_size
+        self.numel = offset
+        self.shard_numel = -(-offset // world_size)  # ceil
+        self.padded_numel = self.shard_numel * world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views into `full` (1-D, numel = padded_numel)."""
+        assert full.dim() == 1 and full.numel() == self.padded_numel, (full.shape, self.padded_numel)
+        return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """A new full buffer holding `tensors` (one per slot), zero padded."""
+        full = torch.zeros(self.padded_numel, dtype=dtype, device=tensors[0].device)
+        for slot, tensor in zip(self.slots, tensors):
+            assert tensor.shape == slot.shape, (slot.name, tensor.shape, slot.shape)
+            full[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
+        return full
+
+    def pieces_in(self, start: int, end: int) -> Iterator[tuple[Slot, int, int]]:
+        """(slot, lo, hi) for each parameter overlapping [start, end) of the padded buffer, in buffer
+        order: elements [lo, hi) of the flattened parameter sit at [slot.offset + lo, slot.offset + hi).
+        How checkpoints re-slice a parameter between layouts of different world sizes."""
+        for slot in self.slots:
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                yield slot, lo - slot.offset, hi - slot.offset

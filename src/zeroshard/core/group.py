@@ -1,0 +1,223 @@
+"""One flat group: the parameters of one unit that share a fate (same optimizer param group, same
+requires_grad), their flat buffers, and how the module's parameters point into them.
+
+[Note: parameter storage]
+Module parameters stay the user's `nn.Parameter` objects (names, optimizer groups and hooks keep
+working); only their `.data` changes:
+  * unsharded: `.data` is a view of the group's full flat buffer (see [Note: flat layout]);
+  * sharded (stage 3 between uses): `.data` is an empty tensor, and the full buffer's *storage* is
+    resized to zero bytes. Resizing the storage, not dropping the tensor, is what frees the memory:
+    autograd saves views of the parameters (`weight.t()` for a Linear's backward), and those views
+    would otherwise keep every unit's gathered parameters alive from forward until backward.
+    Before the unit's backward the storage is grown back and gathered into again, so the saved
+    views see the same values as in forward, and `.data` is re-pointed at fresh views.
+The fp32 master shard is what the optimizer updates. When the compute dtype is fp32 and parameters are
+not sharded, the master shard is simply this rank's slice of the full buffer (no copy); at stage 3 it
+is the only copy the rank keeps.
+This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zeroshard.core.flat import FlatLayout
+from zeroshard.core.policy import StagePolicy
+from zeroshard.core.precision import PrecisionPolicy
+
+
+class FlatGroup:
+    """`policy` says what is sharded, `precision` which dtypes compute and reduce, `reshards` whether
+    the full buffer is freed between uses (stage-3 units above the persistence threshold); every
+    other choice of this class is derived from them, never from buffer shapes."""
+
+    def __init__(self, names: list[str], params: list[nn.Parameter], *, policy: StagePolicy,
+                 precision: PrecisionPolicy, world_size: int, rank: int, reshards: bool,
+                 optimizer_group: int | None, master_store=None, grad_store=None):
+        self.names = names
+        self.params = params
+        self.layout = FlatLayout(names, [p.shape for p in params], world_size)
+        self.rank = rank
+        self.policy = policy
+        self.reshards = reshards
+        self.reduction = policy.reduction
+        self.param_dtype = precision.param_dtype
+        self.grad_dtype = precision.reduce_dtype  # accumulation and reduction dtype (see precision.py)
+        self.optimizer_group = optimizer_group  # index into optimizer.param_groups, None = not optimized
+        self.trainable = optimizer_group is not None
+        # Offload stores (core/placement.py) that hold the master and the gradient shard, or None.
+        self.master_store = master_store
+        self.grad_store = grad_store
+        device = params[0].device
+        full = self.layout.flatten([p.detach() for p in params], torch.float32)  # 1-D, padded
+        self.device = device
+        # The range this rank's optimizer updates: its shard, or the whole buffer for stage 0.
+        sharded = policy.shard_optimizer
+        start, end = self.layout.shard_range(rank) if sharded else (0, self.layout.padded_numel)
+        self.opt_range = (start, end)
+        self.full: torch.Tensor | None = None  # param_dtype, 1-D, numel = padded_numel
+        self.master: torch.Tensor  # fp32, 1-D, numel = end - start
+        self._init_storage(full)
+        # Gradients: full flat buffer kept across micro steps (stages 0/1), or built per backward and
+        # reduce-scattered into `grad_shard` (stages 2/3).
+        self.full_grad: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if self.trainable:
+            if self.grads_persist_full:
+                self.full_grad = self.zeros_full_grad()
+            elif grad_store is not None:
+                self.grad_shard = grad_store.tensor(f"{names[0]}.grad", self.layout.shard_numel, self.grad_dtype)
+            else:
+                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=device)
+
+    @property
+    def keep_full(self) -> bool:
+        """Is the full (unsharded) parameter buffer kept between uses?"""
+        return not self.reshards
+
+    @property
+    def grads_persist_full(self) -> bool:
+        """Stages 0/1: the full gradient buffer lives across micro steps."""
+        return not self.policy.shard_gradients
+
+    @property
+    def sharded_master(self) -> bool:
+        """Does `master` hold only this rank's shard (stages 1-3), not the whole buffer (stage 0)?"""
+        return self.policy.shard_optimizer
+
+    def grad(self) -> torch.Tensor | None:
+        """The gradient this rank accumulates: the full buffer (stages 0/1) or its shard (2/3)."""
+        return self.full_grad if self.grads_persist_full else self.grad_shard
+
+    def _init_storage(self, full_fp32: torch.Tensor) -> None:
+        start, end = self.opt_range
+        if self.keep_full and self.param_dtype == torch.float32:
+            self.full = full_fp32
+            self.master = full_fp32[start:end]  # a view: the parameters *are* the master weights
+            self.point_params_at_full()
+            return
+        if self.master_store is not None:
+            self.master = self.master_store.tensor(f"{self.names[0]}.master", end - start, torch.float32)
+            self.master.copy_(full_fp32[start:end])
+            self.master_store.release([self.master])
+        else:
+            self.master = full_fp32[start:end].clone()
+        if self.keep_full:
+            self.full = full_fp32.to(self.param_dtype)
+            self.point_params_at_full()
+        else:
+            self.free_full()
+
+    # -- parameter storage ----------------------------------------------------------------------------
+    def point_params_at_full(self) -> None:
+        for param, view in zip(self.params, self.layout.views(self.full)):
+            param.data = view
+
+    def free_full(self) -> None:
+        """Free the gathered storage; parameters become empty (see [Note: parameter storage])."""
+        empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        for param in self.params:
+            param.data = empty
+        if self.full is not None and not self.keep_full:
+            self.full.untyped_storage().resize_(0)
+
+    def new_full(self) -> torch.Tensor:
+        """The full buffer to gather into: the *same* storage every time, grown back to size."""
+        if self.full is None:
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
+        else:
+            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        return self.full
+
+    def gather_input(self) -> torch.Tensor:
+        """This rank's shard of the parameters in compute dtype (input of the all-gather)."""
+        # Only sharded (stage-3) groups gather from the master, and there opt_range is the shard.
+        assert self.master.numel() == self.layout.shard_numel
+        if self.master_store is not None:
+            self.master_store.prefetch([self.master])
+        if self.master.dtype == self.param_dtype and self.master.device == self.device:
+            return self.master
+        return self.master.to(device=self.device, dtype=self.param_dtype)
+
+    def release_master(self) -> None:
+        """An offloaded master shard is not needed until its next use: let the store write it out."""
+        if self.master_store is not None:
+            self.master_store.release([self.master])
+
+    def master_pieces(self, tensor: torch.Tensor | None = None):
+        """(slot, lo, hi, view) per parameter piece in this rank's optimizer range: elements [lo, hi)
+        of the flattened parameter are `view`, a slice of `tensor` (1-D, laid out like `master`;
+        default: the master itself)."""
+        start, end = self.opt_range
+        target = self.master if tensor is None else tensor
+        for slot, lo, hi in self.layout.pieces_in(start, end):
+            yield slot, lo, hi, target[slot.offset + lo - start: slot.offset + hi - start]
+
+    def own_slice_of_full(self) -> torch.Tensor:
+        start, end = self.layout.shard_range(self.rank)
+        return self.full[start:end]
+
+    def master_is_view_of_full(self) -> bool:
+        return (self.full is not None
+                and self.full.untyped_storage().data_ptr() == self.master.untyped_storage().data_ptr())
+
+    def copy_full_into_master(self) -> None:
+        """After the full parameters were changed in place (GatheredParameters with a modifier rank):
+        this rank's master shard takes the new values."""
+        if not self.master_is_view_of_full():
+            start, end = self.opt_range
+            self.master.copy_(self.full[start:end])
+
+    def copy_master_into_full(self) -> None:
+        """After the optimizer step: refresh this rank's slice of a separately stored full buffer."""
+        if self.keep_full and not self.master_is_view_of_full():
+            start, end = self.opt_range
+            self.full[start:end].copy_(self.master)  # casts to the compute dtype and device
+
+    # -- gradients -----------------------------------------------------------------------------------
+    def zeros_full_grad(self) -> torch.Tensor:
+        return torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self.full_grad is None:
+            self.full_grad = self.zeros_full_grad()
+        slot = self.layout.slots[index]
+        self.full_grad[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+
+    def grad_for_optimizer(self) -> torch.Tensor:
+        """The reduced gradient matching `master`, in grad_dtype."""
+        if self.grad_shard is not None:
+            return self.grad_shard
+        start, end = self.opt_range
+        return self.full_grad[start:end]
+
+    def zero_grads(self) -> None:
+        if self.grads_persist_full and self.full_grad is not None:
+            self.full_grad.zero_()
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+
+    # -- accounting ------------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model states this rank holds for this group at rest."""
+        def nbytes(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        def in_memory(t):  # tensors an NVMe store holds are reported by the store
+            stores = [s for s in (self.master_store, self.grad_store) if s is not None]
+            return 0 if t is None or not all(s.resident(t) for s in stores) else nbytes(t)
+        shares_storage = self.master_is_view_of_full()
+        params = nbytes(self.full) if self.keep_full else 0
+        master = 0 if shares_storage else in_memory(self.master)
+        if not self.keep_full and self.param_dtype == torch.float32:
+            params, master = master, 0  # stage 3, fp32: the master shard is the parameter shard
+        grads = nbytes(self.full_grad) if self.grads_persist_full else in_memory(self.grad_shard)
+        return {"params": params, "master": master, "grads": grads}
+
+    def destroy(self) -> None:
+        empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        for param in self.params:
+            param.data = empty
+        self.full = None
+        self.full_grad = None
+        self.grad_shard = None
+        self.master = torch.empty(0)

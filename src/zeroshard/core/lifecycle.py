@@ -1,0 +1,205 @@
+"""When units gather, free and reduce: the hooks that drive a training step.
+
+Forward (stage 3): a unit's forward pre-hook gathers it (or waits on the prefetch issued by the
+unit before it) and prefetches the next units in the order recorded on the first step; its forward
+hook frees it again and hooks its outputs, so that the gradient arriving at those outputs gathers
+it once more before its own backward. Backward (every stage): each parameter's
+post-accumulate-grad hook moves its gradient into the group's flat gradient buffer; when the last
+trainable parameter of a unit has its gradient, the unit's reduction is issued (asynchronously) and
+the unit is freed. `end_backward` reduces units whose parameters were unused, waits for every
+reduction and frees whatever is still gathered.
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from zeroshard.core.policy import StagePolicy
+from zeroshard.core.unit import Unit
+
+log = logging.getLogger(__name__)
+
+
+def _tensors_in(output) -> list[torch.Tensor]:
+    """Tensors of a module output: pytree containers, and any Mapping (HuggingFace's ModelOutput is an
+    OrderedDict that older transformers releases do not register with torch's pytree)."""
+    if isinstance(output, Mapping):
+        return [t for value in output.values() for t in _tensors_in(value)]
+    leaves, _ = tree_flatten(output)
+    if len(leaves) == 1 and leaves[0] is output:
+        return [output] if isinstance(output, torch.Tensor) else []
+    return [t for leaf in leaves for t in _tensors_in(leaf)]
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Lifecycle:
+    def __init__(self, units: list[Unit], policy: StagePolicy, rank: int, world_size: int, *,
+                 prefetch_numel: int, overlap_comm: bool, max_inflight_reductions: int = 2):
+        self.units = units
+        self.policy = policy
+        self.rank = rank
+        self.world_size = world_size
+        self.prefetch_numel = prefetch_numel if overlap_comm else 0
+        self.max_inflight = max_inflight_reductions
+        self.phase = Phase.IDLE
+        self.boundary = True  # reduce in this backward? (always at stages 2/3)
+        self.forward_order: list[Unit] | None = None
+        self.backward_order: list[Unit] | None = None
+        self._recording: list[Unit] = []
+        self._position = 0
+        self._seen_in_backward: set[int] = set()
+        self._inflight: list[Unit] = []
+        self._handles: list = []
+
+    # -- registration ------------------------------------------------------------------------------
+    def register(self) -> None:
+        for unit in self.units:
+            if unit.reshards and unit.module is not None:
+                self._handles.append(unit.module.register_forward_pre_hook(
+                    functools.partial(self._pre_forward, unit)))
+                self._handles.append(unit.module.register_forward_hook(
+                    functools.partial(self._post_forward, unit)))
+            for group in unit.groups:
+                for index, param in enumerate(group.params):
+                    if param.requires_grad:
+                        hook = functools.partial(self._on_grad, unit, group, index)
+                        self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    # -- forward -----------------------------------------------------------------------------------
+    def begin_forward(self) -> None:
+        if self.phase is Phase.BACKWARD:
+            raise RuntimeError("forward called while backward is still running")
+        self.phase = Phase.FORWARD
+        self._position = 0
+        self._recording = []
+
+    def end_forward(self) -> None:
+        if self.forward_order is None and self._recording:
+            self.forward_order = self._recording
+            log.debug("forward unit order: %s", [u.name for u in self.forward_order])
+        self.phase = Phase.IDLE
+
+    def _training_forward(self) -> bool:
+        return self.phase is Phase.FORWARD and torch.is_grad_enabled()
+
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        if self._training_forward():
+            self._check_order(unit)
+        unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
+        unit.wait_unshard()
+        if self._training_forward() and self.forward_order is not None:
+            self._prefetch(self.forward_order, self._position, "forward")
+
+    def _check_order(self, unit: Unit) -> None:
+        position = self._position
+        self._position += 1
+        if self.forward_order is None:
+            self._recording.append(unit)
+            return
+        expected = self.forward_order[position] if position < len(self.forward_order) else None
+        if expected is not unit:
+            raise RuntimeError(
+                f"rank {self.rank}: unit '{unit.name}' ran as forward unit #{position}, where the first step ran "
+                f"'{expected.name if expected else '(none)'}': zeroshard prefetches parameters in the "
+                "recorded order, so every step (and every rank) must run units in the same order"
+            )
+
+    def _post_forward(self, unit: Unit, module, args, output):
+        if self.phase is Phase.BACKWARD:  # recomputation (activation checkpointing): backward is next
+            return output
+        if torch.is_grad_enabled():
+            self._hook_outputs(unit, output)
+        unit.reshard()
+        return output
+
+    def _hook_outputs(self, unit: Unit, output) -> None:
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
+                tensor.register_hook(functools.partial(self._pre_backward, unit))
+
+    # -- backward ----------------------------------------------------------------------------------
+    def begin_backward(self, boundary: bool) -> None:
+        self.phase = Phase.BACKWARD
+        self.boundary = boundary or self.policy.shard_gradients
+        self._seen_in_backward.clear()
+        self._recording = []
+        for unit in self.units:
+            unit.grads_pending = unit.trainable_params
+            unit.reduced_this_backward = False
+
+    def _require_backward(self) -> None:
+        if self.phase is not Phase.BACKWARD:
+            raise RuntimeError(f"rank {self.rank}: gradients arrived outside engine.backward(): call engine.backward(loss) "
+                               "instead of loss.backward()")
+
+    def _pre_backward(self, unit: Unit, grad):
+        self._require_backward()
+        if id(unit) in self._seen_in_backward:
+            return None
+        self._seen_in_backward.add(id(unit))
+        unit.unshard("backward")
+        unit.wait_unshard()
+        if self.backward_order is None:
+            self._recording.append(unit)
+        else:
+            position = self.backward_order.index(unit) + 1 if unit in self.backward_order else 0
+            if position:
+                self._prefetch(self.backward_order, position, "backward")
+        return None
+
+    def _on_grad(self, unit: Unit, group, index: int, param) -> None:
+        self._require_backward()
+        if group.trainable:
+            group.add_grad(index, param.grad)
+        param.grad = None  # the flat buffer owns the gradient now; free autograd's copy
+        if not group.trainable:
+            return
+        unit.grads_pending -= 1
+        if unit.grads_pending == 0:
+            self._unit_backward_done(unit)
+
+    def _unit_backward_done(self, unit: Unit) -> None:
+        if self.boundary:
+            unit.reduce_grads(self.world_size)
+            self._inflight.append(unit)
+            while len(self._inflight) > self.max_inflight:  # bound memory held by full gradients
+                self._inflight.pop(0).finish_reduce()
+        unit.reshard()
+
+    def end_backward(self) -> None:
+        """Reduce what unused parameters held back, wait for all reductions, free everything."""
+        for unit in self.units:
+            if unit.trainable_params and unit.grads_pending and self.boundary and not unit.reduced_this_backward:
+                self._unit_backward_done(unit)
+        for unit in self._inflight:
+            unit.finish_reduce()
+        self._inflight.clear()
+        for unit in self.units:
+            unit.reshard()
+        if self.backward_order is None and self._recording:
+            self.backward_order = self._recording
+        self.phase = Phase.IDLE
+
+    # -- prefetch ----------------------------------------------------------------------------------
+    def _prefetch(self, order: list[Unit], start: int, phase: str) -> None:
+        budget = self.prefetch_numel
+        for unit in order[start:]:
+            if budget <= 0:
+                break
+            budget -= unit.numel
+            unit.unshard(phase)

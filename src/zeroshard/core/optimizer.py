@@ -1,0 +1,215 @@
+"""The optimizer step over flat master shards.
+
+The user's (or the config's) torch optimizer is kept — its class, hyper-parameters and param-group
+dicts, so LR schedulers built against it keep working — but each param group's `params` is
+re-pointed at the fp32 master shards of the flat groups (see [Note: flat layout]). That is correct
+exactly for optimizers whose update of an element depends only on that element's own state
+(SGD, Adam, AdamW, ...), which `check_shardable` enforces.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zeroshard.core.comm import Communicator
+from zeroshard.core.group import FlatGroup
+from zeroshard.core.policy import StagePolicy
+from zeroshard.core.streamed import StreamedStep, is_elementwise
+from zeroshard.core.precision import DynamicLossScaler
+
+_NORM_CHUNK = 1 << 22  # fp64 squares are summed in chunks so the temporary stays small
+
+
+def repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
+    for index, param_group in enumerate(optimizer.param_groups):
+        param_group["params"] = [g.master for g in groups if g.optimizer_group == index]
+    # Some optimizers (Adagrad) create state in their constructor: build a throwaway twin over the
+    # shards to get that initial state, keeping the user's object and param-group dicts.
+    twin = type(optimizer)([dict(g) for g in optimizer.param_groups])
+    optimizer.state.clear()
+    optimizer.state.update(twin.state)
+
+
+def optimizer_group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(param) -> index of the param group holding it."""
+    index = {}
+    for i, param_group in enumerate(optimizer.param_groups):
+        for param in param_group["params"]:
+            if id(param) in index:
+                raise ValueError("a parameter appears in two optimizer param groups")
+            index[id(param)] = i
+    return index
+
+
+@torch.no_grad()
+def refresh_parameters(groups: list[FlatGroup], comm: Communicator) -> None:
+    """Make every rank's unsharded parameters match the master shards (after a step, or after the
+    masters were loaded): copy this rank's master into its slice of the full buffer, then all-gather
+    the other ranks' slices where the master is sharded. Stage-3 groups need nothing: they are
+    gathered from the master on their next use."""
+    handles = []
+    for group in groups:
+        if group.reshards:
+            continue
+        group.copy_master_into_full()
+        if group.sharded_master:
+            what = f"all-gather of updated parameters ({group.names[0]}...)"
+            handles.append(comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True))
+    for handle in handles:
+        handle.wait()
+
+
+class ZeroOptimizer:
+    """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
+                 policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
+                 streamed: "StreamedStep | None" = None):
+        self.optimizer = optimizer
+        self.groups = [g for g in groups if g.trainable]
+        self.comm = comm
+        self.policy = policy
+        self.clip = clip
+        self.loss_scaler = loss_scaler
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+        self.streamed = streamed  # offload: step sub-group by sub-group through a store
+
+    @property
+    def name(self) -> str:
+        """The torch optimizer's class name (what checkpoints record and check)."""
+        return type(self.optimizer).__name__
+
+    # Users and LR schedulers read and write these as on a torch optimizer.
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        return self.optimizer.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard every gradient accumulated since the last step (DeepSpeed's and torch's meaning:
+        a dropped micro-batch leaves no trace). Gradients live in the flat buffers, not in `.grad`."""
+        for group in self.groups:
+            group.zero_grads()
+
+    def grad_norm(self, grads: list[torch.Tensor]) -> float:
+        """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
+        for grad in grads:
+            for chunk in grad.split(_NORM_CHUNK):
+                total += chunk.double().pow(2).sum().to(total.device)
+        if self.policy.shard_optimizer:  # shards are disjoint: sum them; stage 0 holds everything
+            self.comm.all_reduce(total, "gradient norm", kind="control")
+        return math.sqrt(total.item())
+
+    def step(self) -> bool:
+        """One optimizer step on this rank's shards; False when fp16 overflow skipped it."""
+        if self.loss_scaler is not None and self._overflow():
+            for group in self.groups:
+                group.zero_grads()
+            self.loss_scaler.update(overflow=True)
+            self.skipped_steps += 1
+            return False
+        # The optimizer needs fp32 gradients like its fp32 master; a copy only in mixed precision.
+        grads = [g.grad_for_optimizer() for g in self.groups]
+        grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
+        scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+        norm = self.grad_norm(grads) / scale
+        self.last_grad_norm = norm
+        coef = 1.0 / scale  # unscale and clip in one pass, as DeepSpeed does
+        if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
+            coef *= self.clip / (norm + 1e-6)
+        for grad in grads:
+            if coef != 1.0:
+                grad.mul_(coef)
+        self._apply(grads)
+        self.refresh_parameters()
+        for group in self.groups:
+            group.zero_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        return True
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        if self.streamed is not None:
+            self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)})
+            return
+        for group, grad in zip(self.groups, grads):
+            group.master.grad = grad
+        try:
+            self.optimizer.step()
+        finally:
+            for group in self.groups:
+                group.master.grad = None
+
+    def _overflow(self) -> bool:
+        """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""
+        bad = any(not bool(torch.isfinite(g.grad_for_optimizer()).all()) for g in self.groups)
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.comm.device)
+        self.comm.all_reduce(flag, "fp16 overflow check", op="max", kind="control")
+        return bool(flag.item())
+
+    def refresh_parameters(self) -> None:
+        refresh_parameters(self.groups, self.comm)
+
+    # -- per-group state (the checkpoint contract) ------------------------------------------------------
+    def group_state(self, group: FlatGroup) -> dict:
+        """The optimizer state of one flat group as if the torch optimizer stepped `group.master` in
+        one piece: elementwise tensors (1-D, numel = master.numel()) and scalars (Adam's `step`),
+        whatever sub-groups the streamed step cuts it into. {} before the first step."""
+        if self.streamed is not None:
+            return self.streamed.state_of(group)
+        return dict(self.optimizer.state.get(group.master, {}))
+
+    def load_group_state(self, group: FlatGroup, state: dict) -> None:
+        """Replace one group's optimizer state with `state` (the form `group_state` returns)."""
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and not is_elementwise(value, group.master):
+                raise ValueError(f"optimizer state '{key}' of '{group.names[0]}...' has {value.numel()} elements, "
+                                 f"the group's shard has {group.master.numel()}")
+        if self.streamed is not None:
+            self.streamed.load_state(group, state)
+        elif state:
+            self.optimizer.state[group.master] = dict(state)
+        else:
+            self.optimizer.state.pop(group.master, None)
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state in torch's form: `state` maps the index of each trainable flat
+        group to its `group_state`; `param_groups` holds the hyper-parameters and, as `params`, the
+        indices of the flat groups each optimizer param group steps."""
+        param_groups = []
+        for index, param_group in enumerate(self.param_groups):
+            saved = {k: v for k, v in param_group.items() if k != "params"}
+            saved["params"] = [i for i, g in enumerate(self.groups) if g.optimizer_group == index]
+            param_groups.append(saved)
+        return {"state": {i: self.group_state(group) for i, group in enumerate(self.groups)},
+                "param_groups": param_groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict` for the same layout (same world size, stage and model)."""
+        saved_groups = state["param_groups"]
+        if len(state["state"]) != len(self.groups) or len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"optimizer state of {len(state['state'])} flat groups and {len(saved_groups)} param "
+                             f"groups does not fit this optimizer ({len(self.groups)} and {len(self.param_groups)})")
+        for param_group, saved in zip(self.param_groups, saved_groups):
+            param_group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, group in enumerate(self.groups):
+            self.load_group_state(group, state["state"][index])
+
+    def state_bytes(self, stores=()) -> int:
+        """Bytes of optimizer state in this process's memory (not those an NVMe store holds)."""
+        total = 0
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and all(s.resident(value) for s in stores):
+                    total += value.numel() * value.element_size()
+        return total

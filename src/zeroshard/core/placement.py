@@ -1,0 +1,66 @@
+"""Placement: where the model states that need not stay in compute memory live between uses.
+
+The core never asks *what kind* of store it has (STYLE.md, habit 4): it holds objects that satisfy
+`Store` and calls the same methods on all of them. `zeroshard.offload` provides the two kinds users
+configure (CPU memory, NVMe files); a test can pass any object with these methods.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Store(Protocol):
+    """One home for offloaded tensors. Every method is safe to call on tensors the store does not
+    hold (it ignores them), so callers never branch on the store's kind."""
+
+    bytes_held: int  # bytes of tensors created by `tensor()` and not yet destroyed
+
+    def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A new zero-filled 1-D tensor that lives in this store."""
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Is `tensor` one of this store's tensors?"""
+
+    def resident(self, tensor: torch.Tensor) -> bool:
+        """Does `tensor` occupy this process's memory at rest (True for host memory; False for a
+        tensor whose bytes live in a file)? Used by the memory report."""
+
+    def prefetch(self, tensors) -> None:
+        """Start bringing these tensors in ahead of use."""
+
+    def release(self, tensors) -> None:
+        """These tensors are not needed until their next prefetch: write them back, free memory."""
+
+    def check(self, tensors) -> None:
+        """Raise before any change when a tensor's backing is damaged (deleted or truncated file)."""
+
+    def wait(self) -> None:
+        """Block until every release issued so far has completed."""
+
+    def destroy(self) -> None:
+        """Free everything the store holds."""
+
+
+@dataclass
+class Placement:
+    """Where offloaded states go; None = they stay where they are computed.
+
+    optimizer_store: optimizer states, fp32 master shards, fp32 gradient shards (offload_optimizer);
+    param_store: stage-3 parameter shards (offload_param), which are also their master weights;
+    sub_group_size: elements per optimizer sub-step when states are offloaded ([Note: streamed step]).
+    """
+
+    optimizer_store: Store | None = None
+    param_store: Store | None = None
+    sub_group_size: int = 1_000_000_000
+
+    def stores(self) -> list[Store]:
+        return list({id(s): s for s in (self.optimizer_store, self.param_store) if s is not None}.values())
+
+    def destroy(self) -> None:
+        for store in self.stores():
+            store.destroy()

@@ -1,0 +1,218 @@
+"""`zeroshard.shard`: ZeRO applied to a model and its optimizer, with no config and no engine.
+
+Like FSDP2's `fully_shard`, one call turns a plain model and a plain torch optimizer into their
+sharded form; what comes back owns everything ZeRO adds — the units and their flat groups, the
+lifecycle hooks, the sharded optimizer, the offload stores and the communicator — and is driven
+with four calls:
+
+    sharded = zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stage=3)
+    loss = sharded(batch)            # forward through the model (gathers units at stage 3)
+    sharded.backward(loss)           # reduces each unit's gradients as its backward finishes
+    sharded.step()                   # optimizer step on this rank's shards, parameters refreshed
+    sharded.zero_grad()              # only needed to discard gradients (they are cleared by step)
+
+The DeepSpeed engine (compat/engine.py) is this object plus a config, accessors, gradient
+accumulation counters and checkpoints. `group` is the process group ZeRO shards over: the world,
+or the data-parallel dimension of a device mesh.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch import nn
+
+from zeroshard.core.comm import Communicator
+from zeroshard.core.lifecycle import Lifecycle, Phase
+from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, refresh_parameters, repoint_optimizer
+from zeroshard.core.partition import register_engine
+from zeroshard.core.placement import Placement
+from zeroshard.core.policy import StagePolicy, stage_policy
+from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, check_supported
+from zeroshard.core.shard import shard_module
+from zeroshard.core.streamed import StreamedStep, split
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PREFETCH_NUMEL = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size default
+
+
+def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | StagePolicy = 3,
+          precision: PrecisionPolicy | None = None, placement: Placement | None = None,
+          group=None, wrap: list[str] | None = None, persistence_threshold: int = 0,
+          prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, overlap_comm: bool = True,
+          gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
+          comm_timeout_s: float = 300.0, check_collectives: bool = True) -> "Sharded":
+    """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
+
+    `optimizer` must be a torch optimizer over `model`'s parameters with an elementwise update (SGD,
+    Adam, AdamW, ...); it is kept (class, hyper-parameters, param-group dicts) and re-pointed at this
+    rank's fp32 master shards. `precision` sets the compute and reduce dtypes, `placement` the
+    offload stores, `wrap` the module classes that become units (default: the blocks of the largest
+    ModuleList). Rank 0's parameter values are broadcast first, as DDP does.
+    """
+    comm = Communicator(comm_timeout_s, check_collectives, group=group)
+    policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
+    return Sharded(model, optimizer, comm, policy, precision or PrecisionPolicy(), placement or Placement(),
+                   wrap=wrap, persistence_threshold=persistence_threshold, prefetch_numel=prefetch_numel,
+                   overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler)
+
+
+class Sharded:
+    """A model and its optimizer under ZeRO; build it with `shard()`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
+                 policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
+                 wrap: list[str] | None, persistence_threshold: int, prefetch_numel: int, overlap_comm: bool,
+                 gradient_clipping: float, loss_scaler: DynamicLossScaler | None):
+        self.module = model
+        self.comm = comm
+        self.policy = policy
+        self.precision = precision
+        self.placement = placement
+        check_supported(precision.param_dtype, next(model.parameters(), torch.empty(0)).device)
+        _cast_buffers(model, precision.param_dtype)
+        self.units = shard_module(model, policy, comm, optimizer_groups=optimizer_group_index(optimizer),
+                                  precision=precision, placement=placement,
+                                  persistence_threshold=persistence_threshold, wrap_modules=wrap)
+        self.groups = [g for unit in self.units for g in unit.groups]
+        self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
+        register_engine(self)  # for zero.GatheredParameters, which gets parameters and nothing else
+        repoint_optimizer(optimizer, self.groups)
+        self.loss_scaler = loss_scaler
+        self.optimizer = ZeroOptimizer(optimizer, self.groups, comm, policy, float(gradient_clipping), loss_scaler,
+                                       self._streamed_step(optimizer))
+        self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,
+                                   prefetch_numel=prefetch_numel, overlap_comm=overlap_comm)
+        self.lifecycle.register()
+
+    def _streamed_step(self, optimizer) -> StreamedStep | None:
+        if self.placement.optimizer_store is None:
+            return None
+        subs = split([g for g in self.groups if g.trainable], self.placement.sub_group_size)
+        for index, param_group in enumerate(optimizer.param_groups):
+            param_group["params"] = [s.param for s in subs if s.group.optimizer_group == index]
+        return StreamedStep(optimizer, subs, self.placement.optimizer_store,
+                            master_store=self.placement.param_store)
+
+    # -- one training step ---------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        self.lifecycle.begin_forward()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self.lifecycle.end_forward()
+
+    def backward(self, loss: torch.Tensor, *, boundary: bool = True, retain_graph: bool = False) -> None:
+        """Backward of `loss` as it is (divide by the accumulation steps first). `boundary=False`
+        accumulates without reducing at stages 0/1 (DDP's no_sync); stages 2/3 always reduce."""
+        self.lifecycle.begin_backward(boundary)
+        try:
+            loss.backward(retain_graph=retain_graph)
+        except BaseException:
+            self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
+            raise
+        self.lifecycle.end_backward()
+
+    def step(self) -> bool:
+        """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""
+        return self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        """Discard the gradients accumulated since the last step."""
+        self.optimizer.zero_grad()
+
+    # -- parameters outside forward ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Full parameters inside the block (stage 3 keeps only shards otherwise). With
+        `modifier_rank`, that rank's changes are broadcast and re-partitioned on exit."""
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unknown = [p for p in params if id(p) not in self._param_groups]
+        if unknown:
+            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters "
+                             "of this model")
+        wanted = {id(self._param_groups[id(p)][0]) for p in params}
+        units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
+        for unit in units:
+            unit.unshard("gathered parameters")
+            unit.wait_unshard()
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                for unit in units:
+                    for group in unit.groups:
+                        self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
+                        group.copy_full_into_master()
+            if self.lifecycle.phase is Phase.IDLE:
+                for unit in units:
+                    unit.reshard()
+
+    def owns(self, param) -> bool:
+        return id(param) in self._param_groups
+
+    # -- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's shards: per flat group its fp32 master shard, and the optimizer state
+        (`ZeroOptimizer.state_dict`). Loads back into the same layout with `load_state_dict`; to
+        change world size or stage, use the checkpoint package, which re-slices by parameter."""
+        return {"masters": [group.master.detach().clone() for group in self.groups],
+                "optimizer": self.optimizer.state_dict(),
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        masters = state["masters"]
+        if [m.numel() for m in masters] != [g.master.numel() for g in self.groups]:
+            raise ValueError("state_dict() of another layout (world size, stage or model): "
+                             "load it through zeroshard's checkpoints, which re-slice by parameter")
+        for group, master in zip(self.groups, masters):
+            group.master.copy_(master)
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.loss_scaler is not None and state.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.refresh_parameters()
+
+    def refresh_parameters(self) -> None:
+        """After master weights changed outside a step: every rank's unsharded parameters follow."""
+        refresh_parameters(self.groups, self.comm)
+
+    # -- reports -------------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return sum(slot.numel for g in self.groups for slot in g.layout.slots)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model states this rank holds in memory (counted from its tensors), by kind."""
+        report = {"params": 0, "master": 0, "grads": 0}
+        for group in self.groups:
+            for key, value in group.state_bytes().items():
+                report[key] += value
+        stores = self.placement.stores()
+        report["optimizer"] = self.optimizer.state_bytes(stores)
+        report["total"] = sum(report.values())
+        report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
+        return report
+
+    def comm_report(self) -> dict:
+        return self.comm.counter.snapshot()
+
+    def destroy(self) -> None:
+        """Remove every hook and free every buffer; the module's parameters are released too."""
+        self.lifecycle.remove_hooks()
+        for unit in self.units:
+            unit.destroy()
+        self.optimizer.optimizer.state.clear()
+        for param_group in self.optimizer.param_groups:
+            param_group["params"] = []
+        self.units, self.groups, self._param_groups = [], [], {}
+        self.placement.destroy()
+        self.comm.destroy()
+
+
+def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating buffers compute in the parameters' dtype, as in DeepSpeed's module.half()/bfloat16()."""
+    for buffer in model.buffers():
+        if buffer.is_floating_point() and buffer.dtype != dtype:
+            buffer.data = buffer.data.to(dtype)

@@ -1,0 +1,154 @@
+"""The optimizer step streamed through an offload store, one sub-group at a time.
+
+ZeRO-Offload (arXiv 2101.06840 §4) and ZeRO-Infinity (arXiv 2104.07857 §5): the optimizer states of
+a rank's shard do not all need to be in memory at once. The shard is cut into sub-groups of
+`sub_group_size` elements; while the optimizer updates sub-group k, the store already reads
+sub-group k+1 and writes sub-group k-1 back. The update itself is the user's torch optimizer run on
+one sub-group at a time — for the elementwise optimizers zeroshard accepts, the result is bit-for-bit
+the result of one step over the whole shard.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.core.group import FlatGroup
+
+
+@dataclass
+class SubGroup:
+    group: FlatGroup
+    start: int
+    end: int
+    param: torch.Tensor  # a view of group.master: what the torch optimizer updates and keys state by
+
+
+def split(groups: list[FlatGroup], sub_group_size: int) -> list[SubGroup]:
+    out = []
+    for group in groups:
+        size = group.master.numel()
+        if sub_group_size >= size:  # the master itself, so optimizer state stays keyed by it
+            out.append(SubGroup(group, 0, size, group.master))
+            continue
+        for start in range(0, size, max(1, sub_group_size)):
+            end = min(start + sub_group_size, size)
+            out.append(SubGroup(group, start, end, group.master[start:end]))
+    return out
+
+
+def is_elementwise(value, param: torch.Tensor) -> bool:
+    """Optimizer state with one entry per element of `param` (exp_avg, momentum_buffer, ...), as
+    opposed to scalars (Adam's 0-dim `step`)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape
+
+
+class StreamedStep:
+    """Runs `optimizer.step()` one sub-group at a time, with state tensors living in `store`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, sub_groups: list[SubGroup], store,
+                 master_store=None):
+        self.optimizer = optimizer
+        self.sub_groups = sub_groups
+        self.store = store
+        self.master_store = master_store
+        self._all_params = [list(pg["params"]) for pg in optimizer.param_groups]
+
+    def state_tensors(self, sub: SubGroup) -> list[torch.Tensor]:
+        return [t for t in self.optimizer.state.get(sub.param, {}).values() if is_elementwise(t, sub.param)]
+
+    def subs_of(self, group: FlatGroup) -> list[SubGroup]:
+        return [sub for sub in self.sub_groups if sub.group is group]
+
+    def state_of(self, group: FlatGroup) -> dict:
+        """The state of `group` joined over its sub-groups (see ZeroOptimizer.group_state). Sub-groups
+        step together, so their scalar state (Adam's `step`) is the same; the first one's is taken."""
+        subs = self.subs_of(group)
+        states = [self.optimizer.state.get(sub.param, {}) for sub in subs]
+        if not subs or not states[0]:
+            return {}
+        self.store.check([t for sub in subs for t in self.state_tensors(sub)])
+        out = {}
+        for key, value in states[0].items():
+            if is_elementwise(value, subs[0].param):
+                out[key] = torch.cat([state[key].reshape(-1) for state in states])  # 1-D, numel = master
+            else:
+                out[key] = value
+        return out
+
+    def load_state(self, group: FlatGroup, state: dict) -> None:
+        """Cut `state` (keyed as for the whole master) into the group's sub-groups, elementwise state
+        straight into the store."""
+        for sub in self.subs_of(group):
+            if not state:
+                self.optimizer.state.pop(sub.param, None)
+                continue
+            sub_state = {}
+            for key, value in state.items():
+                if is_elementwise(value, group.master):
+                    home = self.store.tensor(f"{group.names[0]}.{sub.start}.{key}", sub.end - sub.start, value.dtype)
+                    home.copy_(value[sub.start: sub.end])
+                    sub_state[key] = home
+                else:
+                    sub_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            self.optimizer.state[sub.param] = sub_state
+            self.store.release(list(sub_state.values()))
+        self.store.wait()
+
+    def _tensors(self, sub: SubGroup) -> list[torch.Tensor]:
+        return self.state_tensors(sub) + [sub.param]
+
+    def run(self, grads: dict[int, torch.Tensor]) -> None:
+        """`grads`: id(group) -> fp32 gradient matching group.master."""
+        subs = self.sub_groups
+        # Every swap file is checked before anything is updated: a damaged store fails the step and
+        # leaves masters and optimizer states as they were.
+        self.store.check([t for sub in subs for t in self._tensors(sub)])
+        if self.master_store is not None:
+            self.master_store.check([sub.group.master for sub in subs])
+        self._prefetch(subs[0])
+        try:
+            for k, sub in enumerate(subs):
+                if k + 1 < len(subs):
+                    self._prefetch(subs[k + 1])  # double buffering: read k+1 while k computes
+                sub.param.grad = grads[id(sub.group)][sub.start: sub.end]
+                self._step_one(sub)
+                sub.param.grad = None
+                self._adopt_new_state(sub)
+                self._release(sub)
+        finally:
+            for pg, params in zip(self.optimizer.param_groups, self._all_params):
+                pg["params"] = params
+        started = time.monotonic()
+        self.store.wait()
+        if self.master_store is not None and self.master_store is not self.store:
+            self.master_store.wait()
+        self.store.counters.wait_s += time.monotonic() - started
+
+    def _step_one(self, sub: SubGroup) -> None:
+        for pg, params in zip(self.optimizer.param_groups, self._all_params):
+            pg["params"] = [sub.param] if any(p is sub.param for p in params) else []
+        self.optimizer.step()
+
+    def _adopt_new_state(self, sub: SubGroup) -> None:
+        """State the optimizer just created in RAM (first step) moves into the store."""
+        state = self.optimizer.state.get(sub.param, {})
+        for name, value in list(state.items()):
+            if is_elementwise(value, sub.param) and not self._held_by_store(value):
+                home = self.store.tensor(f"{sub.group.names[0]}.{sub.start}.{name}", value.numel(), value.dtype)
+                home.copy_(value.reshape(-1))  # 1-D, like the sub-group it belongs to
+                state[name] = home
+
+    def _held_by_store(self, tensor: torch.Tensor) -> bool:
+        return self.store.holds(tensor)
+
+    def _prefetch(self, sub: SubGroup) -> None:
+        self.store.prefetch(self.state_tensors(sub))
+        if self.master_store is not None and sub.start == 0:  # once per group, not per sub-group
+            self.master_store.prefetch([sub.group.master])
+
+    def _release(self, sub: SubGroup) -> None:
+        self.store.release(self.state_tensors(sub))
+        if self.master_store is not None and sub.end == sub.group.master.numel():
+            self.master_store.release([sub.group.master])

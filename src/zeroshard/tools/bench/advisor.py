@@ -1,0 +1,164 @@
+"""The stage advisor: the fastest ZeRO configuration that fits, and why the others were passed over.
+
+Per candidate (stage 0-3, and with `offload` the ZeRO-Offload variants) the advisor predicts
+  * memory per rank: model states (`estimate.model_state_bytes`, paper §5) + activations + a reserve;
+  * time per step beyond compute: communication = bytes a ring sends per rank (paper §7: 2Ψ for
+    stages 0-2, 3Ψ for stage 3, times (N-1)/N) / interconnect bus bandwidth, plus, with offload, the
+    bytes crossing the host link / host bandwidth. Nothing is assumed to overlap, so times are upper bounds.
+The fastest candidate that fits wins; between equally fast ones (stages 0-2 move the same bytes) the
+one that shards least, since sharding more buys only memory that is not needed; the explanation names
+the memory the others would free.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zeroshard.tools import estimator as est
+
+_TIE = 0.01  # candidates within 1% of the fastest predicted time count as equally fast
+
+
+@dataclass(frozen=True)
+class Problem:
+    params: int
+    ranks: int
+    memory: int  # device bytes per rank
+    bandwidth: float  # interconnect bus bandwidth, bytes/s per rank
+    recipe: est.Recipe
+    activations: int = 0  # bytes per rank outside model states (activations, buffers)
+    reserve: float = 0.1  # fraction of memory kept free (fragmentation, allocator, temporaries)
+    compute_s: float = 0.0  # compute time per step, the same for every stage
+    offload: bool = False
+    host_bandwidth: float = 12e9  # device <-> host bytes/s, for offload
+    cpu_memory: int | None = None  # host bytes per rank for offloaded states; None = unbounded
+
+
+@dataclass
+class Candidate:
+    stage: int
+    offload_optimizer: str | None = None
+    offload_param: str | None = None
+    need: int = 0  # device bytes per rank
+    states: est.StateBytes | None = None
+    comm_bytes: int = 0  # paper convention, per step
+    wire_bytes: float = 0.0  # what a ring sends per rank
+    host_bytes: int = 0  # offload traffic per step
+    time_s: float = 0.0
+    fits: bool = False
+    why_not: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        extras = [f"optimizer->{self.offload_optimizer}"] * bool(self.offload_optimizer)
+        extras += [f"params->{self.offload_param}"] * bool(self.offload_param)
+        return f"stage {self.stage}" + (f" + offload {', '.join(extras)}" if extras else "")
+
+    def sharding_rank(self) -> tuple:
+        return (self.stage, bool(self.offload_optimizer), bool(self.offload_param))
+
+
+def candidates(problem: Problem) -> list[Candidate]:
+    out = [Candidate(stage) for stage in range(4)]
+    if problem.offload:
+        out += [Candidate(stage, offload_optimizer="cpu") for stage in (1, 2, 3)]
+        out.append(Candidate(3, offload_optimizer="cpu", offload_param="cpu"))
+    for candidate in out:
+        _predict(problem, candidate)
+    return out
+
+
+def _predict(p: Problem, c: Candidate) -> None:
+    c.states = est.model_state_bytes(p.params, p.ranks, c.stage, p.recipe, c.offload_optimizer, c.offload_param)
+    c.need = c.states.total + p.activations
+    usable = int(p.memory * (1 - p.reserve))
+    c.comm_bytes = est.comm_bytes_per_step(p.params, c.stage, p.recipe.param_bytes)
+    c.wire_bytes = est.ring_bytes_sent_per_rank(p.params, p.ranks, c.stage, p.recipe.param_bytes)
+    shard = -(-p.params // p.ranks)
+    if c.offload_optimizer:  # gradients down, updated parameters up (ZeRO-Offload, arXiv 2101.06840 §4)
+        c.host_bytes += (p.recipe.grad_bytes + p.recipe.param_bytes) * shard
+    if c.offload_param:  # the parameter shard comes up for the forward and again for the backward
+        c.host_bytes += 2 * p.recipe.param_bytes * shard
+    c.time_s = p.compute_s + c.wire_bytes / p.bandwidth + c.host_bytes / p.host_bandwidth
+    c.fits = c.need <= usable
+    if not c.fits:
+        c.why_not = (f"needs {est.format_bytes(c.need)} per rank, more than the {est.format_bytes(usable)} usable "
+                     f"({est.format_bytes(p.memory)} less {p.reserve:.0%} reserve)")
+    elif p.cpu_memory is not None and c.states.offloaded_cpu > p.cpu_memory:
+        c.fits = False
+        c.why_not = (f"offloads {est.format_bytes(c.states.offloaded_cpu)} per rank to the host, more than "
+                     f"--cpu-memory {est.format_bytes(p.cpu_memory)}")
+
+
+def headroom(p: Problem, c: Candidate) -> float:
+    return 1 - c.need / p.memory
+
+
+def choose(problem: Problem) -> tuple[Candidate | None, list[Candidate]]:
+    """(the recommendation or None when nothing fits, every candidate)."""
+    every = candidates(problem)
+    fitting = [c for c in every if c.fits]
+    if not fitting:
+        return None, every
+    fastest = min(c.time_s for c in fitting)
+    tied = [c for c in fitting if c.time_s <= fastest * (1 + _TIE) + 1e-12]
+    return min(tied, key=Candidate.sharding_rank), every
+
+
+def _seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _psi(c: Candidate) -> str:
+    return "3Ψ" if c.stage == 3 else "2Ψ"
+
+
+def explain(problem: Problem, best: Candidate | None, every: list[Candidate]) -> list[str]:
+    p = problem
+    if best is None:
+        smallest = min(every, key=lambda c: c.need)
+        usable = p.memory * (1 - p.reserve)
+        if p.activations >= usable:
+            return [f"nothing fits: activations alone ({est.format_bytes(p.activations)} per rank) exceed the "
+                    f"{est.format_bytes(usable)} usable; lower the micro batch or sequence length, or recompute "
+                    "activations (activation checkpointing)"]
+        hint = "" if p.offload else "; try --offload"
+        return [f"nothing fits: even {smallest.name} {smallest.why_not}{hint}, or add ranks "
+                f"(model states at stage 3 shrink as 1/N)"]
+    lines = [f"recommend {best.name}: fits with {headroom(p, best):.0%} headroom ({est.format_bytes(best.need)} of "
+             f"{est.format_bytes(p.memory)} per rank) and moves {_psi(best)} = "
+             f"{est.format_bytes(best.comm_bytes)} per step (~{_seconds(best.wire_bytes / p.bandwidth)} at "
+             f"{est.format_bytes(p.bandwidth)}/s)" + (f", plus {est.format_bytes(best.host_bytes)} over the host "
+                                                       f"link" if best.host_bytes else "")]
+    for c in every:
+        if c is best:
+            continue
+        lines.append(f"  {c.name}: {_verdict(p, best, c)}")
+    return lines
+
+
+def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
+    if not c.fits:
+        return f"does not fit: {c.why_not}"
+    if c.time_s > best.time_s * (1 + _TIE):
+        extra = c.time_s - best.time_s
+        more_bytes = c.comm_bytes / best.comm_bytes - 1 if best.comm_bytes else 0
+        reason = f"moves {more_bytes:.0%} more bytes" if more_bytes > 0 else "moves state over the host link"
+        if c.host_bytes and more_bytes > 0:
+            reason += " and state over the host link"
+        return (f"not needed: {best.name} fits and is faster; this fits with {headroom(p, c):.0%} headroom but "
+                f"{reason} (+{_seconds(extra)} per step)")
+    if c.sharding_rank() > best.sharding_rank():
+        return (f"moves the same bytes, fits with {headroom(p, c):.0%} headroom; shards more than this needs, "
+                "worth it to spend the freed memory on a larger micro batch")
+    return f"fits with {headroom(p, c):.0%} headroom and the same predicted time"
+
+
+def ds_config(best: Candidate) -> dict:
+    """The DeepSpeed config section for the recommendation."""
+    zero: dict = {"stage": best.stage}
+    if best.offload_optimizer:
+        zero["offload_optimizer"] = {"device": best.offload_optimizer}
+    if best.offload_param:
+        zero["offload_param"] = {"device": best.offload_param}
+    return {"zero_optimization": zero}

@@ -1,0 +1,149 @@
+"""Turn the ranks' measurements into the bench's summary rows, terminal table and JSON.
+
+Every measured figure is set next to its prediction from `zeroshard.tools.estimator`: model-state bytes per rank
+against the paper's §5 formulas, communication per step against 2Ψ (stages 0-2) or 3Ψ (stage 3) in the
+paper's convention (§7). Peers are predicted as the ZeRO stage they implement (DDP 0, torch's
+ZeroRedundancyOptimizer 1, FSDP2 3).
+"""
+from __future__ import annotations
+
+from zeroshard.tools import estimator as est
+from zeroshard.tools.bench import family
+
+PEER_STAGE = {"ddp": 0, "torch-zero": 1, "fsdp2": 3}
+LARGEST_METHOD = ("largest model: GPT family member k (k layers, width 64k) whose modelled peak memory per rank "
+                  "fits the budget; model states from the estimator, process baseline and activation term "
+                  "calibrated from this run's measured peak (bench/family.py); extrapolated, not tried")
+
+
+def equivalent_stage(run: dict) -> int | None:
+    if run["kind"] == "zeroshard":
+        return run["stage"]
+    if run["kind"] == "deepspeed":
+        return run.get("stage")
+    return PEER_STAGE.get(run["kind"])
+
+
+def recipe_of(spec: dict) -> est.Recipe:
+    return est.recipe(spec["precision"], "adamw")
+
+
+def summarize(result: dict, budget: int | None) -> list[dict]:
+    """One row per configuration, with measured and predicted figures side by side."""
+    spec, ranks = result["spec"], result["world_size"]
+    rows = []
+    for run in result["runs"]:
+        if run.get("skipped"):
+            rows.append({"name": run["name"], "skipped": run["skipped"]})
+            continue
+        rows.append(_row(run, spec, ranks, budget, result["vocab"], host_is_device=result["device"] == "cpu"))
+    return rows
+
+
+def _row(run: dict, spec: dict, ranks: int, budget: int | None, vocab: int, host_is_device: bool) -> dict:
+    rec, psi, stage = recipe_of(spec), run["params"], equivalent_stage(run)
+    per_rank = run["ranks"]
+    worst = max(per_rank, key=lambda r: r["states"]["total"])
+    measured_states = {k: worst["states"].get(k, 0) for k in ("params", "grads", "optimizer", "master", "total")}
+    measured_states["optimizer"] += measured_states.pop("master")  # K includes the fp32 master copy
+    comm = {k: v for k, v in run["comm_paper_bytes"].items() if k != "control"}
+    row = {"name": run["name"], "kind": run["kind"], "stage": stage, "params": psi,
+           "offload_optimizer": run.get("offload_optimizer"), "offload_param": run.get("offload_param"),
+           "step_time": run["step_time"], "tokens_per_s": run["tokens_per_s"],
+           "loss_first": run["losses"][0], "loss_last": run["losses"][-1],
+           "peak_memory": max(r["peak_memory"] for r in per_rank),
+           "baseline_memory": max(r["baseline_memory"] for r in per_rank),
+           "states_measured": measured_states, "comm_measured": sum(comm.values()), "comm_by_kind": comm}
+    if stage is not None:
+        predicted = est.model_state_bytes(psi, ranks, stage, rec, run.get("offload_optimizer"), run.get("offload_param"))
+        # On a CPU run, what offload moves "off the device" stays in the same process memory we count.
+        host = predicted.offloaded_cpu if host_is_device else 0
+        row["states_predicted"] = {"params": predicted.params, "grads": predicted.grads,
+                                   "optimizer": predicted.optimizer, "offloaded_cpu": predicted.offloaded_cpu,
+                                   "total": predicted.total + host}
+        row["comm_predicted"] = est.comm_bytes_per_step(psi, stage, rec.param_bytes)
+        row["comm_ratio"] = row["comm_measured"] / row["comm_predicted"] if row["comm_predicted"] else None
+    if run["kind"] == "zeroshard" and budget and not (run.get("offload_optimizer") or run.get("offload_param")):
+        row["largest"] = _largest(run, spec, ranks, rec, worst, budget, vocab)
+    return row
+
+
+def _largest(run: dict, spec: dict, ranks: int, rec: est.Recipe, worst: dict, budget: int, vocab: int) -> dict:
+    seq_len = spec["shape"]["block_size"]
+    model = family.calibrate(run["stage"], ranks, vocab, seq_len, spec["batch"], rec, spec["size"],
+                             worst["baseline_memory"], worst["peak_memory"], worst["states"]["total"])
+    size = family.largest_fitting(model, budget)
+    if size is None:
+        return {"size": None, "params": 0, "activation_scale": model.activation_scale}
+    return {"size": size, "params": family.num_params(size, vocab, seq_len), "peak": model.peak(size),
+            "activation_scale": model.activation_scale}
+
+
+# ---- terminal table ----
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"
+
+
+def _vs(measured: int, predicted: int | None) -> str:
+    if predicted is None:
+        return est.format_bytes(measured)
+    return f"{est.format_bytes(measured)} / {est.format_bytes(predicted)}"
+
+
+def table_rows(rows: list[dict]) -> list[list[str]]:
+    header = ["config", "step ms med [min-max]", "tokens/s", "peak mem/rank", "model states meas/pred",
+              "comm/step meas/pred", "ratio", "largest model"]
+    lines = [header]
+    for row in rows:
+        if "skipped" in row:
+            continue  # listed under the table
+        t = row["step_time"]
+        largest = row.get("largest")
+        comparable = row["kind"] != "deepspeed"  # see the DeepSpeed footnote in format_table
+        lines.append([
+            row["name"], f"{_ms(t['median_s'])} [{_ms(t['min_s'])}-{_ms(t['max_s'])}]", f"{row['tokens_per_s']:,.0f}",
+            est.format_bytes(row["peak_memory"]),
+            _vs(row["states_measured"]["total"], row.get("states_predicted", {}).get("total")) if comparable else "n/a",
+            _vs(row["comm_measured"], row.get("comm_predicted")) if comparable else "n/a",
+            f"{row['comm_ratio']:.3f}" if row.get("comm_ratio") and comparable else "-",
+            "-" if not largest else (f"{est.format_count(largest['params'])} (k={largest['size']})"
+                                     if largest["size"] else "none fits")])
+    return lines
+
+
+def format_table(result: dict, rows: list[dict], budget: int | None) -> str:
+    spec = result["spec"]
+    shape = spec["shape"]
+    params = next((r["params"] for r in rows if "params" in r), 0)
+    out = [f"zeroshard bench: GPT k={spec['size']} ({shape['n_layer']} layers, width {shape['n_embd']}, "
+           f"{est.format_count(params)} parameters), {result['world_size']} ranks on {result['device']}, "
+           f"{spec['precision']} AdamW, micro batch {spec['batch']} x {shape['block_size']} tokens, "
+           f"{spec['steps']} timed steps after {spec['warmup']} warm-up"]
+    cells = table_rows(rows)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    out.append("")
+    for line in cells:
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+    out.append("")
+    skipped: dict[str, list[str]] = {}
+    for row in rows:
+        if "skipped" in row:
+            skipped.setdefault(row["skipped"], []).append(row["name"])
+    out += [f"not run: {', '.join(names)}: {reason}" for reason, names in skipped.items()]
+    out.append("step ms: per step the slowest rank; median, min and max over the timed steps.")
+    out.append(f"peak mem/rank: {result['memory_method']}; the largest over the ranks.")
+    out.append("model states: bytes of params + grads + optimizer (incl. fp32 master) this rank holds, "
+               "counted from its tensors, vs the paper's §5 formula.")
+    out.append("comm/step: paper convention (all-reduce of Ψ = 2Ψ, all-gather/reduce-scatter = Ψ) vs 2Ψ "
+               "(stages 0-2) / 3Ψ (stage 3).")
+    if any(r.get("kind") == "deepspeed" and "skipped" not in r for r in rows):
+        out.append("DeepSpeed rows: step time and peak memory only. Its gradient partitions live in internal "
+                   "buffers that a census of torch-visible tensors misses, and part of its communication "
+                   "bypasses the torch.distributed calls we count, so those columns would not be comparable.")
+    if result["device"] == "cpu" and any(r.get("offload_optimizer") for r in rows):
+        out.append("offload rows: on CPU the host is the device, so their model states are compared with the "
+                   "formula's device + offloaded bytes.")
+    if budget:
+        out.append(f"{LARGEST_METHOD}; budget {est.format_bytes(budget)} per rank.")
+    return "\n".join(out)

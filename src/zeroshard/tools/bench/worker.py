@@ -1,0 +1,123 @@
+"""Rank side of `zeroshard bench`: every configuration of the spec, one after another, in one process group.
+
+Launched by `launch.py` as `torchrun --nproc_per_node N -m zeroshard.tools.bench.worker RUN_DIR`. For each
+configuration: build the same model from the same seed, train `warmup` steps, count one step's
+communication, then time `steps` steps (per step the slowest rank) while tracking peak memory (see
+[Note: measuring peak memory] in measure.py). Between configurations everything is freed and trimmed, so
+each one starts from the same baseline.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from zeroshard.tools.bench import measure, peers
+from zeroshard.tools.bench.rank import RankContext, run_rank
+from zeroshard.tools.bench.subject import Subject, zeroshard_subject
+from zeroshard.tools.demo.corpus import Batches, CharTokenizer, load_corpus
+from zeroshard.tools.models.gpt import GPT, GPTConfig
+
+log = logging.getLogger(__name__)
+
+
+def ds_config(spec: dict, run: dict) -> dict:
+    zero = {"stage": run["stage"], "overlap_comm": True,
+            # 0: every parameter is sharded, so the measured volume is exactly the paper's 3Ψ at stage 3.
+            "stage3_param_persistence_threshold": 0}
+    if run.get("offload_optimizer"):
+        zero["offload_optimizer"] = {"device": run["offload_optimizer"]}
+    if run.get("offload_param"):
+        zero["offload_param"] = {"device": run["offload_param"]}
+    return {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "weight_decay": 0.0}},
+            "zero_optimization": zero, "bf16": {"enabled": spec["precision"] == "bf16"},
+            # the cross-rank consistency check doubles the collectives' latency: a debugging aid, off here
+            "zeroshard": {"check_collectives": False}}
+
+
+class Bench:
+    """The shared inputs of every configuration: spec, data, meter."""
+
+    def __init__(self, ctx: RankContext, tokens: torch.Tensor, vocab: int):
+        self.ctx, self.tokens, self.vocab = ctx, tokens, vocab
+        self.meter = measure.PeakMemory(ctx.device)
+
+    def run(self, spec: dict, run: dict) -> dict:
+        measure.trim()
+        baseline = self.meter.current()
+        torch.manual_seed(spec["seed"])
+        model = GPT(GPTConfig(**{**spec["shape"], "vocab_size": self.vocab}))
+        if run["kind"] == "zeroshard":
+            subject = zeroshard_subject(model, ds_config(spec, run), self.ctx.device)
+        else:
+            subject = peers.build(run, model, self.ctx.device, ds_config(spec, run), spec["lr"])
+        del model  # the subject holds what it needs
+        self.ctx.progress(event="start", run=run["name"], total=spec["warmup"] + spec["steps"])
+        figures = self._measure(spec, subject, run["name"])
+        per_rank = subject.gather({"rank": self.ctx.rank, "states": subject.states(), "baseline_memory": baseline,
+                                   "start_memory": figures.pop("start_memory"),
+                                   "peak_memory": figures.pop("peak_memory")})
+        params = subject.params
+        subject.close()
+        del subject
+        measure.trim()
+        tokens_per_step = spec["batch"] * spec["shape"]["block_size"] * self.ctx.world_size
+        return {**run, **figures, "params": params, "ranks": per_rank,
+                "tokens_per_s": tokens_per_step / figures["step_time"]["median_s"]}
+
+    def _measure(self, spec: dict, subject: Subject, label: str) -> dict:
+        ctx = self.ctx
+        batches = Batches(self.tokens, spec["shape"]["block_size"], spec["batch"], spec["seed"], ctx.rank)
+        losses = []
+        for i in range(spec["warmup"]):
+            losses.append(subject.step(*self._to(batches.next())))
+            ctx.progress(event="step", run=label, phase="warmup", step=i + 1, loss=losses[-1])
+        comm = subject.count_comm(lambda: losses.append(subject.step(*self._to(batches.next()))))
+        measure.trim()
+        start = self.meter.current()
+        self.meter.reset()
+        times = []
+        for i in range(spec["steps"]):
+            x, y = self._to(batches.next())
+            if ctx.device.type == "cuda":
+                torch.cuda.synchronize(ctx.device)
+            started = time.perf_counter()
+            losses.append(subject.step(x, y))  # .item() inside synchronises
+            times.append(subject.slowest(time.perf_counter() - started))
+            ctx.progress(event="step", run=label, phase="timed", step=i + 1, loss=losses[-1], step_s=times[-1])
+        return {"comm_paper_bytes": comm, "step_time": measure.step_stats(times), "losses": losses,
+                "start_memory": start, "peak_memory": self.meter.peak()}
+
+    def _to(self, batch):
+        return tuple(t.to(self.ctx.device) for t in batch)
+
+    def warm_up_process(self, spec: dict) -> None:
+        """One throwaway step of a tiny model, so that one-time costs (thread pools, gloo buffers, lazily
+        loaded kernels) land before the first baseline rather than inside the first configuration."""
+        tiny = {**spec, "shape": {**spec["shape"], "n_layer": 1, "n_head": 1, "n_embd": 8}, "warmup": 1, "steps": 1}
+        self.run(tiny, {"name": "process warm-up", "kind": "zeroshard", "stage": 3})
+
+
+def work(ctx: RankContext) -> dict:
+    spec = ctx.spec
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    corpus = load_corpus()
+    tokenizer = CharTokenizer(corpus.text)
+    bench = Bench(ctx, tokenizer.encode(corpus.text), tokenizer.vocab_size)
+    bench.warm_up_process(spec)
+    results = []
+    for run in spec["runs"]:
+        if run["kind"] != "zeroshard" and not peers.available(run["kind"]):
+            results.append({**run, "skipped": peers.unavailable_reason(run["kind"])})
+            continue
+        results.append(bench.run(spec, run))
+        ctx.progress(event="done", run=run["name"])
+    return {"spec": spec, "world_size": ctx.world_size, "device": str(ctx.device), "vocab": tokenizer.vocab_size,
+            "memory_method": bench.meter.method, "torch": torch.__version__, "runs": results}
+
+
+if __name__ == "__main__":
+    run_rank(work)

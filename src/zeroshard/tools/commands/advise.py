@@ -1,0 +1,150 @@
+"""`zeroshard advise`: which ZeRO stage to use, for a model, ranks, memory per rank and interconnect."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+
+from zeroshard.tools import estimator as est
+from zeroshard.tools.commands import CommandError, add_command, bounded, params_from_args
+
+log = logging.getLogger(__name__)
+
+DESCRIPTION = """\
+Recommends the fastest ZeRO configuration whose model states (paper §5) plus activations fit the memory
+per rank, and says why each other one was passed over. Time per step is compared through the bytes each
+stage moves (2Ψ for stages 0-2, 3Ψ for stage 3, paper §7) at the given or measured interconnect bus
+bandwidth (and, with --offload, the host link); compute is the same for every stage. Predictions assume
+no overlap of communication with compute, so they are upper bounds."""
+
+EXAMPLES = [
+    "zeroshard advise --model gpt2-xl --ranks 8 --memory 24GiB --bandwidth 25GB/s",
+    "zeroshard advise --params 7.5B --ranks 64 --memory 32GB --bandwidth 100GB/s --offload",
+    "zeroshard advise --model gpt-small --ranks 2 --memory 4GiB --measure-bandwidth   # local ranks, a few seconds",
+    "zeroshard advise --model config.json --ranks 16 --memory 80GB --bandwidth 200GB/s --batch 8 --seq-len 2048",
+    "zeroshard advise --params 1.3B --ranks 4 --memory 16GiB --bandwidth 10GB/s --json",
+]
+
+_RATE = re.compile(r"^\s*(.+?)\s*(/s|ps)?\s*$", re.IGNORECASE)
+
+
+def parse_rate(text: str) -> float:
+    """'25GB/s', '25 GB/s', '2.5e10', '100Gbit/s' -> bytes per second."""
+    body = _RATE.match(text).group(1)
+    bits = re.match(r"^(.*?)(gbit|mbit|gb?ps)$", body, re.IGNORECASE)
+    try:
+        if bits:
+            scale = {"gbit": 1e9, "mbit": 1e6}.get(bits.group(2).lower(), 1e9)
+            return float(bits.group(1)) * scale / 8
+        return float(est.parse_bytes(body))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read a bandwidth from {text!r}: expected e.g. 25GB/s, "
+                                         "12.5GiB/s, 100Gbit/s or bytes per second") from None
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = add_command(subparsers, "advise", summary="recommend a ZeRO stage for a model, ranks, memory, network",
+                         description=DESCRIPTION, examples=EXAMPLES)
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", type=bounded(est.parse_count, 0, inclusive=False), metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
+    size.add_argument("--model", metavar="NAME_OR_JSON",
+                      help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
+    parser.add_argument("--ranks", type=bounded(int, 0, inclusive=False), required=True, metavar="N", help="data-parallel ranks")
+    parser.add_argument("--memory", type=bounded(est.parse_bytes, 0, inclusive=False), required=True, metavar="SIZE",
+                        help="device memory per rank: 24GiB, 80GB")
+    net = parser.add_mutually_exclusive_group(required=True)
+    net.add_argument("--bandwidth", type=parse_rate, metavar="RATE",
+                     help="interconnect bus bandwidth per rank: 25GB/s, 100Gbit/s (nccl-tests' busbw)")
+    net.add_argument("--measure-bandwidth", action="store_true",
+                     help="measure all-reduce bus bandwidth between --measure-ranks local ranks first")
+    parser.add_argument("--measure-ranks", type=bounded(int, 1, inclusive=False), default=2, metavar="N",
+                        help="local ranks for --measure-bandwidth (default: 2)")
+    parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16", help="default: bf16")
+    parser.add_argument("--optimizer", choices=list(est.OPTIMIZER_STATES), default="adam", help="default: adam")
+    parser.add_argument("--activations", type=bounded(est.parse_bytes, -1, inclusive=False), metavar="SIZE",
+                        help="memory per rank besides model states (activations, buffers); "
+                             "estimated for built-in GPTs from --batch/--seq-len, else 0")
+    parser.add_argument("--batch", type=bounded(int, 0, inclusive=False), metavar="B", help="micro batch per rank, for the activation estimate")
+    parser.add_argument("--seq-len", type=bounded(int, 0, inclusive=False), metavar="T", help="sequence length, for the activation estimate")
+    parser.add_argument("--reserve", type=float, default=0.1, metavar="FRACTION",
+                        help="share of memory kept free for fragmentation and temporaries (default: 0.1)")
+    parser.add_argument("--compute-time", type=float, default=0.0, metavar="S",
+                        help="compute seconds per step, to show communication as a share of the step")
+    parser.add_argument("--offload", action="store_true", help="also consider ZeRO-Offload to CPU")
+    parser.add_argument("--host-bandwidth", type=parse_rate, default=12e9, metavar="RATE",
+                        help="device<->host bandwidth for offload (default: 12GB/s, PCIe 4 x16 in practice)")
+    parser.add_argument("--cpu-memory", type=bounded(est.parse_bytes, 0, inclusive=False), metavar="SIZE", help="host memory per rank for offload")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=run)
+
+
+def gpt_activation_bytes(spec: est.GPTSpec, batch: int, seq_len: int, dtype_bytes: int) -> int:
+    """Korthikanti et al. (arXiv 2205.05198, §4.1): per layer s*b*h*(34 + 5*a*s/h) bytes in 16-bit, no
+    recomputation; scaled for fp32, plus the fp32 logits the loss keeps."""
+    s, b, h, a = seq_len, batch, spec.n_embd, spec.n_head
+    per_layer = s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
+    return int(spec.n_layer * per_layer + 4 * s * b * spec.vocab)
+
+
+def _activations(args: argparse.Namespace) -> tuple[int, str]:
+    if args.activations is not None:
+        return args.activations, "given"
+    spec = est.BUILTIN_MODELS.get(args.model or "")
+    if spec is not None and args.batch and args.seq_len:
+        return gpt_activation_bytes(spec, args.batch, args.seq_len, est.PRECISIONS[args.precision]), \
+            "estimated (Korthikanti et al. 2022, no recomputation)"
+    return 0, "not counted: give --activations, or --batch and --seq-len with a built-in --model"
+
+
+def measure_bandwidth(ranks: int) -> dict:
+    from tqdm import tqdm
+
+    from zeroshard.tools.bench.launch import launch
+
+    spec = {"bytes": 64 * 2**20, "warmup": 2, "repeats": 8}
+    with tqdm(total=spec["warmup"] + spec["repeats"], desc=f"all-reduce between {ranks} local ranks",
+              unit="op", file=sys.stderr, leave=False, disable=None) as bar:
+        return launch("zeroshard.tools.bench.bandwidth", spec, ranks, on_progress=lambda e: bar.update(1), timeout_s=600)
+
+
+def run(args: argparse.Namespace) -> int:
+    from zeroshard.tools.bench import advisor as advise
+
+    if not 0 <= args.reserve < 1:
+        raise CommandError(f"--reserve must be in [0, 1), got {args.reserve}")
+    params = params_from_args(args)
+    bandwidth, source = args.bandwidth, "given"
+    if args.measure_bandwidth:
+        probe = measure_bandwidth(args.measure_ranks)
+        bandwidth = probe["bus_bandwidth"]
+        source = (f"measured: all-reduce of {est.format_bytes(probe['bytes'])} between {probe['ranks']} local ranks "
+                  f"({probe['backend']}), median {probe['median_s'] * 1e3:.1f} ms")
+    activations, act_source = _activations(args)
+    problem = advise.Problem(params=params, ranks=args.ranks, memory=args.memory, bandwidth=bandwidth,
+                             recipe=est.recipe(args.precision, args.optimizer), activations=activations,
+                             reserve=args.reserve, compute_s=args.compute_time, offload=args.offload,
+                             host_bandwidth=args.host_bandwidth, cpu_memory=args.cpu_memory)
+    best, every = advise.choose(problem)
+    lines = advise.explain(problem, best, every)
+    if args.json:
+        document = {"params": params, "ranks": args.ranks, "memory_bytes": args.memory, "bandwidth": bandwidth,
+                    "bandwidth_source": source, "activations_bytes": activations, "activations_source": act_source,
+                    "recommendation": best.name if best else None,
+                    "deepspeed_config": advise.ds_config(best) if best else None, "explanation": lines,
+                    "candidates": [{"name": c.name, "stage": c.stage, "fits": c.fits, "need_bytes": c.need,
+                                    "comm_bytes": c.comm_bytes, "wire_bytes": c.wire_bytes, "host_bytes": c.host_bytes,
+                                    "predicted_comm_s": c.time_s - args.compute_time} for c in every]}
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+        return 0 if best else 1
+    head = [f"{est.format_count(params)} parameters{f' ({args.model})' if args.model else ''}, {args.ranks} ranks, "
+            f"{est.format_bytes(args.memory)} per rank, {problem.recipe.name} "
+            f"(K={problem.recipe.k}), interconnect {est.format_bytes(bandwidth)}/s ({source})",
+            f"activations and buffers: {est.format_bytes(activations)} per rank, {act_source}", ""]
+    tail = ["", "DeepSpeed / zeroshard config: " + json.dumps(advise.ds_config(best))] if best else []
+    if best and args.compute_time:
+        comm = best.time_s - args.compute_time
+        tail.append(f"communication is ~{comm / best.time_s:.0%} of a {best.time_s:.2f} s step without overlap")
+    sys.stdout.write("\n".join(head + lines + tail) + "\n")
+    return 0 if best else 1

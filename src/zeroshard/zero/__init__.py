@@ -1,7 +1,0 @@
-"""`zeroshard.zero`: DeepSpeed's `deepspeed.zero` namespace. `Init` builds a model already partitioned
-(init.py); `GatheredParameters` gives full parameters on demand (gathered.py); partition.py holds the
-per-parameter slices and [Note: the parameter registry]."""
-from .gathered import GatheredParameters
-from .init import Init
-
-__all__ = ["GatheredParameters", "Init"]
