@@ -12,7 +12,7 @@ from zeroshard.compat.engine import ZeroEngine
 from zeroshard.config import ConfigError, load_config
 from zeroshard.core import STAGES, CollectiveError, Placement, PrecisionPolicy, Sharded, StagePolicy, shard, stage_policy
 
-__version__ = "0.1.0"
+from zeroshard.version import __version__
 
 _paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)
 

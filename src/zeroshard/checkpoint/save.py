@@ -167,7 +167,7 @@ def _readable(value):
 
 
 def build_manifest(engine, states: list[dict], tag: str, files: dict, buffers: list[str]) -> dict:
-    from zeroshard import __version__
+    from zeroshard.version import __version__
 
     counters = engine.counters()
     return {

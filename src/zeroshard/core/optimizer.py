@@ -177,8 +177,9 @@ class ZeroOptimizer:
                                  f"the group's shard has {group.master.numel()}")
         if self.streamed is not None:
             self.streamed.load_state(group, state)
-        elif state:
-            self.optimizer.state[group.master] = dict(state)
+        elif state:  # copies, as torch's load_state_dict makes: the caller keeps its tensors
+            self.optimizer.state[group.master] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                  for k, v in state.items()}
         else:
             self.optimizer.state.pop(group.master, None)
 

@@ -18,6 +18,7 @@ or the data-parallel dimension of a device mesh.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 
 import torch
@@ -155,11 +156,12 @@ class Sharded:
 
     # -- state -----------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """This rank's shards: per flat group its fp32 master shard, and the optimizer state
-        (`ZeroOptimizer.state_dict`). Loads back into the same layout with `load_state_dict`; to
-        change world size or stage, use the checkpoint package, which re-slices by parameter."""
+        """A snapshot (copies) of this rank's shards: per flat group its fp32 master shard, and the
+        optimizer state (`ZeroOptimizer.state_dict`). Loads back into the same layout with
+        `load_state_dict`; to change world size or stage, use the checkpoint package, which re-slices
+        by parameter."""
         return {"masters": [group.master.detach().clone() for group in self.groups],
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     @torch.no_grad()

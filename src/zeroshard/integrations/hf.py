@@ -15,7 +15,7 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-import zeroshard
+from zeroshard.compat.api import initialize
 from zeroshard.checkpoint import full_state_dict
 from zeroshard.config import ConfigError, read_config
 from zeroshard.core.unit import UnitState
@@ -166,7 +166,7 @@ class ZeroShardTrainer(transformers.Trainer):
             raise ConfigError("a scheduler was given to Trainer(optimizers=...) and the zeroshard config has a "
                               "'scheduler' section: give exactly one")
         optimizer = None if "optimizer" in config else self.create_optimizer()
-        self.engine, *_ = zeroshard.initialize(model=self.model, optimizer=optimizer, config=config)
+        self.engine, *_ = initialize(model=self.model, optimizer=optimizer, config=config)
 
     # -- one micro step -------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):

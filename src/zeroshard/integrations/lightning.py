@@ -28,7 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-import zeroshard
+from zeroshard.compat.api import initialize
 from zeroshard.config import ConfigError, read_config
 
 __all__ = ["ZeroShardPrecision", "ZeroShardStrategy"]
@@ -113,7 +113,7 @@ class ZeroShardStrategy(DDPStrategy):
                 raise ValueError("ZeroShardStrategy trains with one optimizer; configure_optimizers gave "
                                  f"{len(optimizers)}")
             optimizer = optimizers[0]
-        self.engine, *_ = zeroshard.initialize(model=module, optimizer=optimizer, config=config)
+        self.engine, *_ = initialize(model=module, optimizer=optimizer, config=config)
         if self.engine.lr_scheduler is not None:  # the config's scheduler: Lightning steps it, as DeepSpeed's
             scheduler_configs = [LRSchedulerConfig(self.engine.lr_scheduler, interval="step")]
             self.engine.lr_scheduler = None

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import zeroshard
+import zeroshard.version
 from zeroshard.tools.commands import CommandError
 
 log = logging.getLogger(__name__)
@@ -31,7 +31,7 @@ def child_env(threads_per_rank: int | None) -> dict:
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # see [Note: measuring peak memory] in bench/measure.py
     if threads_per_rank:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
-    source_root = str(Path(zeroshard.__file__).resolve().parent.parent)  # works uninstalled, from src/
+    source_root = str(Path(zeroshard.version.__file__).resolve().parent.parent)  # works uninstalled, from src/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (source_root, env.get("PYTHONPATH")) if p)
     return env
 

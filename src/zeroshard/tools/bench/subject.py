@@ -21,9 +21,9 @@ class Subject:
 
 
 def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device) -> Subject:
-    import zeroshard
+    from zeroshard.compat.api import initialize
 
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def step(x, y) -> float:
         _, loss = engine(x, y)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-import zeroshard
+from zeroshard.compat.api import initialize
 from zeroshard.tools.bench import measure
 from zeroshard.tools.bench.rank import RankContext, run_rank
 from zeroshard.tools.demo.corpus import Batches, CharTokenizer, load_corpus, split
@@ -68,7 +68,7 @@ class Trainer:
         torch.manual_seed(spec["seed"])
         self.model = GPT(GPTConfig(**{**spec["shape"], "vocab_size": self.tokenizer.vocab_size}))
         self.config = build_config(spec)
-        self.engine, *_ = zeroshard.initialize(model=self.model, model_parameters=self.model.parameters(),
+        self.engine, *_ = initialize(model=self.model, model_parameters=self.model.parameters(),
                                                config=self.config)
         # the engine resolved the batch sizes (a config may give train_batch_size only)
         self.micro, self.accumulation = self.engine.train_micro_batch_size_per_gpu(), \

@@ -1,0 +1,109 @@
+"""Single-process unit tests of the core's bookkeeping: nothing here needs a process group."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zeroshard.core.comm import ByteCounter
+from zeroshard.core.flat import FlatLayout
+from zeroshard.core.group import FlatGroup
+from zeroshard.core.placement import Placement, Store
+from zeroshard.core.policy import STAGES, Reduction, StagePolicy, stage_policy
+from zeroshard.core.precision import PrecisionPolicy
+from zeroshard.offload import CPUStore, NVMeStore
+
+
+def test_flat_layout_offsets_padding_and_views():
+    layout = FlatLayout(["a", "b", "c"], [torch.Size([2, 3]), torch.Size([5]), torch.Size([])], world_size=4)
+    assert [s.offset for s in layout.slots] == [0, 6, 11] and layout.numel == 12
+    assert (layout.shard_numel, layout.padded_numel) == (3, 12)
+    layout = FlatLayout(["a", "b"], [torch.Size([2, 3]), torch.Size([5])], world_size=4)  # 11 -> 12
+    assert (layout.numel, layout.shard_numel, layout.padded_numel) == (11, 3, 12)
+    assert [layout.shard_range(r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    full = layout.flatten([torch.arange(6.).view(2, 3), torch.arange(6., 11.)], torch.float32)
+    assert full.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0], "zero padding at the end"
+    a, b = layout.views(full)
+    assert a.shape == (2, 3) and b.shape == (5,) and a.data_ptr() == full.data_ptr()
+    b.add_(1)
+    assert full[6].item() == 7.0, "views write through to the flat buffer"
+
+
+def test_pieces_in_cut_parameters_at_shard_boundaries():
+    layout = FlatLayout(["a", "b"], [torch.Size([4]), torch.Size([3])], world_size=3)  # 7 -> shard 3
+    pieces = [[(s.name, lo, hi) for s, lo, hi in layout.pieces_in(*layout.shard_range(r))] for r in range(3)]
+    assert pieces == [[("a", 0, 3)], [("a", 3, 4), ("b", 0, 2)], [("b", 2, 3)]]
+    assert list(layout.pieces_in(7, 9)) == [], "padding holds no parameter"
+
+
+def _group(stage: int, world: int = 2, rank: int = 0, dtype=torch.float32):
+    params = [nn.Parameter(torch.arange(6.).view(2, 3)), nn.Parameter(torch.ones(3))]
+    return params, FlatGroup(["w", "b"], params, policy=stage_policy(stage), precision=PrecisionPolicy(dtype, dtype),
+                             world_size=world, rank=rank, reshards=stage == 3, optimizer_group=0)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_group_master_and_gradient_storage_follow_the_policy(stage):
+    params, group = _group(stage, world=2, rank=1)
+    assert group.reduction is STAGES[stage].reduction
+    expected_master = group.layout.padded_numel if stage == 0 else group.layout.shard_numel
+    assert group.master.numel() == expected_master
+    assert (group.full_grad is not None) == (stage <= 1) and (group.grad_shard is not None) == (stage >= 2)
+    if stage < 3:
+        assert group.master_is_view_of_full(), "fp32 masters are the parameter buffer at stages 0-2 (no copy)"
+        assert params[0].data_ptr() == group.full.data_ptr()
+    else:
+        assert params[0].numel() == 0, "stage 3 keeps only the shard between uses"
+
+
+def test_stage3_regathers_into_the_same_storage():
+    params, group = _group(3)
+    first = group.new_full()
+    storage = first.untyped_storage().data_ptr()
+    group.point_params_at_full()
+    group.free_full()
+    assert first.untyped_storage().size() == 0 and params[0].numel() == 0, "freeing resizes the storage to 0"
+    again = group.new_full()
+    assert again is first and again.untyped_storage().size() == group.layout.padded_numel * 4
+    assert again.untyped_storage().data_ptr() != 0 and storage != 0
+
+
+def test_policy_chooses_the_reduction():
+    assert [STAGES[s].reduction for s in range(4)] == [
+        Reduction.ALL_REDUCE, Reduction.REDUCE_SCATTER_IN_PLACE, Reduction.REDUCE_SCATTER_TO_SHARD,
+        Reduction.REDUCE_SCATTER_TO_SHARD]
+    assert [STAGES[s].stage for s in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="requires sharding gradients"):
+        StagePolicy(True, False, True)
+    with pytest.raises(ValueError, match="allowed: 0, 1, 2, 3"):
+        stage_policy(4)
+
+
+def test_byte_counter_uses_the_papers_convention():
+    counter = ByteCounter(world_size=4)
+    counter.add("all_reduce", 100)
+    counter.add("reduce_scatter", 100)
+    counter.add("all_gather", 100)
+    counter.add("control", 8)
+    assert dict(counter.paper) == {"all_reduce": 200, "reduce_scatter": 100, "all_gather": 100, "control": 8}
+    assert counter.wire["all_reduce"] == pytest.approx(150.0), "a ring sends (N-1)/N of it"
+    assert counter.data_bytes() == 400, "control traffic is not model-state traffic"
+
+
+def test_stores_satisfy_the_placement_protocol(tmp_path):
+    cpu = CPUStore()
+    nvme = NVMeStore(tmp_path, rank=0, bytes_needed=1 << 16)
+    for store in (cpu, nvme):
+        assert isinstance(store, Store)
+        tensor = store.tensor("x", 16, torch.float32)
+        assert store.holds(tensor) and not store.holds(torch.zeros(16))
+        tensor.add_(1)
+        store.release([tensor])
+        store.wait()
+        store.prefetch([tensor])
+        assert tensor.sum().item() == 16.0
+    assert cpu.resident(cpu.tensor("y", 1, torch.float32)) and nvme.offloaded_bytes == 16 * 4
+    placement = Placement(optimizer_store=nvme, param_store=nvme)
+    assert placement.stores() == [nvme], "a store shared by both roles is listed once"
+    placement.destroy()
+    assert not any(tmp_path.iterdir()), "destroy removes the swap files"

@@ -1,0 +1,91 @@
+"""The layers of the package, read from the source (docs/architecture.md, "Layers").
+
+Imports run one way: tools and integrations -> compat -> checkpoint / offload -> core -> config. A
+module may import its own layer and the layers strictly below it; nothing imports the facade
+(`zeroshard/__init__.py`). Lazy imports inside functions count as much as top-level ones.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "zeroshard"
+
+RANK = {"version": 0, "config": 0, "core": 1, "offload": 2, "checkpoint": 2, "compat": 3,
+        "integrations": 4, "tools": 4}
+MAX_LINES = 400
+
+
+def _layer(module: str) -> str | None:
+    """'zeroshard.core.unit' -> 'core'; the facade 'zeroshard' -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str | None = None) -> list[tuple[int, str]]:
+    """(line, absolute module) of every zeroshard import in `path` (module `name`, default: from
+    its place in the package), relative ones resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = (name or _module_name(path)).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "zeroshard"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "zeroshard":
+                continue
+            if module == "zeroshard":  # `from zeroshard import x`: x is a submodule or a facade name
+                found += [(node.lineno, f"zeroshard.{alias.name}") for alias in node.names]
+            else:
+                found.append((node.lineno, module))
+    return found
+
+
+SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in SOURCES} <= set(RANK)
+
+
+def test_imports_run_one_way():
+    wrong = []
+    for path in SOURCES:
+        mine = _layer(_module_name(path))
+        for line, module in _imports(path):
+            theirs = _layer(module)
+            if theirs is None or theirs not in RANK:
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports the facade ({module}); import the layer module")
+            elif theirs != mine and RANK[theirs] >= RANK[mine]:
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line} ({mine}) imports {module} ({theirs}), "
+                             "which is not below it")
+    assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_modules_stay_small(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines: a concept wants its own module"
+
+
+def test_the_checker_resolves_relative_and_lazy_imports(tmp_path):
+    """The checker itself: relative imports are resolved and imports inside functions are seen."""
+    assert _module_name(PACKAGE / "core" / "unit.py") == "zeroshard.core.unit"
+    probe = tmp_path / "probe.py"
+    probe.write_text("from ..tools import cli\ndef f():\n    from zeroshard.compat.engine import ZeroEngine\n")
+    found = sorted(_imports(probe, "zeroshard.core.probe"))
+    assert found == [(1, "zeroshard.tools"), (3, "zeroshard.compat.engine")]
+    assert [_layer(m) for _, m in found] == ["tools", "compat"]
