@@ -86,40 +86,43 @@ def _torch_subject(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dev
     return Subject(step, states, count_c10d, slowest, gather, params, lambda: None)
 
 
-def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict, lr: float) -> Subject:
-    """A Subject for peer `run["kind"]`; `config` is zeroshard's DeepSpeed config of the same run."""
+def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict, make_optimizer) -> Subject:
+    """A Subject for peer `run["kind"]`; `config` is zeroshard's DeepSpeed config of the same run and
+    `make_optimizer(params)` the optimizer every system gets (worker.bench_optimizer)."""
     kind = run["kind"]
     params = sum(p.numel() for p in model.parameters())
     model.to(device)
     bf16 = config["bf16"]["enabled"]  # peers keep fp32 weights and compute under autocast
-    adamw = dict(lr=lr, weight_decay=0.0)
     if kind == "deepspeed":
-        return _deepspeed_subject(model, device, config, params)
+        return _deepspeed_subject(model, device, config, params, make_optimizer)
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        return _torch_subject(model, torch.optim.AdamW(model.parameters(), **adamw), device, params, bf16)
+        return _torch_subject(model, make_optimizer(model.parameters()), device, params, bf16)
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     if kind == "ddp":
-        return _torch_subject(ddp, torch.optim.AdamW(ddp.parameters(), **adamw), device, params, bf16)
+        return _torch_subject(ddp, make_optimizer(ddp.parameters()), device, params, bf16)
     if kind == "torch-zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **adamw)
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=make_optimizer.func,
+                                            **make_optimizer.keywords)
         return _torch_subject(ddp, optimizer, device, params, bf16)
     raise ValueError(f"unknown peer {run['kind']!r}; allowed: {', '.join(KINDS)}")
 
 
-def _deepspeed_subject(model, device, config: dict, params: int) -> Subject:
+def _deepspeed_subject(model, device, config: dict, params: int, make_optimizer) -> Subject:
     import deepspeed
 
     config = {k: v for k, v in config.items() if k != "zeroshard"}
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    config["zero_allow_untested_optimizer"] = True  # the client optimizer is torch's fused AdamW
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
+                                                   config=config)
 
     def step(x, y) -> float:
         _, loss = engine(x, y)

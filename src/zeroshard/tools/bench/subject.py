@@ -20,10 +20,10 @@ class Subject:
     close: Callable[[], None]
 
 
-def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device) -> Subject:
+def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device, make_optimizer) -> Subject:
     from zeroshard.compat.api import initialize
 
-    engine, *_ = initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine, *_ = initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
 
     def step(x, y) -> float:
         _, loss = engine(x, y)
