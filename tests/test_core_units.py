@@ -107,3 +107,22 @@ def test_stores_satisfy_the_placement_protocol(tmp_path):
     assert placement.stores() == [nvme], "a store shared by both roles is listed once"
     placement.destroy()
     assert not any(tmp_path.iterdir()), "destroy removes the swap files"
+
+
+def test_collective_tags_carry_what_each_rank_runs():
+    from zeroshard.core import consistency
+    from zeroshard.core.comm import KINDS
+
+    same = [consistency.encode(2, 64, "all-gather of unit 'blocks.0' parameters (forward)", torch.device("cpu"))] * 2
+    assert consistency.all_agree(torch.cat(same))
+    other = consistency.encode(2, 64, "all-gather of unit 'blocks.1' parameters (forward)", torch.device("cpu"))
+    tags = torch.cat([same[0], other])
+    assert not consistency.all_agree(tags), "same kind and size, another unit: a divergence"
+    assert consistency.describe(tags, KINDS) == [
+        f"{KINDS[2]} of 64 bytes for all-gather of unit 'blocks.0' parameters (forward)",
+        f"{KINDS[2]} of 64 bytes for all-gather of unit 'blocks.1' parameters (forward)"]
+    long = "x" * 500
+    assert len(consistency.encode(0, 1, long, torch.device("cpu"))) == consistency.TAG_BYTES
+    assert not consistency.all_agree(torch.cat([consistency.encode(0, 1, long, torch.device("cpu")),
+                                                consistency.encode(0, 1, long + "y", torch.device("cpu"))])), \
+        "descriptions longer than the carried text still differ by their hash"

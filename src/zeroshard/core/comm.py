@@ -4,22 +4,24 @@ Every collective goes through a `Communicator`, which
   * counts bytes per collective kind, in the ZeRO paper's convention (§7: an all-reduce of Ψ elements
     moves 2Ψ, a reduce-scatter or all-gather Ψ) and as a ring algorithm really sends them
     ((N-1)/N of that), so a run can report its volume against DESIGN.md's table;
-  * optionally checks, before each collective, that every rank is about to run the *same* one
-    (kind, size, description). Ranks that diverge (different unit order, a skipped backward) would
-    otherwise deadlock or, worse, silently exchange the wrong tensors of equal size;
+  * optionally checks that every rank runs the *same* collective (kind, size, description), with
+    a tag exchange issued just before it and verified when it is waited on ([Note: asynchronous
+    collective check] in consistency.py). Ranks that diverge (different unit order, a skipped
+    backward) would otherwise deadlock or, worse, silently exchange the wrong tensors of equal size;
   * runs on its own process group with a bounded timeout, and turns every failure into a
     `CollectiveError` naming the rank, the collective and what it was for.
 """
 from __future__ import annotations
 
 import time
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zeroshard.core import consistency
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -67,11 +69,33 @@ class ByteCounter:
         return sum(v for k, v in self.paper.items() if k != "control")
 
 
-class Handle:
-    """An in-flight collective; `wait()` raises `CollectiveError` with context on failure."""
+class _Check:
+    """The tag exchange of one collective, in flight ([Note: asynchronous collective check])."""
 
-    def __init__(self, comm: "Communicator", work, what: str, started: float):
-        self._comm, self._work, self.what, self._started = comm, work, what, started
+    def __init__(self, comm: "Communicator", work, tags: torch.Tensor, what: str, started: float):
+        self.comm, self.work, self.tags, self.what, self.started = comm, work, tags, what, started
+
+    def verify(self) -> None:
+        """Every rank ran the same collective; otherwise every rank raises, naming each one's."""
+        try:
+            self.work.wait()
+        except Exception as error:
+            raise self.comm.error(f"consistency check before {self.what}", self.started, error) from error
+        if consistency.all_agree(self.tags):
+            return
+        lines = "\n".join(f"  rank {r}: {w}" for r, w in enumerate(consistency.describe(self.tags, KINDS)))
+        raise CollectiveError(
+            f"rank {self.comm.rank}: ranks diverged, they are not running the same collective:\n{lines}\n"
+            "every rank must run the same units in the same order and call backward()/step() alike"
+        )
+
+
+class Handle:
+    """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, and
+    first verifies the cross-rank check issued with it."""
+
+    def __init__(self, comm: "Communicator", work, what: str, started: float, check: _Check | None = None):
+        self._comm, self._work, self.what, self._started, self._check = comm, work, what, started, check
 
     def wait(self) -> None:
         if self._work is None:
@@ -79,6 +103,9 @@ class Handle:
         work, self._work = self._work, None
         blocked = time.monotonic()
         try:
+            if self._check is not None:
+                check, self._check = self._check, None
+                check.verify()
             work.wait()
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses; keep the cause
             raise self._comm.error(self.what, self._started, error) from error
@@ -140,7 +167,9 @@ class Communicator:
 
     def all_gather_objects(self, obj, what: str) -> list:
         """Small Python objects (control data: manifests, error reports); counted as control."""
-        self._check("control", 0, what)
+        check = self._start_check("control", 0, what)
+        if check is not None:
+            check.verify()
         out = [None] * self.world_size
         started = time.monotonic()
         try:
@@ -155,41 +184,31 @@ class Communicator:
     # -- internals ------------------------------------------------------------------------------------
     def _run(self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
-        self._check(kind, nbytes, what)
+        check = self._start_check(kind, nbytes, what)  # queued first on the same group, not waited here
         self.counter.add(kind, nbytes)
         started = time.monotonic()
         try:
-            handle = Handle(self, launch(), what, started)
+            handle = Handle(self, launch(), what, started, check)
         except Exception as error:
             raise self.error(what, started, error) from error
         if not async_op:
             handle.wait()
         return handle
 
-    def _check(self, kind: str, nbytes: int, what: str) -> None:
-        """Every rank must be about to run the same collective; otherwise all ranks raise together."""
+    def _start_check(self, kind: str, nbytes: int, what: str) -> _Check | None:
+        """Launch the exchange of every rank's tag for the collective about to run (see
+        [Note: asynchronous collective check] in consistency.py)."""
         if not self.check_collectives or self.world_size == 1:
-            return
-        tag = torch.tensor([_KIND_ID[kind], nbytes, zlib.crc32(what.encode())], dtype=torch.int64,
-                           device=self.device)
-        tags = torch.empty(self.world_size * 3, dtype=torch.int64, device=self.device)
+            return None
+        tag = consistency.encode(_KIND_ID[kind], nbytes, what, self.device)
+        tags = torch.empty(self.world_size * tag.numel(), dtype=tag.dtype, device=self.device)
         started = time.monotonic()
         try:
-            _all_gather(tags, tag, group=self.group)
+            work = _all_gather(tags, tag, group=self.group, async_op=True)
         except Exception as error:
             raise self.error(f"consistency check before {what}", started, error) from error
-        self.counter.add("control", tag.numel() * tag.element_size() * self.world_size)
-        tags = tags.view(self.world_size, 3)
-        if bool((tags == tags[0]).all()):
-            return
-        # Every rank saw the same mismatching tags, so every rank takes this branch: safe to talk.
-        whats = [None] * self.world_size
-        dist.all_gather_object(whats, f"{kind} of {nbytes} bytes for {what}", group=self.group)
-        lines = "\n".join(f"  rank {r}: {w}" for r, w in enumerate(whats))
-        raise CollectiveError(
-            f"rank {self.rank}: ranks diverged, they are not running the same collective:\n{lines}\n"
-            "every rank must run the same units in the same order and call backward()/step() alike"
-        )
+        self.counter.add("control", tag.numel() * self.world_size)
+        return _Check(self, work, tags, what, started)
 
     def error(self, what: str, started: float, cause: BaseException) -> CollectiveError:
         waited = time.monotonic() - started
