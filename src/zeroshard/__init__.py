@@ -7,6 +7,7 @@ Two ways in:
 The layers are drawn in docs/architecture.md.
 """
 from zeroshard.compat import paths as _paths
+from zeroshard.compat.accelerator import get_accelerator
 from zeroshard.compat.api import add_config_arguments, init_distributed, initialize
 from zeroshard.compat.engine import ZeroEngine
 from zeroshard.config import ConfigError, load_config
@@ -18,6 +19,7 @@ _paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSp
 
 __all__ = [
     "CollectiveError", "ConfigError", "Placement", "PrecisionPolicy", "STAGES", "Sharded", "StagePolicy",
-    "ZeroEngine", "add_config_arguments", "checkpointing", "init_distributed", "initialize", "load_config",
-    "shard", "stage_policy", "zero", "__version__",
+    "ZeroEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
+    "init_distributed", "initialize", "load_config", "ops", "runtime", "shard", "stage_policy", "utils", "zero",
+    "__version__",
 ]

@@ -46,10 +46,14 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     comm = engine.comm
     save_dir = Path(save_dir)
     tag = check_tag(str(tag) if tag is not None else f"global_step{counters.global_steps}")
-    proposals = comm.all_gather_objects((tag, uuid.uuid4().hex[:12]), "checkpoint tag")
-    if len({t for t, _ in proposals}) > 1:
-        raise CheckpointError(f"ranks passed different checkpoint tags: {[t for t, _ in proposals]}")
-    nonce = proposals[0][1]
+    proposals = comm.all_gather_objects((tag, str(save_dir.resolve()), uuid.uuid4().hex[:12]), "checkpoint tag")
+    if len({t for t, _, _ in proposals}) > 1:
+        raise CheckpointError(f"ranks passed different checkpoint tags: {[t for t, _, _ in proposals]}")
+    if len({d for _, d, _ in proposals}) > 1:  # e.g. a directory named from each rank's own clock
+        dirs = "\n".join(f"  rank {r}: {d}" for r, (_, d, _) in enumerate(proposals))
+        raise CheckpointError("ranks passed different checkpoint directories to save_checkpoint(); every rank "
+                              f"must pass the same save_dir (name it once, e.g. on rank 0, and broadcast it):\n{dirs}")
+    nonce = proposals[0][2]
     what = f"saving checkpoint {save_dir / tag}"
     staging = save_dir / f".tmp-{tag}-{nonce}"
     _, error = attempt(_prepare, save_dir, staging) if comm.rank == 0 else (None, None)

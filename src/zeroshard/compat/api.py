@@ -3,32 +3,21 @@ from __future__ import annotations
 
 import logging
 import os
-from datetime import timedelta
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.config import ConfigError, load_config
+from zeroshard.compat.comm import init_distributed
+from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
 from zeroshard.compat.engine import ZeroEngine
 from zeroshard.compat.optimizers import build_optimizer, check_shardable
 from zeroshard.compat.schedulers import build_scheduler
+from zeroshard.core.optimizer import ZeroOptimizer
 
 log = logging.getLogger(__name__)
-
-
-def init_distributed(dist_backend: str | None = None, timeout_s: float = 1800.0) -> None:
-    """Initialise torch.distributed from torchrun's environment (no-op when already initialised)."""
-    if dist.is_initialized():
-        return
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
-                           "launch the script with `torchrun --nproc_per_node N script.py`")
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
@@ -37,15 +26,17 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     """Returns `(engine, optimizer, training_dataloader, lr_scheduler)` like `deepspeed.initialize`.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a DeepSpeed JSON config: a dict or a
-    path. `optimizer` is a torch optimizer, or a callable building one from parameters; exactly one
-    of `optimizer` and the config's `optimizer` section must be given.
+    path. `optimizer` is a torch optimizer, or a callable building one from parameters; given
+    together with the config's `optimizer` section it wins, as in DeepSpeed (with a warning); the
+    same for `lr_scheduler` and the `scheduler` section.
     """
     if model is None or not isinstance(model, nn.Module):
         raise ValueError(f"initialize(model=...) needs an nn.Module, got {type(model).__name__}")
     if mpu is not None:
         raise ValueError("initialize(mpu=...): model parallelism is not supported by zeroshard")
+    _refuse_hf_deepspeed_config()
     config = _pick_config(args, config, config_params)
-    init_distributed()
+    init_distributed(dist_init_required=dist_init_required)
     cfg = load_config(config, dist.get_world_size())
     if torch.cuda.is_available() and dist.get_backend() == "nccl":
         model.to(torch.device("cuda", torch.cuda.current_device()))
@@ -58,12 +49,28 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
+def _refuse_hf_deepspeed_config() -> None:
+    """transformers' `HfDeepSpeedConfig` (ZeRO-3) makes `from_pretrained` build models under the real
+    DeepSpeed's `zero.Init`, whose partitioned parameters zeroshard cannot take. Read, not imported:
+    only a script that imported transformers can have one."""
+    hf = sys.modules.get("transformers.integrations.deepspeed")
+    enabled = getattr(hf, "is_deepspeed_zero3_enabled", None)
+    if enabled is not None and enabled():
+        raise ConfigError(
+            "transformers' HfDeepSpeedConfig with ZeRO-3 is active: it makes from_pretrained partition the model "
+            "with the deepspeed package, not zeroshard. Drop HfDeepSpeedConfig and build the model under "
+            "`with zeroshard.zero.Init(): model = AutoModelForCausalLM.from_config(config)`, then load the weights "
+            "with zeroshard.checkpoint.load_full_weights(engine, 'model.safetensors'), or train with "
+            "zeroshard.integrations.hf.ZeroShardTrainer (docs/integrations.md, 'ZeRO-3 with transformers')")
+
+
 def _pick_config(args, config, config_params):
     if config is not None and config_params is not None:
         raise ConfigError("give the config once: `config` or `config_params`, not both")
     config = config if config is not None else config_params
     if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None) or getattr(args, "deepspeed", None)
+        config = (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+                  or getattr(args, "deepspeed", None))
         if config is True:
             config = None
     return config
@@ -71,13 +78,17 @@ def _pick_config(args, config, config_params):
 
 def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
     if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' "
-                          "section: give exactly one")
+        warnings.warn("an optimizer was passed to initialize() and the config has an 'optimizer' section: the "
+                      "one passed is used and the section is ignored, as in DeepSpeed", ConfigKeyNotActedOnWarning,
+                      stacklevel=3)
     if optimizer is None and cfg.optimizer is None:
         raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass "
                           "initialize(optimizer=...)")
     if optimizer is None:
         return build_optimizer(cfg.optimizer, params)
+    if isinstance(optimizer, ZeroOptimizer):
+        raise ValueError("initialize(optimizer=...) got the optimizer another initialize() returned: pass a "
+                         "torch optimizer over this model's parameters")
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
@@ -88,9 +99,10 @@ def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
 
 def _build_scheduler(lr_scheduler, cfg, engine):
     if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' "
-                          "section: give exactly one")
-    if cfg.scheduler is not None:
+        warnings.warn("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section: the "
+                      "one passed is used and the section is ignored, as in DeepSpeed", ConfigKeyNotActedOnWarning,
+                      stacklevel=3)
+    elif cfg.scheduler is not None:
         return build_scheduler(cfg.scheduler, engine.optimizer)
     if lr_scheduler is None or hasattr(lr_scheduler, "step"):
         return lr_scheduler  # built against the client optimizer, whose param-group dicts we kept
@@ -106,11 +118,21 @@ def _dataloader(dataset, collate_fn, engine):
 
 
 def add_config_arguments(parser):
-    """DeepSpeed's `add_config_arguments`: adds --deepspeed, --deepspeed_config to an argparse parser."""
+    """DeepSpeed's `add_config_arguments`: adds --deepspeed, --deepspeed_config (and the deprecated
+    --deepscale, --deepscale_config) to an argparse parser, each only if the parser lacks it, plus
+    --local_rank (LOCAL_RANK's value) when the script does not define it, for DeepSpeed-launcher scripts
+    that read `args.local_rank`."""
+    known = set(parser._option_string_actions)  # argparse's own table of the options it has
     group = parser.add_argument_group("zeroshard", "DeepSpeed-compatible configuration")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="enable zeroshard (kept for DeepSpeed scripts; always on)")
-    group.add_argument("--deepspeed_config", default=None, type=str, help="DeepSpeed JSON config path")
-    group.add_argument("--local_rank", default=int(os.environ.get("LOCAL_RANK", 0)), type=int,
-                       help="set by the launcher")
+    options = [
+        ("--deepspeed", dict(default=False, action="store_true",
+                             help="enable zeroshard (kept for DeepSpeed scripts; always on)")),
+        ("--deepspeed_config", dict(default=None, type=str, help="DeepSpeed JSON config path")),
+        ("--deepscale", dict(default=False, action="store_true", help="deprecated spelling of --deepspeed")),
+        ("--deepscale_config", dict(default=None, type=str, help="deprecated spelling of --deepspeed_config")),
+        ("--local_rank", dict(default=int(os.environ.get("LOCAL_RANK", 0)), type=int, help="set by the launcher")),
+    ]
+    for flag, kwargs in options:
+        if flag not in known:
+            group.add_argument(flag, **kwargs)
     return parser

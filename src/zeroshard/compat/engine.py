@@ -4,6 +4,7 @@ DeepSpeed's accessors, the gradient-accumulation counters, the learning-rate sch
 checkpoints."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -13,6 +14,9 @@ from torch import nn
 from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
+from zeroshard.compat.engine_surface import DeepSpeedAccessors
+from zeroshard.compat.throughput import ThroughputTimer
+from zeroshard.core.lifecycle import Phase, tensors_in
 from zeroshard.core.comm import Communicator
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, cast_floating
 from zeroshard.core.policy import stage_policy
@@ -22,11 +26,13 @@ from zeroshard.offload import build_placement
 log = logging.getLogger(__name__)
 
 
-class ZeroEngine(nn.Module):
+class ZeroEngine(DeepSpeedAccessors, nn.Module):
     """Wraps a model for ZeRO training. Use through `zeroshard.initialize`.
 
     An `nn.Module` so that `engine(...)`, `engine.train()` and `engine.eval()` read as they do in
-    DeepSpeed; the wrapped model is `engine.module`.
+    DeepSpeed; the wrapped model is `engine.module`, and attributes the engine does not have are
+    looked up on it (`engine.config_of_model`, `engine.gradient_checkpointing_enable()`), as
+    DeepSpeed's engine forwards them.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None):
@@ -36,6 +42,8 @@ class ZeroEngine(nn.Module):
         self.module = model
         extras = config.zeroshard
         comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
+        if zero.stage < 3 and zero.offload_param is not None:  # DeepSpeed ignores it below stage 3
+            zero = zero.model_copy(update={"offload_param": None})
         placement = build_placement(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
                                     comm.rank, comm.world_size)
         self.sharded = Sharded(
@@ -48,7 +56,12 @@ class ZeroEngine(nn.Module):
         self.lr_scheduler = lr_scheduler
         self.micro_steps = 0
         self.global_steps = 0
+        self.global_samples = 0
         self._backward_done = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
+        self._in_no_sync = False
+        self._step_applied = False
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
         log.info("zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
                  self.policy.stage, self.comm.world_size, len(self.units), self.num_parameters() / 1e6)
 
@@ -102,9 +115,6 @@ class ZeroEngine(nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.policy.stage
 
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.last_grad_norm
 
@@ -130,42 +140,109 @@ class ZeroEngine(nn.Module):
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
 
+    def __getattr__(self, name: str):
+        """nn.Module's lookup (parameters, buffers, submodules), then the wrapped model's attributes."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+            return getattr(module, name)
+
     # -- training -------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = cast_floating((args, kwargs), self.precision.param_dtype)
-        return self.sharded(*args, **kwargs)
+        self.tput_timer.start()
+        autocast = self.config.torch_autocast  # never a disabled autocast: it would undo the script's own
+        context = torch.autocast(self.device.type, dtype=autocast.torch_dtype) if autocast.enabled \
+            else contextlib.nullcontext()
+        with context:
+            output = self.sharded(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._hook_outputs_for_torch_backward(output)
+        return output
+
+    # [Note: loss.backward() on the engine's outputs]
+    # DeepSpeed (>= 0.17) lets a script call `loss.backward()` instead of `engine.backward(loss)`. The
+    # first gradient that reaches one of the engine's outputs (or, at stage 3, the unit that produced
+    # it: core/lifecycle.py's `backward_opener`) opens the engine's backward, and a callback queued on
+    # autograd's engine closes it when the whole backward is done. Each parameter's gradient is
+    # divided by the accumulation steps as it is taken, which is what engine.backward's division of
+    # the loss gives (bit for bit when the steps are a power of two). Inside engine.backward the hooks
+    # do nothing. fp16 needs the loss scaled before backward, so there it is refused, as DeepSpeed
+    # refuses it unless the script scales the loss itself.
+    def _hook_outputs_for_torch_backward(self, output) -> None:
+        hooked = [t.register_hook(self._torch_backward_grad) for t in tensors_in(output) if t.requires_grad]
+        if hooked:
+            self.lifecycle.backward_opener = self._open_torch_backward
+
+    def _torch_backward_grad(self, grad: torch.Tensor) -> None:
+        if self.lifecycle.phase is not Phase.BACKWARD:
+            self._open_torch_backward()
+
+    def _open_torch_backward(self) -> None:
+        self._check_may_backward()
+        if self.loss_scaler is not None:
+            raise RuntimeError("loss.backward() with fp16: the loss must be scaled before backward; call "
+                               "engine.backward(loss) instead")
+        self.lifecycle.begin_backward(self._reduce_in_this_backward())
+        self.lifecycle.grad_factor = 1.0 / self.gradient_accumulation_steps()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
+
+    def _end_torch_backward(self) -> None:
+        self.lifecycle.grad_factor = 1.0
+        self.lifecycle.end_backward()
+        self._backward_done = True
+
+    def _reduce_in_this_backward(self) -> bool:
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
+
+    def _check_may_backward(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("backward on an engine without an optimizer: pass one to initialize()")
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps`, reducing gradients as units finish."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        self._check_may_backward()
         scaled = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled.float() * self.loss_scaler.scale
-        self.sharded.backward(scaled, boundary=self.is_gradient_accumulation_boundary(), retain_graph=retain_graph)
+        self.sharded.backward(scaled, boundary=self._reduce_in_this_backward(), retain_graph=retain_graph)
         self._backward_done = True
         return loss
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every micro step's backward; the optimizer steps at accumulation boundaries."""
+        if self._in_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the context first (as in DeepSpeed)")
         if not self._backward_done:
             raise RuntimeError(
                 f"rank {self.comm.rank}: engine.step() called before engine.backward() (micro step {self.micro_steps}, global "
-                f"step {self.global_steps}): call engine.backward(loss) first on every rank")
+                f"step {self.global_steps}): call engine.backward(loss) first on every rank, or loss.backward() on a "
+                "loss computed through engine(...) (gradients of a loss computed by calling the model itself stay "
+                "in the parameters' .grad, as in torch)")
         self._backward_done = False
-        if self.is_gradient_accumulation_boundary():
-            applied = self.optimizer.step()
-            if applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
+            self._step_applied = self.optimizer.step()
+            if self._step_applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients accumulated since the last optimizer step (DeepSpeed's meaning) and
         go back to the start of the accumulation window."""
         self.sharded.zero_grad()
+        for param in self.module.parameters():  # gradients that arrived outside this engine's backward
+            param.grad = None
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
         self._backward_done = False
 
@@ -212,3 +289,6 @@ class ZeroEngine(nn.Module):
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
         self.sharded.destroy()
+
+
+DeepSpeedEngine = ZeroEngine  # DeepSpeed's class name, for isinstance checks in scripts and tests

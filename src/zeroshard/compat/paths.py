@@ -3,7 +3,8 @@
 
 One table, `PATHS`: the DeepSpeed path (without the leading `deepspeed.`) -> the zeroshard module
 that implements it. `install()` registers each as an alias in `sys.modules` and as an attribute of
-its parent, creating empty namespace modules for intermediate names (`runtime`, `runtime.zero`).
+its parent, creating empty namespace modules for intermediate names (`runtime`, `runtime.zero`);
+an intermediate name that is itself a path (`utils` of `utils.zero_to_fp32`) is that module.
 Aliases point at our own modules; nothing of torch or of other packages is touched.
 """
 from __future__ import annotations
@@ -15,6 +16,15 @@ import types
 PATHS: dict[str, str] = {
     "zero": "zeroshard.compat.zero",
     "checkpointing": "zeroshard.compat.activation_checkpointing",
+    "accelerator": "zeroshard.compat.accelerator",
+    "comm": "zeroshard.compat.comm",
+    "ops.adam": "zeroshard.compat.adam",
+    "runtime.lr_schedules": "zeroshard.compat.schedulers",
+    "runtime.engine": "zeroshard.compat.engine",
+    "runtime.zero.partition_parameters": "zeroshard.compat.partition_parameters",
+    "moe.utils": "zeroshard.compat.moe",
+    "utils": "zeroshard.compat.utils",
+    "utils.zero_to_fp32": "zeroshard.compat.zero_to_fp32",
 }
 
 

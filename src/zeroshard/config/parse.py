@@ -30,7 +30,7 @@ from pydantic import AliasChoices, Field, ValidationError, model_validator
 from zeroshard.config.not_acted_on import reported_keys, unparsed_keys
 from zeroshard.config.schema import (
     ActivationCheckpointingConfig, AioConfig, BF16Config, FP16Config, NonNegFloat, OptimizerConfig,
-    PosFloat, PosInt, SchedulerConfig, Section, ZeroConfig, ZeroShardExtConfig, canonical_name,
+    PosFloat, PosInt, SchedulerConfig, Section, TorchAutocastConfig, ZeroConfig, ZeroShardExtConfig, canonical_name,
 )
 
 __all__ = ["ConfigError", "ConfigKeyNotActedOnWarning", "ZeroShardConfig", "load_config", "read_config",
@@ -62,6 +62,7 @@ class ZeroShardConfig(Section):
         "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "fp16": FP16Config,
         "bf16": BF16Config, "bfloat16": BF16Config, "zero_optimization": ZeroConfig, "aio": AioConfig,
         "activation_checkpointing": ActivationCheckpointingConfig, "zeroshard": ZeroShardExtConfig,
+        "torch_autocast": TorchAutocastConfig,
     }
 
     world_size: PosInt
@@ -72,8 +73,9 @@ class ZeroShardConfig(Section):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: PosInt
     """Micro batches accumulated before each optimizer step."""
-    gradient_clipping: NonNegFloat = 0.0
-    """Clip the global gradient norm to this value; 0 = off."""
+    gradient_clipping: NonNegFloat = 1.0
+    """Clip the global gradient norm to this value; 0 = off. DeepSpeed 0.19.8's default is 1.0
+    (``GRADIENT_CLIPPING_DEFAULT`` in deepspeed/runtime/constants.py): a config without the key clips."""
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
     """Dtype of gradient reduction; None = the training dtype."""
     prescale_gradients: bool = False
@@ -96,6 +98,8 @@ class ZeroShardConfig(Section):
     """Activation checkpointing options."""
     zeroshard: ZeroShardExtConfig = ZeroShardExtConfig()
     """zeroshard's own extensions."""
+    torch_autocast: TorchAutocastConfig = TorchAutocastConfig()
+    """torch.autocast around the forward."""
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> "ZeroShardConfig":

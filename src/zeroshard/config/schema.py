@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
+import torch
 from pydantic import AliasChoices, Field, ValidationInfo
 from pydantic import field_validator, model_validator
 
@@ -208,6 +209,50 @@ class BF16Config(Section):
 
     enabled: bool = False
     """Train in bf16."""
+    bf16_master_weights_and_grads: bool = False
+    """DeepSpeed: keep master weights and gradients in bf16 (accepted, not acted on: zeroshard's masters
+    and reduced gradients stay fp32, the more accurate recipe)."""
+    bf16_optimizer_states: bool = False
+    """DeepSpeed: keep optimizer states in bf16; needs bf16_master_weights_and_grads (accepted, not
+    acted on: states stay fp32)."""
+
+    @model_validator(mode="after")
+    def _optimizer_states_need_master(self) -> "BF16Config":
+        if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
+            raise ValueError("bf16_optimizer_states needs bf16_master_weights_and_grads: true (as in DeepSpeed)")
+        return self
+
+
+_AUTOCAST_DTYPES: dict[str, torch.dtype] = {
+    **dict.fromkeys(("torch.bfloat16", "bf16", "bfloat16"), torch.bfloat16),
+    **dict.fromkeys(("torch.float16", "fp16", "float16", "half"), torch.float16),
+}
+
+
+class TorchAutocastConfig(Section):
+    """The ``torch_autocast`` section: run the engine's forward under ``torch.autocast``."""
+
+    section_path: ClassVar[str] = "torch_autocast"
+
+    enabled: bool = False
+    """Wrap the forward in torch.autocast (parameters, masters and gradients stay in their dtype)."""
+    dtype: Optional[str] = None
+    """Autocast dtype: bfloat16 / bf16 / torch.bfloat16 or float16 / fp16 / half / torch.float16;
+    None = torch's default for the device (bf16 on CPU, fp16 on CUDA)."""
+    lower_precision_safe_modules: Optional[list[str]] = None
+    """DeepSpeed: module classes whose gradients are reduced in the autocast dtype (accepted, not acted
+    on: gradients are reduced in the reduce dtype)."""
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in _AUTOCAST_DTYPES:
+            raise ValueError(f"torch_autocast.dtype {value!r} is not one of {', '.join(_AUTOCAST_DTYPES)}")
+        return value
+
+    @property
+    def torch_dtype(self) -> Optional[torch.dtype]:
+        return None if self.dtype is None else _AUTOCAST_DTYPES[self.dtype]
 
 
 # --- ZeRO ----------------------------------------------------------------------------------------
@@ -270,8 +315,7 @@ class ZeroConfig(Section):
             raise ValueError("offload_optimizer needs stage 1, 2 or 3 (got stage 0)")
         if opt is not None and opt.ratio < 1.0 and self.stage != 3:
             raise ValueError(f"offload_optimizer.ratio < 1 needs stage 3 (got stage {self.stage})")
-        if par is not None and par.device != "none" and self.stage != 3:
-            raise ValueError(f"offload_param needs stage 3 (got stage {self.stage})")
+        # offload_param below stage 3: DeepSpeed ignores it; so do we, and not_acted_on.py reports it.
         _check_nvme_path(opt, "offload_optimizer")
         _check_nvme_path(par, "offload_param")
         return self

@@ -62,6 +62,8 @@ class FlatGroup:
         # reduce-scattered into `grad_shard` (stages 2/3).
         self.full_grad: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
+        self.reduced_slice: torch.Tensor | None = None  # see [Note: a second reduction before the step]
+        self.holds_reduced_slice = False
         if self.trainable:
             if self.grads_persist_full:
                 self.full_grad = self.zeros_full_grad()
@@ -196,6 +198,29 @@ class FlatGroup:
             self.full_grad.zero_()
         if self.grad_shard is not None:
             self.grad_shard.zero_()
+        self.reduced_slice = None
+        self.holds_reduced_slice = False
+
+    # [Note: a second reduction before the step (stage 1)]
+    # Stage 1 reduce-scatters the full gradient buffer in place: afterwards this rank's slice holds the
+    # reduced gradient and the rest of the buffer only stale local values. A script may run another
+    # backward before the step (a GAN's discriminator: one backward on real, one on fake data). Adding
+    # its local gradients to that buffer and reducing again would mix reduced and local values, so the
+    # reduced slice is set aside and the buffer zeroed when the next backward begins, and the slice is
+    # added back once that backward's reduction is done: reduced(g1) + reduced(g2), as DDP accumulates.
+    def set_aside_reduced_slice(self) -> None:
+        if not self.holds_reduced_slice:
+            return
+        own = self.grad_for_optimizer()
+        self.reduced_slice = own.clone() if self.reduced_slice is None else self.reduced_slice.add_(own)
+        self.full_grad.zero_()
+        self.holds_reduced_slice = False
+
+    def restore_reduced_slice(self) -> None:
+        if self.reduced_slice is not None:
+            self.grad_for_optimizer().add_(self.reduced_slice)
+            self.reduced_slice = None
+        self.holds_reduced_slice = True
 
     # -- accounting ------------------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:

@@ -36,6 +36,9 @@ def _tensors_in(output) -> list[torch.Tensor]:
     return [t for leaf in leaves for t in _tensors_in(leaf)]
 
 
+tensors_in = _tensors_in  # for the engine's output hooks ([Note: loss.backward() on the engine's outputs])
+
+
 class Phase(enum.Enum):
     IDLE = "idle"
     FORWARD = "forward"
@@ -52,6 +55,11 @@ class Lifecycle:
         self.prefetch_numel = prefetch_numel if overlap_comm else 0
         self.max_inflight = max_inflight_reductions
         self.phase = Phase.IDLE
+        # Set by the engine after a forward whose outputs it hooked: a gradient reaching a unit before
+        # the engine's own output hook opens the backward through it ([Note: loss.backward() on the
+        # engine's outputs], compat/engine.py). Cleared by the next forward or backward.
+        self.backward_opener = None
+        self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)
         self.forward_order: list[Unit] | None = None
         self.backward_order: list[Unit] | None = None
@@ -85,6 +93,7 @@ class Lifecycle:
         if self.phase is Phase.BACKWARD:
             raise RuntimeError("forward called while backward is still running")
         self.phase = Phase.FORWARD
+        self.backward_opener = None
         self._position = 0
         self._recording = []
 
@@ -135,20 +144,37 @@ class Lifecycle:
     # -- backward ----------------------------------------------------------------------------------
     def begin_backward(self, boundary: bool) -> None:
         self.phase = Phase.BACKWARD
+        self.backward_opener = None
         self.boundary = boundary or self.policy.shard_gradients
         self._seen_in_backward.clear()
         self._recording = []
         for unit in self.units:
             unit.grads_pending = unit.trainable_params
             unit.reduced_this_backward = False
+            for group in unit.groups:
+                group.set_aside_reduced_slice()  # stage 1 only; see its note in group.py
 
-    def _require_backward(self) -> None:
-        if self.phase is not Phase.BACKWARD:
-            raise RuntimeError(f"rank {self.rank}: gradients arrived outside engine.backward(): call engine.backward(loss) "
-                               "instead of loss.backward()")
+    # [Note: gradients from another backward]
+    # A backward that is not this engine's can reach its parameters: a GAN's generator loss flows
+    # through the discriminator, which has an engine of its own. torch accumulates such gradients in
+    # `.grad`, and so do we at stages 0-2: they stay there (the script's `netD.zero_grad()` drops them,
+    # as in torch), and what is still there at this engine's next backward is folded into the flat
+    # buffer with that backward's gradient (the post-accumulate-grad hook sees the sum). At stage 3 a
+    # unit's parameters are gathered only inside this engine's forward and backward, so such a
+    # backward cannot be run; it stops with the cause named.
+    def _outside_backward(self, unit: Unit) -> None:
+        raise RuntimeError(
+            f"rank {self.rank}: a backward reached unit '{unit.name}' of a stage-3 engine outside its "
+            "engine.backward(): either another engine's backward flows through this model's parameters (a GAN's "
+            "generator loss through the discriminator: detach() the input, or use stage 0-2 for that model, as "
+            "DeepSpeed does), or loss.backward() was called on a loss not computed through engine(...) (call "
+            "engine.backward(loss))")
 
     def _pre_backward(self, unit: Unit, grad):
-        self._require_backward()
+        if self.phase is not Phase.BACKWARD:
+            if self.backward_opener is None:
+                self._outside_backward(unit)
+            self.backward_opener()
         if id(unit) in self._seen_in_backward:
             return None
         self._seen_in_backward.add(id(unit))
@@ -163,9 +189,12 @@ class Lifecycle:
         return None
 
     def _on_grad(self, unit: Unit, group, index: int, param) -> None:
-        self._require_backward()
+        if self.phase is not Phase.BACKWARD:
+            if unit.reshards:
+                self._outside_backward(unit)
+            return  # stays in param.grad: see [Note: gradients from another backward]
         if group.trainable:
-            group.add_grad(index, param.grad)
+            group.add_grad(index, param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor)
         param.grad = None  # the flat buffer owns the gradient now; free autograd's copy
         if not group.trainable:
             return

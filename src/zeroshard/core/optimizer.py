@@ -8,6 +8,7 @@ exactly for optimizers whose update of an element depends only on that element's
 """
 from __future__ import annotations
 
+import collections
 import math
 
 import torch
@@ -60,12 +61,27 @@ def refresh_parameters(groups: list[FlatGroup], comm: Communicator) -> None:
         handle.wait()
 
 
-class ZeroOptimizer:
-    """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards."""
+class ZeroOptimizer(torch.optim.Optimizer):
+    """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards.
+
+    A `torch.optim.Optimizer` so that torch's LR schedulers (which check `isinstance`) and code that
+    type-checks the optimizer take it. It shares the wrapped optimizer's `param_groups`, `state` and
+    `defaults` (the same objects, so a scheduler built against either drives both) and does not run
+    `Optimizer.__init__`, which would build param groups of its own; it sets the hook registries
+    that `Optimizer`'s methods (step hooks, state-dict hooks) read.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
                  policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
                  streamed: "StreamedStep | None" = None):
+        self._optimizer_step_pre_hooks = collections.OrderedDict()
+        self._optimizer_step_post_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_state_dict_post_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = collections.OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = collections.OrderedDict()
+        self._warned_capturable_if_run_uncaptured = True
+        self._patch_step_function()  # torch's step hooks (register_step_pre_hook/post_hook) run
         self.optimizer = optimizer
         self.groups = [g for g in groups if g.trainable]
         self.comm = comm
@@ -81,18 +97,37 @@ class ZeroOptimizer:
         """The torch optimizer's class name (what checkpoints record and check)."""
         return type(self.optimizer).__name__
 
-    # Users and LR schedulers read and write these as on a torch optimizer.
+    # Users and LR schedulers read and write these as on a torch optimizer: the wrapped optimizer's.
     @property
     def param_groups(self):
         return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optimizer.param_groups = value
 
     @property
     def state(self):
         return self.optimizer.state
 
+    @state.setter
+    def state(self, value):
+        self.optimizer.state = value
+
     @property
     def defaults(self):
         return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self.optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise ValueError("add_param_group() after initialize(): zeroshard laid out the shards for the param "
+                         "groups given to initialize(); pass every group there")
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self.optimizer!r})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard every gradient accumulated since the last step (DeepSpeed's and torch's meaning:

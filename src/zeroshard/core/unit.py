@@ -102,6 +102,8 @@ class Unit:
     def finish_reduce(self) -> None:
         for handle, group, out in self._reductions:
             handle.wait()
+            if group.reduction is Reduction.REDUCE_SCATTER_IN_PLACE:
+                group.restore_reduced_slice()
             if out is not None:
                 group.grad_shard.add_(out.to(group.grad_shard.device))  # accumulate; offload: to host
                 group.full_grad = None  # stages 2/3: the full gradient lives only until reduced

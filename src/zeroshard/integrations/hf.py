@@ -132,7 +132,9 @@ class ZeroShardTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:
             raise ConfigError("ZeroShardTrainer: pass the config as zeroshard_config=..., not TrainingArguments("
-                              "deepspeed=...), which makes the Trainer set up DeepSpeed")
+                              "deepspeed=...): that makes transformers set up the deepspeed package (its "
+                              "HfDeepSpeedConfig looks up the installed deepspeed distribution, which zeroshard "
+                              "is not); see docs/integrations.md, 'ZeRO-3 with transformers'")
         self.zeroshard_config = zeroshard_config if zeroshard_config is not None else {}
         self.engine = None
 

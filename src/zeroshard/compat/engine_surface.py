@@ -1,0 +1,138 @@
+"""DeepSpeed's engine accessors that scripts and DeepSpeed's own tests call, beyond the training loop.
+
+A mixin of `ZeroEngine` (engine.py): each method reads the parsed config or the core's parts; none
+holds state of its own except what `ZeroEngine.__init__` sets (`global_samples`,
+`_boundary_override`, `_in_no_sync`, `_step_applied`, `tput_timer`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from zeroshard.checkpoint.manifest import MANIFEST, rank_file
+from zeroshard.compat.accelerator import get_accelerator
+
+
+class DeepSpeedAccessors:
+    # -- precision ------------------------------------------------------------------------------------
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    bf16_enabled = bfloat16_enabled
+
+    def amp_enabled(self) -> bool:
+        return False
+
+    def torch_autocast_enabled(self) -> bool:
+        return bool(self.config.torch_autocast.enabled)
+
+    def torch_autocast_dtype(self) -> torch.dtype | None:
+        return self.config.torch_autocast.torch_dtype if self.torch_autocast_enabled() else None
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.fp16_enabled() and self.config.fp16.dynamic_loss_scale
+
+    def communication_data_type(self) -> torch.dtype:
+        return self.precision.reduce_dtype
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        return self.precision.param_dtype, self.precision.reduce_dtype
+
+    # -- ZeRO -----------------------------------------------------------------------------------------
+    def zero_optimization(self) -> bool:
+        return self.policy.stage > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.policy.stage >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.policy.stage >= 3
+
+    def zero_cpu_offload(self) -> bool:
+        opt = self.config.zero_optimization.offload_optimizer
+        return opt is not None and opt.device == "cpu"
+
+    def zero_offload_optimizer(self):
+        return self.config.zero_optimization.offload_optimizer
+
+    def zero_offload_param(self):
+        return self.config.zero_optimization.offload_param
+
+    def gradient_clipping(self) -> float:
+        return float(self.config.gradient_clipping)
+
+    def steps_per_print(self) -> int | None:
+        return None  # monitoring: zeroshard logs through python logging
+
+    def empty_partition_cache(self) -> None:
+        """Free every gathered stage-3 unit now (DeepSpeed: release the parameter cache), e.g. between
+        evaluation and training. Nothing to free at stages 0-2, or while a forward/backward runs."""
+        if self.lifecycle.phase.value != "idle":
+            raise RuntimeError("empty_partition_cache() called during forward or backward")
+        for unit in self.units:
+            unit.reshard()
+        get_accelerator().empty_cache()
+
+    # -- gradient accumulation ------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Override the micro-step counter: the next backward reduces (True) or only accumulates
+        (False), and `step()` steps the optimizer when it is True. As in DeepSpeed, set it before each
+        forward/backward and finish with True."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside accumulate without reducing (DDP's no_sync); the next backward outside
+        reduces everything. Stages 2/3 partition gradients as they are produced, so, as in
+        DeepSpeed, they refuse it; `step()` inside is an error."""
+        if self.zero_optimization_partition_gradients():
+            raise RuntimeError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
+                               f"{self.zero_optimization_stage()} (as in DeepSpeed): use stage 0 or 1, or "
+                               "gradient_accumulation_steps")
+        if self._in_no_sync:
+            raise RuntimeError("no_sync() context manager reentry is unsupported")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
+
+    def was_step_applied(self) -> bool:
+        """Did the last `step()` at an accumulation boundary update the weights (False after an fp16
+        overflow skipped it)?"""
+        return self._step_applied
+
+    # -- where the engine lives -----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.comm.device.type, self.comm.device.index) if self.comm.device.type != "cpu" \
+            else torch.device("cpu")
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1
+
+    # -- checkpoint file names (DeepSpeed's tests look for them after save_checkpoint) -----------------
+    def _get_ckpt_name(self, checkpoints_path, tag, mp_placeholder=None) -> str:
+        """The file that describes a checkpoint: its manifest."""
+        return os.path.join(str(checkpoints_path), str(tag), MANIFEST)
+
+    def _get_zero_ckpt_name(self, checkpoints_path, tag) -> str:
+        """This rank's shard file (master weights and optimizer state)."""
+        return os.path.join(str(checkpoints_path), str(tag), rank_file(self.comm.rank))
+
+    _get_optimizer_ckpt_name = _get_zero_ckpt_name
