@@ -30,7 +30,8 @@ def test_defaults_are_deepspeeds():
         warnings.simplefilter("error")  # an empty config warns about nothing
         cfg = load_config(None, world_size=4)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (4, 1, 1)
-    assert cfg.world_size == 4 and cfg.gradient_clipping == 0.0 and cfg.communication_data_type is None
+    # DeepSpeed 0.19.8 clips at 1.0 by default (GRADIENT_CLIPPING_DEFAULT in runtime/constants.py)
+    assert cfg.world_size == 4 and cfg.gradient_clipping == 1.0 and cfg.communication_data_type is None
     assert cfg.optimizer is None and cfg.scheduler is None
     z = cfg.zero_optimization
     assert z.stage == 0 and z.overlap_comm is False and z.contiguous_gradients and z.reduce_scatter
@@ -220,7 +221,8 @@ def test_negative_sizes_name_key_and_value(key):
     ({"communication_data_type": "fp8"}, ["'fp8'", "'communication_data_type'", "'fp32', 'fp16' or 'bf16'"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}},
      ["'gpu'", "'zero_optimization.offload_optimizer.device'", "'none', 'cpu' or 'nvme'"]),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, ["offload_param needs stage 3"]),
+    ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, ["bf16_optimizer_states needs bf16_master_weights"]),
+    ({"torch_autocast": {"enabled": True, "dtype": "fp8"}}, ["'fp8'", "'torch_autocast.dtype'", "bfloat16"]),
     ({"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, ["offload_optimizer needs stage 1, 2 or 3"]),
     ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}}, ["nvme_path is not set"]),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
@@ -294,7 +296,7 @@ def test_auto_values_mean_not_given():
         warnings.simplefilter("error")
         cfg = load_config(hf_config, 2)
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (2, 1, 1)
-    assert cfg.gradient_clipping == 0.0 and not cfg.fp16.enabled and not cfg.bf16.enabled
+    assert cfg.gradient_clipping == 1.0 and not cfg.fp16.enabled and not cfg.bf16.enabled
     assert cfg.optimizer.params == schema.AdamParams()
     assert cfg.scheduler.params == schema.WarmupLRParams()
     assert cfg.zero_optimization.reduce_bucket_size == 500_000_000

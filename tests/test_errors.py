@@ -8,6 +8,7 @@ from torch import nn
 import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.zs_common import gpt_model_fn, make_config
+from zeroshard.config import ConfigKeyNotActedOnWarning
 
 
 def _initialize(config=None, model=None, optimizer=None):
@@ -41,9 +42,14 @@ def _bad_config_case(name: str) -> None:
     elif name == "unshardable optimizer":
         model = gpt_model_fn()()
         _expect(ValueError, "LBFGS", model=model, optimizer=torch.optim.LBFGS(model.parameters()))
-    elif name == "optimizer twice":
+    elif name == "optimizer twice":  # DeepSpeed uses the client optimizer and ignores the section: a warning
         config = dict(make_config(1), optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
-        _expect(zeroshard.ConfigError, "exactly one", config=config)
+        model = gpt_model_fn()()
+        with pytest.warns(ConfigKeyNotActedOnWarning, match="the one passed is used"):
+            engine, optimizer, _, _ = _initialize(config=config, model=model,
+                                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert isinstance(optimizer.optimizer, torch.optim.SGD)
+        engine.destroy()
 
 
 def _misuse_case(name: str, stage: int) -> None:
@@ -52,10 +58,15 @@ def _misuse_case(name: str, stage: int) -> None:
     if name == "step before backward":
         with pytest.raises(RuntimeError, match=r"step\(\) called before engine.backward\(\)"):
             engine.step()
-    elif name == "loss.backward()":
-        _, loss = engine(tokens[:, :-1], tokens[:, 1:])
-        with pytest.raises(RuntimeError, match=r"call engine.backward\(loss\)"):
+    elif name == "loss.backward()":  # on a loss the model computed outside engine(...)
+        _, loss = engine.module(tokens[:, :-1], tokens[:, 1:])
+        if stage == 3:  # the units' parameters are gathered only inside the engine's forward and backward
+            with pytest.raises(RuntimeError, match=r"call engine.backward\(loss\)"):
+                loss.backward()
+        else:  # the gradients stay in .grad, as in torch; step() says what happened
             loss.backward()
+            with pytest.raises(RuntimeError, match=r"computed by calling the model itself stay in the parameters' .grad"):
+                engine.step()
     elif name == "non-scalar loss":
         logits, _ = engine(tokens[:, :-1], tokens[:, 1:])
         with pytest.raises(ValueError, match="scalar loss"):

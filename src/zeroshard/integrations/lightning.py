@@ -130,6 +130,8 @@ class ZeroShardStrategy(DDPStrategy):
             if trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
                 raise ConfigError("ZeroShardStrategy clips by global norm only: use gradient_clip_algorithm='norm'")
             owned["gradient_clipping"] = float(trainer.gradient_clip_val)
+        elif config.get("gradient_clipping", "auto") == "auto":
+            config["gradient_clipping"] = 0.0  # Lightning's "no clipping", not DeepSpeed's default of 1.0
         section = _PRECISION_SECTIONS.get(self.precision_plugin.precision, KeyError)
         if section is KeyError:
             raise ConfigError(f"Trainer(precision={self.precision_plugin.precision!r}) is not supported by "
