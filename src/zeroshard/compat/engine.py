@@ -44,6 +44,8 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
         comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         if zero.stage < 3 and zero.offload_param is not None:  # DeepSpeed ignores it below stage 3
             zero = zero.model_copy(update={"offload_param": None})
+        if zero.stage == 0 and zero.offload_optimizer is not None:  # and this one at stage 0
+            zero = zero.model_copy(update={"offload_optimizer": None})
         placement = build_placement(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
                                     comm.rank, comm.world_size)
         self.sharded = Sharded(

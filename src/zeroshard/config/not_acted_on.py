@@ -102,6 +102,9 @@ TABLE: dict[str, Rule] = {
     **_parsed("offload_param acts only at stage 3; DeepSpeed ignores it below, and so does zeroshard",
               "zero_optimization.offload_param", when=lambda cfg: _param_offload(cfg)
               and cfg.zero_optimization.stage < 3),
+    **_parsed("offload_optimizer acts only at stages 1-3; DeepSpeed ignores it at stage 0, and so does zeroshard",
+              "zero_optimization.offload_optimizer", when=lambda cfg: _optimizer_offload(cfg)
+              and cfg.zero_optimization.stage == 0),
     **_parsed("only the streamed (offloaded) optimizer step cuts shards into sub-groups",
               "zero_optimization.sub_group_size", when=_no_optimizer_offload),
     # The stores size themselves (offload/store.py): DeepSpeed's swap-buffer pools have no equivalent,

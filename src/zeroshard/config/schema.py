@@ -311,11 +311,10 @@ class ZeroConfig(Section):
     @model_validator(mode="after")
     def _offload_fits_stage(self) -> "ZeroConfig":
         opt, par = self.offload_optimizer, self.offload_param
-        if opt is not None and opt.device != "none" and self.stage == 0:
-            raise ValueError("offload_optimizer needs stage 1, 2 or 3 (got stage 0)")
+        # offload_optimizer at stage 0, offload_param below stage 3: DeepSpeed ignores them; so do we,
+        # and not_acted_on.py reports them.
         if opt is not None and opt.ratio < 1.0 and self.stage != 3:
             raise ValueError(f"offload_optimizer.ratio < 1 needs stage 3 (got stage {self.stage})")
-        # offload_param below stage 3: DeepSpeed ignores it; so do we, and not_acted_on.py reports it.
         _check_nvme_path(opt, "offload_optimizer")
         _check_nvme_path(par, "offload_param")
         return self
