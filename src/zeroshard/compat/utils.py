@@ -22,7 +22,9 @@ from zeroshard.compat import zero_to_fp32  # noqa: F401 - deepspeed.utils.zero_t
 from zeroshard.core import partition as part
 
 __all__ = ["log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_optimizer_state", "zero_to_fp32"]
+           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
+           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
+           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state", "zero_to_fp32"]
 
 logger = logging.getLogger("zeroshard")  # DeepSpeed's `deepspeed.utils.logger`
 
@@ -72,9 +74,12 @@ def _with_master(group, fn):
         group.release_master()
 
 
-def safe_get_full_fp32_param(param) -> torch.Tensor:
-    """The parameter's fp32 master weights in full (a copy). Collective at stages 1-3."""
+def safe_get_full_fp32_param(param) -> torch.Tensor | None:
+    """The parameter's fp32 master weights in full (a copy); None for a frozen parameter, as in
+    DeepSpeed (it has no optimizer-owned master). Collective at stages 1-3."""
     sharded, group, slot = _locate(param, "safe_get_full_fp32_param")
+    if not group.trainable:
+        return None
     full = _with_master(group, lambda: _gather(sharded, group, group.master, f"safe_get_full_fp32_param({slot.name})"))
     return _cut(full, slot, group.device)
 
@@ -96,7 +101,7 @@ def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor |
     sharded, group, slot = _locate(param, "safe_get_full_optimizer_state")
     state = sharded.optimizer.group_state(group) if group.trainable else {}
     if not state:
-        return None  # before the first step, as DeepSpeed
+        return None  # a frozen parameter, or before the first step, as DeepSpeed
     if optim_state_key not in state:
         raise KeyError(f"safe_get_full_optimizer_state: no optimizer state {optim_state_key!r} for "
                        f"'{slot.name}'; it has {sorted(state)}")
@@ -141,3 +146,67 @@ def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: s
     else:
         _write_own_pieces(group, slot, value, target)
     optimizer.load_group_state(group, state)
+
+
+@torch.no_grad()
+def safe_set_full_grad(param, value: torch.Tensor) -> None:
+    """Replace the parameter's reduced gradient with `value` (full shape, the same on every rank), between
+    a boundary backward and the step. Each rank writes its own part; nothing is communicated."""
+    _, group, slot = _locate(param, "safe_set_full_grad")
+    if not group.trainable:
+        raise ValueError(f"safe_set_full_grad: '{slot.name}' is frozen (requires_grad=False): it has no gradient")
+    _write_own_pieces(group, slot, value, group.grad_for_optimizer())
+
+
+# -- this rank's part only (DeepSpeed's safe_*_local_*): no communication ----------------------------------
+def _local_piece(group, slot, tensor: torch.Tensor) -> torch.Tensor:
+    """1-D: the elements of the parameter in this rank's part of `tensor` (laid out like the master);
+    empty when this rank's shard holds none of it."""
+    for piece_slot, _, _, view in group.master_pieces(tensor):
+        if piece_slot == slot:
+            return view
+    return tensor.new_empty(0)
+
+
+def safe_get_local_fp32_param(param) -> torch.Tensor | None:
+    _, group, slot = _locate(param, "safe_get_local_fp32_param")
+    return _local_piece(group, slot, group.master).detach().clone() if group.trainable else None
+
+
+def safe_get_local_grad(param) -> torch.Tensor | None:
+    _, group, slot = _locate(param, "safe_get_local_grad")
+    return _local_piece(group, slot, group.grad_for_optimizer()).float().clone() if group.trainable else None
+
+
+def safe_get_local_optimizer_state(param, optim_state_key: str) -> torch.Tensor | None:
+    sharded, group, slot = _locate(param, "safe_get_local_optimizer_state")
+    state = sharded.optimizer.group_state(group) if group.trainable else {}
+    value = state.get(optim_state_key)
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    return _local_piece(group, slot, value).clone()
+
+
+@torch.no_grad()
+def safe_set_local_fp32_param(param, value: torch.Tensor) -> None:
+    """Set this rank's part (as `safe_get_local_fp32_param` returns it). Every rank calls it: the
+    unsharded parameters are refreshed from the masters, a collective."""
+    sharded, group, slot = _locate(param, "safe_set_local_fp32_param")
+    _local_piece(group, slot, group.master).copy_(value.reshape(-1))
+    sharded.refresh_parameters()
+
+
+@torch.no_grad()
+def safe_set_local_grad(param, value: torch.Tensor) -> None:
+    _, group, slot = _locate(param, "safe_set_local_grad")
+    _local_piece(group, slot, group.grad_for_optimizer()).copy_(value.reshape(-1))
+
+
+@torch.no_grad()
+def safe_set_local_optimizer_state(param, value: torch.Tensor, optim_state_key: str) -> None:
+    sharded, group, slot = _locate(param, "safe_set_local_optimizer_state")
+    state = sharded.optimizer.group_state(group)
+    if optim_state_key not in state:
+        raise KeyError(f"safe_set_local_optimizer_state: no optimizer state {optim_state_key!r} for '{slot.name}'")
+    _local_piece(group, slot, state[optim_state_key]).copy_(value.reshape(-1))
+    sharded.optimizer.load_group_state(group, state)
