@@ -384,3 +384,21 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 def test_deepspeed_surface(tmp_path):
     run_distributed(_worker, 2, timeout=600, tmp=str(tmp_path))
+
+
+def test_hf_deepspeed_config_is_refused_with_the_way_out():
+    """transformers' HfDeepSpeedConfig (ZeRO-3) would have from_pretrained partition the model with the
+    deepspeed package; initialize says so, and what to do, before touching the process group."""
+    hf = pytest.importorskip("transformers.integrations.deepspeed")
+
+    class Zero3Config:  # what HfDeepSpeedConfig answers (it cannot be built without deepspeed installed)
+        def is_zero3(self) -> bool:
+            return True
+
+    stand_in = Zero3Config()
+    hf.set_hf_deepspeed_config(stand_in)
+    try:
+        with pytest.raises(deepspeed.ConfigError, match="HfDeepSpeedConfig with ZeRO-3 is active.*zero.Init"):
+            deepspeed.initialize(model=nn.Linear(2, 2), config={"zero_optimization": {"stage": 3}})
+    finally:
+        hf.unset_hf_deepspeed_config()
