@@ -31,7 +31,7 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
 
     An `nn.Module` so that `engine(...)`, `engine.train()` and `engine.eval()` read as they do in
     DeepSpeed; the wrapped model is `engine.module`, and attributes the engine does not have are
-    looked up on it (`engine.config_of_model`, `engine.gradient_checkpointing_enable()`), as
+    looked up on it (`engine.model` of a transformers model, `engine.gradient_checkpointing_enable()`), as
     DeepSpeed's engine forwards them.
     """
 
@@ -185,7 +185,6 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
             self._open_torch_backward()
 
     def _open_torch_backward(self) -> None:
-        self._check_may_backward()
         if self.loss_scaler is not None:
             raise RuntimeError("loss.backward() with fp16: the loss must be scaled before backward; call "
                                "engine.backward(loss) instead")
@@ -201,16 +200,11 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
     def _reduce_in_this_backward(self) -> bool:
         return self.is_gradient_accumulation_boundary() and not self._in_no_sync
 
-    def _check_may_backward(self) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("backward on an engine without an optimizer: pass one to initialize()")
-
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps`, reducing gradients as units finish."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             raise ValueError("engine.backward(loss) needs a scalar loss tensor that requires grad, got "
                              f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-        self._check_may_backward()
         scaled = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled.float() * self.loss_scaler.scale
