@@ -108,6 +108,9 @@ class NVMeStore:
     kind = "nvme"
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise StoreError(f"NVMe store: threads must be a positive integer (aio.thread_count), got {threads!r}")
+        self.threads = threads
         self.root = _make_root(Path(nvme_path), rank, bytes_needed)
         self.counters = IOCounters()
         self.bytes_held = 0
