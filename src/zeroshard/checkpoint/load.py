@@ -21,7 +21,7 @@ import torch
 
 from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.contract import Counters
-from zeroshard.checkpoint.files import CheckpointError
+from zeroshard.checkpoint.files import CheckpointError, load_objects
 from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
                        persistent_buffers, rank_file, read_manifest, resolve_tag)
 from zeroshard.checkpoint.reader import CheckpointReader
@@ -39,6 +39,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     `load_dir` has no `latest` and no tag was given (DeepSpeed's behaviour). `load_module_only`
     restores the weights alone; `load_module_strict=False` loads the parameters the checkpoint and
     the model share and leaves the others as they are; `verify=False` skips the checksums.
+
+    Nothing in a checkpoint can run code: the manifest is JSON checked against its schema, tensors
+    are safetensors, and client state comes back through torch.load(weights_only=True), so it may
+    hold tensors, dicts, lists, tuples, strings, numbers, booleans and None (classes allowed with
+    torch.serialization.add_safe_globals too), not arbitrary objects as DeepSpeed's may; saving
+    other objects is refused ([Note: objects.pt holds data, not code] in files.py).
     """
     comm = engine.comm
     load_dir = Path(load_dir)
@@ -90,7 +96,7 @@ def engine_param_shapes(engine) -> dict[str, list[int]]:
 def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, strict: bool,
                  module_only: bool) -> dict:
     check_compatible(path, manifest, engine_param_shapes(engine), strict)
-    objects = torch.load(path / OBJECTS, map_location="cpu", weights_only=False)
+    objects = _read_objects(path)
     optimizer = engine.optimizer
     if restore_optimizer:
         _check_optimizer(path, manifest, objects, optimizer)
@@ -109,6 +115,19 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
             if with_grads and group.trainable:
                 _load_grads(reader, index, group, engine.comm.rank)
         _load_buffers(engine.module, reader.buffers(), path, strict)
+    return objects
+
+
+_OBJECT_KEYS = {"client_state", "optimizer", "lr_scheduler", "loss_scaler"}
+
+
+def _read_objects(path: Path) -> dict:
+    """objects.pt through torch.load(weights_only=True): see [Note: objects.pt holds data, not code]."""
+    objects = load_objects(path / OBJECTS)
+    if not isinstance(objects, dict) or set(objects) != _OBJECT_KEYS or not isinstance(objects["optimizer"], dict) \
+            or set(objects["optimizer"]) != {"param_groups", "scalars"}:
+        raise CheckpointError(f"{path / OBJECTS}: not the objects file of a zeroshard checkpoint (expected a dict "
+                              f"of {sorted(_OBJECT_KEYS)})")
     return objects
 
 
