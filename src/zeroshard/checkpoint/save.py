@@ -54,22 +54,25 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     nonce = proposals[0][1]
     what = f"saving checkpoint {save_dir / tag}"
     staging = save_dir / f".tmp-{tag}-{nonce}"
-    states = optimizer_states(engine)  # once: an offloaded step joins its sub-groups for it
+    # once: an offloaded step joins its sub-groups for it (and reads its swap files, which may fail)
+    states, error = attempt(optimizer_states, engine)
     # rank 0 serialises the objects first: a value that could not be loaded back is refused before
     # any shard is written
-    objects, error = attempt(_prepare, engine, states, client_state or {}, save_dir, staging) \
-        if comm.rank == 0 else (None, None)
+    objects = None
+    if error is None and comm.rank == 0:
+        objects, error = attempt(_prepare, engine, states, client_state or {}, save_dir, staging)
     agree(comm, error, what)
     record, error = attempt(_write_rank_file, engine, states, staging)
     records = comm.all_gather_objects(record, f"{what}: shard checksums")
-    if comm.rank == 0 and all(r is not None for r in records):  # every shard is written
-        _, error = attempt(_finish, engine, states, staging, save_dir, tag, nonce, records, objects, save_latest)
-    try:
-        agree(comm, error, what)
-    except CheckpointError:
-        if comm.rank == 0 and staging.exists():  # every rank is done with it; a crash would leave it too
+    if comm.rank == 0:
+        failed = error is not None or any(r is None for r in records)
+        if not failed:  # every shard is written
+            _, error = attempt(_finish, engine, states, staging, save_dir, tag, nonce, records, objects, save_latest)
+        if (failed or error is not None) and staging.exists():
+            # every rank is done writing (the checksums were gathered): remove the staging directory
+            # before reporting, so that no rank sees it after the error (a crash would leave it too)
             shutil.rmtree(staging, ignore_errors=True)
-        raise
+    agree(comm, error, what)
     log.info("zeroshard: saved checkpoint %s", save_dir / tag)
     return str(save_dir / tag)
 

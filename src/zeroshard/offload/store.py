@@ -185,9 +185,12 @@ class NVMeStore:
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
 
     def wait(self) -> None:
-        for future in self._pending:
-            future.result()
-        self._pending.clear()
+        """Until every write-back has finished; the first failure is raised once (a retried step
+        writes its tensors back again)."""
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending if f.exception() is not None]  # exception() waits
+        if errors:
+            raise errors[0]
 
     def destroy(self) -> None:
         self.wait()
@@ -204,9 +207,12 @@ def _write_back(item: _Mapped) -> None:
     """Dirty pages to disk, then out of this process and out of the page cache: the memory a
     released tensor used is free again, and its next use reads from the disk."""
     with item.lock:
-        item.buffer.flush()
-        item.buffer.madvise(mmap.MADV_DONTNEED)
-        os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            item.buffer.flush()
+            item.buffer.madvise(mmap.MADV_DONTNEED)
+            os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as error:  # e.g. ENOSPC on a thin-provisioned or copy-on-write file system
+            raise StoreError(f"NVMe store cannot write {item.path} back ({item.nbytes} bytes): {error}") from error
 
 
 def make_root(base: Path, rank: int, bytes_needed: int) -> tuple[Path, int]:
