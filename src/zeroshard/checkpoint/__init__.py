@@ -21,7 +21,7 @@ consolidation to one file, and full weights in and out of a live engine.
         objects.pt               rank 0, torch.save: client state, scheduler and loss-scaler state,
                                  optimizer param-group hyper-parameters and scalar optimizer state
                                  (Adam's `step`), per group; read with torch.load(weights_only=True)
-                                 ([Note: objects.pt holds data, not code] in files.py)
+                                 ([Note: objects.pt holds data, not code] in objects.py)
         buffers.safetensors      rank 0: the model's buffers (only when it has any)
 Readers re-slice by parameter and element range ([Note: resharding by element ranges] in
 reader.py), so a checkpoint written at N ranks and stage s loads at M ranks and stage t.

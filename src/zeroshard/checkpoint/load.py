@@ -22,9 +22,10 @@ import torch
 
 from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.contract import Counters
-from zeroshard.checkpoint.files import CheckpointError, load_objects
+from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
                        persistent_buffers, rank_file, read_manifest, resolve_tag)
+from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     are safetensors, and client state comes back through torch.load(weights_only=True), so it may
     hold tensors, dicts, lists, tuples, strings, numbers, booleans and None (classes allowed with
     torch.serialization.add_safe_globals too), not arbitrary objects as DeepSpeed's may; saving
-    other objects is refused ([Note: objects.pt holds data, not code] in files.py).
+    other objects is refused ([Note: objects.pt holds data, not code] in objects.py).
     """
     comm = engine.comm
     load_dir = Path(load_dir)

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 
 from zeroshard.checkpoint.common import agree, attempt, compute_dtype, optimizer_states, own_range_in_master
-from zeroshard.checkpoint.files import (CheckpointError, dtype_name, fsync_dir, objects_bytes, write_atomic,
-                                        write_safetensors)
+from zeroshard.checkpoint.files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
+from zeroshard.checkpoint.objects import objects_bytes
 from zeroshard.checkpoint.manifest import (BUFFERS, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, OBJECTS, check_tag, describe_groups,
                        grad_key, is_elementwise, manifest_text, master_key, model_aliases, persistent_buffers,
                        rank_file, state_key)
@@ -162,7 +162,7 @@ def _objects_bytes(engine, states: list[dict], client_state) -> bytes:
         "lr_scheduler": _state_of(engine.lr_scheduler),
         "loss_scaler": _state_of(engine.loss_scaler),
     }
-    return objects_bytes(objects)  # [Note: objects.pt holds data, not code] in files.py
+    return objects_bytes(objects)  # [Note: objects.pt holds data, not code] in objects.py
 
 
 def _state_of(component):
