@@ -20,11 +20,13 @@ consolidation to one file, and full weights in and out of a live engine.
                                  alike at every stage.
         objects.pt               rank 0, torch.save: client state, scheduler and loss-scaler state,
                                  optimizer param-group hyper-parameters and scalar optimizer state
-                                 (Adam's `step`), per group
+                                 (Adam's `step`), per group; read with torch.load(weights_only=True)
+                                 ([Note: objects.pt holds data, not code] in objects.py)
         buffers.safetensors      rank 0: the model's buffers (only when it has any)
 Readers re-slice by parameter and element range ([Note: resharding by element ranges] in
 reader.py), so a checkpoint written at N ranks and stage s loads at M ranks and stage t.
-Publication is atomic ([Note: atomic publication] in save.py).
+Publication is atomic ([Note: atomic publication] in save.py). The manifest is checked against its
+schema on every read ([Note: manifest schema] in manifest.py).
 """
 from zeroshard.checkpoint.consolidate import consolidate, open_checkpoint
 from zeroshard.checkpoint.files import CheckpointError

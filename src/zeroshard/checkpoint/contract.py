@@ -34,7 +34,8 @@ class Checkpointable(Protocol):
     optimizer: Any  # zeroshard.core.optimizer.ZeroOptimizer
     loss_scaler: Any  # DynamicLossScaler or None
     lr_scheduler: Any  # anything with state_dict()/load_state_dict(), or None
-    config: Any  # the parsed config, written to the manifest for readers (never read back)
+    config: Any  # the parsed config: written to the manifest for readers (never read back); its
+    # zero_optimization.stage3_gather_16bit_weights_on_model_save decides save_16bit_model at stage 3
 
     def counters(self) -> Counters: ...
 

@@ -271,3 +271,4 @@ def write_atomic(path, data: bytes) -> dict:
         raise
     fsync_dir(path.parent)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+

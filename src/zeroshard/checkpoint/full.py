@@ -2,6 +2,7 @@
 flat group at a time so that no rank holds more than one group's full buffer beyond the result."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import torch
 from zeroshard.checkpoint.common import agree, attempt, compute_dtype
 from zeroshard.checkpoint.manifest import model_aliases, persistent_buffers, state_dict_order
 from zeroshard.checkpoint.output import FullModelWriter, format_for
+
+log = logging.getLogger(__name__)
 
 
 def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None]) -> None:
@@ -57,11 +60,21 @@ def full_state_dict(engine, dtype: torch.dtype | None = None) -> dict[str, torch
     return {name: out[name] for name in order if name in out}
 
 
-def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> str:
+def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors") -> str | bool:
     """Rank 0 writes the full model in the engine's compute dtype (bf16/fp16 with mixed precision,
     else fp32) to `save_dir/save_filename`: safetensors, streamed group by group, or torch.save for a
-    .pt/.bin name. Collective; returns the file's path on every rank."""
+    .pt/.bin name. Collective; returns the file's path on every rank.
+
+    At stage 3 the full weights exist nowhere until gathered, and DeepSpeed gathers them for this
+    call only with `zero_optimization.stage3_gather_16bit_weights_on_model_save: true`; without
+    it, DeepSpeed writes nothing, logs that it did not save, and returns False. So does this.
+    """
     path = Path(save_dir) / save_filename
+    if engine.policy.shard_parameters and not _gather_on_save(engine):
+        log.warning("zeroshard: did not save the model %s because zero_optimization."
+                    "stage3_gather_16bit_weights_on_model_save is false (DeepSpeed's behaviour at stage 3); "
+                    "set it to true, or save a checkpoint and consolidate it", path)
+        return False
     what = f"saving the model to {path}"
     writer, error = attempt(_open_writer, engine, path) if engine.comm.rank == 0 else (None, None)
     agree(engine.comm, error, what)
@@ -80,6 +93,10 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
             writer.abort()
     agree(engine.comm, error, what)
     return str(path)
+
+
+def _gather_on_save(engine) -> bool:
+    return bool(engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
 
 def _open_writer(engine, path: Path) -> FullModelWriter:

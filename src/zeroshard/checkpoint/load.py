@@ -8,13 +8,14 @@ Order of work, each phase ending with every rank agreeing it succeeded (see `agr
      ranges] in reader.py);
   4. gather the unsharded parameters from the loaded masters, restore counters, scheduler and loss
      scaler.
-A damaged or incompatible checkpoint is reported in phase 1-3 before anything is changed, except
-for an I/O failure while reading after verification succeeded.
+A damaged or incompatible checkpoint, or a failure while reading, is reported in phase 1-3 before
+anything is changed ([Note: a failed load changes nothing]).
 """
 from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
                        persistent_buffers, rank_file, read_manifest, resolve_tag)
+from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,12 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     `load_dir` has no `latest` and no tag was given (DeepSpeed's behaviour). `load_module_only`
     restores the weights alone; `load_module_strict=False` loads the parameters the checkpoint and
     the model share and leaves the others as they are; `verify=False` skips the checksums.
+
+    Nothing in a checkpoint can run code: the manifest is JSON checked against its schema, tensors
+    are safetensors, and client state comes back through torch.load(weights_only=True), so it may
+    hold tensors, dicts, lists, tuples, strings, numbers, booleans and None (classes allowed with
+    torch.serialization.add_safe_globals too), not arbitrary objects as DeepSpeed's may; saving
+    other objects is refused ([Note: objects.pt holds data, not code] in objects.py).
     """
     comm = engine.comm
     load_dir = Path(load_dir)
@@ -51,13 +59,17 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     what = f"loading checkpoint {path}"
     if verify:
         files = sorted(manifest["files"])
-        problems = check_files(path, manifest, files[comm.rank::comm.world_size])
-        every = [p for mine in comm.all_gather_objects(problems, f"{what}: verification") for p in mine]
-        agree(comm, "; ".join(every) if every else None, what)
+        problems, error = attempt(check_files, path, manifest, files[comm.rank::comm.world_size])
+        every = [p for mine in comm.all_gather_objects(problems or [], f"{what}: verification") for p in mine]
+        agree(comm, error or ("; ".join(every) if every else None), what)
     restore_optimizer = load_optimizer_states and not load_module_only
-    objects, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict,
-                             load_module_only)
+    read, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict,
+                          load_module_only)
     agree(comm, error, what)
+    # [Note: a failed load changes nothing]: every rank has read all it needs; only now is it applied
+    objects, loaded = read
+    _, error = attempt(_apply, engine, loaded)
+    agree(comm, error, f"{what}: applying what was read")
     engine.refresh_parameters()
     if restore_optimizer:
         _restore_param_groups(engine, objects["optimizer"]["param_groups"])
@@ -86,29 +98,68 @@ def engine_param_shapes(engine) -> dict[str, list[int]]:
     return {s.name: list(s.shape) for g in engine.groups for s in g.layout.slots}
 
 
+# [Note: a failed load changes nothing]
+# Reading can fail half-way on any rank (a file deleted or damaged after verification, an I/O
+# error, verify=False). So `_read_shards` reads into new tensors only, and the engine's masters,
+# optimizer state, accumulated gradients and buffers are replaced (`_apply`, no I/O from the
+# checkpoint) only after every rank has agreed that all of its reads succeeded. The price: while
+# loading, a rank holds the loaded states beside its current ones (for Adam, 12 bytes per element
+# of its shard more, transiently).
+@dataclass
+class _Loaded:
+    copies: list = field(default_factory=list)  # (destination, loaded value): masters, grads, buffers
+    states: list = field(default_factory=list)  # (group, optimizer state to load_group_state)
+
+
 @torch.no_grad()
 def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, strict: bool,
-                 module_only: bool) -> dict:
+                 module_only: bool) -> tuple[dict, _Loaded]:
     check_compatible(path, manifest, engine_param_shapes(engine), strict)
-    objects = torch.load(path / OBJECTS, map_location="cpu", weights_only=False)
+    objects = _read_objects(path)
     optimizer = engine.optimizer
     if restore_optimizer:
         _check_optimizer(path, manifest, objects, optimizer)
     with_grads = manifest["mid_accumulation"] and not module_only
     if with_grads:
         _check_same_partition(path, manifest, engine)
+    loaded = _Loaded()
     with CheckpointReader(path, manifest) as reader:
         for index, group in enumerate(engine.groups):
-            for slot, lo, hi, dest in group.master_pieces():
+            master = group.master.detach().to("cpu", copy=True)  # what the checkpoint lacks stays as it is
+            for slot, lo, hi, dest in group.master_pieces(master):
                 if slot.name in reader.index:
                     reader.read_param(slot.name, "master", lo, hi, dest)
             start = group.opt_range[0]
-            group.master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
+            master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
+            loaded.copies.append((group.master, master))
             if restore_optimizer and group.trainable:
-                _load_optimizer_state(reader, group, objects["optimizer"]["scalars"], optimizer)
+                state = _load_optimizer_state(reader, group, objects["optimizer"]["scalars"], optimizer)
+                if state is not None:
+                    loaded.states.append((group, state))
             if with_grads and group.trainable:
-                _load_grads(reader, index, group, engine.comm.rank)
-        _load_buffers(engine.module, reader.buffers(), path, strict)
+                loaded.copies += _load_grads(reader, index, group, engine.comm.rank)
+        loaded.copies += _load_buffers(engine.module, reader.buffers(), path, strict)
+    return objects, loaded
+
+
+@torch.no_grad()
+def _apply(engine, loaded: _Loaded) -> None:
+    for destination, value in loaded.copies:
+        destination.copy_(value)
+    for group, state in loaded.states:
+        engine.optimizer.load_group_state(group, state)
+
+
+_OBJECT_KEYS = {"client_state", "optimizer", "lr_scheduler", "loss_scaler"}
+
+
+def _read_objects(path: Path) -> dict:
+    """objects.pt through torch.load(weights_only=True): see [Note: objects.pt holds data, not code]."""
+    objects = load_objects(path / OBJECTS)
+    if not isinstance(objects, dict) or set(objects) != _OBJECT_KEYS or not isinstance(objects["optimizer"], dict) \
+            or set(objects["optimizer"]) != {"param_groups", "scalars"}:
+        raise CheckpointError(f"{path / OBJECTS}: not the objects file of a zeroshard checkpoint (expected a dict "
+                              f"of {sorted(_OBJECT_KEYS)})")
     return objects
 
 
@@ -137,13 +188,13 @@ def _check_same_partition(path: Path, manifest: dict, engine) -> None:
             "change the world size or stage, or pass load_module_only=True")
 
 
-def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimizer) -> None:
-    """Rebuild one group's optimizer state from the checkpoint (ZeroOptimizer.load_group_state):
-    elementwise state re-sliced, scalar state (Adam's `step`) from the saved group holding this
-    group's first parameter."""
+def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimizer) -> dict | None:
+    """One group's optimizer state read from the checkpoint, for ZeroOptimizer.load_group_state
+    (applied by `_apply`): elementwise state re-sliced, scalar state (Adam's `step`) from the saved
+    group holding this group's first parameter. None: the checkpoint has none of its parameters."""
     names = [s.name for s in group.layout.slots if s.name in reader.index]
     if not names:
-        return
+        return None
     source, _ = reader.index.locate(names[0])
     kinds = reader.manifest["groups"][source]["state"]
     state = {}
@@ -161,25 +212,26 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
             else:
                 log.warning("checkpoint %s has no optimizer state '%s' for '%s': starting it at zero",
                             reader.path, key, slot.name)
-    optimizer.load_group_state(group, state)  # {} when saved before the first step
+    return state  # {} when saved before the first step
 
 
-def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> None:
+def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> list:
     grad = group.grad()
     file = reader.file(rank_file(rank))
-    if grad is not None and grad_key(index) in file:
-        file.read_into(grad_key(index), 0, grad.numel(), grad)
+    if grad is None or grad_key(index) not in file:
+        return []
+    value = torch.empty(grad.numel(), dtype=grad.dtype)  # 1-D, as the flat gradient shard
+    file.read_into(grad_key(index), 0, grad.numel(), value)
+    return [(grad, value)]
 
 
-def _load_buffers(module, saved: dict[str, torch.Tensor], path: Path, strict: bool) -> None:
+def _load_buffers(module, saved: dict[str, torch.Tensor], path: Path, strict: bool) -> list:
     buffers = persistent_buffers(module)
     if strict and set(saved) != set(buffers):
         missing, unexpected = sorted(set(buffers) - set(saved)), sorted(set(saved) - set(buffers))
         raise CheckpointError(f"{path / MANIFEST}: the checkpoint is from an incompatible model: buffers "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
-    for name, value in saved.items():
-        if name in buffers:
-            buffers[name].copy_(value)
+    return [(buffers[name], value) for name, value in saved.items() if name in buffers]
 
 
 def _restore_param_groups(engine, saved: list[dict]) -> None:

@@ -147,10 +147,77 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"{file}: manifest is not valid JSON ({error}): the file is damaged") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file}: not a zeroshard checkpoint manifest")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
+    version = manifest.get("format_version", 0)
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise CheckpointError(f"{file}: format version {manifest['format_version']} is newer than this "
                               f"zeroshard ({manifest.get('library_version')} wrote it); upgrade zeroshard")
+    check_schema(file, manifest)
     return manifest
+
+
+# -- [Note: manifest schema] ---------------------------------------------------------------------------
+# The manifest is data, never code: JSON whose every field is listed here with its type. A field
+# outside the schema, a required field that is missing or a value of another type is an error
+# naming the file and the field, so that nothing a checkpoint carries is used without being
+# understood. `None` as a type means any JSON value (informational fields, or state that is also
+# in objects.pt). Fields marked optional were added after format version 1 was first written.
+_JSON = None
+_MANIFEST_FIELDS = {
+    "format": str, "format_version": int, "tag": str, "world_size": int, "stage": int, "param_dtype": str,
+    "global_steps": int, "micro_steps": int, "gradient_accumulation_steps": int, "mid_accumulation": bool,
+    "optimizer": str, "lr_scheduler": _JSON, "loss_scaler": _JSON, "aliases": dict, "buffers": list,
+    "groups": list, "files": dict,
+}
+_MANIFEST_OPTIONAL = {"library_version": str, "created": str, "skipped_steps": int, "config": _JSON}
+_GROUP_FIELDS = {"unit": str, "optimizer_group": int, "numel": int, "shard_numel": int, "params": list,
+                 "state": list}
+_PARAM_FIELDS = {"name": str, "shape": list, "dtype": str, "offset": int, "numel": int}
+_FILE_FIELDS = {"sha256": str, "bytes": int}
+
+
+def check_schema(file: Path, manifest: dict) -> None:
+    """Raise CheckpointError naming `file` and the field unless `manifest` fits [Note: manifest schema]."""
+    _check_fields(file, "", manifest, _MANIFEST_FIELDS, _MANIFEST_OPTIONAL)
+    for index, group in enumerate(manifest["groups"]):
+        where = f"groups[{index}]"
+        _check_fields(file, where, group, _GROUP_FIELDS)
+        for number, param in enumerate(group["params"]):
+            _check_fields(file, f"{where}.params[{number}]", param, _PARAM_FIELDS)
+        for number, entry in enumerate(group["state"]):
+            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+                    and entry[1] in ("elementwise", "scalar")):
+                raise CheckpointError(f"{file}: field '{where}.state[{number}]' must be [name, 'elementwise' or "
+                                      f"'scalar'], got {entry!r}")
+    for name, entry in manifest["files"].items():
+        _check_fields(file, f"files[{name!r}]", entry, _FILE_FIELDS)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["aliases"].items()):
+        raise CheckpointError(f"{file}: field 'aliases' must map parameter names to parameter names")
+    if not all(isinstance(name, str) for name in manifest["buffers"]):
+        raise CheckpointError(f"{file}: field 'buffers' must list buffer names")
+
+
+def _check_fields(file: Path, where: str, value, required: dict, optional: dict | None = None) -> None:
+    prefix = f"{where}." if where else ""
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{file}: field '{where}' must be a JSON object, got {type(value).__name__}")
+    allowed = {**required, **(optional or {})}
+    unknown = sorted(set(value) - set(allowed))
+    if unknown:
+        raise CheckpointError(f"{file}: field '{prefix}{unknown[0]}' is not part of the zeroshard manifest "
+                              f"schema (format version {FORMAT_VERSION}); allowed here: {', '.join(allowed)}")
+    missing = [key for key in required if key not in value]
+    if missing:
+        raise CheckpointError(f"{file}: required field '{prefix}{missing[0]}' is missing: the manifest is damaged")
+    for key, kind in allowed.items():
+        if key in value and kind is not None and not _is(value[key], kind):
+            raise CheckpointError(f"{file}: field '{prefix}{key}' must be {kind.__name__}, got "
+                                  f"{type(value[key]).__name__} {value[key]!r:.60}")
+
+
+def _is(value, kind: type) -> bool:
+    if kind is int:  # JSON true/false is not a count
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def check_file(path: Path, name: str, expected: dict) -> str | None:

@@ -2,6 +2,8 @@
 
 [Note: atomic publication]
 Nothing is written under a name a reader looks for until the whole checkpoint exists:
+  0. rank 0 serialises objects.pt (and proves it loads back; [Note: objects.pt holds data, not
+     code] in files.py): an unloadable client state fails the save before anything is written;
   1. every rank writes `save_dir/.tmp-<tag>-<nonce>/rank_<r>.safetensors` (fsynced, hashed while
      written) and reports its checksum; ranks agree that all succeeded;
   2. rank 0 writes objects.pt, buffers.safetensors and, last, manifest.json into the same directory;
@@ -16,7 +18,6 @@ directories of crashed saves are removed by the next save. Every rank must see t
 """
 from __future__ import annotations
 
-import io
 import json
 import logging
 import shutil
@@ -28,6 +29,7 @@ import torch
 
 from zeroshard.checkpoint.common import agree, attempt, compute_dtype, optimizer_states, own_range_in_master
 from zeroshard.checkpoint.files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
+from zeroshard.checkpoint.objects import objects_bytes
 from zeroshard.checkpoint.manifest import (BUFFERS, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, OBJECTS, check_tag, describe_groups,
                        grad_key, is_elementwise, manifest_text, master_key, model_aliases, persistent_buffers,
                        rank_file, state_key)
@@ -56,20 +58,25 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     nonce = proposals[0][2]
     what = f"saving checkpoint {save_dir / tag}"
     staging = save_dir / f".tmp-{tag}-{nonce}"
-    _, error = attempt(_prepare, save_dir, staging) if comm.rank == 0 else (None, None)
+    # once: an offloaded step joins its sub-groups for it (and reads its swap files, which may fail)
+    states, error = attempt(optimizer_states, engine)
+    # rank 0 serialises the objects first: a value that could not be loaded back is refused before
+    # any shard is written
+    objects = None
+    if error is None and comm.rank == 0:
+        objects, error = attempt(_prepare, engine, states, client_state or {}, save_dir, staging)
     agree(comm, error, what)
-    states = optimizer_states(engine)  # once: an offloaded step joins its sub-groups for it
     record, error = attempt(_write_rank_file, engine, states, staging)
     records = comm.all_gather_objects(record, f"{what}: shard checksums")
-    if comm.rank == 0 and all(r is not None for r in records):  # every shard is written
-        _, error = attempt(_finish, engine, states, staging, save_dir, tag, nonce, records, client_state or {},
-                           save_latest)
-    try:
-        agree(comm, error, what)
-    except CheckpointError:
-        if comm.rank == 0 and staging.exists():  # every rank is done with it; a crash would leave it too
+    if comm.rank == 0:
+        failed = error is not None or any(r is None for r in records)
+        if not failed:  # every shard is written
+            _, error = attempt(_finish, engine, states, staging, save_dir, tag, nonce, records, objects, save_latest)
+        if (failed or error is not None) and staging.exists():
+            # every rank is done writing (the checksums were gathered): remove the staging directory
+            # before reporting, so that no rank sees it after the error (a crash would leave it too)
             shutil.rmtree(staging, ignore_errors=True)
-        raise
+    agree(comm, error, what)
     log.info("zeroshard: saved checkpoint %s", save_dir / tag)
     return str(save_dir / tag)
 
@@ -103,9 +110,16 @@ def _write_rank_file(engine, states: list[dict], staging: Path) -> tuple[str, di
 
 
 # -- rank 0 -------------------------------------------------------------------------------------------
-def _prepare(save_dir: Path, staging: Path) -> None:
-    """Create `save_dir`; clear what crashed saves left behind (see [Note: atomic publication])."""
+def _prepare(engine, states: list[dict], client_state, save_dir: Path, staging: Path) -> bytes:
+    """objects.pt's bytes; create `save_dir`, clear what crashed saves left behind (see [Note:
+    atomic publication])."""
+    objects = _objects_bytes(engine, states, client_state)
     save_dir.mkdir(parents=True, exist_ok=True)
+    _clear_leftovers(save_dir, staging)
+    return objects
+
+
+def _clear_leftovers(save_dir: Path, staging: Path) -> None:
     for entry in save_dir.iterdir():
         if entry.name.startswith(".tmp-") and entry != staging:
             log.warning("removing %s, left by an interrupted save", entry)
@@ -125,9 +139,9 @@ def _prepare(save_dir: Path, staging: Path) -> None:
 
 
 def _finish(engine, states: list[dict], staging: Path, save_dir: Path, tag: str, nonce: str, records,
-            client_state, save_latest: bool) -> None:
+            objects: bytes, save_latest: bool) -> None:
     files = dict(records)
-    files[OBJECTS] = write_atomic(staging / OBJECTS, _objects_bytes(engine, states, client_state))
+    files[OBJECTS] = write_atomic(staging / OBJECTS, objects)
     buffers = persistent_buffers(engine.module)
     if buffers:
         files[BUFFERS] = write_safetensors(staging / BUFFERS, {k: v.detach() for k, v in buffers.items()})
@@ -138,7 +152,8 @@ def _finish(engine, states: list[dict], staging: Path, save_dir: Path, tag: str,
 
 def _objects_bytes(engine, states: list[dict], client_state) -> bytes:
     """What is not a per-element tensor: client state, scheduler, loss scaler, optimizer param-group
-    hyper-parameters and scalar optimizer state (Adam's `step`), per group, pickled with torch.save."""
+    hyper-parameters and scalar optimizer state (Adam's `step`), per group, with torch.save, each
+    value one that torch.load(weights_only=True) rebuilds (or a CheckpointError naming it)."""
     scalars = {}
     for index, (group, state) in enumerate(zip(engine.groups, states)):
         scalars[index] = {key: (value.detach().cpu() if isinstance(value, torch.Tensor) else value,
@@ -151,9 +166,7 @@ def _objects_bytes(engine, states: list[dict], client_state) -> bytes:
         "lr_scheduler": _state_of(engine.lr_scheduler),
         "loss_scaler": _state_of(engine.loss_scaler),
     }
-    buffer = io.BytesIO()
-    torch.save(objects, buffer)
-    return buffer.getvalue()
+    return objects_bytes(objects)  # [Note: objects.pt holds data, not code] in objects.py
 
 
 def _state_of(component):

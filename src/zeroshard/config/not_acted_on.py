@@ -115,6 +115,11 @@ TABLE: dict[str, Rule] = {
     **_parsed("the offload stores size themselves; everything chosen is offloaded",
               *(f"zero_optimization.offload_param.{key}" for key in ("buffer_count", "buffer_size", "max_in_cpu")),
               when=_param_offload),
+    # [Note: why memory-mapped files] in offload/store.py: the kernel sizes, queues and submits the
+    # I/O of a mapping, so DeepSpeed's libaio request knobs have nothing to set. `aio.thread_count`
+    # is acted on (threads of the write-back pool).
+    **_parsed("the NVMe store is memory-mapped: the kernel sizes, queues and submits its I/O requests",
+              *(f"aio.{key}" for key in ("block_size", "queue_depth", "single_submit", "overlap_events"))),
 }
 
 

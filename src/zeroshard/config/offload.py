@@ -61,12 +61,15 @@ class AioConfig(Section):
     section_path: ClassVar[str] = "aio"
 
     block_size: PosInt = 1_048_576
-    """Bytes per I/O request."""
+    """Bytes per I/O request (accepted, not acted on: the memory-mapped NVMe store leaves request
+    sizes to the kernel)."""
     queue_depth: PosInt = 8
-    """I/O requests in flight."""
+    """I/O requests in flight (accepted, not acted on: the kernel queues the mapping's I/O)."""
     thread_count: PosInt = Field(1, validation_alias=AliasChoices("thread_count", "intra_op_parallelism"))
-    """I/O worker threads (newer DeepSpeed calls it ``intra_op_parallelism``)."""
+    """Threads that write released tensors back to the NVMe files (newer DeepSpeed calls it
+    ``intra_op_parallelism``)."""
     single_submit: bool = False
-    """Submit requests one at a time instead of in batches."""
+    """Submit requests one at a time instead of in batches (accepted, not acted on)."""
     overlap_events: bool = True
-    """Overlap submission and completion of requests."""
+    """Overlap submission and completion of requests (accepted, not acted on: reads ahead and
+    write-back already overlap the step)."""

@@ -84,8 +84,11 @@ class Sharded:
         self.loss_scaler = loss_scaler
         self.optimizer = ZeroOptimizer(optimizer, self.groups, comm, policy, float(gradient_clipping), loss_scaler,
                                        self._streamed_step(optimizer))
+        # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
+        # reduction is waited for before backward goes on (none in flight).
         self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,
-                                   prefetch_numel=prefetch_numel, overlap_comm=overlap_comm)
+                                   prefetch_numel=prefetch_numel, overlap_comm=overlap_comm,
+                                   max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
 
     def _streamed_step(self, optimizer) -> StreamedStep | None:

@@ -25,8 +25,9 @@ def _store(section, rank: int, bytes_needed: int, aio):
         return None
     if section.device == "cpu":
         return CPUStore(pin_memory=section.pin_memory)
-    threads = getattr(aio, "thread_count", 2) if aio is not None else 2
-    return NVMeStore(section.nvme_path, rank, bytes_needed, threads=max(2, threads))
+    # aio.thread_count threads write released tensors back (DeepSpeed's default: 1), exactly as given.
+    threads = aio.thread_count if aio is not None else 1
+    return NVMeStore(section.nvme_path, rank, bytes_needed, threads=threads)
 
 
 def build_placement(zero, aio, optimizer: torch.optim.Optimizer, model_numel: int, rank: int,

@@ -34,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.offload.cleanup import (create_locked_dir, describe_others, keep_on_sigterm, reclaim_dead, release_root,
+                                       remove_on_sigterm)
+
 log = logging.getLogger(__name__)
 
 
@@ -108,15 +111,21 @@ class NVMeStore:
     kind = "nvme"
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2):
-        self.root = _make_root(Path(nvme_path), rank, bytes_needed)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise StoreError(f"NVMe store: threads must be a positive integer (aio.thread_count), got {threads!r}")
+        self.threads = threads
+        self.root, lock = make_root(Path(nvme_path), rank, bytes_needed)
         self.counters = IOCounters()
         self.bytes_held = 0
         self._files: dict[int, _Mapped] = {}  # id(tensor) -> mapping
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroshard-nvme")
         self._pending: list[Future] = []
-        # Files go away on destroy() and at normal interpreter exit, whichever comes first.
-        self._finalizer = weakref.finalize(self, _remove_tree, self.root)
+        # Files go away on destroy(), at normal interpreter exit and on SIGTERM, whichever comes
+        # first; after SIGKILL the next store on the same path reclaims them ([Note: swap files
+        # of dead processes] in offload/cleanup.py).
+        self._finalizer = weakref.finalize(self, release_root, self.root, lock)
         atexit.register(self._finalizer)
+        remove_on_sigterm(self.root)
 
     def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -176,9 +185,12 @@ class NVMeStore:
         self._pending = [f for f in self._pending if not f.done() or f.exception()]
 
     def wait(self) -> None:
-        for future in self._pending:
-            future.result()
-        self._pending.clear()
+        """Until every write-back has finished; the first failure is raised once (a retried step
+        writes its tensors back again)."""
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending if f.exception() is not None]  # exception() waits
+        if errors:
+            raise errors[0]
 
     def destroy(self) -> None:
         self.wait()
@@ -187,6 +199,7 @@ class NVMeStore:
             os.close(item.fd)
         self._files.clear()  # the tensors keep their mappings alive until they are dropped
         self._finalizer()
+        keep_on_sigterm(self.root)
         self.bytes_held = 0
 
 
@@ -194,29 +207,35 @@ def _write_back(item: _Mapped) -> None:
     """Dirty pages to disk, then out of this process and out of the page cache: the memory a
     released tensor used is free again, and its next use reads from the disk."""
     with item.lock:
-        item.buffer.flush()
-        item.buffer.madvise(mmap.MADV_DONTNEED)
-        os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        try:
+            item.buffer.flush()
+            item.buffer.madvise(mmap.MADV_DONTNEED)
+            os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError as error:  # e.g. ENOSPC on a thin-provisioned or copy-on-write file system
+            raise StoreError(f"NVMe store cannot write {item.path} back ({item.nbytes} bytes): {error}") from error
 
 
-def _make_root(base: Path, rank: int, bytes_needed: int) -> Path:
+def make_root(base: Path, rank: int, bytes_needed: int) -> tuple[Path, int]:
+    """This store's directory under `base` and the descriptor of the lock that marks it alive, after
+    reclaiming what dead processes left there; StoreError when `base` is unwritable or too full."""
     try:
         base.mkdir(parents=True, exist_ok=True)
-        root = base / f"zeroshard-{os.getpid()}-rank{rank}"
-        root.mkdir(exist_ok=True)
+        reclaim_dead(base)
+        root, lock = create_locked_dir(base, f"zeroshard-{os.getpid()}-rank{rank}")
+    except OSError as error:
+        raise StoreError(f"offload nvme_path '{base}' is not writable: {error}") from error
+    try:
         probe = root / ".probe"
         probe.write_bytes(b"0")
         probe.unlink()
     except OSError as error:
+        release_root(root, lock)
         raise StoreError(f"offload nvme_path '{base}' is not writable: {error}") from error
     free = shutil.disk_usage(root).free
     bytes_needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the other ranks of this node too
     if free < bytes_needed:
-        _remove_tree(root)
+        release_root(root, lock)
         raise StoreError(f"offload nvme_path '{base}' has {free / 1e9:.2f} GB free, this rank needs "
-                         f"{bytes_needed / 1e9:.2f} GB for the offloaded states of this node's ranks")
-    return root
-
-
-def _remove_tree(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
+                         f"{bytes_needed / 1e9:.2f} GB for the offloaded states of this node's ranks"
+                         + describe_others(base))
+    return root, lock
