@@ -1,0 +1,409 @@
+#!/usr/bin/env python3
+"""A local cluster of "machines": network namespaces joined by rate-limited veth links, one torchrun each.
+
+    sudo python scripts/netcluster.py --nodes 2 --nproc-per-node 2 --rate 1gbit -- -m tests.multinode_job ...
+
+Topology. Every node is a network namespace `zsnc<pid>x<k>-n<i>` with one interface, `zs0`, at
+10.213.0.<i+1>/24 and its loopback up. Two nodes are joined by one veth pair; more hang off a bridge
+that lives in a namespace of its own (`...-hub`), so nothing is ever created in, or routed through,
+the host's network namespace: traffic flows only between the namespaces this script made. The file
+system and the CPUs stay shared; only the network is split.
+
+Link rate. `tc qdisc ... tbf` (token bucket; this kernel has no netem) limits what leaves each node's
+`zs0` and, with a bridge, what the bridge sends to that node, so every node has a full-duplex port of
+`rate`, like a server's NIC on a switch. Traffic between two ranks of one node goes over loopback and is
+not limited (it stands in for NVLink / shared memory).
+
+Launch. One `torchrun` (`python -m torch.distributed.run`) per namespace with the c10d rendezvous
+hosted by node 0's agent (`is_host` set explicitly: every namespace shares the host's hostname, so
+torch's guess from the hostname would be wrong) and `--local-addr` set to the node's address (torch
+would otherwise advertise the hostname, which resolves to the host's real interface). Gloo and
+TensorPipe are pinned to `zs0` (GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME).
+
+Teardown, also on failure, Ctrl-C, SIGTERM and SIGHUP: every process whose network namespace is one of
+ours is SIGKILLed (torchrun starts its workers in sessions of their own, so a process group would miss
+them; the namespace does not), then the namespaces are deleted, which deletes their veths and bridge.
+Namespaces of our prefix whose creating pid is dead (a run that was SIGKILLed) are removed at start.
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for `ip netns`); `capability_problem()` says what is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PREFIX = "zsnc"  # every namespace we create is named PREFIX<pid>x<k>-...
+SUBNET = "10.213.0"  # a private /24 that exists only inside our namespaces
+IFNAME = "zs0"  # each node's interface, inside its namespace
+RDZV_PORT = 29400  # on node 0's address, inside its namespace: cannot collide with the host's ports
+_IP_TIMEOUT_S = 20.0  # one `ip` / `tc` command
+_KILL_ROUNDS = 20  # kill, look again (a dying agent may still fork), bounded
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+_MIN_BURST_BYTES = 64 * 1024  # >= one GSO super-packet, so tbf never has to drop one whole
+_counter = itertools.count()
+
+
+class ClusterError(RuntimeError):
+    """Setting up or tearing down the namespaces failed; the message names the command."""
+
+
+def parse_rate(text: str) -> int | None:
+    """'1gbit', '100mbit', '0.5gbit', '2000kbit' -> bits per second; 'none' -> None (unlimited)."""
+    if text.strip().lower() in ("none", "unlimited"):
+        return None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
+    if not match or match.group(2) not in _RATE_UNITS:
+        raise ValueError(f"link rate {text!r}: expected a number and one of {list(_RATE_UNITS)} "
+                         "(e.g. '1gbit', '100mbit') or 'none'")
+    bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
+    if not 10**5 <= bits <= 4 * 10**10:
+        raise ValueError(f"link rate {text!r}: allowed 100kbit to 40gbit")
+    return int(bits)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
+    return value
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        raise ClusterError(f"`{' '.join(cmd)}` did not finish within {_IP_TIMEOUT_S:g} s") from e
+    if check and done.returncode != 0:
+        raise ClusterError(f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def list_namespaces() -> list[str]:
+    """Names of every network namespace (`ip netns list` prints 'name (id: N)')."""
+    out = _run("ip", "netns", "list").stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def our_namespaces() -> list[str]:
+    return [n for n in list_namespaces() if n.startswith(PREFIX)]
+
+
+def namespace_pids(name: str) -> list[int]:
+    done = _run("ip", "netns", "pids", name, check=False)
+    return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
+
+
+def kill_namespace(name: str) -> None:
+    """SIGKILL every process in `name`: a machine losing power. Bounded; raises if some survive."""
+    for _ in range(_KILL_ROUNDS):
+        pids = namespace_pids(name)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    raise ClusterError(f"processes {namespace_pids(name)} in namespace {name} survived SIGKILL")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_stale() -> list[str]:
+    """Remove our prefix's namespaces whose creating process is dead; returns their names."""
+    stale = []
+    for name in our_namespaces():
+        match = re.match(rf"{PREFIX}(\d+)x", name)
+        if match and not _pid_alive(int(match.group(1))):
+            kill_namespace(name)
+            _run("ip", "netns", "del", name, check=False)
+            stale.append(name)
+    return stale
+
+
+def capability_problem() -> str | None:
+    """None when this process can build a cluster; otherwise why not, for a test's skip message."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "`ip` / `tc` (iproute2) not found on PATH"
+    if os.geteuid() != 0:
+        return f"not root (euid {os.geteuid()})"
+    probe = f"{PREFIX}{os.getpid()}x{next(_counter)}-probe"
+    try:
+        _run("ip", "netns", "add", probe)
+        _run("ip", "-n", probe, "link", "add", IFNAME, "type", "veth", "peer", "name", "zs1")
+        _run("ip", "-n", probe, "link", "set", IFNAME, "up")
+        _run("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf",
+             "rate", "1gbit", "burst", "256kb", "latency", "50ms")
+    except ClusterError as e:
+        return str(e)
+    finally:
+        _run("ip", "netns", "del", probe, check=False)
+    return None
+
+
+@dataclasses.dataclass
+class NodeResult:
+    """How one node's torchrun ended: `returncode` (None: still running when killed), its output."""
+
+    node: int
+    returncode: int | None
+    output: str
+    killed: bool = False  # by kill_node() or by wait()
+    why: str = ""  # why it was killed
+
+
+@dataclasses.dataclass
+class NetCluster:
+    """N namespaces and their links. Use as a context manager: `with NetCluster(2, rate_bps=10**9) as c`."""
+
+    nodes: int
+    rate_bps: int | None = None  # None: no tbf
+    latency_ms: float = 50.0  # tbf queue bound: packets waiting longer are dropped
+    burst_bytes: int | None = None  # None: 4 ms worth of rate, at least one GSO packet
+    log_dir: Path | None = None  # where node<i>.log go; None: a temporary directory
+    base: str = dataclasses.field(init=False)
+    procs: dict = dataclasses.field(init=False, default_factory=dict)
+
+    def __post_init__(self):
+        if not isinstance(self.nodes, int) or not 2 <= self.nodes <= 64:
+            raise ValueError(f"nodes={self.nodes!r}: allowed 2 to 64")
+        if self.rate_bps is not None and not 10**5 <= self.rate_bps <= 4 * 10**10:
+            raise ValueError(f"rate_bps={self.rate_bps!r}: allowed 1e5 (100kbit) to 4e10 (40gbit), or None")
+        if not self.latency_ms > 0 or (self.burst_bytes is not None and self.burst_bytes < 1500):
+            raise ValueError(f"latency_ms={self.latency_ms!r} must be > 0 and burst_bytes={self.burst_bytes!r}"
+                             " at least one packet (1500)")
+        self.base = f"{PREFIX}{os.getpid()}x{next(_counter)}"
+        self._killed: set[int] = set()
+        self._why, self._why_node = "", {}
+        self._own_log_dir = self.log_dir is None
+        self.log_dir = Path(tempfile.mkdtemp(prefix="netcluster-")) if self.log_dir is None \
+            else Path(self.log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._saved_handlers: dict = {}
+
+    # -- names --------------------------------------------------------------------------------------
+    def namespace(self, node: int) -> str:
+        return f"{self.base}-n{node}"
+
+    def address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    @property
+    def hub(self) -> str:
+        return f"{self.base}-hub"
+
+    def namespaces(self) -> list[str]:
+        return [self.namespace(i) for i in range(self.nodes)] + ([self.hub] if self.nodes > 2 else [])
+
+    # -- lifecycle ------------------------------------------------------------------------------------
+    def __enter__(self) -> "NetCluster":
+        self._trap_signals()
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def up(self) -> None:
+        clean_stale()
+        for name in self.namespaces():
+            _run("ip", "netns", "add", name)
+        if self.nodes == 2:
+            _run("ip", "-n", self.namespace(0), "link", "add", IFNAME, "type", "veth",
+                 "peer", "name", IFNAME, "netns", self.namespace(1))
+        else:
+            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+            for i in range(self.nodes):
+                port = f"p{i}"  # the node's switch port, in the hub namespace
+                _run("ip", "-n", self.hub, "link", "add", port, "type", "veth",
+                     "peer", "name", IFNAME, "netns", self.namespace(i))
+                _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+                _run("ip", "-n", self.hub, "link", "set", port, "up")
+                self._limit(self.hub, port)
+        for i in range(self.nodes):
+            ns = self.namespace(i)
+            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
+            _run("ip", "-n", ns, "link", "set", IFNAME, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            self._limit(ns, IFNAME)
+
+    def _limit(self, ns: str, dev: str) -> None:
+        if self.rate_bps is None:
+            return
+        burst = self.burst_bytes or max(_MIN_BURST_BYTES, self.rate_bps // 8 // 250)
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+             "rate", f"{self.rate_bps}bit", "burst", str(burst), "latency", f"{self.latency_ms:g}ms")
+
+    def qdiscs(self, node: int) -> str:
+        """`tc qdisc show` inside a node, to check the limit is in place."""
+        return _run("ip", "netns", "exec", self.namespace(node), "tc", "qdisc", "show", "dev", IFNAME).stdout
+
+    def link_bytes(self, node: int) -> dict[str, int]:
+        """{'tx': ..., 'rx': ...}: bytes the kernel moved through the node's interface so far."""
+        out = _run("ip", "-n", self.namespace(node), "-j", "-s", "link", "show", "dev", IFNAME).stdout
+        stats = json.loads(out)[0]["stats64"]
+        return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
+
+    def run_in(self, node: int, cmd: list[str], **popen) -> subprocess.Popen:
+        """Start `cmd` inside a node's namespace; teardown kills it if it still runs."""
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *cmd],
+                                start_new_session=True, **popen)
+
+    def down(self) -> None:
+        """Kill everything in our namespaces, delete them; raises ClusterError if any remain."""
+        try:
+            for name in self.namespaces():
+                kill_namespace(name)
+            for proc in self.procs.values():
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=_IP_TIMEOUT_S)  # reap; SIGKILLed above
+            for name in self.namespaces():
+                if name in list_namespaces():
+                    _run("ip", "netns", "del", name)
+            left = [n for n in our_namespaces() if n.startswith(self.base + "-")]
+            if left:
+                raise ClusterError(f"namespaces left after teardown: {left}")
+        finally:
+            self._restore_signals()
+            if self._own_log_dir:
+                shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _trap_signals(self) -> None:
+        """SIGTERM / SIGHUP become SystemExit so that `finally` tears down (Ctrl-C already raises)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def leave(signum, _frame):
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            self._saved_handlers[sig] = signal.signal(sig, leave)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._saved_handlers.items():
+            signal.signal(sig, handler)
+        self._saved_handlers.clear()
+
+    # -- jobs -----------------------------------------------------------------------------------------
+    def torchrun_command(self, node: int, job: list[str], nproc_per_node: int, *, module: bool = False,
+                         monitor_interval_s: float = 0.1, join_timeout_s: float = 300.0) -> list[str]:
+        is_host = int(node == 0)
+        return [
+            sys.executable, "-m", "torch.distributed.run",  # = torchrun, with this interpreter
+            "--nnodes", str(self.nodes), "--node_rank", str(node), "--nproc_per_node", str(nproc_per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}",
+            "--rdzv-id", self.base, "--rdzv-conf", f"is_host={is_host},join_timeout={join_timeout_s:g}",
+            "--local-addr", self.address(node), "--max-restarts", "0",
+            "--monitor-interval", f"{monitor_interval_s:g}",
+            *(["--module"] if module else []), *job,
+        ]
+
+    def launch(self, job: list[str], nproc_per_node: int, *, module: bool = False, env: dict | None = None,
+               cwd: str | None = None, **torchrun) -> None:
+        """Start one torchrun per node running `job` (a script and its arguments; `module`: python -m)."""
+        if not job:
+            raise ValueError("launch(job=[]): give a script (or, with module=True, a module) to run")
+        if not 1 <= nproc_per_node <= 64:
+            raise ValueError(f"nproc_per_node={nproc_per_node}: allowed 1 to 64")
+        node_env = {**os.environ, "GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME,
+                    "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in (env or {}).items()}}
+        for i in range(self.nodes):
+            cmd = ["ip", "netns", "exec", self.namespace(i),
+                   *self.torchrun_command(i, job, nproc_per_node, module=module, **torchrun)]
+            where = {"NETCLUSTER_NODE": str(i), "NETCLUSTER_ADDR": self.address(i)}  # for the job's reports
+            with open(self.log_dir / f"node{i}.log", "wb") as log:
+                self.procs[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
+                                                 stderr=subprocess.STDOUT, env={**node_env, **where},
+                                                 cwd=cwd, start_new_session=True)  # Ctrl-C: us, not them
+
+    def kill_node(self, node: int) -> None:
+        """SIGKILL the whole node: its torchrun agent and every worker (all of its namespace)."""
+        self._killed.add(node)
+        kill_namespace(self.namespace(node))
+
+    def running(self) -> list[int]:
+        return [i for i, p in self.procs.items() if p.poll() is None]
+
+    def wait(self, timeout_s: float, fail_grace_s: float = 30.0) -> list[NodeResult]:
+        """Wait for every node's torchrun; results in node order. What still runs at the deadline is
+        killed, and so is every node still running `fail_grace_s` after one failed: a node whose
+        workers succeeded waits in torchrun's exit barrier for the others and would sit out its
+        timeout (a scheduler's kill-on-bad-exit does the same)."""
+        deadline = time.monotonic() + timeout_s
+        while self.running() and time.monotonic() < deadline:
+            failed = [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
+            if failed and not self._why:
+                deadline = min(deadline, time.monotonic() + fail_grace_s)
+                self._why = f"still running {fail_grace_s:g} s after node {failed[0]} failed"
+            time.sleep(0.1)
+        for i in self.running():
+            self._why_node[i] = self._why or f"still running at the {timeout_s:g} s deadline"
+            self.kill_node(i)
+        for proc in self.procs.values():
+            proc.wait(timeout=_IP_TIMEOUT_S)
+        return [self.result(i) for i in sorted(self.procs)]
+
+    def result(self, node: int) -> NodeResult:
+        proc = self.procs[node]
+        output = (self.log_dir / f"node{node}.log").read_text(errors="replace")
+        return NodeResult(node, proc.returncode, output, killed=node in self._killed,
+                          why=self._why_node.get(node, "killed by kill_node()" if node in self._killed else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=2, help="network namespaces (machines), 2 to 64")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
+    parser.add_argument("--rate", type=parse_rate, default=None,
+                        help="each node's link rate, e.g. 1gbit, 100mbit (default: unlimited)")
+    parser.add_argument("--latency-ms", type=_positive, default=50.0, help="tbf queue bound")
+    parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds before every node is killed")
+    parser.add_argument("--fail-grace", type=_positive, default=30.0,
+                        help="seconds the other nodes get after one fails, then they are killed")
+    parser.add_argument("--log-dir", type=Path, default=None, help="keep node<i>.log here")
+    parser.add_argument("--module", "-m", action="store_true", help="the job is a module (python -m)")
+    parser.add_argument("job", nargs=argparse.REMAINDER, help="script (or module) and its arguments")
+    args = parser.parse_args(argv)
+    job = args.job[1:] if args.job[:1] == ["--"] else args.job
+    if not job:
+        parser.error("give the job to run: a script and its arguments (or --module and a module)")
+    if problem := capability_problem():
+        print(f"netcluster: cannot build namespaces: {problem}", file=sys.stderr)
+        return 2
+    with NetCluster(args.nodes, rate_bps=args.rate, latency_ms=args.latency_ms,
+                    log_dir=args.log_dir) as cluster:
+        cluster.launch(job, args.nproc_per_node, module=args.module)
+        results = cluster.wait(args.timeout, args.fail_grace)
+        for r in results:
+            status = f"killed: {r.why}" if r.killed else f"exit {r.returncode}"
+            print(f"--- node {r.node} ({cluster.address(r.node)}): {status}\n{r.output[-4000:]}")
+    return 0 if all(r.returncode == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

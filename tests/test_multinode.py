@@ -1,0 +1,225 @@
+"""Across "machines": network namespaces joined by rate-limited veth links (scripts/netcluster.py).
+
+Each case is one cluster run of tests/multinode_job.py (every stage inside one job), checked against
+the same job under `torchrun --standalone` on one node. Needs root and `ip netns`; skipped otherwise.
+After every test no namespace of this process's prefix may remain (the cleanup is part of the contract).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = (0, 1, 2, 3)
+RUN_TIMEOUT_S = 240.0  # one launch: imports and rendezvous of 4 ranks on a loaded 2-core box
+COMM_TIMEOUT_S = 15.0  # zeroshard.comm_timeout_s in the fault cases
+EXIT_SLACK_S = 20.0  # after the error: the job writes its report, torchrun notices and stops its workers
+
+
+def _load_netcluster():
+    spec = importlib.util.spec_from_file_location("netcluster", REPO / "scripts" / "netcluster.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["netcluster"] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+netcluster = _load_netcluster()
+
+
+@pytest.fixture(scope="module")
+def capability():
+    if problem := netcluster.capability_problem():
+        pytest.skip(f"needs root and network namespaces (ip netns): {problem}")
+
+
+@pytest.fixture
+def cluster_env(capability, tmp_path):
+    """Yields a tmp dir; afterwards asserts that no namespace this process created is left."""
+    yield tmp_path
+    mine = f"{netcluster.PREFIX}{os.getpid()}x"
+    assert [n for n in netcluster.our_namespaces() if n.startswith(mine)] == []
+
+
+def _job(out: Path, *args) -> list[str]:
+    return ["tests.multinode_job", "--out", str(out), *map(str, args)]
+
+
+def _reports(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def _standalone(out: Path, *args) -> list[dict]:
+    """The same job on one node: torchrun --standalone, 4 ranks, in the host's network namespace."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+           "--module", *_job(out, *args)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return _reports(out, 4)
+
+
+def _assert_ok(results) -> None:
+    for r in results:
+        assert r.returncode == 0 and not r.killed, f"node {r.node}: exit {r.returncode}\n{r.output[-4000:]}"
+
+
+def _wait_for_steps(out: Path, stage: int, steps: int, world: int, proc_alive, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        done = []
+        for r in range(world):
+            try:
+                done.append(len(json.loads((out / f"rank{r}.json").read_text())["stages"][str(stage)]["losses"]))
+            except (FileNotFoundError, KeyError, json.JSONDecodeError):
+                done.append(0)
+        if min(done) >= steps:
+            return
+        assert proc_alive(), f"the job ended before every rank reached step {steps}: {done}"
+        time.sleep(0.2)
+    raise AssertionError(f"ranks did not reach step {steps} within {timeout_s:g} s")
+
+
+def test_two_nodes_match_one_node_at_every_stage(cluster_env):
+    """2 nodes x 2 ranks over a 1 Gbit/s link == 1 node x 4 ranks, bit for bit, stages 0-3.
+
+    Exact because the collective algorithms are the same: gloo runs the same ring over ranks 0-3
+    whichever machine a rank is on, so every sum is added in the same order."""
+    args = ("--stages", ",".join(map(str, STAGES)), "--steps", 3)
+    with netcluster.NetCluster(2, rate_bps=10**9) as cluster:
+        assert "tbf" in cluster.qdiscs(0) and "rate 1Gbit" in cluster.qdiscs(1), cluster.qdiscs(0)
+        cluster.launch(_job(cluster_env / "two", *args), 2, module=True, cwd=REPO)
+        results = cluster.wait(RUN_TIMEOUT_S)
+        crossed = cluster.link_bytes(0)
+    _assert_ok(results)
+    ours, ref = _reports(cluster_env / "two", 4), _standalone(cluster_env / "one", *args)
+    assert sorted(r["node"] for r in ours) == [0, 0, 1, 1], "2 ranks on each node"
+    assert min(crossed.values()) > 100_000, f"gradients did not cross the veth link: {crossed}"
+    for mine, theirs in zip(ours, ref):
+        for stage in map(str, STAGES):
+            a, b = mine["stages"][stage], theirs["stages"][stage]
+            assert a["losses"] == b["losses"], (mine["rank"], stage, a["losses"], b["losses"])
+            assert a["params_sha256"] == b["params_sha256"], f"rank {mine['rank']} stage {stage} params"
+
+
+def test_link_rate_and_bridge(cluster_env):
+    """3 nodes on a bridge: every node reaches every other, and tbf holds a link to its rate."""
+    payload, rate = 2_000_000, 40 * 10**6  # 16 Mbit at 40 Mbit/s: >= 0.4 s, minus one burst
+    receive = ("import socket,sys;s=socket.create_server(('0.0.0.0',5001));c,_=s.accept();n=0\n"
+               "while (b:=c.recv(1<<16)): n+=len(b)\nprint(n)")
+    send = (f"import socket,time;s=socket.create_connection((%r,5001),timeout=30);t=time.monotonic()\n"
+            f"s.sendall(bytes({payload}));s.shutdown(socket.SHUT_WR);s.recv(1);print(time.monotonic()-t)")
+    with netcluster.NetCluster(3, rate_bps=rate) as cluster:
+        seconds = []
+        for src, dst in ((0, 2), (2, 1)):
+            server = cluster.run_in(dst, [sys.executable, "-c", receive], stdout=subprocess.PIPE, text=True)
+            time.sleep(0.5)  # bounded retry below covers a slow server start
+            for _ in range(20):
+                client = cluster.run_in(src, [sys.executable, "-c", send % cluster.address(dst)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                out, err = client.communicate(timeout=60)
+                if client.returncode == 0:
+                    break
+                time.sleep(0.25)
+            assert client.returncode == 0, err
+            assert int(server.communicate(timeout=60)[0]) == payload
+            seconds.append(float(out))
+    limit_s = payload * 8 / rate
+    assert all(s >= 0.6 * limit_s for s in seconds), f"{seconds} s for {payload} B: the rate limit is not on"
+
+
+def test_cli_tears_down_on_sigterm_and_failure(cluster_env):
+    """The command line: a failing job reports its exit status; SIGTERM/Ctrl-C mid-run removes everything."""
+    stale = f"{netcluster.PREFIX}{_dead_pid()}x0-n0"  # left by a run that was SIGKILLed
+    subprocess.run(["ip", "netns", "add", stale], check=True, timeout=20)
+    sleeper = cluster_env / "sleep.py"
+    sleeper.write_text("import time\ntime.sleep(300)\n")
+    failing = cluster_env / "fail.py"
+    failing.write_text("import os, sys\nsys.exit(3 if os.environ['NETCLUSTER_NODE'] == '1' else 0)\n")
+    cli = [sys.executable, str(REPO / "scripts" / "netcluster.py"), "--nodes", "2", "--timeout", "120",
+           "--fail-grace", "3", "--"]
+    done = subprocess.run([*cli, str(failing)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 1 and "node 1 (10.213.0.2): exit 1" in done.stdout \
+        and "node 0 (10.213.0.1): killed: still running 3 s after node 1 failed" in done.stdout, done.stdout + done.stderr
+    assert stale not in netcluster.list_namespaces(), "a dead run's namespace was not cleaned at start"
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc = subprocess.Popen([*cli, str(sleeper)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        prefix = f"{netcluster.PREFIX}{proc.pid}x"
+        ours = _wait_for_workers(prefix, proc)
+        proc.send_signal(sig)
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert [n for n in netcluster.our_namespaces() if n.startswith(prefix)] == []
+        survivors = [p for p in ours if _alive(p)]
+        assert survivors == [], f"processes of the cluster survived {sig.name}: {survivors}"
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def _wait_for_workers(prefix: str, proc, timeout_s: float = 120.0) -> list[int]:
+    """Pids in the CLI's namespaces once each node runs its agent and its worker (the sleeper)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        names = [n for n in netcluster.our_namespaces() if n.startswith(prefix)]
+        pids = {n: netcluster.namespace_pids(n) for n in names}
+        if len(names) == 2 and all(len(p) >= 2 for p in pids.values()):
+            return sum(pids.values(), [])
+        time.sleep(0.2)
+    raise AssertionError(f"the cluster's workers did not start (exit {proc.poll()})")
+
+
+@pytest.mark.slow
+def test_node_killed_mid_step_then_resume_on_fresh_nodes(cluster_env):
+    """SIGKILL a whole node mid-run: the other node's ranks raise CollectiveError within comm_timeout_s
+    and its torchrun exits; the checkpoint saved before the kill resumes on a fresh pair of nodes and
+    continues with the same losses the killed run had."""
+    stage, save_at, out, ckpt = 3, 2, cluster_env / "killed", cluster_env / "ckpt"
+    job = _job(out, "--stages", stage, "--steps", 100_000, "--save-at", save_at, "--ckpt", ckpt,
+               "--progress", "--comm-timeout-s", COMM_TIMEOUT_S, "--max-seconds", 180)
+    with netcluster.NetCluster(2, rate_bps=10**9) as cluster:
+        # Monitor every 1 s: torchrun stops a node's other workers once one fails; give each the time
+        # to report its own error first.
+        cluster.launch(job, 2, module=True, cwd=REPO, monitor_interval_s=1.0)
+        _wait_for_steps(out, stage, save_at + 3, 4, lambda: len(cluster.running()) == 2, RUN_TIMEOUT_S)
+        killed_at = time.monotonic()
+        cluster.kill_node(1)
+        while cluster.procs[0].poll() is None and time.monotonic() < killed_at + COMM_TIMEOUT_S + EXIT_SLACK_S:
+            time.sleep(0.1)
+        node0_exit_s = time.monotonic() - killed_at
+        results = cluster.wait(0)
+    assert results[0].returncode not in (0, None) and not results[0].killed, results[0].output[-3000:]
+    assert node0_exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
+    before = _reports(out, 4)
+    for report in (r for r in before if r["node"] == 0):
+        error = json.loads((out / f"rank{report['rank']}.error.json").read_text())
+        assert error["type"] == "CollectiveError", error
+        assert error["since_last_step_s"] <= COMM_TIMEOUT_S + 5, error
+
+    with netcluster.NetCluster(2, rate_bps=10**9) as fresh:
+        fresh.launch(_job(cluster_env / "resumed", "--stages", stage, "--steps", 3, "--resume",
+                          "--ckpt", ckpt), 2, module=True, cwd=REPO)
+        _assert_ok(fresh.wait(RUN_TIMEOUT_S))
+    for old, new in zip(before, _reports(cluster_env / "resumed", 4)):
+        resumed = new["stages"][str(stage)]
+        assert resumed["first_step"] == save_at
+        assert resumed["losses"] == old["stages"][str(stage)]["losses"][save_at:save_at + 3], old["rank"]
