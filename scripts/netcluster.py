@@ -345,6 +345,12 @@ class NetCluster:
         self._killed.add(node)
         kill_namespace(self.namespace(node))
 
+    def freeze_node(self, node: int) -> None:
+        """SIGSTOP every process of a node: a machine that hangs with its connections open."""
+        for pid in namespace_pids(self.namespace(node)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+
     def running(self) -> list[int]:
         return [i for i, p in self.procs.items() if p.poll() is None]
 
