@@ -273,6 +273,33 @@ class NetCluster:
         return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *cmd],
                                 start_new_session=True, **popen)
 
+    def throughput(self, src: int, dst: int, nbytes: int = 4_000_000, port: int = 5001) -> float:
+        """Bytes per second one TCP stream moves from node `src` to node `dst` (python sockets)."""
+        receive = (f"import socket;s=socket.create_server(('0.0.0.0',{port}));c,_=s.accept();n=0\n"
+                   "while (b:=c.recv(1<<16)): n+=len(b)\nprint(n)")
+        send = (f"import socket,time;s=socket.create_connection(({self.address(dst)!r},{port}),timeout=60)\n"
+                f"t=time.monotonic();s.sendall(bytes({nbytes}));s.shutdown(socket.SHUT_WR);s.recv(1)\n"
+                "print(time.monotonic()-t)")
+        server = self.run_in(dst, [sys.executable, "-c", receive], stdout=subprocess.PIPE, text=True)
+        try:
+            for _ in range(40):  # until the server listens; bounded
+                client = self.run_in(src, [sys.executable, "-c", send], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+                out, err = client.communicate(timeout=120)
+                if client.returncode == 0:
+                    break
+                time.sleep(0.25)
+            else:
+                raise ClusterError(f"throughput probe {src} -> {dst} failed: {err.strip()[-500:]}")
+            received = int(server.communicate(timeout=60)[0])
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                server.kill()
+            server.wait(timeout=_IP_TIMEOUT_S)
+        if received != nbytes:
+            raise ClusterError(f"throughput probe {src} -> {dst}: {received} of {nbytes} bytes arrived")
+        return nbytes / float(out)
+
     def down(self) -> None:
         """Kill everything in our namespaces, delete them; raises ClusterError if any remain."""
         try:

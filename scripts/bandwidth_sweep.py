@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Step time per ZeRO stage at several inter-node link rates, on a netcluster of network namespaces.
+
+    sudo python scripts/bandwidth_sweep.py --rates 0.1gbit,1gbit,10gbit,none --doc docs/multinode.md
+
+For each rate: one cluster (scripts/netcluster.py, `--nodes` x `--nproc-per-node`), first a TCP probe of
+what the link really carries (one Python stream, node 0 -> node 1: `none` gives the box's veth ceiling),
+then scripts/sweep_job.py, which times DDP and zeroshard's stages side by side on the same model and
+counts bytes per step (issued, in the paper's convention; and sent through the node's interface, as the
+kernel counts them). Writes the raw results to --json and the table between the sweep markers of --doc.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # netcluster, beside this file
+import netcluster  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- bandwidth_sweep:begin -->", "<!-- bandwidth_sweep:end -->"
+_PROBE_BYTES = 20_000_000
+
+
+def _rates(text: str) -> list[tuple[str, int | None]]:
+    return [(r.strip(), netcluster.parse_rate(r)) for r in text.split(",") if r.strip()]
+
+
+def sweep_rate(label: str, rate: int | None, args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="zeroshard-sweep-") as tmp, \
+            netcluster.NetCluster(args.nodes, rate_bps=rate) as cluster:
+        probe = cluster.throughput(0, 1, _PROBE_BYTES) * 8
+        out = Path(tmp) / "result.json"
+        job = [str(REPO / "scripts" / "sweep_job.py"), "--out", str(out), *args.job_args]
+        cluster.launch(job, args.nproc_per_node, cwd=str(REPO))
+        results = cluster.wait(args.timeout)
+        failed = [r for r in results if r.returncode != 0]
+        if failed:
+            raise SystemExit(f"sweep at {label}: node {failed[0].node} failed "
+                             f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
+        return {"rate": label, "rate_bps": rate, "probe_bps": probe, **json.loads(out.read_text())}
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def table(sweep: dict) -> str:
+    rows = sweep["rates"]
+    runs = [r["run"] for r in rows[0]["runs"]]
+    names = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3"}
+    head = ["link (tbf)", "one TCP stream"] + [f"{names[r]} s/step" for r in runs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        by_run = {r["run"]: r for r in row["runs"]}
+        ddp = by_run.get("ddp", {}).get("median_s")
+        cells = [row["rate"], f"{row['probe_bps'] / 1e9:.2f} Gbit/s"]
+        for run in runs:
+            t = by_run[run]["median_s"]
+            cells.append(f"{t:.3f}" + (f" ({t / ddp:.2f}×)" if ddp and run != "ddp" else ""))
+        lines.append("| " + " | ".join(cells) + " |")
+    bytes_head = ["run", "issued per rank (paper convention), MB/step", "sent by node 0's interface, MB/step"]
+    lines += ["", "| " + " | ".join(bytes_head) + " |", "|---|---|---|"]
+    first = {r["run"]: r for r in rows[0]["runs"]}
+    for run in runs:
+        sent = first[run]["link_tx_bytes_per_step"].get("0", 0.0)
+        lines.append(f"| {names[run]} | {_mb(first[run]['paper_bytes_per_step'])} | {_mb(sent)} |")
+    meta = sweep["meta"]
+    lines += ["", f"Measured {meta['date']} on {meta['machine']}: {meta['note']}. Model: GPT "
+              f"{rows[0]['gpt']['n_layer']} layers × {rows[0]['gpt']['n_embd']}, {first[runs[0]]['params']:,} "
+              f"parameters, fp32, AdamW, micro batch {rows[0]['batch']} × {rows[0]['gpt']['block_size']} tokens "
+              f"per rank; {meta['layout']}. Step time: median of the slowest rank over the timed steps. Bytes "
+              f"from the {rows[0]['rate']} run (they do not depend on the rate)."]
+    return "\n".join(lines)
+
+
+def write_doc(doc: Path, text: str) -> None:
+    body = doc.read_text()
+    if BEGIN not in body or END not in body:
+        raise SystemExit(f"{doc}: no {BEGIN} ... {END} markers to put the table between")
+    head, rest = body.split(BEGIN, 1)
+    doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--rates", type=_rates, default=_rates("0.1gbit,1gbit,10gbit,none"))
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate")
+    parser.add_argument("--json", type=Path, default=REPO / "docs" / "bench" / "multinode_sweep.json")
+    parser.add_argument("--doc", type=Path, default=None, help="markdown file whose sweep table to replace")
+    parser.add_argument("--from-json", action="store_true", help="only rewrite --doc from --json")
+    parser.add_argument("--note", default="a shared 2-core machine, busy with other jobs: absolute "
+                        "times are noisy, compare within a row")
+    args, args.job_args = parser.parse_known_args(argv)  # the rest goes to sweep_job.py (--runs, --n-layer...)
+    if not args.from_json:
+        if problem := netcluster.capability_problem():
+            print(f"bandwidth_sweep: cannot build namespaces: {problem}", file=sys.stderr)
+            return 2
+        rows = []
+        for label, rate in args.rates:
+            rows.append(sweep_rate(label, rate, args))
+            print(f"{label}: " + ", ".join(f"{r['run']} {r['median_s']:.3f}s" for r in rows[-1]["runs"]),
+                  flush=True)
+        meta = {"date": datetime.date.today().isoformat(), "note": args.note,
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                "layout": f"{args.nodes} nodes × {args.nproc_per_node} rank(s)", "argv": argv or sys.argv[1:]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "rates": rows}, indent=1))
+    sweep = json.loads(args.json.read_text())
+    print(table(sweep))
+    if args.doc:
+        write_doc(args.doc, table(sweep))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""One node count / link rate of the bandwidth sweep: step time per stage, bytes per step (run by torchrun).
+
+    torchrun ... scripts/sweep_job.py --out result.json --runs ddp,0,1,2,3 --n-layer 4 --n-embd 256
+
+For each run (`ddp`: torch's DistributedDataParallel; 0-3: zeroshard's stages) on the same GPT, data and
+AdamW: warm-up steps, then `--steps` timed steps, each the slowest rank's time (DESIGN.md: median, side
+by side with DDP in the same invocation). Bytes per step two ways: the paper-convention volume the
+implementation issued (zeroshard's comm_report; the bench's c10d counter for DDP), and what the kernel
+really sent through this node's interface (`/sys/class/net/$GLOO_SOCKET_IFNAME/statistics`, which
+`ip netns exec` shows for the node's own namespace) during the timed steps, per node.
+Rank 0 writes one JSON object to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.tools.bench import peers
+from zeroshard.tools.bench.subject import zeroshard_subject
+from zeroshard.tools.models.gpt import GPT, GPTConfig
+
+LR = 1e-3
+
+
+def _runs(text: str) -> list[str]:
+    runs = [r.strip() for r in text.split(",") if r.strip()]
+    if not runs or any(r not in ("ddp", "0", "1", "2", "3") for r in runs):
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: a comma-separated list of ddp, 0, 1, 2, 3")
+    return runs
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--runs", type=_runs, default=["ddp", "0", "1", "2", "3"])
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    for key in ("n_layer", "n_embd", "n_head", "vocab", "seq_len", "batch", "steps"):
+        if getattr(args, key) < 1:
+            parser.error(f"--{key.replace('_', '-')} {getattr(args, key)}: at least 1")
+    return args
+
+
+def _config(stage: int, batch: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+            "bf16": {"enabled": False},
+            "zero_optimization": {"stage": stage, "overlap_comm": True},
+            "zeroshard": {"comm_timeout_s": 600}}
+
+
+def _link_tx_bytes() -> int:
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    path = Path(f"/sys/class/net/{ifname}/statistics/tx_bytes")
+    return int(path.read_text()) if ifname and path.exists() else 0
+
+
+def _subject(run: str, model, device, batch: int):
+    if run == "ddp":
+        return peers.build({"kind": "ddp"}, model, device, _config(0, batch), LR)
+    return zeroshard_subject(model, _config(int(run), batch), device)
+
+
+def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
+    torch.manual_seed(0)
+    subject = _subject(run, GPT(gpt), torch.device("cpu"), args.batch)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(0, gpt.vocab_size, (args.batch, gpt.block_size + 1), generator=gen)
+    x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T), (B, T)
+    for _ in range(args.warmup):
+        subject.step(x, y)
+    paper = subject.count_comm(lambda: subject.step(x, y))  # one step, counted
+    tx_before, times = _link_tx_bytes(), []
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        subject.step(x, y)
+        times.append(subject.slowest(time.perf_counter() - started))
+    tx_per_step = (_link_tx_bytes() - tx_before) / args.steps
+    node_tx = subject.gather((os.environ.get("NETCLUSTER_NODE", "0"), tx_per_step))
+    subject.close()
+    return {"run": run, "params": subject.params, "median_s": statistics.median(times), "times_s": times,
+            "paper_bytes_per_step": sum(paper.values()),
+            "link_tx_bytes_per_step": dict(sorted(node_tx)),  # node -> bytes (its ranks read one counter)
+            }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    zeroshard.init_distributed(timeout_s=600)
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpt = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd)
+    results = [measure(run, args, gpt, rank) for run in args.runs]
+    if rank == 0:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"world": world, "gpt": vars(gpt), "batch": args.batch,
+                                        "runs": results}, indent=1))
+    dist.barrier()
+    os._exit(0)  # torch 2.13 + gloo may abort at interpreter teardown (tests/harness.py)
+
+
+if __name__ == "__main__":
+    main()
