@@ -34,7 +34,6 @@ import dataclasses
 import itertools
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -44,33 +43,14 @@ import threading
 import time
 from pathlib import Path
 
-PREFIX = "zsnc"  # every namespace we create is named PREFIX<pid>x<k>-...
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns, beside this file
+from netns import (IFNAME, PREFIX, ClusterError, IP_TIMEOUT_S, run_ip, capability_problem,  # noqa: E402
+                   clean_stale, kill_namespace, list_namespaces, namespace_pids, our_namespaces, parse_rate)
+
 SUBNET = "10.213.0"  # a private /24 that exists only inside our namespaces
-IFNAME = "zs0"  # each node's interface, inside its namespace
 RDZV_PORT = 29400  # on node 0's address, inside its namespace: cannot collide with the host's ports
-_IP_TIMEOUT_S = 20.0  # one `ip` / `tc` command
-_KILL_ROUNDS = 20  # kill, look again (a dying agent may still fork), bounded
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _MIN_BURST_BYTES = 64 * 1024  # >= one GSO super-packet, so tbf never has to drop one whole
 _counter = itertools.count()
-
-
-class ClusterError(RuntimeError):
-    """Setting up or tearing down the namespaces failed; the message names the command."""
-
-
-def parse_rate(text: str) -> int | None:
-    """'1gbit', '100mbit', '0.5gbit', '2000kbit' -> bits per second; 'none' -> None (unlimited)."""
-    if text.strip().lower() in ("none", "unlimited"):
-        return None
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
-    if not match or match.group(2) not in _RATE_UNITS:
-        raise ValueError(f"link rate {text!r}: expected a number and one of {list(_RATE_UNITS)} "
-                         "(e.g. '1gbit', '100mbit') or 'none'")
-    bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
-    if not 10**5 <= bits <= 4 * 10**10:
-        raise ValueError(f"link rate {text!r}: allowed 100kbit to 40gbit")
-    return int(bits)
 
 
 def _positive(text: str) -> float:
@@ -78,86 +58,6 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
     return value
-
-
-def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_IP_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        raise ClusterError(f"`{' '.join(cmd)}` did not finish within {_IP_TIMEOUT_S:g} s") from e
-    if check and done.returncode != 0:
-        raise ClusterError(f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr.strip()}")
-    return done
-
-
-def list_namespaces() -> list[str]:
-    """Names of every network namespace (`ip netns list` prints 'name (id: N)')."""
-    out = _run("ip", "netns", "list").stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def our_namespaces() -> list[str]:
-    return [n for n in list_namespaces() if n.startswith(PREFIX)]
-
-
-def namespace_pids(name: str) -> list[int]:
-    done = _run("ip", "netns", "pids", name, check=False)
-    return [int(p) for p in done.stdout.split()] if done.returncode == 0 else []
-
-
-def kill_namespace(name: str) -> None:
-    """SIGKILL every process in `name`: a machine losing power. Bounded; raises if some survive."""
-    for _ in range(_KILL_ROUNDS):
-        pids = namespace_pids(name)
-        if not pids:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-    raise ClusterError(f"processes {namespace_pids(name)} in namespace {name} survived SIGKILL")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def clean_stale() -> list[str]:
-    """Remove our prefix's namespaces whose creating process is dead; returns their names."""
-    stale = []
-    for name in our_namespaces():
-        match = re.match(rf"{PREFIX}(\d+)x", name)
-        if match and not _pid_alive(int(match.group(1))):
-            kill_namespace(name)
-            _run("ip", "netns", "del", name, check=False)
-            stale.append(name)
-    return stale
-
-
-def capability_problem() -> str | None:
-    """None when this process can build a cluster; otherwise why not, for a test's skip message."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "`ip` / `tc` (iproute2) not found on PATH"
-    if os.geteuid() != 0:
-        return f"not root (euid {os.geteuid()})"
-    probe = f"{PREFIX}{os.getpid()}x{next(_counter)}-probe"
-    try:
-        _run("ip", "netns", "add", probe)
-        _run("ip", "-n", probe, "link", "add", IFNAME, "type", "veth", "peer", "name", "zs1")
-        _run("ip", "-n", probe, "link", "set", IFNAME, "up")
-        _run("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf",
-             "rate", "1gbit", "burst", "256kb", "latency", "50ms")
-    except ClusterError as e:
-        return str(e)
-    finally:
-        _run("ip", "netns", "del", probe, check=False)
-    return None
 
 
 @dataclasses.dataclass
@@ -230,41 +130,41 @@ class NetCluster:
     def up(self) -> None:
         clean_stale()
         for name in self.namespaces():
-            _run("ip", "netns", "add", name)
+            run_ip("ip", "netns", "add", name)
         if self.nodes == 2:
-            _run("ip", "-n", self.namespace(0), "link", "add", IFNAME, "type", "veth",
+            run_ip("ip", "-n", self.namespace(0), "link", "add", IFNAME, "type", "veth",
                  "peer", "name", IFNAME, "netns", self.namespace(1))
         else:
-            _run("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
-            _run("ip", "-n", self.hub, "link", "set", "br0", "up")
+            run_ip("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
+            run_ip("ip", "-n", self.hub, "link", "set", "br0", "up")
             for i in range(self.nodes):
                 port = f"p{i}"  # the node's switch port, in the hub namespace
-                _run("ip", "-n", self.hub, "link", "add", port, "type", "veth",
+                run_ip("ip", "-n", self.hub, "link", "add", port, "type", "veth",
                      "peer", "name", IFNAME, "netns", self.namespace(i))
-                _run("ip", "-n", self.hub, "link", "set", port, "master", "br0")
-                _run("ip", "-n", self.hub, "link", "set", port, "up")
+                run_ip("ip", "-n", self.hub, "link", "set", port, "master", "br0")
+                run_ip("ip", "-n", self.hub, "link", "set", port, "up")
                 self._limit(self.hub, port)
         for i in range(self.nodes):
             ns = self.namespace(i)
-            _run("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
-            _run("ip", "-n", ns, "link", "set", IFNAME, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            run_ip("ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFNAME)
+            run_ip("ip", "-n", ns, "link", "set", IFNAME, "up")
+            run_ip("ip", "-n", ns, "link", "set", "lo", "up")
             self._limit(ns, IFNAME)
 
     def _limit(self, ns: str, dev: str) -> None:
         if self.rate_bps is None:
             return
         burst = self.burst_bytes or max(_MIN_BURST_BYTES, self.rate_bps // 8 // 250)
-        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+        run_ip("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
              "rate", f"{self.rate_bps}bit", "burst", str(burst), "latency", f"{self.latency_ms:g}ms")
 
     def qdiscs(self, node: int) -> str:
         """`tc qdisc show` inside a node, to check the limit is in place."""
-        return _run("ip", "netns", "exec", self.namespace(node), "tc", "qdisc", "show", "dev", IFNAME).stdout
+        return run_ip("ip", "netns", "exec", self.namespace(node), "tc", "qdisc", "show", "dev", IFNAME).stdout
 
     def link_bytes(self, node: int) -> dict[str, int]:
         """{'tx': ..., 'rx': ...}: bytes the kernel moved through the node's interface so far."""
-        out = _run("ip", "-n", self.namespace(node), "-j", "-s", "link", "show", "dev", IFNAME).stdout
+        out = run_ip("ip", "-n", self.namespace(node), "-j", "-s", "link", "show", "dev", IFNAME).stdout
         stats = json.loads(out)[0]["stats64"]
         return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
 
@@ -295,29 +195,38 @@ class NetCluster:
         finally:
             with contextlib.suppress(ProcessLookupError):
                 server.kill()
-            server.wait(timeout=_IP_TIMEOUT_S)
+            server.wait(timeout=IP_TIMEOUT_S)
         if received != nbytes:
             raise ClusterError(f"throughput probe {src} -> {dst}: {received} of {nbytes} bytes arrived")
         return nbytes / float(out)
 
     def down(self) -> None:
-        """Kill everything in our namespaces, delete them; raises ClusterError if any remain."""
+        """Kill everything in our namespaces, delete them; raises ClusterError if any remain.
+
+        Every step is tried whatever the earlier ones did: a namespace that cannot be emptied is still
+        deleted (its processes lose their network, it goes when they do)."""
+        problems = []
         try:
             for name in self.namespaces():
-                kill_namespace(name)
+                try:
+                    kill_namespace(name)
+                except Exception as e:  # noqa: BLE001  (report it, go on tearing down)
+                    problems.append(f"killing {name}: {e}")
             for proc in self.procs.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=_IP_TIMEOUT_S)  # reap; SIGKILLed above
-            for name in self.namespaces():
-                if name in list_namespaces():
-                    _run("ip", "netns", "del", name)
-            left = [n for n in our_namespaces() if n.startswith(self.base + "-")]
-            if left:
-                raise ClusterError(f"namespaces left after teardown: {left}")
+                    proc.wait(timeout=IP_TIMEOUT_S)  # reap; SIGKILLed above
+            present = set(list_namespaces())
+            for name in (n for n in self.namespaces() if n in present):
+                if (done := run_ip("ip", "netns", "del", name, check=False)).returncode != 0:
+                    problems.append(f"`ip netns del {name}`: {done.stderr.strip()}")
+            if left := [n for n in our_namespaces() if n.startswith(self.base + "-")]:
+                problems.append(f"namespaces left after teardown: {left}")
         finally:
             self._restore_signals()
             if self._own_log_dir:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
+        if problems:
+            raise ClusterError("; ".join(problems))
 
     def _trap_signals(self) -> None:
         """SIGTERM / SIGHUP become SystemExit so that `finally` tears down (Ctrl-C already raises)."""
@@ -397,7 +306,7 @@ class NetCluster:
             self._why_node[i] = self._why or f"still running at the {timeout_s:g} s deadline"
             self.kill_node(i)
         for proc in self.procs.values():
-            proc.wait(timeout=_IP_TIMEOUT_S)
+            proc.wait(timeout=IP_TIMEOUT_S)
         return [self.result(i) for i in sorted(self.procs)]
 
     def result(self, node: int) -> NodeResult:

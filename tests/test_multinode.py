@@ -6,7 +6,6 @@ After every test no namespace of this process's prefix may remain (the cleanup i
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,15 +23,8 @@ COMM_TIMEOUT_S = 15.0  # zeroshard.comm_timeout_s in the fault cases
 EXIT_SLACK_S = 20.0  # after the error: the job writes its report, torchrun notices and stops its workers
 
 
-def _load_netcluster():
-    spec = importlib.util.spec_from_file_location("netcluster", REPO / "scripts" / "netcluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["netcluster"] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-netcluster = _load_netcluster()
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: netcluster and its netns
+import netcluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +88,10 @@ def test_two_nodes_match_one_node_at_every_stage(cluster_env):
     args = ("--stages", ",".join(map(str, STAGES)), "--steps", 3)
     with netcluster.NetCluster(2, rate_bps=10**9) as cluster:
         assert "tbf" in cluster.qdiscs(0) and "rate 1Gbit" in cluster.qdiscs(1), cluster.qdiscs(0)
+        for node in (0, 1):  # gloo's ranks on one node talk over loopback: it must be up
+            lo = subprocess.run(["ip", "-n", cluster.namespace(node), "link", "show", "lo"],
+                                capture_output=True, text=True, timeout=20).stdout
+            assert ",UP," in lo or "<LOOPBACK,UP" in lo, lo
         cluster.launch(_job(cluster_env / "two", *args), 2, module=True, cwd=REPO)
         results = cluster.wait(RUN_TIMEOUT_S)
         crossed = cluster.link_bytes(0)
@@ -128,7 +124,8 @@ def test_cli_tears_down_on_sigterm_and_failure(cluster_env):
     failing.write_text("import os, sys\nsys.exit(3 if os.environ['NETCLUSTER_NODE'] == '1' else 0)\n")
     cli = [sys.executable, str(REPO / "scripts" / "netcluster.py"), "--nodes", "2", "--timeout", "120",
            "--fail-grace", "3", "--"]
-    done = subprocess.run([*cli, str(failing)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    done = subprocess.run([*cli, str(failing)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          env={**os.environ, "NETCLUSTER_STALE_AFTER_S": "0"})  # it is seconds old
     assert done.returncode == 1 and "node 1 (10.213.0.2): exit 1" in done.stdout \
         and "node 0 (10.213.0.1): killed: still running 3 s after node 1 failed" in done.stdout, done.stdout + done.stderr
     assert stale not in netcluster.list_namespaces(), "a dead run's namespace was not cleaned at start"
