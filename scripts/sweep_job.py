@@ -3,8 +3,8 @@
     torchrun ... scripts/sweep_job.py --out result.json --runs ddp,0,1,2,3 --n-layer 4 --n-embd 256
 
 For each run (`ddp`: torch's DistributedDataParallel; 0-3: zeroshard's stages) on the same GPT, data and
-AdamW: warm-up steps, then `--steps` timed steps, each the slowest rank's time (DESIGN.md: median, side
-by side with DDP in the same invocation). Bytes per step two ways: the paper-convention volume the
+AdamW (fused, the bench's bench_optimizer, for every system): warm-up steps, then `--steps` timed steps,
+each the slowest rank's time (DESIGN.md: median, side by side with DDP in the same invocation). Bytes per step two ways: the paper-convention volume the
 implementation issued (zeroshard's comm_report; the bench's c10d counter for DDP), and what the kernel
 really sent through this node's interface (`/sys/class/net/$GLOO_SOCKET_IFNAME/statistics`, which
 `ip netns exec` shows for the node's own namespace) during the timed steps, per node.
@@ -25,6 +25,7 @@ import torch.distributed as dist
 import zeroshard
 from zeroshard.tools.bench import peers
 from zeroshard.tools.bench.subject import zeroshard_subject
+from zeroshard.tools.bench.worker import bench_optimizer
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 LR = 1e-3
@@ -57,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _config(stage: int, batch: int) -> dict:
+    # No optimizer section: every run is handed the same torch AdamW (the bench's bench_optimizer).
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
             "bf16": {"enabled": False},
             "zero_optimization": {"stage": stage, "overlap_comm": True},
             "zeroshard": {"comm_timeout_s": 600}}
@@ -71,9 +72,10 @@ def _link_tx_bytes() -> int:
 
 
 def _subject(run: str, model, device, batch: int):
+    make_optimizer = bench_optimizer({"lr": LR})
     if run == "ddp":
-        return peers.build({"kind": "ddp"}, model, device, _config(0, batch), LR)
-    return zeroshard_subject(model, _config(int(run), batch), device)
+        return peers.build({"kind": "ddp"}, model, device, _config(0, batch), make_optimizer)
+    return zeroshard_subject(model, _config(int(run), batch), device, make_optimizer)
 
 
 def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
