@@ -29,7 +29,10 @@ _PROBE_BYTES = 20_000_000
 
 
 def _rates(text: str) -> list[tuple[str, int | None]]:
-    return [(r.strip(), netcluster.parse_rate(r)) for r in text.split(",") if r.strip()]
+    rates = [(r.strip(), netcluster.rate_argument(r)) for r in text.split(",") if r.strip()]
+    if not rates:
+        raise argparse.ArgumentTypeError(f"--rates {text!r}: a comma-separated list such as 0.1gbit,1gbit,none")
+    return rates
 
 
 def sweep_rate(label: str, rate: int | None, args) -> dict:
@@ -100,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--note", default="a shared 2-core machine, busy with other jobs: absolute "
                         "times are noisy, compare within a row")
     args, args.job_args = parser.parse_known_args(argv)  # the rest goes to sweep_job.py (--runs, --n-layer...)
+    if not 2 <= args.nodes <= 64 or not 1 <= args.nproc_per_node <= 64:
+        parser.error(f"--nodes {args.nodes} (2 to 64), --nproc-per-node {args.nproc_per_node} (1 to 64)")
     if not args.from_json:
         if problem := netcluster.capability_problem():
             print(f"bandwidth_sweep: cannot build namespaces: {problem}", file=sys.stderr)

@@ -23,7 +23,8 @@ TensorPipe are pinned to `zs0` (GLOO_SOCKET_IFNAME, TP_SOCKET_IFNAME).
 Teardown, also on failure, Ctrl-C, SIGTERM and SIGHUP: every process whose network namespace is one of
 ours is SIGKILLed (torchrun starts its workers in sessions of their own, so a process group would miss
 them; the namespace does not), then the namespaces are deleted, which deletes their veths and bridge.
-Namespaces of our prefix whose creating pid is dead (a run that was SIGKILLed) are removed at start.
+Namespaces of our prefix whose creating pid is dead (a run that was SIGKILLed) are removed at start,
+once they are a minute old (netns.clean_stale says why).
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for `ip netns`); `capability_problem()` says what is missing.
 """
 from __future__ import annotations
@@ -58,6 +59,14 @@ def _positive(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"{text!r}: must be > 0")
     return value
+
+
+def rate_argument(text: str) -> int | None:
+    """parse_rate for argparse, whose own message would hide ours."""
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 @dataclasses.dataclass
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=2, help="network namespaces (machines), 2 to 64")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
-    parser.add_argument("--rate", type=parse_rate, default=None,
+    parser.add_argument("--rate", type=rate_argument, default=None,
                         help="each node's link rate, e.g. 1gbit, 100mbit (default: unlimited)")
     parser.add_argument("--latency-ms", type=_positive, default=50.0, help="tbf queue bound")
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds before every node is killed")
@@ -337,8 +346,13 @@ def main(argv: list[str] | None = None) -> int:
     if problem := capability_problem():
         print(f"netcluster: cannot build namespaces: {problem}", file=sys.stderr)
         return 2
-    with NetCluster(args.nodes, rate_bps=args.rate, latency_ms=args.latency_ms,
-                    log_dir=args.log_dir) as cluster:
+    if not 1 <= args.nproc_per_node <= 64:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: allowed 1 to 64")
+    try:
+        cluster = NetCluster(args.nodes, rate_bps=args.rate, latency_ms=args.latency_ms, log_dir=args.log_dir)
+    except ValueError as e:
+        parser.error(str(e))
+    with cluster:
         cluster.launch(job, args.nproc_per_node, module=args.module)
         results = cluster.wait(args.timeout, args.fail_grace)
         for r in results:

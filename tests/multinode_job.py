@@ -34,7 +34,10 @@ from zeroshard.tools.models.gpt import tiny_gpt_config
 
 
 def _stages(text: str) -> list[int]:
-    stages = [int(s) for s in text.split(",") if s.strip()]
+    try:
+        stages = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        stages = []
     if not stages or any(s not in (0, 1, 2, 3) for s in stages):
         raise argparse.ArgumentTypeError(f"--stages {text!r}: a comma-separated list of 0, 1, 2, 3")
     return stages
