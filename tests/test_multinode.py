@@ -167,10 +167,11 @@ def _wait_for_workers(prefix: str, proc, timeout_s: float = 120.0) -> list[int]:
     raise AssertionError(f"the cluster's workers did not start (exit {proc.poll()})")
 
 
-def _fault_run(tmp: Path, fault: str, stage: int, save_at: int):
+def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
     """Train on 2 x 2 ranks, saving a checkpoint after `save_at` steps; a few steps later apply `fault`
-    to node 1 ("kill_node" or "freeze_node"). Returns (the reports, seconds until node 0's torchrun
-    exited, the errors its ranks reported)."""
+    ("kill_node" or "freeze_node") to node `victim`. Returns (the reports, seconds until the other
+    node's torchrun exited, the errors its ranks reported)."""
+    survivor = 1 - victim
     out = tmp / "faulted"
     job = _job(out, "--stages", stage, "--steps", 100_000, "--save-at", save_at, "--ckpt", tmp / "ckpt",
                "--progress", "--comm-timeout-s", COMM_TIMEOUT_S, "--max-seconds", 180)
@@ -180,26 +181,28 @@ def _fault_run(tmp: Path, fault: str, stage: int, save_at: int):
         cluster.launch(job, 2, module=True, cwd=REPO, monitor_interval_s=1.0)
         _wait_for_steps(out, stage, save_at + 3, 4, lambda: len(cluster.running()) == 2, RUN_TIMEOUT_S)
         faulted_at = time.monotonic()
-        getattr(cluster, fault)(1)
+        getattr(cluster, fault)(victim)
         limit = faulted_at + COMM_TIMEOUT_S + EXIT_SLACK_S
-        while cluster.procs[0].poll() is None and time.monotonic() < limit:
+        while cluster.procs[survivor].poll() is None and time.monotonic() < limit:
             time.sleep(0.1)
         exit_s = time.monotonic() - faulted_at
-        results = cluster.wait(0)
-    assert results[0].returncode not in (0, None) and not results[0].killed, results[0].output[-3000:]
+        result = cluster.wait(0)[survivor]
+    assert result.returncode not in (0, None) and not result.killed, result.output[-3000:]
     reports = _reports(out, 4)
-    errors = [json.loads((out / f"rank{r['rank']}.error.json").read_text()) for r in reports if r["node"] == 0]
+    errors = [json.loads((out / f"rank{r['rank']}.error.json").read_text())
+              for r in reports if r["node"] == survivor]
     assert len(errors) == 2 and all(e["type"] == "CollectiveError" for e in errors), errors
     return reports, exit_s, errors
 
 
 @pytest.mark.slow
 def test_node_killed_mid_step_then_resume_on_fresh_nodes(cluster_env):
-    """SIGKILL a whole node mid-run: the other node's ranks raise CollectiveError (at once: the kernel
-    resets the dead node's connections) and its torchrun exits; the checkpoint saved before the kill
-    resumes on a fresh pair of nodes and continues with the losses the killed run had."""
+    """SIGKILL a whole node mid-run, node 0, which also hosts the rendezvous store: the other node's
+    ranks raise CollectiveError (at once: the kernel resets the dead node's connections) and its
+    torchrun exits; the checkpoint saved before the kill resumes on a fresh pair of nodes and
+    continues with the losses the killed run had."""
     stage, save_at = 3, 2
-    before, exit_s, errors = _fault_run(cluster_env, "kill_node", stage, save_at)
+    before, exit_s, errors = _fault_run(cluster_env, "kill_node", 0, stage, save_at)
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
     assert all(e["since_last_step_s"] < COMM_TIMEOUT_S for e in errors), errors
     with netcluster.NetCluster(2, rate_bps=10**9) as fresh:
@@ -208,15 +211,15 @@ def test_node_killed_mid_step_then_resume_on_fresh_nodes(cluster_env):
         _assert_ok(fresh.wait(RUN_TIMEOUT_S))
     for old, new in zip(before, _reports(cluster_env / "resumed", 4)):
         resumed = new["stages"][str(stage)]
-        assert resumed["first_step"] == save_at
+        assert resumed["first_step"] == save_at and len(resumed["losses"]) == 3
         assert resumed["losses"] == old["stages"][str(stage)]["losses"][save_at:save_at + 3], old["rank"]
 
 
 @pytest.mark.slow
 def test_frozen_node_times_out_within_comm_timeout(cluster_env):
-    """A node that hangs (SIGSTOP: connections stay open, nothing arrives): the other node's ranks
+    """A node that hangs (node 1, SIGSTOP: connections stay open, nothing arrives): node 0's ranks
     raise CollectiveError when comm_timeout_s runs out, not after torch's 30 minutes."""
-    _, exit_s, errors = _fault_run(cluster_env, "freeze_node", stage=1, save_at=1)
+    _, exit_s, errors = _fault_run(cluster_env, "freeze_node", 1, stage=1, save_at=1)
     assert all("timeout" in e["message"].lower() or "timed out" in e["message"].lower() for e in errors)
     assert all(COMM_TIMEOUT_S - 1 <= e["since_last_step_s"] <= COMM_TIMEOUT_S + 5 for e in errors), errors
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
