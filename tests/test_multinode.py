@@ -124,11 +124,15 @@ def test_cli_tears_down_on_sigterm_and_failure(cluster_env):
     failing.write_text("import os, sys\nsys.exit(3 if os.environ['NETCLUSTER_NODE'] == '1' else 0)\n")
     cli = [sys.executable, str(REPO / "scripts" / "netcluster.py"), "--nodes", "2", "--timeout", "120",
            "--fail-grace", "3", "--"]
-    done = subprocess.run([*cli, str(failing)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env={**os.environ, "NETCLUSTER_STALE_AFTER_S": "0"})  # it is seconds old
+    try:
+        done = subprocess.run([*cli, str(failing)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                              env={**os.environ, "NETCLUSTER_STALE_AFTER_S": "0"})  # it is seconds old
+        cleaned = stale not in netcluster.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=20)  # if it is left
     assert done.returncode == 1 and "node 1 (10.213.0.2): exit 1" in done.stdout \
         and "node 0 (10.213.0.1): killed: still running 3 s after node 1 failed" in done.stdout, done.stdout + done.stderr
-    assert stale not in netcluster.list_namespaces(), "a dead run's namespace was not cleaned at start"
+    assert cleaned, "a dead run's namespace was not cleaned at start"
     for sig in (signal.SIGTERM, signal.SIGINT):
         proc = subprocess.Popen([*cli, str(sleeper)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         prefix = f"{netcluster.PREFIX}{proc.pid}x"
