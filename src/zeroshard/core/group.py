@@ -11,9 +11,12 @@ working); only their `.data` changes:
     would otherwise keep every unit's gathered parameters alive from forward until backward.
     Before the unit's backward the storage is grown back and gathered into again, so the saved
     views see the same values as in forward, and `.data` is re-pointed at fresh views.
-The fp32 master shard is what the optimizer updates. When the compute dtype is fp32 and parameters are
-not sharded, the master shard is simply this rank's slice of the full buffer (no copy); at stage 3 it
-is the only copy the rank keeps.
+The fp32 master shard is what the optimizer updates. Where it lives is decided by shard.py
+([Note: master placement]): in compute memory with fp32 compute it is the parameter storage itself
+(this rank's slice of the full buffer at stages 0-2, the only copy at stage 3); otherwise it is a
+separate fp32 tensor, in an offload store when there is one. A stage-3 group whose master lives where
+the compute device cannot address it keeps `compute_shard`, this rank's shard in compute dtype on the
+device, which is what its all-gathers read.
 This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ class FlatGroup:
 
     def __init__(self, names: list[str], params: list[nn.Parameter], *, policy: StagePolicy,
                  precision: PrecisionPolicy, world_size: int, rank: int, reshards: bool,
-                 optimizer_group: int | None, master_store=None, grad_store=None):
+                 optimizer_group: int | None, master_store=None, grad_store=None, compute_shard: bool = False):
         self.names = names
         self.params = params
         self.layout = FlatLayout(names, [p.shape for p in params], world_size)
@@ -57,7 +60,8 @@ class FlatGroup:
         self.opt_range = (start, end)
         self.full: torch.Tensor | None = None  # param_dtype, 1-D, numel = padded_numel
         self.master: torch.Tensor  # fp32, 1-D, numel = end - start
-        self._init_storage(full)
+        self.compute_shard: torch.Tensor | None = None  # param_dtype, 1-D, numel = shard_numel, on device
+        self._init_storage(full, compute_shard)
         # Gradients: full flat buffer kept across micro steps (stages 0/1), or built per backward and
         # reduce-scattered into `grad_shard` (stages 2/3).
         self.full_grad: torch.Tensor | None = None
@@ -91,9 +95,9 @@ class FlatGroup:
         """The gradient this rank accumulates: the full buffer (stages 0/1) or its shard (2/3)."""
         return self.full_grad if self.grads_persist_full else self.grad_shard
 
-    def _init_storage(self, full_fp32: torch.Tensor) -> None:
+    def _init_storage(self, full_fp32: torch.Tensor, compute_shard: bool) -> None:
         start, end = self.opt_range
-        if self.keep_full and self.param_dtype == torch.float32:
+        if self.keep_full and self.param_dtype == torch.float32 and self.master_store is None:
             self.full = full_fp32
             self.master = full_fp32[start:end]  # a view: the parameters *are* the master weights
             self.point_params_at_full()
@@ -105,10 +109,12 @@ class FlatGroup:
         else:
             self.master = full_fp32[start:end].clone()
         if self.keep_full:
-            self.full = full_fp32.to(self.param_dtype)
+            self.full = full_fp32.to(self.param_dtype)  # fp32 with an offloaded master: the buffer itself
             self.point_params_at_full()
-        else:
-            self.free_full()
+            return
+        if compute_shard:
+            self.compute_shard = full_fp32[start:end].to(self.param_dtype, copy=True)
+        self.free_full()
 
     # -- parameter storage ----------------------------------------------------------------------------
     def point_params_at_full(self) -> None:
@@ -135,6 +141,8 @@ class FlatGroup:
         """This rank's shard of the parameters in compute dtype (input of the all-gather)."""
         # Only sharded (stage-3) groups gather from the master, and there opt_range is the shard.
         assert self.master.numel() == self.layout.shard_numel
+        if self.compute_shard is not None:
+            return self.compute_shard
         if self.master_store is not None:
             self.master_store.prefetch([self.master])
         if self.master.dtype == self.param_dtype and self.master.device == self.device:
@@ -143,7 +151,7 @@ class FlatGroup:
 
     def release_master(self) -> None:
         """An offloaded master shard is not needed until its next use: let the store write it out."""
-        if self.master_store is not None:
+        if self.master_store is not None and self.compute_shard is None:
             self.master_store.release([self.master])
 
     def master_pieces(self, tensor: torch.Tensor | None = None):
@@ -163,18 +171,29 @@ class FlatGroup:
         return (self.full is not None
                 and self.full.untyped_storage().data_ptr() == self.master.untyped_storage().data_ptr())
 
+    def master_is_parameter_storage(self) -> bool:
+        """Is the master the parameters' own storage (zero copy; see [Note: master placement])?"""
+        if self.keep_full:
+            return self.master_is_view_of_full()
+        return self.compute_shard is None and self.param_dtype == torch.float32  # stage 3: the shard
+
     def copy_full_into_master(self) -> None:
         """After the full parameters were changed in place (GatheredParameters with a modifier rank):
-        this rank's master shard takes the new values."""
+        this rank's master shard (and compute shard) take the new values."""
+        start, end = self.opt_range
         if not self.master_is_view_of_full():
-            start, end = self.opt_range
-            self.master.copy_(self.full[start:end])
+            self.master.copy_(self.full[start:end])  # to the master's store and dtype
+        if self.compute_shard is not None:
+            self.compute_shard.copy_(self.full[start:end])
 
-    def copy_master_into_full(self) -> None:
-        """After the optimizer step: refresh this rank's slice of a separately stored full buffer."""
+    def copy_master_into_params(self) -> None:
+        """After the optimizer step (or a load): this rank's compute copy follows its master: its slice
+        of a separately stored full buffer (stages 0-2) or its compute shard (stage 3)."""
+        start, end = self.opt_range
         if self.keep_full and not self.master_is_view_of_full():
-            start, end = self.opt_range
             self.full[start:end].copy_(self.master)  # casts to the compute dtype and device
+        if self.compute_shard is not None:
+            self.compute_shard.copy_(self.master)
 
     # -- gradients -----------------------------------------------------------------------------------
     def zeros_full_grad(self) -> torch.Tensor:
@@ -230,11 +249,13 @@ class FlatGroup:
         def in_memory(t):  # tensors an NVMe store holds are reported by the store
             stores = [s for s in (self.master_store, self.grad_store) if s is not None]
             return 0 if t is None or not all(s.resident(t) for s in stores) else nbytes(t)
-        shares_storage = self.master_is_view_of_full()
-        params = nbytes(self.full) if self.keep_full else 0
-        master = 0 if shares_storage else in_memory(self.master)
-        if not self.keep_full and self.param_dtype == torch.float32:
-            params, master = master, 0  # stage 3, fp32: the master shard is the parameter shard
+        if self.keep_full:
+            params = nbytes(self.full)
+        elif self.compute_shard is not None:
+            params = nbytes(self.compute_shard)
+        else:  # stage 3 gathers from the master: in fp32 it is the parameter shard, else a copy
+            params = in_memory(self.master) if self.param_dtype == torch.float32 else 0
+        master = 0 if self.master_is_parameter_storage() else in_memory(self.master)
         grads = nbytes(self.full_grad) if self.grads_persist_full else in_memory(self.grad_shard)
         return {"params": params, "master": master, "grads": grads}
 
@@ -243,6 +264,7 @@ class FlatGroup:
         for param in self.params:
             param.data = empty
         self.full = None
+        self.compute_shard = None
         self.full_grad = None
         self.grad_shard = None
         self.master = torch.empty(0)

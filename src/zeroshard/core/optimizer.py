@@ -47,13 +47,13 @@ def optimizer_group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
 def refresh_parameters(groups: list[FlatGroup], comm: Communicator) -> None:
     """Make every rank's unsharded parameters match the master shards (after a step, or after the
     masters were loaded): copy this rank's master into its slice of the full buffer, then all-gather
-    the other ranks' slices where the master is sharded. Stage-3 groups need nothing: they are
-    gathered from the master on their next use."""
+    the other ranks' slices where the master is sharded. Stage-3 groups are gathered from their
+    shard on next use; only a compute shard kept beside an offloaded master is refreshed."""
     handles = []
     for group in groups:
+        group.copy_master_into_params()
         if group.reshards:
             continue
-        group.copy_master_into_full()
         if group.sharded_master:
             what = f"all-gather of updated parameters ({group.names[0]}...)"
             handles.append(comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True))

@@ -25,6 +25,11 @@ class Store(Protocol):
     def holds(self, tensor: torch.Tensor) -> bool:
         """Is `tensor` one of this store's tensors?"""
 
+    def addressable_from(self, device: torch.device) -> bool:
+        """Can `device` compute on this store's tensors where they lie, with no copy? Host memory and
+        memory-mapped files: from the CPU, not from a GPU. Decides where fp32 master weights go
+        ([Note: master placement] in shard.py)."""
+
     def resident(self, tensor: torch.Tensor) -> bool:
         """Does `tensor` occupy this process's memory at rest (True for host memory; False for a
         tensor whose bytes live in a file)? Used by the memory report."""

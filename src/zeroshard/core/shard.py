@@ -76,19 +76,42 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
             # Same start on every rank (DDP broadcasts rank 0's parameters too).
             comm.broadcast(param.data, 0, f"initial broadcast of '{name}'")
         trainable = index is not None
+        master_store, compute_shard = _master_placement(placement, precision, params[0].device, reshards, trainable)
         groups.append(FlatGroup(
             names, params, policy=policy, precision=precision, world_size=comm.world_size, rank=comm.rank,
-            reshards=reshards, optimizer_group=index,
-            master_store=_master_store(placement, precision, reshards, trainable),
+            reshards=reshards, optimizer_group=index, master_store=master_store, compute_shard=compute_shard,
             grad_store=placement.optimizer_store if trainable else None))
     return groups
 
 
-def _master_store(placement: Placement, precision: PrecisionPolicy, reshards: bool, trainable: bool):
-    """Where a group's fp32 master lives. At stage 3 the master shard is what gets gathered, so it
-    follows offload_param; otherwise it follows offload_optimizer when it is a copy of its own (mixed
-    precision). An fp32 master that is the parameter storage itself (stages 0-2) stays put."""
+def _master_placement(placement: Placement, precision: PrecisionPolicy, device: torch.device, reshards: bool,
+                      trainable: bool):
+    """(store of the group's fp32 master or None, whether a stage-3 group keeps a compute-dtype shard on
+    `device` to gather from); see [Note: master placement].
+
+    [Note: master placement]
+    Where a master goes is decided by *device*, not by dtype: the optimizer step runs where the
+    optimizer states are, so with offload_optimizer the master must be a tensor the store's device can
+    step in place.
+      * Stage 3 with offload_param: the parameter shard lives in the param store and is also the
+        master (ZeRO-Infinity); every gather reads it from there.
+      * offload_optimizer whose memory the compute device cannot address (a GPU computing, host memory
+        or NVMe files storing): the master is a separate fp32 copy in the store whatever the compute
+        dtype, and the step runs there (states created next to it). Updated values go back to the
+        device parameters (stages 1/2: this rank's slice of the full buffer, then the all-gather) or
+        to a compute-dtype shard kept on the device (stage 3: what the all-gather reads, so gathers
+        never cross the host link). Each reduced gradient shard crosses device -> host once.
+      * Otherwise the master stays in compute memory. In fp32 it *is* the parameter storage (a view of
+        the full buffer at stages 0-2, the shard itself at stage 3): zero copy. On a CPU-only machine
+        this holds with a CPU or NVMe store too: host memory is compute memory there, and a separate
+        master in the store would cost 4 bytes per parameter (and an NVMe round trip) for nothing.
+        In bf16/fp16 the master is a copy anyway and goes to the optimizer store if there is one.
+    """
     if reshards and placement.param_store is not None:
-        return placement.param_store
-    separate_copy = precision.param_dtype != torch.float32
-    return placement.optimizer_store if (trainable and separate_copy) else None
+        return placement.param_store, False
+    store = placement.optimizer_store if trainable else None
+    if store is None:
+        return None, False
+    if not store.addressable_from(device):
+        return store, reshards
+    return (None if precision.param_dtype == torch.float32 else store), False

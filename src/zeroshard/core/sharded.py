@@ -97,8 +97,7 @@ class Sharded:
         subs = split([g for g in self.groups if g.trainable], self.placement.sub_group_size)
         for index, param_group in enumerate(optimizer.param_groups):
             param_group["params"] = [s.param for s in subs if s.group.optimizer_group == index]
-        return StreamedStep(optimizer, subs, self.placement.optimizer_store,
-                            master_store=self.placement.param_store)
+        return StreamedStep(optimizer, subs, self.placement.optimizer_store)
 
     # -- one training step ---------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):

@@ -45,14 +45,14 @@ def is_elementwise(value, param: torch.Tensor) -> bool:
 
 
 class StreamedStep:
-    """Runs `optimizer.step()` one sub-group at a time, with state tensors living in `store`."""
+    """Runs `optimizer.step()` one sub-group at a time, with state tensors living in `store`. Each
+    group's master is read and written back through its own `master_store` (the optimizer store or
+    the stage-3 param store, or none; [Note: master placement] in shard.py)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sub_groups: list[SubGroup], store,
-                 master_store=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, sub_groups: list[SubGroup], store):
         self.optimizer = optimizer
         self.sub_groups = sub_groups
         self.store = store
-        self.master_store = master_store
         self._all_params = [list(pg["params"]) for pg in optimizer.param_groups]
 
     def state_tensors(self, sub: SubGroup) -> list[torch.Tensor]:
@@ -105,8 +105,9 @@ class StreamedStep:
         # Every swap file is checked before anything is updated: a damaged store fails the step and
         # leaves masters and optimizer states as they were.
         self.store.check([t for sub in subs for t in self._tensors(sub)])
-        if self.master_store is not None:
-            self.master_store.check([sub.group.master for sub in subs])
+        for sub in subs:
+            if sub.group.master_store is not None:
+                sub.group.master_store.check([sub.group.master])
         self._prefetch(subs[0])
         try:
             for k, sub in enumerate(subs):
@@ -122,8 +123,9 @@ class StreamedStep:
                 pg["params"] = params
         started = time.monotonic()
         self.store.wait()
-        if self.master_store is not None and self.master_store is not self.store:
-            self.master_store.wait()
+        for master_store in {id(s): s for s in (sub.group.master_store for sub in subs) if s is not None}.values():
+            if master_store is not self.store:
+                master_store.wait()
         self.store.counters.wait_s += time.monotonic() - started
 
     def _step_one(self, sub: SubGroup) -> None:
@@ -145,10 +147,10 @@ class StreamedStep:
 
     def _prefetch(self, sub: SubGroup) -> None:
         self.store.prefetch(self.state_tensors(sub))
-        if self.master_store is not None and sub.start == 0:  # once per group, not per sub-group
-            self.master_store.prefetch([sub.group.master])
+        if sub.group.master_store is not None and sub.start == 0:  # once per group, not per sub-group
+            sub.group.master_store.prefetch([sub.group.master])
 
     def _release(self, sub: SubGroup) -> None:
         self.store.release(self.state_tensors(sub))
-        if self.master_store is not None and sub.end == sub.group.master.numel():
-            self.master_store.release([sub.group.master])
+        if sub.group.master_store is not None and sub.end == sub.group.master.numel():
+            sub.group.master_store.release([sub.group.master])

@@ -74,6 +74,9 @@ class CPUStore:
     def holds(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._held
 
+    def addressable_from(self, device: torch.device) -> bool:
+        return device.type == "cpu"
+
     def resident(self, tensor: torch.Tensor) -> bool:
         return True
 
@@ -147,6 +150,9 @@ class NVMeStore:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return id(tensor) in self._files
+
+    def addressable_from(self, device: torch.device) -> bool:
+        return device.type == "cpu"  # the mapping is host memory: the CPU computes on it in place
 
     def resident(self, tensor: torch.Tensor) -> bool:
         return not self.holds(tensor)  # its bytes live in a file; pages come and go

@@ -1,0 +1,143 @@
+"""Issue 17: where offloaded model states live ([Note: master placement] in core/shard.py).
+
+The placement is asked of the stores themselves (`Store.holds`): with optimizer offload the fp32
+master and every optimizer state tensor are the store's, the reduced gradient shards (stages 2/3) too,
+whatever the compute dtype — unless the compute device can step the store's memory in place (a CPU
+machine), where an fp32 master stays the parameter storage (zero copy). A GPU cannot be had in CI, so
+the GPU's view of host memory is modelled by stores that answer `addressable_from(device)` with False:
+the code path is then exactly the GPU's (separate master in the store, step there, values copied back
+to the device parameters or the stage-3 compute shard), on CPU tensors. Every case also trains
+bit-for-bit like the same run without offload (fp32 and bf16, 2 gloo ranks).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+import zeroshard
+from tests.harness import grid, run_distributed, subtests
+from tests.reference import gpt_batches, gpt_loss
+from tests.zs_common import adamw, gpt_model_fn
+from zeroshard.core.placement import Placement
+from zeroshard.core.precision import PrecisionPolicy
+from zeroshard.offload import CPUStore, NVMeStore
+from zeroshard.tools.models.gpt import tiny_gpt_config
+
+STEPS = 3
+BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class HostSeenFromGPU(CPUStore):
+    """Host memory as a GPU sees it: not addressable by the compute device."""
+
+    def addressable_from(self, device: torch.device) -> bool:
+        return False
+
+
+class FilesSeenFromGPU(NVMeStore):
+    def addressable_from(self, device: torch.device) -> bool:
+        return False
+
+
+def _store(kind: str, foreign: bool, rank: int, tmp: str):
+    if kind == "cpu":
+        return HostSeenFromGPU() if foreign else CPUStore()
+    cls = FilesSeenFromGPU if foreign else NVMeStore
+    return cls(os.path.join(tmp, f"nvme-{foreign}"), rank, bytes_needed=1 << 20)
+
+
+def _train(stage: int, dtype: str, placement: Placement | None):
+    model = gpt_model_fn()()
+    precision = PrecisionPolicy(DTYPES[dtype], DTYPES[dtype])
+    sharded = zeroshard.shard(model, adamw(model.parameters()), stage=stage, precision=precision,
+                              placement=placement, comm_timeout_s=60)
+    losses = []
+    for step in range(STEPS):
+        loss = gpt_loss(sharded, *BATCHES(step, 0, sharded.comm.rank))
+        sharded.backward(loss)
+        sharded.step()
+        losses.append(loss.item())
+    with sharded.gathered_parameters(list(model.parameters())):
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return sharded, losses, params
+
+
+def _placement_case(stage: int, dtype: str, kind: str, foreign: bool, rank: int, tmp: str) -> dict:
+    store = _store(kind, foreign, rank, tmp)
+    sharded, losses, params = _train(stage, dtype, Placement(optimizer_store=store))
+    what = f"stage {stage} {dtype} {kind} {'seen from a GPU' if foreign else 'on CPU'}"
+    groups = [g for g in sharded.groups if g.trainable]
+    separate = foreign or dtype != "fp32"  # [Note: master placement]
+    for group in groups:
+        assert store.holds(group.master) == separate, f"{what}: master held by the store? {not separate}"
+        assert group.master.dtype == torch.float32
+        if not separate:
+            assert group.master_is_parameter_storage(), f"{what}: fp32 master on CPU must be zero copy"
+        if stage >= 2:
+            assert store.holds(group.grad_shard), f"{what}: gradient shard not in the store"
+        if stage == 3:
+            assert (group.compute_shard is not None) == foreign, f"{what}: compute shard"
+            if foreign:
+                assert group.compute_shard.dtype == DTYPES[dtype]
+                assert torch.equal(group.compute_shard.float(), group.master.to(DTYPES[dtype]).float()), \
+                    f"{what}: compute shard does not follow the master"
+        elif stage in (1, 2) and separate:
+            start, end = group.opt_range  # the device parameters took the updated master
+            assert torch.equal(group.full[start:end], group.master.to(DTYPES[dtype])), what
+    states = [v for s in sharded.optimizer.state.values() for v in s.values()
+              if isinstance(v, torch.Tensor) and v.dim() == 1]
+    assert states and all(store.holds(v) for v in states), f"{what}: optimizer state outside the store"
+    report = sharded.memory_report()
+    held_master = sum(g.master.numel() * 4 for g in groups if store.holds(g.master))
+    if kind == "cpu":  # host memory is real memory: a separate master is counted, a view is not
+        trainable_master = sum(g.state_bytes()["master"] for g in groups)
+        assert trainable_master == held_master, f"{what}: master bytes {trainable_master} != {held_master}"
+    else:
+        assert report["offloaded_nvme"] == store.bytes_held > 0, what
+    sharded.destroy()
+    return {"losses": losses, "params": params, "report": report}
+
+
+def _worker(rank: int, world: int, tmp: str) -> list:
+    tmp = os.path.join(tmp, f"rank{rank}")
+    os.makedirs(tmp, exist_ok=True)
+    reference = {}
+
+    def case(stage, dtype, kind, foreign):
+        if (stage, dtype) not in reference:
+            sharded, losses, params = _train(stage, dtype, None)
+            sharded.destroy()
+            reference[stage, dtype] = (losses, params)
+        out = _placement_case(stage, dtype, kind, foreign, rank, tmp)
+        losses, params = reference[stage, dtype]
+        what = f"stage {stage} {dtype} {kind} foreign={foreign}"
+        assert out["losses"] == losses, f"{what}: losses differ from no offload {out['losses']} {losses}"
+        for name, value in params.items():
+            assert torch.equal(out["params"][name], value), f"{what}: '{name}' differs from no offload"
+        return out["report"]
+
+    return subtests(grid(stage=[1, 2, 3], dtype=["fp32", "bf16"], kind=["cpu", "nvme"], foreign=[True, False]),
+                    case)
+
+
+def test_offload_placement_by_device(tmp_path):
+    reports = run_distributed(_worker, 2, timeout=600, tmp=str(tmp_path))
+    assert len(reports[0]) == 24
+
+
+def _param_store_worker(rank: int, world: int, tmp: str) -> None:
+    """Stage 3 with offload_param: the param store holds the shard, which is also the master."""
+    for dtype in ("fp32", "bf16"):
+        params_home = CPUStore()
+        placement = Placement(optimizer_store=HostSeenFromGPU(), param_store=params_home)
+        sharded, _, _ = _train(3, dtype, placement)
+        for group in sharded.groups:
+            assert params_home.holds(group.master) and group.compute_shard is None, dtype
+            assert group.gather_input().dtype == DTYPES[dtype]
+        sharded.destroy()
+
+
+def test_param_offload_keeps_master_in_param_store(tmp_path):
+    run_distributed(_param_store_worker, 2, timeout=300, tmp=str(tmp_path))
