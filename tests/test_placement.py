@@ -141,3 +141,86 @@ def _param_store_worker(rank: int, world: int, tmp: str) -> None:
 
 def test_param_offload_keeps_master_in_param_store(tmp_path):
     run_distributed(_param_store_worker, 2, timeout=300, tmp=str(tmp_path))
+
+
+# -- collectives on the communicator's device ([Note: staging host tensors] in core/comm.py) -------------
+def _collectives(comm, rank: int, world: int, async_op: bool) -> dict:
+    """Every tensor collective once, on CPU tensors; results by name."""
+    out = {}
+    shard = torch.arange(3, dtype=torch.float32) + 10 * rank
+    gathered = torch.full((3 * world,), -1.0)
+    handle = comm.all_gather(gathered, shard, "test: all-gather", async_op=async_op)
+    if async_op:
+        out["gather_before_wait"] = gathered.clone()
+        handle.wait()
+    out["all_gather"] = gathered
+    out["caller_pointers"] = {gathered.data_ptr(), shard.data_ptr()}
+    full = torch.arange(4.0 * world) * (rank + 1)
+    reduced = torch.full((4,), -1.0)
+    handle = comm.reduce_scatter(reduced, full, "test: reduce-scatter", async_op=async_op)
+    if async_op:
+        handle.wait()
+    out["reduce_scatter"] = reduced
+    in_place = torch.arange(4.0 * world) * (rank + 1)  # stage 1: the output is a slice of the input
+    comm.reduce_scatter(in_place[4 * rank: 4 * (rank + 1)], in_place, "test: in-place reduce-scatter")
+    out["in_place"] = in_place
+    for op in ("sum", "max"):
+        value = torch.tensor([1.0 + rank, 5.0 - rank], dtype=torch.float64)
+        comm.all_reduce(value, f"test: all-reduce {op}", op=op)
+        out[op] = value
+    value = torch.tensor([7.0 * (rank + 1)])
+    comm.broadcast(value, 1, "test: broadcast from rank 1")
+    out["broadcast"] = value
+    comm.barrier("test: barrier")
+    return out
+
+
+def _staging_worker(rank: int, world: int) -> dict:
+    from zeroshard.core import comm as comm_module
+    from zeroshard.core.comm import Communicator
+
+    seen = set()  # data pointers of what the backend's all-gather is handed
+    real = comm_module._all_gather
+
+    def recording(out, shard, **kwargs):
+        seen.update((out.data_ptr(), shard.data_ptr()))
+        return real(out, shard, **kwargs)
+
+    comm_module._all_gather = recording  # ours, not torch's: the name comm.py calls
+    try:
+        comm = Communicator(60, check_collectives=True)
+        plain = _collectives(comm, rank, world, async_op=False)
+        assert comm.counter.staged == 0, "tensors on the communicator's device are never staged"
+        assert plain.pop("caller_pointers") <= seen, "unstaged: the backend gets the caller's tensors"
+        # The communicator's device is not where the caller's tensors are, as for NCCL and a host
+        # tensor. torch.device("cpu", 0) is CPU memory, so gloo still runs, but it is not the
+        # callers' torch.device("cpu"): every argument takes the staging path.
+        comm.device = torch.device("cpu", 0)
+        seen.clear()
+        for async_op in (False, True):
+            seen.clear()
+            staged = _collectives(comm, rank, world, async_op=async_op)
+            assert not staged.pop("caller_pointers") & seen, "staged: the backend gets temporaries"
+            for name, value in plain.items():
+                assert torch.equal(staged[name], value), (name, staged[name], value)
+        # An async staged output is written only when waited for: the caller's tensor is untouched.
+        assert torch.equal(staged["gather_before_wait"], torch.full((3 * world,), -1.0))
+        staged_bytes = comm.counter.staged
+        comm.destroy()
+    finally:
+        comm_module._all_gather = real
+    return {"staged_bytes": staged_bytes, "plain": plain}
+
+
+def test_collectives_stage_tensors_off_the_communicators_device():
+    reports = run_distributed(_staging_worker, 2, timeout=120)
+    world = 2
+    # Per pass: all-gather in 12 + out 24 (the consistency-check tags are born on the device), reduce-
+    # scatter in 32 + out 16, in place 32 + 16, two all-reduces 2 x (16 + 16), broadcast 4 (src: in;
+    # others: out), barrier 4 + 4; two passes (sync, async).
+    per_pass = (12 + 24) + (32 + 16) + (32 + 16) + 2 * (16 + 16) + 4 + (4 + 4)
+    assert [r["staged_bytes"] for r in reports] == [2 * per_pass] * world, reports
+    plain = reports[0]["plain"]
+    assert plain["all_gather"].tolist() == [0, 1, 2, 10, 11, 12]
+    assert plain["sum"].tolist() == [3.0, 9.0] and plain["max"].tolist() == [2.0, 5.0]
+    assert plain["broadcast"].tolist() == [14.0]

@@ -24,6 +24,8 @@ def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None
         if not group.sharded_master:  # stage 0: the master is already whole
             visit(group, group.master)
             continue
+        # Next to the master: host memory under CPU offload, which NCCL cannot move; the communicator
+        # stages it through its device ([Note: staging host tensors] in core/comm.py).
         full = torch.empty(padded, dtype=torch.float32, device=group.master.device)
         engine.comm.all_gather(full, group.master, f"gather of master weights ({group.names[0]}...)")
         visit(group, full)

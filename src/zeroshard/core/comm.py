@@ -9,7 +9,17 @@ Every collective goes through a `Communicator`, which
     collective check] in consistency.py). Ranks that diverge (different unit order, a skipped
     backward) would otherwise deadlock or, worse, silently exchange the wrong tensors of equal size;
   * runs on its own process group with a bounded timeout, and turns every failure into a
-    `CollectiveError` naming the rank, the collective and what it was for.
+    `CollectiveError` naming the rank, the collective and what it was for;
+  * moves every tensor on the backend's device ([Note: staging host tensors]).
+
+[Note: staging host tensors]
+NCCL moves only CUDA tensors and gloo is only sure to move CPU ones, while callers hold tensors
+wherever their placement put them (a master in host memory under CPU offload, zero.Init shards on
+the CPU, a checkpoint gather into host memory). One rule, here and nowhere else: a collective
+argument whose device is not `self.device` is staged through a temporary on `self.device` — inputs
+copied in before the collective, outputs copied back when it completes (at `wait()` for an async
+one) — and the bytes copied are counted (`ByteCounter.staged`), so a run shows when it pays for
+this. Callers never think about devices.
 """
 from __future__ import annotations
 
@@ -49,6 +59,7 @@ class ByteCounter:
     wire: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wait_s: float = 0.0  # time the calling thread spent blocked on collectives
+    staged: int = 0  # bytes copied to and from the communicator's device ([Note: staging host tensors])
 
     def add(self, kind: str, nbytes: int) -> None:
         """`nbytes`: the size of the full (unsharded) tensor the collective is about."""
@@ -62,6 +73,7 @@ class ByteCounter:
             "paper_bytes": dict(self.paper),
             "wire_bytes": dict(self.wire),
             "calls": dict(self.calls),
+            "staged_bytes": self.staged,
         }
 
     def data_bytes(self) -> int:
@@ -90,12 +102,43 @@ class _Check:
         )
 
 
-class Handle:
-    """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, and
-    first verifies the cross-rank check issued with it."""
+class _Staging:
+    """The temporaries of one collective on the communicator's device ([Note: staging host tensors])."""
 
-    def __init__(self, comm: "Communicator", work, what: str, started: float, check: _Check | None = None):
+    def __init__(self, comm: "Communicator"):
+        self.comm = comm
+        self.kept: list[torch.Tensor] = []  # alive until the collective completes
+        self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, temporary)
+
+    def __call__(self, tensor: torch.Tensor, read: bool = True, written: bool = False) -> torch.Tensor:
+        """The tensor the collective runs on: `tensor` itself, or a temporary on the right device."""
+        if tensor.device == self.comm.device:
+            return tensor
+        temp = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm.device)
+        if read:
+            temp.copy_(tensor)
+            self.comm.counter.staged += tensor.numel() * tensor.element_size()
+        self.kept.append(temp)
+        if written:
+            self.copy_back.append((tensor, temp))
+        return temp
+
+    def finish(self) -> None:
+        for tensor, temp in self.copy_back:
+            tensor.copy_(temp)
+            self.comm.counter.staged += tensor.numel() * tensor.element_size()
+        self.copy_back.clear()
+        self.kept.clear()
+
+
+class Handle:
+    """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, first
+    verifies the cross-rank check issued with it, and last copies staged outputs back."""
+
+    def __init__(self, comm: "Communicator", work, what: str, started: float, check: _Check | None = None,
+                 staging: _Staging | None = None):
         self._comm, self._work, self.what, self._started, self._check = comm, work, what, started, check
+        self._staging = staging
 
     def wait(self) -> None:
         if self._work is None:
@@ -111,6 +154,8 @@ class Handle:
             raise self._comm.error(self.what, self._started, error) from error
         finally:
             self._comm.counter.wait_s += time.monotonic() - blocked
+        if self._staging is not None:
+            self._staging.finish()
 
 
 class Communicator:
@@ -141,14 +186,18 @@ class Communicator:
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`."""
         assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
+        stage = _Staging(self)
+        staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
         return self._run("all_gather", out, what, async_op,
-                         lambda: _all_gather(out, shard, group=self.group, async_op=True))
+                         lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True), stage)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`."""
         assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
+        stage = _Staging(self)
+        staged_out, staged_full = stage(out, read=False, written=True), stage(full)
         return self._run("reduce_scatter", full, what, async_op,
-                         lambda: _reduce_scatter(out, full, group=self.group, async_op=True))
+                         lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True), stage)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False,
                    kind: str = "all_reduce"):
@@ -156,14 +205,18 @@ class Communicator:
         if op not in _OPS:
             raise ValueError(f"all_reduce op {op!r} is not one of {sorted(_OPS)}")
         reduce_op = _OPS[op]
+        stage = _Staging(self)
+        staged = stage(tensor, written=True)
         return self._run(kind, tensor, what, async_op,
-                         lambda: dist.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True))
+                         lambda: dist.all_reduce(staged, op=reduce_op, group=self.group, async_op=True), stage)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str):
         """`src`: a rank of this communicator's group (torch wants the global rank)."""
         global_src = dist.get_global_rank(self.group, src)
+        stage = _Staging(self)
+        staged = stage(tensor, read=self.rank == src, written=self.rank != src)
         return self._run("broadcast", tensor, what, False,
-                         lambda: dist.broadcast(tensor, src=global_src, group=self.group, async_op=True))
+                         lambda: dist.broadcast(staged, src=global_src, group=self.group, async_op=True), stage)
 
     def all_gather_objects(self, obj, what: str) -> list:
         """Small Python objects (control data: manifests, error reports); counted as control."""
@@ -182,13 +235,14 @@ class Communicator:
         self.all_reduce(torch.zeros(1, device=self.device), what, kind="control")
 
     # -- internals ------------------------------------------------------------------------------------
-    def _run(self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch) -> Handle:
+    def _run(self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch,
+             staging: _Staging | None = None) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         check = self._start_check(kind, nbytes, what)  # queued first on the same group, not waited here
         self.counter.add(kind, nbytes)
         started = time.monotonic()
         try:
-            handle = Handle(self, launch(), what, started, check)
+            handle = Handle(self, launch(), what, started, check, staging)
         except Exception as error:
             raise self.error(what, started, error) from error
         if not async_op:
