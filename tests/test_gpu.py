@@ -43,7 +43,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Relative error per tensor norm after STEPS steps. The CPU tests are bit-exact; on a GPU, kernels
 # differ with memory alignment (flat-buffer views vs separate tensors) and between the CUDA and the
 # CPU Adam (offload), so parity is to tolerance here and the figures say how close it came.
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-3}
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3}
 
 
 def _device() -> torch.device:
