@@ -105,9 +105,8 @@ class StreamedStep:
         # Every swap file is checked before anything is updated: a damaged store fails the step and
         # leaves masters and optimizer states as they were.
         self.store.check([t for sub in subs for t in self._tensors(sub)])
-        for sub in subs:
-            if sub.group.master_store is not None:
-                sub.group.master_store.check([sub.group.master])
+        for group in self._offloaded_master_groups():
+            group.master_store.check([group.master])
         self._prefetch(subs[0])
         try:
             for k, sub in enumerate(subs):
@@ -123,10 +122,14 @@ class StreamedStep:
                 pg["params"] = params
         started = time.monotonic()
         self.store.wait()
-        for master_store in {id(s): s for s in (sub.group.master_store for sub in subs) if s is not None}.values():
+        for master_store in {id(g.master_store): g.master_store for g in self._offloaded_master_groups()}.values():
             if master_store is not self.store:
                 master_store.wait()
         self.store.counters.wait_s += time.monotonic() - started
+
+    def _offloaded_master_groups(self) -> list[FlatGroup]:
+        groups = {id(sub.group): sub.group for sub in self.sub_groups if sub.group.master_store is not None}
+        return list(groups.values())
 
     def _step_one(self, sub: SubGroup) -> None:
         for pg, params in zip(self.optimizer.param_groups, self._all_params):
