@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from zeroshard.checkpoint.deepspeed import find as find_deepspeed
+from zeroshard.checkpoint.deepspeed_convert import consolidate_deepspeed
 from zeroshard.checkpoint.files import CheckpointError, dtype_name
 from zeroshard.checkpoint.manifest import BUFFERS, MANIFEST, check_files, checkpoint_path, read_manifest, resolve_tag
 from zeroshard.checkpoint.output import FullModelWriter, format_for
@@ -43,8 +45,13 @@ def consolidate(checkpoint_dir, output, tag=None, dtype: torch.dtype = torch.flo
     """Write the full model of a checkpoint to `output` (safetensors, or torch.save for `fmt='pt'`
     or a .pt/.bin name), parameters in `dtype`, keys as the model's `state_dict()` has them (tied
     aliases and buffers included), so `model.load_state_dict(..., strict=True)` takes it.
-    Returns a summary: output path, tensors, bytes, seconds, the largest group's bytes."""
+    Returns a summary: output path, tensors, bytes, seconds, the largest group's bytes.
+    A DeepSpeed ZeRO checkpoint is read in its own format (what its zero_to_fp32.py makes of it:
+    deepspeed_convert.py); `verify` has no checksums to check there."""
     started = time.monotonic()
+    deepspeed_dir = find_deepspeed(checkpoint_dir, tag)
+    if deepspeed_dir is not None:
+        return consolidate_deepspeed(deepspeed_dir, output, dtype, fmt)
     path, manifest = open_checkpoint(checkpoint_dir, tag)
     if verify:
         problems = check_files(path, manifest)

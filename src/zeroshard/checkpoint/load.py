@@ -22,6 +22,8 @@ import torch
 
 from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.contract import Counters
+from zeroshard.checkpoint.deepspeed import find as find_deepspeed
+from zeroshard.checkpoint.deepspeed_load import load_deepspeed_checkpoint
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
                        persistent_buffers, rank_file, read_manifest, resolve_tag)
@@ -35,7 +37,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
                     load_lr_scheduler_states: bool = True, load_module_only: bool = False,
                     load_module_strict: bool = True, verify: bool = True):
     """Restore `engine` from `load_dir/<tag>` (default: the tag `latest` names, or `load_dir`
-    itself when it is the directory of one checkpoint). Collective.
+    itself when it is the directory of one checkpoint). Collective. A checkpoint DeepSpeed wrote
+    (ZeRO stages 1-3) is recognised and read in its own format (deepspeed_load.py).
 
     Returns `(checkpoint directory, client_state)`, or `(None, None)` with a warning when
     `load_dir` has no `latest` and no tag was given (DeepSpeed's behaviour). `load_module_only`
@@ -50,6 +53,10 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     """
     comm = engine.comm
     load_dir = Path(load_dir)
+    deepspeed_dir = find_deepspeed(load_dir, tag)  # a checkpoint DeepSpeed wrote: read its own format
+    if deepspeed_dir is not None:
+        return load_deepspeed_checkpoint(engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
+                                         load_module_only, load_module_strict)
     found, error = attempt(_find, load_dir, tag)
     agree(comm, error, f"loading checkpoint from {load_dir}")
     if found is None:

@@ -40,7 +40,8 @@ class DynamicLossScaler:
 
     An overflow (inf/nan in any rank's gradients; all ranks agree through one all-reduce) skips the
     step. After `hysteresis` consecutive overflows the scale is halved (never below
-    `min_loss_scale`); after `loss_scale_window` clean steps since the last overflow it doubles.
+    `min_loss_scale`); at the step after each `loss_scale_window` clean steps since the last
+    overflow it doubles.
     `loss_scale > 0` is a static scale: overflowing steps are still skipped, the scale never moves.
     """
 
@@ -69,7 +70,10 @@ class DynamicLossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.hysteresis_left = self.hysteresis
-            if (self.iteration - self.last_overflow) % self.window == 0:
+            # DeepSpeed 0.19.8's rule (fp16/loss_scaler.py): the steps since the last overflow,
+            # not counting this one, form a whole window. tests/data/deepspeed/ holds its record.
+            stable = self.iteration - self.last_overflow - 1
+            if stable > 0 and stable % self.window == 0:
                 if not self.consecutive_hysteresis:
                     self.hysteresis_left = self.hysteresis
                 self.scale *= 2

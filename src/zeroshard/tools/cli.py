@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "zeroshard.tools.commands.train",
     "zeroshard.tools.commands.bench",
     "zeroshard.tools.commands.consolidate",
+    "zeroshard.tools.commands.convert",
     "zeroshard.tools.commands.advise",
 ]
 

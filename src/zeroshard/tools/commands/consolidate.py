@@ -13,13 +13,16 @@ Write the full model of a zeroshard checkpoint (any world size, any ZeRO stage) 
 and buffers included. CKPT_DIR is the directory given to engine.save_checkpoint (the tag that
 `latest` names is used unless --tag is given) or one checkpoint directory. Safetensors output is
 streamed unit by unit, so memory stays about one unit; a .pt file is built in memory. Every shard's
-checksum is verified first; a damaged or incomplete checkpoint is an error naming the file."""
+checksum is verified first; a damaged or incomplete checkpoint is an error naming the file.
+A checkpoint DeepSpeed wrote (ZeRO stages 1-3, any world size) is accepted too: the result is what
+DeepSpeed's zero_to_fp32.py makes of it, streamed parameter by parameter, without DeepSpeed."""
 
 EXAMPLES = [
     "zeroshard consolidate checkpoints/ model.safetensors             # the 'latest' tag, fp32",
     "zeroshard consolidate checkpoints/ model-bf16.safetensors --dtype bf16",
     "zeroshard consolidate checkpoints/ model.pt --tag global_step1000   # torch.save format",
     "zeroshard consolidate checkpoints/global_step1000 out.bin --format pt --json",
+    "zeroshard consolidate ds_checkpoints/ model.safetensors          # a DeepSpeed checkpoint",
 ]
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

@@ -1,0 +1,86 @@
+"""The model, data and config shared by make_checkpoints.py (run under DeepSpeed) and the tests (run
+under zeroshard): both sides must build bit-identical models and batches from the same seeds.
+
+Sizes are odd on purpose (1,613 parameters; 7, 24, 5 features) so that every world size of 2, 3
+and 4 pads its flat buffers differently, in DeepSpeed and in zeroshard alike.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+IN, WIDTH, OUT, DEPTH = 7, 24, 5, 2
+GLOBAL_BATCH = 12  # divisible by 2, 3 and 4: every world size sees the same global batch
+SEED = 1234
+STEPS_BEFORE_SAVE = 3
+STEPS_AFTER_SAVE = 3
+
+
+class Block(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class TinyNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(IN, WIDTH)
+        self.blocks = nn.ModuleList([Block(WIDTH) for _ in range(DEPTH)])
+        self.head = nn.Linear(WIDTH, OUT)
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, OUT))  # a persistent buffer
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        # DeepSpeed 0.19.8 keeps floating buffers in fp32 under bf16/fp16, zeroshard casts them to the
+        # compute dtype: casting here makes both compute the same thing.
+        return self.head(h) + self.shift.to(h.dtype)
+
+
+def build_model() -> TinyNet:
+    torch.manual_seed(SEED)
+    return TinyNet()
+
+
+def batch(step: int, rank: int, world_size: int, dtype=torch.float32):
+    """This rank's contiguous slice of global step `step`'s batch (inputs, targets)."""
+    generator = torch.Generator().manual_seed(10_000 + step)
+    x = torch.randn(GLOBAL_BATCH, IN, generator=generator)
+    y = torch.randn(GLOBAL_BATCH, OUT, generator=generator)
+    per = GLOBAL_BATCH // world_size
+    lo = rank * per
+    return x[lo:lo + per].to(dtype), y[lo:lo + per].to(dtype)
+
+
+def loss_fn(out, y):
+    return torch.nn.functional.mse_loss(out.float(), y.float())
+
+
+def config(stage: int, precision: str, world_size: int) -> dict:
+    """The DeepSpeed config of a run. torch_adam: both DeepSpeed and zeroshard then step with
+    torch.optim.AdamW (the same kernel), so losses can be compared bit for bit."""
+    cfg = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8,
+                                                  "weight_decay": 0.05, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
+                                                     "warmup_num_steps": 5, "warmup_type": "linear"}},
+        "zero_optimization": {"stage": stage},
+    }
+    if precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
+    return cfg
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,0 +1,188 @@
+"""DeepSpeed-written checkpoints (tests/data/deepspeed/, made by DeepSpeed 0.19.8 itself at 2 ranks,
+stages 1-3, fp32/bf16/fp16) resumed by zeroshard at 2, 3 and 4 ranks and at every stage.
+
+The oracle is DeepSpeed: make_checkpoints.py recorded the losses of the steps DeepSpeed trained after
+its save; zeroshard, resuming from that save, must train the same steps to the same losses:
+  * bit for bit at DeepSpeed's world size (2) in fp32, at its stage and at every other (at 2 ranks
+    zeroshard is bit for bit DDP at every stage, and so is DeepSpeed, both stepping torch's AdamW);
+  * bf16 at 2 ranks: bit for bit at the same stage (measured: at every stage);
+  * fp16: within TOL_16 everywhere, the same world size and stage included. The first two steps
+    after the load match bit for bit, the third differs by 3.7e-3: the cause is not identified (a
+    guess: the order in which DeepSpeed's fp16 reduction divides by the world size, visible where
+    fp16 gradients are subnormal and Adam amplifies it). The loss scale moves exactly as DeepSpeed's;
+  * at 3 and 4 ranks the global batch is the same 12 samples; only the order of the gradient sums
+    changes: TOL_FP32 relative in fp32 (measured 0 at 3 ranks, 9.6e-8 at 4), TOL_16 in 16 bits.
+The masters and Adam moments zeroshard holds after loading are DeepSpeed's exactly (compared with
+zero_to_fp32's output, which make_checkpoints.py saved with DeepSpeed's own script).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroshard
+from tests.harness import grid, run_distributed, subtests
+from zeroshard.checkpoint import CheckpointError, consolidate
+from zeroshard.checkpoint.deepspeed import DeepSpeedCheckpoint, find
+from zeroshard.checkpoint.deepspeed_convert import convert_deepspeed
+
+DATA = Path(__file__).parent / "data" / "deepspeed"
+_spec = importlib.util.spec_from_file_location("tiny_model", DATA / "tiny_model.py")
+tm = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tm)
+EXPECTED = json.loads((DATA / "expected.json").read_text())
+CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("fp32", "bf16", "fp16")]
+TOL_FP32 = 1e-6
+# Relative, per loss. Measured: bf16 7.8e-4 (3 ranks), 3.6e-4 (4 ranks), 0 at 2 ranks at any stage;
+# fp16 3.7e-3 at every world size, the same stage included (see the module doc).
+TOL_16 = 1e-2
+
+
+def _train(engine, precision: str, first: int, steps: int) -> list[float]:
+    world, rank = engine.world_size, engine.global_rank
+    losses = []
+    for step in range(first, first + steps):
+        x, y = tm.batch(step, rank, world, tm.DTYPES[precision])
+        loss = tm.loss_fn(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        every = engine.comm.all_gather_objects(loss.item(), "test: losses")
+        losses.append(float(torch.tensor(every, dtype=torch.float32).sum() / world))
+    return losses
+
+
+def _resume(source: str, stage: int, precision: str, converted: str | None = None) -> dict:
+    world = torch.distributed.get_world_size()
+    config = tm.config(stage, precision, world)
+    config["zeroshard"] = {"comm_timeout_s": 60}
+    model = tm.build_model()
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    path, client = engine.load_checkpoint(converted or str(DATA / source))
+    loaded = {"global_steps": engine.global_steps, "lr": engine.get_lr(),
+              "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None}
+    with engine.gathered_parameters(list(model.parameters())):
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    losses = _train(engine, precision, EXPECTED["steps_before_save"], tm.STEPS_AFTER_SAVE)
+    final_scale = engine.get_loss_scale()
+    engine.destroy()
+    return {"losses": losses, "loaded": loaded, "params": params, "path": path, "final_scale": final_scale}
+
+
+def _worker(rank: int, world_size: int, cases: list[dict]):
+    return subtests(cases, _resume)
+
+
+CONVERTED = ["stage2_fp32", "stage3_bf16", "stage1_fp16"]  # also resumed through `zeroshard convert`
+
+
+def _cases(world: int, converted_dir: Path | None = None) -> list[dict]:
+    if world == 2:  # every checkpoint at every stage
+        cases = [dict(source=f"stage{s}_{p}", stage=t, precision=p) for s, p in CASES for t in (0, 1, 2, 3)]
+    else:
+        cases = [dict(source=f"stage{s}_{p}", stage=t, precision=p) for s, p in CASES
+                 for t in sorted({s, 3 if s != 3 else 1})]
+    if converted_dir is not None:
+        cases += [dict(source=name, stage=int(name[5]), precision=name.split("_")[1],
+                       converted=str(converted_dir / name)) for name in CONVERTED]
+    return cases
+
+
+def _relative(ours: list[float], theirs: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+
+
+def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
+    worst = {}
+    for case, result in zip(cases, results):
+        source, stage, precision = case["source"], case["stage"], case["precision"]
+        expected = EXPECTED["cases"][source]
+        after = expected["losses"][EXPECTED["steps_before_save"]:]
+        what = f"{source} resumed at {world} ranks, stage {stage}{' (converted)' if case.get('converted') else ''}"
+        assert result["loaded"]["global_steps"] == EXPECTED["steps_before_save"], what
+        reference = torch.load(DATA / source / "zero_to_fp32.pt", weights_only=True)
+        for name, value in result["params"].items():
+            # The parameters zeroshard computes with are the masters rounded to the compute dtype.
+            want = reference[name].to(tm.DTYPES[precision]).float()
+            assert torch.equal(value, want), f"{what}: parameter '{name}' is not DeepSpeed's master"
+        exact = world == 2 and (precision == "fp32" or (precision == "bf16" and stage == int(source[5])))
+        error = _relative(result["losses"], after)
+        if exact:
+            assert result["losses"] == after, f"{what}: losses {result['losses']} != DeepSpeed's {after}"
+        else:
+            assert error <= (TOL_FP32 if precision == "fp32" else TOL_16), f"{what}: {error:.2e} {result['losses']} {after}"
+        if precision == "fp16":  # DeepSpeed's scaler state as saved: scale, hysteresis, iteration, last overflow
+            saved = DeepSpeedCheckpoint(find(DATA / source)).loss_scaler_state()
+            assert saved["scale"] == 512.0 and result["loaded"]["scaler"] == saved, what
+            assert result["final_scale"] == expected["loss_scale"], f"{what}: the scale did not move as DeepSpeed's"
+        worst[precision] = max(worst.get(precision, 0.0), error)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_deepspeed_checkpoints_resume(world, tmp_path):
+    for name in CONVERTED:
+        convert_deepspeed(find(DATA / name), tmp_path / name)
+    cases = _cases(world, tmp_path)
+    results = run_distributed(_worker, world, timeout=300, cases=cases)[0]
+    worst = _check(cases, world, results)
+    print(f"world {world}: worst relative loss difference from DeepSpeed per precision: {worst}")
+
+
+# -- single process: consolidate, convert, safe loading --------------------------------------------
+@pytest.mark.parametrize("source", [f"stage{s}_{p}" for s, p in CASES])
+@pytest.mark.parametrize("via", ["direct", "convert"])
+def test_consolidate_equals_zero_to_fp32(tmp_path, source, via):
+    """`zeroshard consolidate` of the DeepSpeed checkpoint, or of its `zeroshard convert` result."""
+    output = tmp_path / "model.safetensors"
+    if via == "convert":
+        convert_deepspeed(find(DATA / source), tmp_path / "converted")
+    summary = consolidate(DATA / source if via == "direct" else tmp_path / "converted", output, progress=False)
+    from safetensors.torch import load_file
+
+    ours = load_file(str(output))
+    reference = torch.load(DATA / source / "zero_to_fp32.pt", weights_only=True)
+    assert ours.keys() == reference.keys()
+    for name in reference:
+        assert ours[name].dtype == reference[name].dtype and torch.equal(ours[name], reference[name]), name
+    assert summary["tensors"] == len(reference)
+
+
+def test_tampered_pickle_is_refused(tmp_path):
+    copy = tmp_path / "stage1_fp32"
+    shutil.copytree(DATA / "stage1_fp32", copy)
+    model_file = copy / "global_step3" / "mp_rank_00_model_states.pt"
+    with zipfile.ZipFile(model_file) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    tampered = tmp_path / "tampered.pt"
+    _rewrite_global(model_file, tampered, pkl)
+    shutil.move(tampered, model_file)
+    with pytest.raises(CheckpointError) as error:
+        DeepSpeedCheckpoint(find(copy))
+    message = str(error.value)
+    assert "mp_rank_00_model_states.pt" in message and "os.system" in message, message
+
+
+def _rewrite_global(source: Path, target: Path, pkl: bytes) -> None:
+    old, new = b"ccollections\nOrderedDict\n", b"cos\nsystem\n"  # protocol-2 GLOBAL opcodes
+    assert old in pkl, "the fixture's pickle no longer names collections.OrderedDict as expected"
+    with zipfile.ZipFile(source) as original, zipfile.ZipFile(target, "w") as copy:
+        for item in original.infolist():
+            data = original.read(item.filename)
+            copy.writestr(item, data.replace(old, new, 1) if item.filename.endswith("data.pkl") else data)
+
+
+def test_unreadable_and_incomplete_checkpoints_name_the_file(tmp_path):
+    copy = tmp_path / "stage2_fp32"
+    shutil.copytree(DATA / "stage2_fp32", copy)
+    (copy / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="saved at 2 ranks"):
+        DeepSpeedCheckpoint(find(copy))
+    (copy / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        DeepSpeedCheckpoint(find(copy))
