@@ -14,6 +14,7 @@ from torch import nn
 from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
+from zeroshard.compat.ds_params import register as register_ds_metadata, unregister as unregister_ds_metadata
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.core.lifecycle import Phase, tensors_in
@@ -54,6 +55,7 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
             prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
             gradient_clipping=float(config.gradient_clipping or 0.0),
             loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None)
+        register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
         configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
         self.micro_steps = 0
@@ -284,6 +286,7 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
 
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
+        unregister_ds_metadata(self.sharded)
         self.sharded.destroy()
 
 

@@ -121,13 +121,19 @@ class FlatGroup:
         for param, view in zip(self.params, self.layout.views(self.full)):
             param.data = view
 
-    def free_full(self) -> None:
-        """Free the gathered storage; parameters become empty (see [Note: parameter storage])."""
+    def free_full(self, release: bool = False) -> None:
+        """Free the gathered storage; parameters become empty (see [Note: parameter storage]).
+        `release`: drop the buffer instead of shrinking its storage, so tensors the user took from
+        the gathered parameters (`p.data.cpu()` is no copy on CPU) keep their values; for gathers
+        outside forward/backward, where autograd saved no views (GatheredParameters)."""
         empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
         for param in self.params:
             param.data = empty
         if self.full is not None and not self.keep_full:
-            self.full.untyped_storage().resize_(0)
+            if release:
+                self.full = None  # new_full() allocates afresh; memory goes when the last view does
+            else:
+                self.full.untyped_storage().resize_(0)
 
     def new_full(self) -> torch.Tensor:
         """The full buffer to gather into: the *same* storage every time, grown back to size."""

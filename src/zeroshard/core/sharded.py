@@ -151,7 +151,7 @@ class Sharded:
                         group.copy_full_into_master()
             if self.lifecycle.phase is Phase.IDLE:
                 for unit in units:
-                    unit.reshard()
+                    unit.reshard(release=True)  # what the block took from them stays valid
 
     def owns(self, param) -> bool:
         return id(param) in self._param_groups

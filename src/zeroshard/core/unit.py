@@ -62,14 +62,15 @@ class Unit:
             self.state = UnitState.UNSHARDED
         assert self.state is UnitState.UNSHARDED, (self.name, self.state)
 
-    def reshard(self) -> None:
-        """Free the gathered parameters (stage 3); see [Note: parameter storage] in group.py."""
+    def reshard(self, release: bool = False) -> None:
+        """Free the gathered parameters (stage 3); see [Note: parameter storage] in group.py
+        (`release`: FlatGroup.free_full)."""
         if not self.reshards or self.state is UnitState.SHARDED:
             return
         if self.state is UnitState.GATHERING:  # never free a buffer a collective still writes
             self.wait_unshard()
         for group in self.groups:
-            group.free_full()
+            group.free_full(release)
         self.state = UnitState.SHARDED
 
     # -- gradients ----------------------------------------------------------------------------------
