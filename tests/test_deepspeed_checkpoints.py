@@ -7,9 +7,13 @@ its save; zeroshard, resuming from that save, must train the same steps to the s
     zeroshard is bit for bit DDP at every stage, and so is DeepSpeed, both stepping torch's AdamW);
   * bf16 at 2 ranks: bit for bit at the same stage (measured: at every stage);
   * fp16: within TOL_16 everywhere, the same world size and stage included. The first two steps
-    after the load match bit for bit, the third differs by 3.7e-3: the cause is not identified (a
-    guess: the order in which DeepSpeed's fp16 reduction divides by the world size, visible where
-    fp16 gradients are subnormal and Adam amplifies it). The loss scale moves exactly as DeepSpeed's;
+    after the load match bit for bit, the third differs by 3.7e-3. Cause, found: on a step where the
+    loss scale grows, DeepSpeed 0.19.8 updates the scale *before* unscaling that step's gradients
+    (stage_1_and_2.py / stage3.py step(): `_update_scale` precedes `unscale_and_clip_grads`, which
+    divides by the new scale), so it applies half the gradient on that step; zeroshard divides by the
+    scale the loss was multiplied with. With zeroshard's step changed to DeepSpeed's order (an
+    experiment, not committed) all three fp16 checkpoints resume bit for bit. The loss scale itself
+    moves exactly as DeepSpeed's (asserted);
   * at 3 and 4 ranks the global batch is the same 12 samples; only the order of the gradient sums
     changes: TOL_FP32 relative in fp32 (measured 0 at 3 ranks, 9.6e-8 at 4), TOL_16 in 16 bits.
 The masters and Adam moments zeroshard holds after loading are DeepSpeed's exactly (compared with
@@ -37,10 +41,10 @@ _spec = importlib.util.spec_from_file_location("tiny_model", DATA / "tiny_model.
 tm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(tm)
 EXPECTED = json.loads((DATA / "expected.json").read_text())
-CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("fp32", "bf16", "fp16")]
+CASES = list(tm.CASES)  # checkpoint names: stage<s>_<precision>[_<variant>]
 TOL_FP32 = 1e-6
 # Relative, per loss. Measured: bf16 7.8e-4 (3 ranks), 3.6e-4 (4 ranks), 0 at 2 ranks at any stage;
-# fp16 3.7e-3 at every world size, the same stage included (see the module doc).
+# fp16 3.7e-3 at every world size, the same stage included (DeepSpeed's unscale order, module doc).
 TOL_16 = 1e-2
 
 
@@ -57,12 +61,23 @@ def _train(engine, precision: str, first: int, steps: int) -> list[float]:
     return losses
 
 
+def _reference(source: str) -> dict:
+    """DeepSpeed's full fp32 weights at the save: its zero_to_fp32 output, or, for the checkpoint
+    zero_to_fp32 does not read (BF16_Optimizer), the masters its running engine held."""
+    file = DATA / source / "zero_to_fp32.pt"
+    return torch.load(file if file.is_file() else DATA / source / "masters.pt", weights_only=True)
+
+
 def _resume(source: str, stage: int, precision: str, converted: str | None = None) -> dict:
     world = torch.distributed.get_world_size()
-    config = tm.config(stage, precision, world)
+    variant = tm.CASES[source][2]
+    config = tm.config(stage, precision, world, variant)
     config["zeroshard"] = {"comm_timeout_s": 60}
-    model = tm.build_model()
-    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if variant == "fp32grads":  # DeepSpeed's BF16_Optimizer accumulates and reduces in fp32
+        config["communication_data_type"] = "fp32"
+    model = tm.build_model(variant)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=tm.model_parameters(model, variant),
+                                           config=config)
     path, client = engine.load_checkpoint(converted or str(DATA / source))
     loaded = {"global_steps": engine.global_steps, "lr": engine.get_lr(),
               "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None}
@@ -83,12 +98,12 @@ CONVERTED = ["stage2_fp32", "stage3_bf16", "stage1_fp16"]  # also resumed throug
 
 def _cases(world: int, converted_dir: Path | None = None) -> list[dict]:
     if world == 2:  # every checkpoint at every stage
-        cases = [dict(source=f"stage{s}_{p}", stage=t, precision=p) for s, p in CASES for t in (0, 1, 2, 3)]
+        cases = [dict(source=name, stage=t, precision=tm.CASES[name][1]) for name in CASES for t in (0, 1, 2, 3)]
     else:
-        cases = [dict(source=f"stage{s}_{p}", stage=t, precision=p) for s, p in CASES
-                 for t in sorted({s, 3 if s != 3 else 1})]
+        cases = [dict(source=name, stage=t, precision=tm.CASES[name][1]) for name in CASES
+                 for t in sorted({tm.CASES[name][0], 3 if tm.CASES[name][0] != 3 else 1})]
     if converted_dir is not None:
-        cases += [dict(source=name, stage=int(name[5]), precision=name.split("_")[1],
+        cases += [dict(source=name, stage=tm.CASES[name][0], precision=tm.CASES[name][1],
                        converted=str(converted_dir / name)) for name in CONVERTED]
     return cases
 
@@ -105,12 +120,18 @@ def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
         after = expected["losses"][EXPECTED["steps_before_save"]:]
         what = f"{source} resumed at {world} ranks, stage {stage}{' (converted)' if case.get('converted') else ''}"
         assert result["loaded"]["global_steps"] == EXPECTED["steps_before_save"], what
-        reference = torch.load(DATA / source / "zero_to_fp32.pt", weights_only=True)
+        reference = _reference(source)
         for name, value in result["params"].items():
             # The parameters zeroshard computes with are the masters rounded to the compute dtype.
             want = reference[name].to(tm.DTYPES[precision]).float()
             assert torch.equal(value, want), f"{what}: parameter '{name}' is not DeepSpeed's master"
-        exact = world == 2 and (precision == "fp32" or (precision == "bf16" and stage == int(source[5])))
+        # BF16_Optimizer (fp32grads): the state loads exactly (the first loss is bit for bit), later
+        # steps are within TOL_16 (measured 8e-5); its gradient path differs from zeroshard's with
+        # fp32 communication in a way not identified here.
+        exact = world == 2 and (precision == "fp32" or (precision == "bf16" and stage == tm.CASES[source][0]
+                                                        and tm.CASES[source][2] != "fp32grads"))
+        if tm.CASES[source][2] == "fp32grads" and stage == tm.CASES[source][0] and world == 2:
+            assert result["losses"][0] == after[0], what
         error = _relative(result["losses"], after)
         if exact:
             assert result["losses"] == after, f"{what}: losses {result['losses']} != DeepSpeed's {after}"
@@ -135,7 +156,7 @@ def test_deepspeed_checkpoints_resume(world, tmp_path):
 
 
 # -- single process: consolidate, convert, safe loading --------------------------------------------
-@pytest.mark.parametrize("source", [f"stage{s}_{p}" for s, p in CASES])
+@pytest.mark.parametrize("source", CASES)
 @pytest.mark.parametrize("via", ["direct", "convert"])
 def test_consolidate_equals_zero_to_fp32(tmp_path, source, via):
     """`zeroshard consolidate` of the DeepSpeed checkpoint, or of its `zeroshard convert` result."""
@@ -146,11 +167,20 @@ def test_consolidate_equals_zero_to_fp32(tmp_path, source, via):
     from safetensors.torch import load_file
 
     ours = load_file(str(output))
-    reference = torch.load(DATA / source / "zero_to_fp32.pt", weights_only=True)
+    reference = _reference(source)
     assert ours.keys() == reference.keys()
     for name in reference:
         assert ours[name].dtype == reference[name].dtype and torch.equal(ours[name], reference[name]), name
     assert summary["tensors"] == len(reference)
+
+
+@pytest.mark.parametrize("source", [name for name in CASES if (DATA / name / "zero_to_fp32.pt").is_file()])
+def test_fixture_references_agree(source):
+    """DeepSpeed's two views of the same weights: zero_to_fp32 of the files, the live engine's masters."""
+    files = torch.load(DATA / source / "zero_to_fp32.pt", weights_only=True)
+    live = torch.load(DATA / source / "masters.pt", weights_only=True)
+    assert files.keys() == live.keys()
+    assert all(torch.equal(files[k], live[k]) for k in files)
 
 
 def test_tampered_pickle_is_refused(tmp_path):

@@ -158,9 +158,13 @@ class DeepSpeedCheckpoint:
         return places
 
     def _stage12_partitions(self, first: dict) -> list[int]:
-        """Per param group, P: the elements of each rank's partition (rank 0's saved fp32 partition
-        plus the padding it dropped)."""
+        """Per param group, P: the elements of each rank's partition: rank 0's saved fp32 partition,
+        plus the padding ZeRO's stage 1/2 optimizer dropped from it. DeepSpeed's BF16_Optimizer (bf16
+        with fp32 gradient accumulation at stage 1; its files have no `zero_stage`) saves partitions
+        with their padding."""
         groups = first["single_partition_of_fp32_groups"]
+        if "zero_stage" not in first:
+            return [int(g.numel()) for g in groups]
         paddings = first.get("group_paddings", [0] * len(groups))
         return [int(g.numel()) + int(pad) for g, pad in zip(groups, paddings)]
 

@@ -43,9 +43,32 @@ class TinyNet(nn.Module):
         return self.head(h) + self.shift.to(h.dtype)
 
 
-def build_model() -> TinyNet:
+# Checkpoint name -> (stage, precision, variant). Variants: "" plain; "groups": two optimizer param
+# groups (no weight decay for biases and norms) and one frozen parameter; "fp32grads": bf16 with
+# fp32 gradient accumulation, which DeepSpeed runs with its separate BF16_Optimizer at stage 1.
+CASES = {f"stage{stage}_{precision}": (stage, precision, "") for stage in (1, 2, 3)
+         for precision in ("fp32", "bf16", "fp16")}
+CASES.update({"stage2_fp32_groups": (2, "fp32", "groups"), "stage3_fp32_groups": (3, "fp32", "groups"),
+              "stage1_bf16_fp32grads": (1, "bf16", "fp32grads")})
+FROZEN = "blocks.0.norm.weight"
+
+
+def build_model(variant: str = "") -> TinyNet:
     torch.manual_seed(SEED)
-    return TinyNet()
+    model = TinyNet()
+    if variant == "groups":
+        model.get_parameter(FROZEN).requires_grad_(False)
+    return model
+
+
+def model_parameters(model: TinyNet, variant: str = ""):
+    """What the script passes as `model_parameters`: the parameters, or two param groups."""
+    if variant != "groups":
+        return list(model.parameters())
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in trainable if n.endswith("weight") and "norm" not in n]
+    no_decay = [p for n, p in trainable if not (n.endswith("weight") and "norm" not in n)]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def batch(step: int, rank: int, world_size: int, dtype=torch.float32):
@@ -62,7 +85,7 @@ def loss_fn(out, y):
     return torch.nn.functional.mse_loss(out.float(), y.float())
 
 
-def config(stage: int, precision: str, world_size: int) -> dict:
+def config(stage: int, precision: str, world_size: int, variant: str = "") -> dict:
     """The DeepSpeed config of a run. torch_adam: both DeepSpeed and zeroshard then step with
     torch.optim.AdamW (the same kernel), so losses can be compared bit for bit."""
     cfg = {
@@ -80,6 +103,8 @@ def config(stage: int, precision: str, world_size: int) -> dict:
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 2}
+    if variant == "fp32grads":
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
 
 
