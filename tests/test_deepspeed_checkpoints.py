@@ -216,3 +216,20 @@ def test_unreadable_and_incomplete_checkpoints_name_the_file(tmp_path):
     (copy / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"not a zip")
     with pytest.raises(CheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         DeepSpeedCheckpoint(find(copy))
+
+
+def test_cli_convert_and_consolidate(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from zeroshard.tools.cli import main
+
+    assert main(["convert", str(DATA / "stage3_fp32"), str(tmp_path / "zs"), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["deepspeed_stage"] == 3 and summary["global_steps"] == EXPECTED["steps_before_save"]
+    assert (tmp_path / "zs" / "latest").read_text() == "global_step3"
+    assert main(["consolidate", str(DATA / "stage3_fp32"), str(tmp_path / "ds.safetensors"), "--quiet"]) == 0
+    assert main(["consolidate", str(tmp_path / "zs"), str(tmp_path / "zs.safetensors"), "--quiet"]) == 0
+    direct, converted = load_file(str(tmp_path / "ds.safetensors")), load_file(str(tmp_path / "zs.safetensors"))
+    assert direct.keys() == converted.keys() and all(torch.equal(direct[k], converted[k]) for k in direct)
+    assert main(["convert", str(tmp_path / "zs"), str(tmp_path / "again")]) == 2  # not a DeepSpeed checkpoint
+    assert "no DeepSpeed checkpoint there" in capsys.readouterr().err
