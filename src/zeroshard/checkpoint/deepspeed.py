@@ -111,6 +111,11 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"{self.path}: a DeepSpeed model-states file but no "
                                   "'zero_pp_rank_<r>_mp_rank_00_optim_states.pt' files: only ZeRO checkpoints "
                                   "(stages 1-3) are read")
+        parallel = sorted(f.name for f in self.path.iterdir() if f.name.startswith(("mp_rank_01", "layer_"))
+                          or "_mp_rank_01_" in f.name)
+        if parallel:
+            raise CheckpointError(f"{self.path}: holds tensor- or pipeline-parallel files ({parallel[0]}, ...): only "
+                                  "data-parallel ZeRO checkpoints (one model-parallel rank) are read")
         missing = [r for r in range(max(found) + 1) if r not in found]
         if missing:
             raise CheckpointError(f"{self.path}: optimizer-states files of rank(s) {missing} are missing "
