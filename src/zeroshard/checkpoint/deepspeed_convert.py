@@ -158,7 +158,7 @@ def _optimizer_name(checkpoint: DeepSpeedCheckpoint) -> str:
 
 
 def _manifest(checkpoint: DeepSpeedCheckpoint, tag: str, groups: list[dict], files: dict, buffers: list[str]) -> dict:
-    from zeroshard import __version__
+    from zeroshard.version import __version__
 
     counters = checkpoint.counters()
     config = checkpoint.model_states.get("ds_config")
