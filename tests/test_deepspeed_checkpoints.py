@@ -89,7 +89,34 @@ def _resume(source: str, stage: int, precision: str, converted: str | None = Non
     return {"losses": losses, "loaded": loaded, "params": params, "path": path, "final_scale": final_scale}
 
 
+def _options(option: str) -> None:
+    """load_checkpoint's options on a DeepSpeed checkpoint, and an engine unlike DeepSpeed's."""
+    world = torch.distributed.get_world_size()
+    config = tm.config(2, "fp32", world)
+    config["zeroshard"] = {"comm_timeout_s": 60}
+    if option == "fused":  # zeroshard's own default AdamW (torch's fused kernel) keeps its kernel
+        del config["optimizer"]["params"]["torch_adam"]
+    model = tm.build_model() if option != "other_model" else torch.nn.Linear(3, 3)
+    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config=config)
+    source = str(DATA / "stage2_fp32")
+    if option == "other_model":
+        with pytest.raises(CheckpointError, match="incompatible model"):
+            engine.load_checkpoint(source)
+    elif option == "module_only":
+        engine.load_checkpoint(source, load_module_only=True)
+        assert engine.global_steps == 0 and all(not engine.optimizer.group_state(g) for g in engine.optimizer.groups)
+    else:
+        engine.load_checkpoint(source)
+        group = engine.optimizer.param_groups[0]
+        assert group["fused"] is True and group["lr"] == pytest.approx(0.0046) and engine.global_steps == 3
+        state = engine.optimizer.group_state(engine.optimizer.groups[0])
+        assert float(state["step"]) == 3.0 and state["exp_avg"].abs().sum() > 0
+    engine.destroy()
+
+
 def _worker(rank: int, world_size: int, cases: list[dict]):
+    if world_size == 2:
+        subtests([{"option": o} for o in ("fused", "module_only", "other_model")], _options)
     return subtests(cases, _resume)
 
 

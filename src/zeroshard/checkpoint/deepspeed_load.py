@@ -21,6 +21,10 @@ from zeroshard.checkpoint.files import CheckpointError
 
 log = logging.getLogger(__name__)
 
+# torch param-group keys that choose a kernel, not the math: the engine keeps its own (DeepSpeed's
+# torch AdamW saves fused=None; restoring that would switch zeroshard's fused kernel off).
+_IMPLEMENTATION = {"params", "foreach", "fused", "capturable", "differentiable"}
+
 
 def load_deepspeed_checkpoint(engine, path: Path, load_optimizer_states: bool = True,
                               load_lr_scheduler_states: bool = True, load_module_only: bool = False,
@@ -37,7 +41,7 @@ def load_deepspeed_checkpoint(engine, path: Path, load_optimizer_states: bool = 
     engine.refresh_parameters()
     if restore_optimizer:
         for group, values in zip(engine.optimizer.param_groups, checkpoint.hyper_parameters()):
-            group.update(values)
+            group.update({k: v for k, v in values.items() if k in group and k not in _IMPLEMENTATION})
     if not load_module_only:
         counters = checkpoint.counters()
         gas = engine.counters().gradient_accumulation_steps
