@@ -114,9 +114,33 @@ def _options(option: str) -> None:
     engine.destroy()
 
 
-def _worker(rank: int, world_size: int, cases: list[dict]):
+def _resave_with_frozen(save_dir: str) -> None:
+    """A DeepSpeed checkpoint with a frozen parameter, saved again by zeroshard and loaded back at
+    another stage: the frozen parameter's group (no optimizer group) survives zeroshard's manifest."""
+    def engine_at(stage):
+        config = tm.config(stage, "fp32", torch.distributed.get_world_size(), "groups")
+        config["zeroshard"] = {"comm_timeout_s": 60}
+        model = tm.build_model("groups")
+        return zeroshard.initialize(model=model, model_parameters=tm.model_parameters(model, "groups"),
+                                    config=config)[0]
+
+    first = engine_at(2)
+    first.load_checkpoint(str(DATA / "stage2_fp32_groups"))
+    first.save_checkpoint(save_dir)
+    first.destroy()
+    second = engine_at(3)
+    second.load_checkpoint(save_dir)
+    with second.gathered_parameters(list(second.module.parameters())):
+        params = {n: p.detach().clone() for n, p in second.module.named_parameters()}
+    reference = _reference("stage2_fp32_groups")
+    assert all(torch.equal(params[n], reference[n]) for n in params)
+    second.destroy()
+
+
+def _worker(rank: int, world_size: int, cases: list[dict], save_dir: str):
     if world_size == 2:
         subtests([{"option": o} for o in ("fused", "module_only", "other_model")], _options)
+        subtests([{}], lambda: _resave_with_frozen(save_dir))
     return subtests(cases, _resume)
 
 
@@ -177,7 +201,7 @@ def test_deepspeed_checkpoints_resume(world, tmp_path):
     for name in CONVERTED:
         convert_deepspeed(find(DATA / name), tmp_path / name)
     cases = _cases(world, tmp_path)
-    results = run_distributed(_worker, world, timeout=300, cases=cases)[0]
+    results = run_distributed(_worker, world, timeout=300, cases=cases, save_dir=str(tmp_path / "resaved"))[0]
     worst = _check(cases, world, results)
     print(f"world {world}: worst relative loss difference from DeepSpeed per precision: {worst}")
 

@@ -175,7 +175,5 @@ def _manifest(checkpoint: DeepSpeedCheckpoint, tag: str, groups: list[dict], fil
         "micro_steps": counters["global_steps"] * gas, "skipped_steps": counters["skipped_steps"],
         "gradient_accumulation_steps": gas, "mid_accumulation": False, "optimizer": _optimizer_name(checkpoint),
         "lr_scheduler": scheduler, "loss_scaler": checkpoint.loss_scaler_state(), "aliases": checkpoint.aliases(),
-        "buffers": buffers, "groups": groups, "files": files, "config": config,
-        "converted_from": {"deepspeed_checkpoint": str(checkpoint.path), "world_size": checkpoint.world_size,
-                           "stage": checkpoint.stage, "ds_version": checkpoint.model_states.get("ds_version")},
+        "buffers": buffers, "groups": groups, "files": files, "config": config,  # DeepSpeed's config: its origin
     }

@@ -18,6 +18,7 @@ from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import FP32, DeepSpeedCheckpoint
 from zeroshard.checkpoint.files import CheckpointError
+from zeroshard.checkpoint.load import _apply as apply_loaded, _Loaded as Loaded  # the same two-phase load
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,11 @@ def load_deepspeed_checkpoint(engine, path: Path, load_optimizer_states: bool = 
     checkpoint, error = attempt(DeepSpeedCheckpoint, path)
     agree(comm, error, what)
     restore_optimizer = load_optimizer_states and not load_module_only
-    _, error = attempt(_read, engine, checkpoint, restore_optimizer, load_module_strict)
+    loaded, error = attempt(_read, engine, checkpoint, restore_optimizer, load_module_strict)
     agree(comm, error, what)
+    # [Note: a failed load changes nothing] (load.py): applied only once every rank has read all
+    _, error = attempt(apply_loaded, engine, loaded)
+    agree(comm, error, f"{what}: applying what was read")
     engine.refresh_parameters()
     if restore_optimizer:
         for group, values in zip(engine.optimizer.param_groups, checkpoint.hyper_parameters()):
@@ -94,35 +98,43 @@ def _check_optimizer(checkpoint: DeepSpeedCheckpoint, optimizer) -> None:
 
 
 @torch.no_grad()
-def _read(engine, checkpoint: DeepSpeedCheckpoint, restore_optimizer: bool, strict: bool) -> None:
+def _read(engine, checkpoint: DeepSpeedCheckpoint, restore_optimizer: bool, strict: bool) -> Loaded:
+    """Everything this rank loads, read into new tensors (nothing of the engine changes yet)."""
     params = {s.name: list(s.shape) for g in engine.groups for s in g.layout.slots}
     check_model(checkpoint, params, strict)
     if restore_optimizer:
         _check_optimizer(checkpoint, engine.optimizer)
     frozen = checkpoint.frozen()
     kinds = checkpoint.optimizer_state_kinds()
+    loaded = Loaded()
     for group in engine.groups:
-        for slot, lo, hi, dest in group.master_pieces():
+        master = group.master.detach().to("cpu", copy=True)  # what the checkpoint lacks stays as it is
+        for slot, lo, hi, dest in group.master_pieces(master):
             if slot.name in checkpoint.index:
                 checkpoint.read(slot.name, FP32, lo, hi, dest)
             elif slot.name in frozen:
                 dest.copy_(checkpoint.frozen_param(slot.name).reshape(-1)[lo:hi])
         start = group.opt_range[0]
-        group.master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
+        master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
+        loaded.copies.append((group.master, master))
         if restore_optimizer and group.trainable:
-            _load_optimizer_state(checkpoint, group, kinds, engine.optimizer)
+            state = _optimizer_state(checkpoint, group, kinds)
+            if state is not None:
+                loaded.states.append((group, state))
     buffers = dict(engine.module.named_buffers())
     for name, value in checkpoint.buffers().items():
         if name in buffers:
-            buffers[name].copy_(value)
+            loaded.copies.append((buffers[name], value.clone()))
         elif strict:
             raise CheckpointError(f"{checkpoint.path}: buffer '{name}' is not one of the model's")
+    return loaded
 
 
-def _load_optimizer_state(checkpoint: DeepSpeedCheckpoint, group, kinds: dict, optimizer) -> None:
+def _optimizer_state(checkpoint: DeepSpeedCheckpoint, group, kinds: dict) -> dict | None:
+    """One flat group's optimizer state (ZeroOptimizer.load_group_state's form), or None."""
     names = [s.name for s in group.layout.slots if s.name in checkpoint.index]
     if not names or not kinds:
-        return
+        return None
     state = dict(checkpoint.optimizer_scalars(checkpoint.index[names[0]].group))
     for key, kind in kinds.items():
         if kind != "elementwise":
@@ -131,5 +143,4 @@ def _load_optimizer_state(checkpoint: DeepSpeedCheckpoint, group, kinds: dict, o
         for slot, lo, hi, dest in group.master_pieces(state[key]):
             if slot.name in checkpoint.index:
                 checkpoint.read(slot.name, key, lo, hi, dest)
-    state = {k: v.to(group.master.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-    optimizer.load_group_state(group, state)
+    return {k: v.to(group.master.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}

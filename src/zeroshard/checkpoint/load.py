@@ -23,7 +23,6 @@ import torch
 from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
-from zeroshard.checkpoint.deepspeed_load import load_deepspeed_checkpoint
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
                        persistent_buffers, rank_file, read_manifest, resolve_tag)
@@ -55,6 +54,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     load_dir = Path(load_dir)
     deepspeed_dir = find_deepspeed(load_dir, tag)  # a checkpoint DeepSpeed wrote: read its own format
     if deepspeed_dir is not None:
+        from zeroshard.checkpoint.deepspeed_load import load_deepspeed_checkpoint  # it uses _apply below
+
         return load_deepspeed_checkpoint(engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
                                          load_module_only, load_module_strict)
     found, error = attempt(_find, load_dir, tag)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import types
 from pathlib import Path
 
 import torch
@@ -162,6 +163,9 @@ def read_manifest(path: Path) -> dict:
 # understood. `None` as a type means any JSON value (informational fields, or state that is also
 # in objects.pt). Fields marked optional were added after format version 1 was first written.
 _JSON = None
+# A group's optimizer param-group index, or null for a group no optimizer steps (frozen parameters;
+# describe_groups writes FlatGroup.optimizer_group, None there).
+_INDEX_OR_NULL = types.SimpleNamespace(__name__="int or null")
 _MANIFEST_FIELDS = {
     "format": str, "format_version": int, "tag": str, "world_size": int, "stage": int, "param_dtype": str,
     "global_steps": int, "micro_steps": int, "gradient_accumulation_steps": int, "mid_accumulation": bool,
@@ -169,7 +173,7 @@ _MANIFEST_FIELDS = {
     "groups": list, "files": dict,
 }
 _MANIFEST_OPTIONAL = {"library_version": str, "created": str, "skipped_steps": int, "config": _JSON}
-_GROUP_FIELDS = {"unit": str, "optimizer_group": int, "numel": int, "shard_numel": int, "params": list,
+_GROUP_FIELDS = {"unit": str, "optimizer_group": _INDEX_OR_NULL, "numel": int, "shard_numel": int, "params": list,
                  "state": list}
 _PARAM_FIELDS = {"name": str, "shape": list, "dtype": str, "offset": int, "numel": int}
 _FILE_FIELDS = {"sha256": str, "bytes": int}
@@ -214,7 +218,9 @@ def _check_fields(file: Path, where: str, value, required: dict, optional: dict 
                                   f"{type(value[key]).__name__} {value[key]!r:.60}")
 
 
-def _is(value, kind: type) -> bool:
+def _is(value, kind) -> bool:
+    if kind is _INDEX_OR_NULL:
+        return value is None or _is(value, int)
     if kind is int:  # JSON true/false is not a count
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, kind)
