@@ -3,6 +3,7 @@ engine: each rank reads only the element ranges of its own master shard, so no r
 the whole model (except at stage 0, where every rank holds it anyway)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -29,12 +30,15 @@ class _StateDictSource:
         self.tensors = {}
 
 
+INDEX = "model.safetensors.index.json"  # what save_pretrained(max_shard_size=...) writes beside its shards
+
+
 class _SafetensorsSource:
-    """One safetensors file, or every `*.safetensors` file of a directory (sharded Hugging Face
-    checkpoints), read by element range."""
+    """One safetensors file, or the `*.safetensors` files of a directory (sharded Hugging Face
+    checkpoints: those its model.safetensors.index.json names, when it has one), read by element range."""
 
     def __init__(self, path: Path):
-        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        files = _indexed_files(path) if path.is_dir() else [path]
         if not files:
             raise CheckpointError(f"{path}: no *.safetensors files in this directory")
         self.where = str(path)
@@ -58,6 +62,22 @@ class _SafetensorsSource:
     def close(self) -> None:
         for reader in self.readers:
             reader.close()
+
+
+def _indexed_files(directory: Path) -> list[Path]:
+    index = directory / INDEX
+    if not index.is_file():
+        return sorted(directory.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' of "
+                              f"tensor name -> file): {error}") from None
+    missing = [n for n in names if not (directory / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{index}: names {len(missing)} file(s) that are missing: {missing[:3]}")
+    return [directory / n for n in names]
 
 
 def _open_source(source):
@@ -92,6 +112,7 @@ def _load(engine, source, strict: bool) -> None:
             for slot, lo, hi, dest in group.master_pieces():
                 if slot.name in found:
                     weights.read_into(found[slot.name], lo, hi, dest)
+            group.release_master()  # an NVMe master goes to its file now: memory stays about one group
         buffers = persistent_buffers(engine.module)
         for name in set(buffers) & set(weights.keys()):
             value = torch.empty(buffers[name].numel(), dtype=buffers[name].dtype)

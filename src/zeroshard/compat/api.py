@@ -13,6 +13,7 @@ from torch import nn
 from zeroshard.compat.comm import init_distributed
 from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
 from zeroshard.compat.engine import ZeroEngine
+from zeroshard.compat.inference import InferenceEngine
 from zeroshard.compat.optimizers import build_optimizer, check_shardable
 from zeroshard.compat.schedulers import build_scheduler
 from zeroshard.core.optimizer import ZeroOptimizer
@@ -28,7 +29,8 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     `config` (or `config_params`, or `args.deepspeed_config`) is a DeepSpeed JSON config: a dict or a
     path. `optimizer` is a torch optimizer, or a callable building one from parameters; given
     together with the config's `optimizer` section it wins, as in DeepSpeed (with a warning); the
-    same for `lr_scheduler` and the `scheduler` section.
+    same for `lr_scheduler` and the `scheduler` section. With neither an optimizer nor an 'optimizer' section, the engine is for
+    inference (ZeRO-Inference, compat/inference.py) and the optimizer returned is None.
     """
     if model is None or not isinstance(model, nn.Module):
         raise ValueError(f"initialize(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -38,8 +40,11 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     config = _pick_config(args, config, config_params)
     init_distributed(dist_init_required=dist_init_required)
     cfg = load_config(config, dist.get_world_size())
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+    deferred = any(p.is_meta for p in model.parameters())  # values loaded into the shards later
+    if torch.cuda.is_available() and dist.get_backend() == "nccl" and not deferred:
         model.to(torch.device("cuda", torch.cuda.current_device()))
+    if optimizer is None and cfg.optimizer is None:
+        return _inference(model, cfg, lr_scheduler, training_data, collate_fn)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     torch_optimizer = _build_optimizer(optimizer, cfg, params)
     check_shardable(torch_optimizer)
@@ -64,6 +69,15 @@ def _refuse_hf_deepspeed_config() -> None:
             "zeroshard.integrations.hf.ZeroShardTrainer (docs/integrations.md, 'ZeRO-3 with transformers')")
 
 
+def _inference(model, cfg, lr_scheduler, training_data, collate_fn):
+    if lr_scheduler is not None or cfg.scheduler is not None:
+        raise ConfigError("a learning-rate scheduler was given but no optimizer: add an 'optimizer' section to the "
+                          "config or pass initialize(optimizer=...) to train; without one the engine is for inference")
+    engine = InferenceEngine(model, cfg)
+    loader = _dataloader(training_data, collate_fn, engine) if training_data is not None else None
+    return engine, None, loader, None
+
+
 def _pick_config(args, config, config_params):
     if config is not None and config_params is not None:
         raise ConfigError("give the config once: `config` or `config_params`, not both")
@@ -81,9 +95,6 @@ def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
         warnings.warn("an optimizer was passed to initialize() and the config has an 'optimizer' section: the "
                       "one passed is used and the section is ignored, as in DeepSpeed", ConfigKeyNotActedOnWarning,
                       stacklevel=3)
-    if optimizer is None and cfg.optimizer is None:
-        raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass "
-                          "initialize(optimizer=...)")
     if optimizer is None:
         return build_optimizer(cfg.optimizer, params)
     if isinstance(optimizer, ZeroOptimizer):

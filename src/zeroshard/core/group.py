@@ -17,6 +17,15 @@ The fp32 master shard is what the optimizer updates. Where it lives is decided b
 separate fp32 tensor, in an offload store when there is one. A stage-3 group whose master lives where
 the compute device cannot address it keeps `compute_shard`, this rank's shard in compute dtype on the
 device, which is what its all-gathers read.
+
+[Note: deferred values]
+Parameters on the meta device have shapes and no values: a model built under `torch.device("meta")`
+so that it is never materialised in full (ZeRO-Inference loading, compat/inference.py). Their group
+allocates its buffers on the compute device (`device`) zero filled, each parameter becomes (in place,
+`torch.utils.swap_tensors`, so modules and ties keep the same objects) an empty tensor of that device
+whose `.data` the group re-points as for any other parameter, and whoever built the model writes
+each rank's master shard afterwards (checkpoint/weights.py reads only this rank's element ranges),
+then refreshes the parameters. No full buffer of a resharding group is ever made for them.
 This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
 """
 from __future__ import annotations
@@ -36,7 +45,8 @@ class FlatGroup:
 
     def __init__(self, names: list[str], params: list[nn.Parameter], *, policy: StagePolicy,
                  precision: PrecisionPolicy, world_size: int, rank: int, reshards: bool,
-                 optimizer_group: int | None, master_store=None, grad_store=None, compute_shard: bool = False):
+                 optimizer_group: int | None, master_store=None, grad_store=None, compute_shard: bool = False,
+                 device: torch.device | None = None):
         self.names = names
         self.params = params
         self.layout = FlatLayout(names, [p.shape for p in params], world_size)
@@ -51,9 +61,14 @@ class FlatGroup:
         # Offload stores (core/placement.py) that hold the master and the gradient shard, or None.
         self.master_store = master_store
         self.grad_store = grad_store
-        device = params[0].device
-        full = self.layout.flatten([p.detach() for p in params], torch.float32)  # 1-D, padded
+        deferred = params[0].device.type == "meta"  # see [Note: deferred values]
+        device = (device or torch.device("cpu")) if deferred else params[0].device
         self.device = device
+        if deferred:
+            for param in params:
+                placeholder = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), param.requires_grad)
+                torch.utils.swap_tensors(param, placeholder)
+        full = None if deferred else self.layout.flatten([p.detach() for p in params], torch.float32)  # 1-D, padded
         # The range this rank's optimizer updates: its shard, or the whole buffer for stage 0.
         sharded = policy.shard_optimizer
         start, end = self.layout.shard_range(rank) if sharded else (0, self.layout.padded_numel)
@@ -95,8 +110,11 @@ class FlatGroup:
         """The gradient this rank accumulates: the full buffer (stages 0/1) or its shard (2/3)."""
         return self.full_grad if self.grads_persist_full else self.grad_shard
 
-    def _init_storage(self, full_fp32: torch.Tensor, compute_shard: bool) -> None:
+    def _init_storage(self, full_fp32: torch.Tensor | None, compute_shard: bool) -> None:
+        """`full_fp32` None: deferred values ([Note: deferred values]); buffers start zero filled."""
         start, end = self.opt_range
+        if full_fp32 is None and self.keep_full:  # small (persistent) or unsharded groups only
+            full_fp32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         if self.keep_full and self.param_dtype == torch.float32 and self.master_store is None:
             self.full = full_fp32
             self.master = full_fp32[start:end]  # a view: the parameters *are* the master weights
@@ -104,8 +122,11 @@ class FlatGroup:
             return
         if self.master_store is not None:
             self.master = self.master_store.tensor(f"{self.names[0]}.master", end - start, torch.float32)
-            self.master.copy_(full_fp32[start:end])
+            if full_fp32 is not None:
+                self.master.copy_(full_fp32[start:end])
             self.master_store.release([self.master])
+        elif full_fp32 is None:
+            self.master = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         else:
             self.master = full_fp32[start:end].clone()
         if self.keep_full:
@@ -113,7 +134,8 @@ class FlatGroup:
             self.point_params_at_full()
             return
         if compute_shard:
-            self.compute_shard = full_fp32[start:end].to(self.param_dtype, copy=True)
+            self.compute_shard = (full_fp32[start:end].to(self.param_dtype, copy=True) if full_fp32 is not None
+                                  else torch.zeros(end - start, dtype=self.param_dtype, device=self.device))
         self.free_full()
 
     # -- parameter storage ----------------------------------------------------------------------------

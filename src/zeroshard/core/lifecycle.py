@@ -8,6 +8,15 @@ post-accumulate-grad hook moves its gradient into the group's flat gradient buff
 trainable parameter of a unit has its gradient, the unit's reduction is issued (asynchronously) and
 the unit is freed. `end_backward` reduces units whose parameters were unused, waits for every
 reduction and frees whatever is still gathered.
+
+[Note: inference prefetch]
+A forward without autograd (eval, ZeRO-Inference, HF `generate`, which calls the model directly and so
+never passes through begin_forward) has no backward to prepare and may run many times between steps:
+the order of its units is recorded on the first pass, until a unit runs a second time, separately from
+the training order. On later passes each unit's pre-forward prefetches the units after it in that
+order, and a pass starts again whenever the order's first unit runs. Nothing is enforced (every rank
+runs the same model code, so the collectives still match): from a unit that is off the order the pass
+is simply not prefetched, and a unit prefetched but not run is freed when the next pass starts.
 """
 from __future__ import annotations
 
@@ -20,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.policy import StagePolicy
-from zeroshard.core.unit import Unit
+from zeroshard.core.unit import Unit, UnitState
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +77,10 @@ class Lifecycle:
         self._seen_in_backward: set[int] = set()
         self._inflight: list[Unit] = []
         self._handles: list = []
+        self._forward_grad = True  # was autograd on when begin_forward ran?
+        self.inference_order: list[Unit] | None = None  # see [Note: inference prefetch]
+        self._inference_recording: list[Unit] = []
+        self._inference_next: int | None = None  # index in inference_order of the unit expected next
 
     # -- registration ------------------------------------------------------------------------------
     def register(self) -> None:
@@ -94,6 +107,7 @@ class Lifecycle:
             raise RuntimeError("forward called while backward is still running")
         self.phase = Phase.FORWARD
         self.backward_opener = None
+        self._forward_grad = torch.is_grad_enabled()
         self._position = 0
         self._recording = []
 
@@ -106,13 +120,43 @@ class Lifecycle:
     def _training_forward(self) -> bool:
         return self.phase is Phase.FORWARD and torch.is_grad_enabled()
 
+    def _inference_forward(self) -> bool:
+        """A pass with no backward to come: see [Note: inference prefetch]. (A no-grad region inside a
+        training forward, such as reentrant activation checkpointing, is not one.)"""
+        outer_grad = self._forward_grad if self.phase is Phase.FORWARD else self.phase is Phase.BACKWARD
+        return not torch.is_grad_enabled() and not outer_grad
+
     def _pre_forward(self, unit: Unit, module, args) -> None:
+        inference = self._inference_forward()
         if self._training_forward():
             self._check_order(unit)
+        elif inference:
+            self._follow_inference_order(unit)
         unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
         unit.wait_unshard()
         if self._training_forward() and self.forward_order is not None:
             self._prefetch(self.forward_order, self._position, "forward")
+        elif inference and self._inference_next is not None:
+            self._prefetch(self.inference_order, self._inference_next, "forward")
+
+    def _follow_inference_order(self, unit: Unit) -> None:
+        order = self.inference_order
+        if order is None:
+            if not any(u is unit for u in self._inference_recording):
+                self._inference_recording.append(unit)
+                return
+            order = self.inference_order = self._inference_recording  # a unit ran twice: a new pass
+            log.debug("inference unit order: %s", [u.name for u in order])
+        if unit is order[0]:
+            for straggler in order:  # prefetched by the previous pass, never run
+                if straggler.state is UnitState.GATHERING:
+                    straggler.reshard()
+            self._inference_next = 1
+        elif self._inference_next is not None and self._inference_next < len(order) \
+                and order[self._inference_next] is unit:
+            self._inference_next += 1
+        else:
+            self._inference_next = None  # off the recorded order: no prefetch for the rest of this pass
 
     def _check_order(self, unit: Unit) -> None:
         position = self._position

@@ -73,14 +73,17 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
     for (_, index), items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         names, params = [n for n, _ in items], [p for _, p in items]
         for name, param in items:
-            # Same start on every rank (DDP broadcasts rank 0's parameters too).
-            comm.broadcast(param.data, 0, f"initial broadcast of '{name}'")
+            # Same start on every rank (DDP broadcasts rank 0's parameters too); parameters on the meta
+            # device have no values yet ([Note: deferred values] in group.py).
+            if param.device.type != "meta":
+                comm.broadcast(param.data, 0, f"initial broadcast of '{name}'")
         trainable = index is not None
-        master_store, compute_shard = _master_placement(placement, precision, params[0].device, reshards, trainable)
+        device = comm.device if params[0].device.type == "meta" else params[0].device
+        master_store, compute_shard = _master_placement(placement, precision, device, reshards, trainable)
         groups.append(FlatGroup(
             names, params, policy=policy, precision=precision, world_size=comm.world_size, rank=comm.rank,
             reshards=reshards, optimizer_group=index, master_store=master_store, compute_shard=compute_shard,
-            grad_store=placement.optimizer_store if trainable else None))
+            grad_store=placement.optimizer_store if trainable else None, device=comm.device))
     return groups
 
 

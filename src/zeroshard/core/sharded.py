@@ -12,7 +12,9 @@ with four calls:
     sharded.zero_grad()              # only needed to discard gradients (they are cleared by step)
 
 The DeepSpeed engine (compat/engine.py) is this object plus a config, accessors, gradient
-accumulation counters and checkpoints. `group` is the process group ZeRO shards over: the world,
+accumulation counters and checkpoints. With `optimizer=None` (ZeRO-Inference, compat/inference.py)
+nothing is trainable: no gradient buffers, no optimizer state, and at stage 3 the parameter shards
+are the only copy of the weights. `group` is the process group ZeRO shards over: the world,
 or the data-parallel dimension of a device mesh.
 """
 from __future__ import annotations
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PREFETCH_NUMEL = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size default
 
 
-def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | StagePolicy = 3,
+def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: int | StagePolicy = 3,
           precision: PrecisionPolicy | None = None, placement: Placement | None = None,
           group=None, wrap: list[str] | None = None, persistence_threshold: int = 0,
           prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, overlap_comm: bool = True,
@@ -51,7 +53,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | St
     Adam, AdamW, ...); it is kept (class, hyper-parameters, param-group dicts) and re-pointed at this
     rank's fp32 master shards. `precision` sets the compute and reduce dtypes, `placement` the
     offload stores, `wrap` the module classes that become units (default: the blocks of the largest
-    ModuleList). Rank 0's parameter values are broadcast first, as DDP does.
+    ModuleList). Rank 0's parameter values are broadcast first, as DDP does. `optimizer=None`: for
+    inference only (forward passes; `backward` and `step` raise).
     """
     comm = Communicator(comm_timeout_s, check_collectives, group=group)
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
@@ -63,7 +66,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer, *, stage: int | St
 class Sharded:
     """A model and its optimizer under ZeRO; build it with `shard()`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, comm: Communicator,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
                  policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
                  wrap: list[str] | None, persistence_threshold: int, prefetch_numel: int, overlap_comm: bool,
                  gradient_clipping: float, loss_scaler: DynamicLossScaler | None):
@@ -72,18 +75,22 @@ class Sharded:
         self.policy = policy
         self.precision = precision
         self.placement = placement
-        check_supported(precision.param_dtype, next(model.parameters(), torch.empty(0)).device)
+        device = next(model.parameters(), torch.empty(0)).device
+        check_supported(precision.param_dtype, comm.device if device.type == "meta" else device)
         _cast_buffers(model, precision.param_dtype)
-        self.units = shard_module(model, policy, comm, optimizer_groups=optimizer_group_index(optimizer),
+        optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
+        self.units = shard_module(model, policy, comm, optimizer_groups=optimizer_groups,
                                   precision=precision, placement=placement,
                                   persistence_threshold=persistence_threshold, wrap_modules=wrap)
         self.groups = [g for unit in self.units for g in unit.groups]
         self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
         register_engine(self)  # for zero.GatheredParameters, which gets parameters and nothing else
-        repoint_optimizer(optimizer, self.groups)
         self.loss_scaler = loss_scaler
-        self.optimizer = ZeroOptimizer(optimizer, self.groups, comm, policy, float(gradient_clipping), loss_scaler,
-                                       self._streamed_step(optimizer))
+        self.optimizer: ZeroOptimizer | None = None
+        if optimizer is not None:
+            repoint_optimizer(optimizer, self.groups)
+            self.optimizer = ZeroOptimizer(optimizer, self.groups, comm, policy, float(gradient_clipping),
+                                           loss_scaler, self._streamed_step(optimizer))
         # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
         # reduction is waited for before backward goes on (none in flight).
         self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,
@@ -110,6 +117,7 @@ class Sharded:
     def backward(self, loss: torch.Tensor, *, boundary: bool = True, retain_graph: bool = False) -> None:
         """Backward of `loss` as it is (divide by the accumulation steps first). `boundary=False`
         accumulates without reducing at stages 0/1 (DDP's no_sync); stages 2/3 always reduce."""
+        self._require_optimizer("backward")
         self.lifecycle.begin_backward(boundary)
         try:
             loss.backward(retain_graph=retain_graph)
@@ -120,11 +128,18 @@ class Sharded:
 
     def step(self) -> bool:
         """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""
+        self._require_optimizer("step")
         return self.optimizer.step()
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step."""
-        self.optimizer.zero_grad()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(f"{what}() on a model sharded without an optimizer (inference only): pass an "
+                               "optimizer to shard() / initialize() to train")
 
     # -- parameters outside forward ------------------------------------------------------------------
     @contextlib.contextmanager
@@ -163,7 +178,7 @@ class Sharded:
         `load_state_dict`; to change world size or stage, use the checkpoint package, which re-slices
         by parameter."""
         return {"masters": [group.master.detach().clone() for group in self.groups],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     @torch.no_grad()
@@ -174,7 +189,8 @@ class Sharded:
                              "load it through zeroshard's checkpoints, which re-slice by parameter")
         for group, master in zip(self.groups, masters):
             group.master.copy_(master)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.loss_scaler is not None and state.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.refresh_parameters()
@@ -194,7 +210,7 @@ class Sharded:
             for key, value in group.state_bytes().items():
                 report[key] += value
         stores = self.placement.stores()
-        report["optimizer"] = self.optimizer.state_bytes(stores)
+        report["optimizer"] = self.optimizer.state_bytes(stores) if self.optimizer is not None else 0
         report["total"] = sum(report.values())
         report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
         return report
@@ -207,9 +223,10 @@ class Sharded:
         self.lifecycle.remove_hooks()
         for unit in self.units:
             unit.destroy()
-        self.optimizer.optimizer.state.clear()
-        for param_group in self.optimizer.param_groups:
-            param_group["params"] = []
+        if self.optimizer is not None:
+            self.optimizer.optimizer.state.clear()
+            for param_group in self.optimizer.param_groups:
+                param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}
         self.placement.destroy()
         self.comm.destroy()

@@ -30,13 +30,15 @@ def _store(section, rank: int, bytes_needed: int, aio):
     return NVMeStore(section.nvme_path, rank, bytes_needed, threads=threads)
 
 
-def build_placement(zero, aio, optimizer: torch.optim.Optimizer, model_numel: int, rank: int,
+def build_placement(zero, aio, optimizer: torch.optim.Optimizer | None, model_numel: int, rank: int,
                world_size: int) -> Placement:
+    """`optimizer` None (inference): there are no optimizer states, so no optimizer store."""
     shard = -(-model_numel // world_size) + 1024  # padding of a few groups
-    optimizer_bytes = shard * (_state_bytes_per_element(optimizer) + 4 + 4)  # states + master + grads
     param_bytes = shard * 4
     plan = Placement(sub_group_size=int(zero.sub_group_size))
-    plan.optimizer_store = _store(zero.offload_optimizer, rank, optimizer_bytes, aio)
+    if optimizer is not None:
+        optimizer_bytes = shard * (_state_bytes_per_element(optimizer) + 4 + 4)  # states + master + grads
+        plan.optimizer_store = _store(zero.offload_optimizer, rank, optimizer_bytes, aio)
     same = (zero.offload_param is not None and zero.offload_optimizer is not None
             and zero.offload_param.device == zero.offload_optimizer.device == "nvme"
             and zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path)

@@ -1,0 +1,158 @@
+"""ZeRO-Inference: generate with a model larger than memory (DeepSpeed's ZeRO-Inference surface).
+
+`zeroshard.initialize(model=model, config=...)` with no optimizer returns an `InferenceEngine`: stage-3
+parameter offload with nothing to train. The weights live in the CPU or NVMe store
+(`zero_optimization.offload_param`) as this rank's shards, which are the only copy of them (no
+gradient buffers, no optimizer state, no separate master); each forward gathers one unit at a time
+and prefetches the next in the order recorded on the first pass ([Note: inference prefetch] in
+core/lifecycle.py). Generation reads every weight once per generated token for the whole batch, so
+tokens/s grows with the batch size until compute, not the disk, is the bottleneck.
+
+    engine, *_ = zeroshard.initialize(model=model, config={"zero_optimization": {
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
+    tokens = engine.module.generate(input_ids, max_new_tokens=32)   # or engine.generate(...)
+
+On N ranks the weights are partitioned N ways and each rank generates its own batch; every forward
+is a collective, so every rank must run the same number of them (`engine.generate` turns on
+transformers' `synced_gpus` for that, as DeepSpeed ZeRO-3 does). To build a model larger than memory
+without ever materialising it, see `zeroshard.compat.pretrained.from_pretrained`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from zeroshard.core.comm import Communicator
+from zeroshard.core.policy import stage_policy
+from zeroshard.core.precision import PrecisionPolicy
+from zeroshard.core.sharded import Sharded
+from zeroshard.core.unit import UnitState
+from zeroshard.offload import build_placement
+
+log = logging.getLogger(__name__)
+
+_NOT_TRAINED = ("this engine was built by initialize() without an optimizer, for inference "
+                "(ZeRO-Inference): pass optimizer=... or add an 'optimizer' section to the config to train")
+
+
+class InferenceEngine(nn.Module):
+    """A model under ZeRO for forward passes only; build it with `zeroshard.initialize` and no optimizer.
+
+    The model is put in eval mode (no dropout), as inference wants; `engine.train()` undoes that.
+    `engine(...)` runs the model without autograd. `engine.module` is the model, whose `generate` works
+    as usual on one rank; on several ranks use `engine.generate` (or pass `synced_gpus=True`).
+    """
+
+    def __init__(self, model: nn.Module, config):
+        super().__init__()
+        zero = config.zero_optimization
+        self.config = config
+        self.module = model
+        extras = config.zeroshard
+        if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
+            log.warning("zero_optimization.offload_optimizer is not acted on: initialize() got no optimizer "
+                        "(inference), so there are no optimizer states to offload")
+        comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
+        numel = sum(p.numel() for p in model.parameters())
+        placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size)
+        self.sharded = Sharded(
+            model, None, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
+            wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
+            gradient_clipping=0.0, loss_scaler=None)
+        model.eval()
+        log.info("zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",
+                 zero.stage, comm.world_size, len(self.units), self.num_parameters() / 1e6,
+                 type(placement.param_store).__name__ if placement.param_store is not None else "compute memory")
+
+    # -- the core's parts, read-only ------------------------------------------------------------------
+    comm = property(lambda self: self.sharded.comm)
+    policy = property(lambda self: self.sharded.policy)
+    precision = property(lambda self: self.sharded.precision)
+    units = property(lambda self: self.sharded.units)
+    groups = property(lambda self: self.sharded.groups)
+    lifecycle = property(lambda self: self.sharded.lifecycle)
+    placement = property(lambda self: self.sharded.placement)
+    optimizer = property(lambda self: None)
+    lr_scheduler = property(lambda self: None)
+
+    # -- DeepSpeed's accessors ------------------------------------------------------------------------
+    def zero_optimization_stage(self) -> int:
+        return self.policy.stage
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    # -- inference ------------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        with torch.no_grad():
+            return self.sharded(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        """`engine.module.generate(...)`, safe on several ranks: `synced_gpus` defaults to True at
+        stage 3 with more than one rank, so that a rank whose sequences end first keeps running the
+        forwards (collectives) the others need. Nothing stays gathered afterwards, even on error."""
+        if self.policy.shard_parameters and self.world_size > 1:
+            kwargs.setdefault("synced_gpus", True)
+        try:
+            with torch.no_grad():
+                return self.module.generate(*args, **kwargs)
+        finally:
+            self.reshard()
+
+    def reshard(self) -> None:
+        """Free every gathered unit (a forward that raised never reached the hook that frees its unit)."""
+        for unit in self.units:
+            unit.reshard()
+
+    def backward(self, *args, **kwargs):
+        raise RuntimeError(f"engine.backward(): {_NOT_TRAINED}")
+
+    def step(self, *args, **kwargs):
+        raise RuntimeError(f"engine.step(): {_NOT_TRAINED}")
+
+    # -- weights --------------------------------------------------------------------------------------
+    def load_weights(self, source, strict: bool = True) -> None:
+        """Full weights into the shards, each rank reading only its own element ranges: a safetensors
+        file, a directory of them (a sharded Hugging Face checkpoint), a state dict. Collective."""
+        from zeroshard.checkpoint.weights import load_full_weights
+
+        load_full_weights(self, source, strict=strict)
+
+    def refresh_parameters(self) -> None:
+        self.sharded.refresh_parameters()
+
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        return self.sharded.gathered_parameters(params, modifier_rank)
+
+    # -- reports --------------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return self.sharded.num_parameters()
+
+    def memory_report(self) -> dict[str, int]:
+        return self.sharded.memory_report()
+
+    def comm_report(self) -> dict:
+        return self.sharded.comm_report()
+
+    def gathered_units(self) -> list[str]:
+        """Names of resharding units that are not sharded now (empty between forwards)."""
+        return [u.name for u in self.units if u.reshards and u.state is not UnitState.SHARDED]
+
+    def destroy(self) -> None:
+        self.sharded.destroy()
