@@ -24,6 +24,7 @@ COMMAND_MODULES = [
     "zeroshard.tools.commands.consolidate",
     "zeroshard.tools.commands.convert",
     "zeroshard.tools.commands.advise",
+    "zeroshard.tools.commands.generate",
 ]
 
 EXAMPLES = """examples:
@@ -32,6 +33,7 @@ EXAMPLES = """examples:
   zeroshard bench --ranks 2 --peers                 # stages 0-3 (and torch/DeepSpeed) side by side
   zeroshard advise --params 7.5e9 --ranks 64 --memory 32GB --bandwidth 25GB
   zeroshard consolidate ckpt model.safetensors      # sharded checkpoint -> one file
+  zeroshard generate ./model --prompt "Hello"       # a model larger than memory (ZeRO-Inference)
   zeroshard COMMAND --help
 """
 
