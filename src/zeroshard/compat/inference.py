@@ -48,6 +48,10 @@ class InferenceEngine(nn.Module):
 
     def __init__(self, model: nn.Module, config):
         super().__init__()
+        meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]
+        if meta:
+            raise ValueError(f"buffers {meta[:3]} are on the meta device (no values): build the model with "
+                             "zeroshard.compat.pretrained.from_pretrained, or give its buffers values first")
         zero = config.zero_optimization
         self.config = config
         self.module = model

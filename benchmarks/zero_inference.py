@@ -1,0 +1,317 @@
+"""ZeRO-Inference against Accelerate's disk offload: generate with a model whose weights are twice the
+memory the process may use.
+
+    python benchmarks/zero_inference.py --out docs/bench/zero_inference
+
+One command does everything: builds a random-weight Llama (default 36 layers, width 1024, vocab 32000:
+528M parameters, 2.1 GB of fp32) with save_pretrained under --model-dir (kept for the next run), measures
+the disk with `dd` (O_DIRECT read), then runs each system in its own process whose RLIMIT_DATA (data
+segment + anonymous memory, set before Python starts) is --cap (default: half the weights):
+
+  * zeroshard: `from_pretrained` straight into the NVMe store (`offload_param.device = nvme`), stage 3,
+    prefetch of the next layer; `engine.module.generate`.
+  * accelerate: transformers `from_pretrained(device_map="auto", max_memory={"cpu": ...},
+    offload_folder=...)`: what fits in the CPU budget stays resident, the rest is read from the
+    checkpoint's safetensors files at each forward (accelerate's disk offload).
+
+Both generate the same prompts (random token ids, --prompt-len long) at every --batches size,
+greedily, --new-tokens each, after a one-token warm-up. The page cache would otherwise keep a 2 GB
+model in this 24 GB machine's RAM, so that a "disk" run reads RAM: after every generated token both
+processes drop the page cache of every file holding weights (posix_fadvise DONTNEED on the checkpoint,
+and the NVMe store does it for its own files), which is what a model larger than RAM gets. Measured per
+batch size: tokens/s (batch x new tokens / wall time of generate), bytes read from the block device
+(/proc/self/io read_bytes) per second as a fraction of dd's, peak RSS (VmHWM, reset before each
+generate through /proc/self/clear_refs) with MALLOC_MMAP_THRESHOLD_=65536 in both (glibc returns freed
+buffers), and whether the tokens equal those of the unsharded model (computed without a cap, in this
+process). Outputs: OUT.json, OUT.txt (table and command), OUT.png (tokens/s against batch size).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+       "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
+
+
+# -- the model and the disk ---------------------------------------------------------------------------------
+def build_model(args) -> int:
+    """Save the random-weight model once; returns its bytes of weights."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    marker = args.model_dir / "zero_inference.json"
+    wanted = config.to_dict()
+    if marker.is_file() and json.loads(marker.read_text()) == {k: wanted[k] for k in json.loads(marker.read_text())}:
+        return json.loads((args.model_dir / "weights_bytes").read_text())
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(args.model_dir, max_shard_size="500MB")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    (args.model_dir / "weights_bytes").write_text(json.dumps(weights))
+    marker.write_text(json.dumps({k: wanted[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
+                                                          "num_hidden_layers")}))
+    return weights
+
+
+def dd_read(path: Path, megabytes: int = 1024) -> float:
+    """Sequential read with O_DIRECT (no page cache), GB/s."""
+    target = path / "dd-probe.bin"
+    subprocess.run(["dd", "if=/dev/urandom", f"of={target}", "bs=16M", f"count={megabytes // 16}", "oflag=direct"],
+                   capture_output=True, check=True)
+    result = subprocess.run(["dd", f"if={target}", "of=/dev/null", "bs=16M", "iflag=direct"],
+                            capture_output=True, text=True, check=True)
+    target.unlink()
+    match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", result.stderr)
+    return int(match.group(1)) / float(match.group(2)) / 1e9
+
+
+def prompts(args, batch: int):
+    import torch
+
+    generator = torch.Generator().manual_seed(1000 + batch)
+    return torch.randint(2, args.vocab, (batch, args.prompt_len), generator=generator)
+
+
+def reference_tokens(args) -> dict[int, list]:
+    """The unsharded model's greedy tokens for every batch (no cap: this process has the RAM), kept
+    beside the model for the next run with the same prompts."""
+    import torch
+    import transformers
+
+    cache = args.model_dir / f"reference-p{args.prompt_len}-n{args.new_tokens}.json"
+    out = {int(k): v for k, v in json.loads(cache.read_text()).items()} if cache.is_file() else {}
+    missing = [b for b in args.batches if b not in out]
+    if missing:
+        torch.set_num_threads(args.threads)
+        model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+        for batch in missing:
+            prompt = prompts(args, batch)
+            out[batch] = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens).tolist()
+        cache.write_text(json.dumps(out))
+    return out
+
+
+# -- one capped process per system ------------------------------------------------------------------------
+class DropPageCache:
+    """A generate() streamer that, at every token, drops the page cache of the files holding weights."""
+
+    def __init__(self, files):
+        self.fds = [os.open(f, os.O_RDONLY) for f in files]
+
+    def put(self, value) -> None:
+        for fd in self.fds:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+    def end(self) -> None:
+        self.put(None)
+
+
+def _status(key: str) -> int:
+    return int(open("/proc/self/status").read().split(f"{key}:")[1].split()[0]) * 1024
+
+
+def _read_bytes() -> int:
+    return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["read_bytes"])
+
+
+def load(system: str, args):
+    import torch
+    import transformers
+
+    if system == "zeroshard":
+        from zeroshard.compat.pretrained import from_pretrained
+
+        # Units: every decoder layer, and inside it every Linear, and the embedding: so the LM head and
+        # the embedding (131 MB each here) are gathered only while they compute, not for the whole pass.
+        # Prefetch: about one decoder layer (12.8M elements) ahead.
+        config = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch,
+                                        "offload_param": {"device": "nvme", "nvme_path": str(args.nvme)}},
+                  "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"]}}
+        return from_pretrained(args.model_dir, config).module
+    budget = args.accelerate_cpu_mb
+    if budget is None:  # what is left of the cap after this runtime, less room for activations and loading
+        budget = max(0, (args.cap - _status("VmData")) // 2**20 - 300)
+    offload = tempfile.mkdtemp(dir=args.nvme)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        args.model_dir, device_map="auto", max_memory={"cpu": f"{budget}MiB"}, offload_folder=offload,
+        dtype=torch.float32)
+    device_map = getattr(model, "hf_device_map", {})  # absent when everything fits the budget
+    on_disk = sum(1 for v in device_map.values() if v == "disk")
+    print(f"accelerate: {budget} MiB CPU budget, {on_disk} of {len(device_map)} device-map entries on disk",
+          file=sys.stderr)
+    return model.eval()
+
+
+def child(system: str, args) -> None:
+    """Runs under the cap (set by the parent before exec); one JSON line per batch size on stdout."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model = load(system, args)
+    files = sorted(args.model_dir.glob("*.safetensors"))
+    drop = DropPageCache(files)
+    drop.put(None)
+    warm = prompts(args, 1)
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=1, do_sample=False)
+    for batch in args.batches:
+        prompt = prompts(args, batch)
+        drop.put(None)
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # resets VmHWM to the current RSS
+        read_before, started = _read_bytes(), time.perf_counter()
+        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, streamer=drop,
+                                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+        seconds = time.perf_counter() - started
+        read = _read_bytes() - read_before
+        print(json.dumps({"system": system, "batch": batch, "seconds": seconds,
+                          "tokens_per_s": batch * args.new_tokens / seconds, "read_bytes": read,
+                          "read_gb_s": read / seconds / 1e9, "peak_rss": _status("VmHWM"),
+                          "tokens": tokens.tolist()}), flush=True)
+
+
+def run_capped(system: str, args, argv: list[str], capped: bool = True) -> list[dict]:
+    """One process for `system`, under the cap (or, `capped=False`, with the same settings and no cap)."""
+    def cap():
+        resource.setrlimit(resource.RLIMIT_DATA, (args.cap, args.cap))
+
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT / "src"), **ENV)
+    command = [sys.executable, __file__, *argv, "--child", system, "--cap", str(args.cap)]
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=cap if capped else None,
+                            timeout=args.timeout)
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    notes = [line for line in result.stderr.splitlines() if line.startswith(("accelerate:", "INFO"))]
+    if len(rows) < len(args.batches):
+        tail = "\n".join(result.stderr.strip().splitlines()[-6:])
+        rows.append({"system": system, "error": f"exit code {result.returncode}: {tail}"})
+    for row in rows:
+        row["process_s"], row["notes"], row["capped"] = time.perf_counter() - started, notes, capped
+    return rows
+
+
+def run_system(system: str, args, argv: list[str]) -> list[dict]:
+    """Under the cap; a system that cannot run under it runs again without it (same CPU budget and
+    prompts), so its speed and its real peak memory can still be set beside the others'."""
+    rows = run_capped(system, args, argv)
+    if rows and "error" in rows[0] and system != "zeroshard":
+        rows += run_capped(system, args, argv, capped=False)
+    return rows
+
+
+# -- report -------------------------------------------------------------------------------------------------
+def report(args, weights: int, dd: float, reference: dict, rows: list[dict], command: str) -> str:
+    lines = [f"$ {command}",
+             "(a system marked 'uncapped' failed under the cap and ran again without it, same settings)",
+             f"model: Llama, {args.layers} layers, width {args.hidden}, MLP {args.intermediate}, vocab {args.vocab}: "
+             f"{weights / 1e9:.2f} GB of fp32 weights; cap RLIMIT_DATA = {args.cap / 1e9:.2f} GB "
+             f"({args.cap / weights:.2f} x the weights)",
+             f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; {args.threads} threads; "
+             f"dd O_DIRECT read: {dd:.2f} GB/s",
+             "", f"{'system':<20} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
+             f"{'peak RSS GB':>11} {'tokens = unsharded':>18}"]
+    for row in rows:
+        name = row["system"] + ("" if row.get("capped", True) else " uncapped")
+        if "error" in row:
+            lines.append(f"{name} failed: {row['error'].splitlines()[-1]}")
+            continue
+        same = row["tokens"] == reference[row["batch"]]
+        lines.append(f"{name:<20} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
+                     f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {row['peak_rss'] / 1e9:>11.2f} "
+                     f"{'yes' if same else 'NO':>18}")
+    speedups = []
+    for batch in args.batches:
+        ours = [r for r in rows if r.get("batch") == batch and r["system"] == "zeroshard" and "error" not in r]
+        theirs = [r for r in rows if r.get("batch") == batch and r["system"] == "accelerate" and "error" not in r]
+        if ours and theirs:
+            speedups.append(f"batch {batch}: {ours[0]['tokens_per_s'] / theirs[0]['tokens_per_s']:.1f}x")
+    lines += ["", "zeroshard / accelerate tokens/s: " + ", ".join(speedups)] if speedups else []
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'zeroshard[plot]'): no chart", file=sys.stderr)
+        return
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for system, marker in (("zeroshard", "o"), ("accelerate", "s")):
+        ok = [r for r in rows if r.get("system") == system and "error" not in r]
+        points = sorted((r["batch"], r["tokens_per_s"]) for r in ok)
+        if points:
+            capped = all(r.get("capped", True) for r in ok)
+            axis.plot(*zip(*points), marker=marker, label=system + ("" if capped else " (no cap: fails under it)"))
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("batch size (sequences generated together)")
+    axis.set_ylabel("generated tokens / s")
+    axis.set_title("2.1 GB model, process capped at half of it (RLIMIT_DATA)")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "zero_inference_model")
+    parser.add_argument("--nvme", type=Path, default=Path(tempfile.gettempdir()) / "zero_inference_swap",
+                        help="directory of the NVMe store and of accelerate's offload folder")
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 4, 16])
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefetch", type=int, default=13_000_000,
+                        help="zeroshard's stage3_prefetch_bucket_size in elements (default: about one layer)")
+    parser.add_argument("--cap", type=int, default=None, help="RLIMIT_DATA bytes (default: half the weights)")
+    parser.add_argument("--accelerate-cpu-mb", type=int, default=None,
+                        help="accelerate's max_memory for the CPU (default: what the cap leaves, less 300 MiB)")
+    parser.add_argument("--systems", default="zeroshard,accelerate")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--out", type=Path, default=Path("zero_inference"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args.child, args)
+    argv = [a for a in sys.argv[1:]]
+    args.model_dir.mkdir(parents=True, exist_ok=True)
+    args.nvme.mkdir(parents=True, exist_ok=True)
+    weights = build_model(args)
+    args.cap = args.cap or weights // 2
+    dd = dd_read(args.nvme)
+    reference = reference_tokens(args)
+    rows = [row for system in args.systems.split(",") for row in run_system(system, args, argv)]
+    command = "python benchmarks/zero_inference.py " + " ".join(argv)
+    text = report(args, weights, dd, reference, rows, command)
+    sys.stdout.write(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".txt").write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "weights_bytes": weights, "cap": args.cap, "dd_read_gb_s": dd, "rows": rows,
+         "reference": {str(k): v for k, v in reference.items()}}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
