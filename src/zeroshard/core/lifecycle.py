@@ -201,6 +201,9 @@ class Lifecycle:
         unit.grads_pending -= 1
         if unit.grads_pending == 0:
             self._unit_backward_done(unit)
+            # Re-armed for the next micro-batch of the same backward phase (a pipeline schedule runs
+            # several inside `Sharded.backward_by_caller`); one backward() never gets here twice.
+            unit.grads_pending = unit.trainable_params
 
     def _unit_backward_done(self, unit: Unit) -> None:
         if self.boundary:
@@ -213,7 +216,9 @@ class Lifecycle:
     def end_backward(self) -> None:
         """Reduce what unused parameters held back, wait for all reductions, free everything."""
         for unit in self.units:
-            if unit.trainable_params and unit.grads_pending and self.boundary and not unit.reduced_this_backward:
+            # Not yet reduced, or a micro-batch left it partly reduced (unused parameters).
+            partial = unit.grads_pending != unit.trainable_params or not unit.reduced_this_backward
+            if unit.trainable_params and self.boundary and partial:
                 self._unit_backward_done(unit)
         for unit in self._inflight:
             unit.finish_reduce()
