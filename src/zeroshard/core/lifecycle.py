@@ -61,6 +61,9 @@ class Lifecycle:
         self.backward_opener = None
         self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)
+        # Keep units gathered until end_backward: a pipeline schedule's later micro-batches still
+        # need the parameters their saved activations view (Sharded.backward_by_caller).
+        self.hold_gathered = False
         self.forward_order: list[Unit] | None = None
         self.backward_order: list[Unit] | None = None
         self._recording: list[Unit] = []
@@ -193,6 +196,10 @@ class Lifecycle:
             if unit.reshards:
                 self._outside_backward(unit)
             return  # stays in param.grad: see [Note: gradients from another backward]
+        if unit.grads_pending == unit.trainable_params:
+            # A new micro-batch's first gradient (backward_by_caller): the previous micro-batch's
+            # reduction reads the full gradient buffer, so it completes first. No-op otherwise.
+            unit.finish_reduce()
         if group.trainable:
             group.add_grad(index, param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor)
         param.grad = None  # the flat buffer owns the gradient now; free autograd's copy
@@ -211,7 +218,8 @@ class Lifecycle:
             self._inflight.append(unit)
             while len(self._inflight) > self.max_inflight:  # bound memory held by full gradients
                 self._inflight.pop(0).finish_reduce()
-        unit.reshard()
+        if not self.hold_gathered:
+            unit.reshard()
 
     def end_backward(self) -> None:
         """Reduce what unused parameters held back, wait for all reductions, free everything."""

@@ -156,13 +156,18 @@ class Sharded:
         Stages 0/1 accumulate the micro-batches' full gradients and reduce once when the block ends
         (DDP's no_sync, then one reduction); stages 2/3 reduce-scatter each unit after each
         micro-batch, as `backward()` would. `boundary=False` defers the reduction at stages 0/1 to a
-        later block. Every trainable parameter must receive a gradient in every micro-batch."""
+        later block. At stage 3 a unit, once gathered, stays gathered until the block ends: the
+        schedule interleaves micro-batches' forwards and backwards, and the activations saved in
+        forward view the parameters (peak parameter memory inside the block is stage 2's)."""
         self.lifecycle.begin_backward(False)  # stages 2/3 force per-micro-batch reduction themselves
+        self.lifecycle.hold_gathered = True
         try:
             yield
         except BaseException:
             self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
             raise
+        finally:
+            self.lifecycle.hold_gathered = False
         self.lifecycle.boundary = boundary or self.policy.shard_gradients
         self.lifecycle.end_backward()  # stages 0/1: every unit reduces its accumulated gradient now
 
