@@ -72,6 +72,7 @@ def train(mesh, stage: int, schedule_name: str, *, blocks: int = 2, tensor_paral
         out["params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     out["memory"] = sharded.memory_report()
     out["comm"] = sharded.comm_report()
+    out["local_params"], out["groups"] = sharded.num_parameters(), len(sharded.groups)
     sharded.destroy()
     return out
 
