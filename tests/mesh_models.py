@@ -98,3 +98,22 @@ def assert_losses_close(ours: list, ref: list, *, rtol: float = 1e-5, what: str 
         for micro, (x, y) in enumerate(zip(a, b)):
             assert abs(x - y) <= rtol * max(abs(y), 1e-12), f"{what}: loss of step {step} micro {micro}: {x} vs {y}"
     assert len(ours) == len(ref), (len(ours), len(ref))
+
+
+def run_example(script: str, *args: str, nproc: int = 4) -> list[float]:
+    """Run examples/<script> under torchrun; the losses it printed. torch 2.13 + gloo may abort at
+    teardown after the work ("terminate called without an active exception"): judged by the output."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               str(root / "examples" / script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root / "src"))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    teardown = "terminate called without an active exception"
+    assert result.returncode == 0 or teardown in result.stderr, result.stderr[-3000:]
+    return [float(m) for m in re.findall(r"loss (\d+\.\d+)", result.stdout)]

@@ -9,6 +9,7 @@ units gathered, see `backward_by_caller`.)
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -102,3 +103,9 @@ def _worker(rank, world_size):
 def test_dp2_pp2_matches_single_process():
     per_rank = run_distributed(_worker, 4, timeout=600)
     assert len(per_rank) == 4
+
+
+@pytest.mark.slow
+def test_example_pp_zero_runs_under_torchrun():
+    losses = mm.run_example("pp_zero.py", "--steps", "20")
+    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0], losses

@@ -10,6 +10,7 @@ parallelism sums in another order, so not bitwise). Four gloo ranks, one process
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -205,3 +206,9 @@ def _worker(rank, world_size):
 def test_dp2_tp2_matches_single_process():
     per_rank = run_distributed(_worker, 4, timeout=600)
     assert len(per_rank) == 4
+
+
+@pytest.mark.slow
+def test_example_tp_zero_runs_under_torchrun():
+    losses = mm.run_example("tp_zero.py", "--steps", "20", "--stage", "3")
+    assert len(losses) == 20 and losses[-1] < 0.7 * losses[0], losses
