@@ -214,3 +214,46 @@ class _ReferenceGPT(torch.nn.Module):
 def test_gptspec_counts_a_reference_module(tie):
     spec = est.GPTSpec(vocab=100, n_layer=3, n_embd=24, n_head=4, block_size=16, tie=tie)
     assert spec.num_params() == sum(p.numel() for p in _ReferenceGPT(spec).parameters())
+
+
+# ---- 3D parallelism (issue 14): tp and pp split Ψ first, ZeRO partitions each rank's part over dp ----
+
+def test_mesh_divides_states_by_tp_pp_then_zero_over_dp():
+    layout = est.Layout(dp=16, tp=2, pp=2)
+    for stage in range(4):
+        assert est.mesh_state_bytes(PSI, layout, stage) == est.model_state_bytes(PSI // 4, 16, stage)
+    # Replicated parameters (LayerNorms, row-parallel biases) stay whole on every tp rank of a stage.
+    assert est.local_params(1000, est.Layout(tp=2, pp=2), replicated=100) == 225 + 50
+    assert est.local_params(1000, est.Layout(dp=8)) == 1000
+
+
+def test_mesh_comm_per_dimension():
+    acts = est.Activations(tokens=8, hidden=4, layers=2, micro_batches=3)
+    got = est.mesh_comm_bytes(1000, est.Layout(dp=2, tp=2, pp=2), 2, dtype_bytes=4, activations=acts)
+    act = 8 * 4 * 4 * 3  # tokens x hidden x bytes x micro-batches
+    assert got == {"dp": 2 * 250 * 4, "tp": 8 * act * 1, "pp": 2 * act}  # one layer per pipeline stage
+    assert est.mesh_comm_bytes(1000, est.Layout(dp=4), 3) == {"dp": 3 * 1000 * 2, "tp": 0, "pp": 0}
+    assert est.mesh_comm_bytes(1000, est.Layout(dp=4, tp=2), 1)["tp"] is None  # needs activations
+
+
+def test_mesh_layout_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="tp must be an integer >= 1"):
+        est.Layout(dp=2, tp=0)
+    with pytest.raises(ValueError, match="replicated params"):
+        est.local_params(10, est.Layout(tp=2), replicated=11)
+
+
+def test_cli_estimate_mesh(capsys):
+    from zeroshard.tools.cli import main
+
+    assert main(["estimate", "--model", "gpt-7.5b", "--tp", "2", "--pp", "2", "--dp", "16", "--tokens", "8192",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["mesh"]["dp"] == 16 and result["ranks"] == 16
+    row = result["stages"][3]
+    local = est.local_params(result["params"], est.Layout(16, 2, 2), result["mesh"]["replicated_params"])
+    assert row["local_params"] == local
+    assert row["total_bytes"] == est.model_state_bytes(local, 16, 3).total
+    assert set(row["comm_bytes_per_dim"]) == {"dp", "tp", "pp"} and row["comm_bytes_per_dim"]["tp"] > 0
+    assert main(["estimate", "--params", "1e9", "--tp", "2", "--pp", "2", "--dp", "16"]) == 0
+    assert "dp 16 x tp 2 x pp 2" in capsys.readouterr().out

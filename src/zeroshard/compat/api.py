@@ -12,6 +12,7 @@ from torch import nn
 
 from zeroshard.compat.comm import init_distributed
 from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
+from zeroshard.core.mesh import from_device_mesh, from_mpu
 from zeroshard.compat.engine import ZeroEngine
 from zeroshard.compat.inference import InferenceEngine
 from zeroshard.compat.optimizers import build_optimizer, check_shardable
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
-               collate_fn=None, config=None, config_params=None):
+               collate_fn=None, config=None, config_params=None, mesh=None):
     """Returns `(engine, optimizer, training_dataloader, lr_scheduler)` like `deepspeed.initialize`.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a DeepSpeed JSON config: a dict or a
@@ -31,27 +32,46 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     together with the config's `optimizer` section it wins, as in DeepSpeed (with a warning); the
     same for `lr_scheduler` and the `scheduler` section. With neither an optimizer nor an 'optimizer' section, the engine is for
     inference (ZeRO-Inference, compat/inference.py) and the optimizer returned is None.
+
+    Under tensor and/or pipeline parallelism, pass `mesh` (a torch DeviceMesh with dimensions named
+    'dp' and 'tp'/'pp') or DeepSpeed/Megatron's `mpu` object: ZeRO partitions over the data-parallel
+    group only, and batch sizes count data-parallel ranks (docs/parallelism.md).
     """
     if model is None or not isinstance(model, nn.Module):
         raise ValueError(f"initialize(model=...) needs an nn.Module, got {type(model).__name__}")
-    if mpu is not None:
-        raise ValueError("initialize(mpu=...): model parallelism is not supported by zeroshard")
+    if mpu is not None and mesh is not None:
+        raise ValueError("initialize(mesh=..., mpu=...): give the parallel layout once, as a DeviceMesh or an mpu")
     _refuse_hf_deepspeed_config()
     config = _pick_config(args, config, config_params)
     init_distributed(dist_init_required=dist_init_required)
-    cfg = load_config(config, dist.get_world_size())
+    group, model_parallel = _parallel_layout(mesh, mpu, model)
+    cfg = load_config(config, dist.get_world_size(group) if group is not None else dist.get_world_size())
     deferred = any(p.is_meta for p in model.parameters())  # values loaded into the shards later
     if torch.cuda.is_available() and dist.get_backend() == "nccl" and not deferred:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     if optimizer is None and cfg.optimizer is None:
+        if group is not None:
+            raise ValueError("initialize(mesh=/mpu=) without an optimizer: ZeRO-Inference shards over the whole "
+                             "world only; pass an optimizer to train under tensor/pipeline parallelism")
         return _inference(model, cfg, lr_scheduler, training_data, collate_fn)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     torch_optimizer = _build_optimizer(optimizer, cfg, params)
     check_shardable(torch_optimizer)
-    engine = ZeroEngine(model, torch_optimizer, cfg)
+    engine = ZeroEngine(model, torch_optimizer, cfg, group=group, model_parallel=model_parallel)
     engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine)
     loader = _dataloader(training_data, collate_fn, engine) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _parallel_layout(mesh, mpu, model):
+    """(dp group, ModelParallel) of a mesh or an mpu; (None, None): ZeRO over the whole world."""
+    if mesh is not None:
+        if not hasattr(mesh, "get_group"):
+            raise ValueError(f"initialize(mesh=...) needs a torch DeviceMesh, got {type(mesh).__name__}")
+        return from_device_mesh(mesh, model)
+    if mpu is not None:
+        return from_mpu(mpu, model)
+    return None, None
 
 
 def _refuse_hf_deepspeed_config() -> None:

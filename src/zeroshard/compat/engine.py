@@ -36,13 +36,16 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
     DeepSpeed's engine forwards them.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None, *,
+                 group=None, model_parallel=None):
+        """`group`/`model_parallel`: ZeRO's data-parallel group and the tp/pp dimensions around it
+        (core/mesh.py), from `initialize(mesh=...)` or `initialize(mpu=...)`; default: the world."""
         super().__init__()
         zero = config.zero_optimization
         self.config = config
         self.module = model
         extras = config.zeroshard
-        comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
+        comm = Communicator(extras.comm_timeout_s, extras.check_collectives, group=group)
         if zero.stage < 3 and zero.offload_param is not None:  # DeepSpeed ignores it below stage 3
             zero = zero.model_copy(update={"offload_param": None})
         if zero.stage == 0 and zero.offload_optimizer is not None:  # and this one at stage 0
@@ -54,7 +57,8 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
             gradient_clipping=float(config.gradient_clipping or 0.0),
-            loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None)
+            loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None,
+            model_parallel=model_parallel)
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
         configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
@@ -261,12 +265,20 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
     def refresh_parameters(self) -> None:
         self.sharded.refresh_parameters()
 
+    def _refuse_model_parallel_checkpoint(self, what: str) -> None:
+        # The checkpoint layout names shards by dp rank only: tp/pp ranks would overwrite each other.
+        if self.sharded.model_parallel is not None:
+            raise ValueError(f"{what} under tensor/pipeline parallelism (mesh= or mpu=) is not supported yet: "
+                             "the sharded checkpoint layout has no tp/pp coordinate; see docs/parallelism.md")
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        self._refuse_model_parallel_checkpoint("save_checkpoint")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, **kwargs):
+        self._refuse_model_parallel_checkpoint("load_checkpoint")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
 

@@ -26,6 +26,14 @@ allocates its buffers on the compute device (`device`) zero filled, each paramet
 whose `.data` the group re-points as for any other parameter, and whoever built the model writes
 each rank's master shard afterwards (checkpoint/weights.py reads only this rank's element ranges),
 then refreshes the parameters. No full buffer of a resharding group is ever made for them.
+
+A DTensor parameter (tensor parallelism) is flattened by its local tensor. It cannot be re-pointed
+through `.data` (that leaves its local tensor in place), so it is re-pointed once: at construction it
+is swapped (`torch.utils.swap_tensors`, the same object keeps its identity, hooks and optimizer
+entry) with a DTensor over the same tp mesh whose local tensor is a view of the full buffer. From
+then on only the buffer's storage is freed and grown back, never the views and never the buffer
+(FSDP2 keeps its unsharded DTensor parameters the same way); see [Note: ZeRO over the data-parallel
+dimension].
 This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
 """
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch
 from torch import nn
 
 from zeroshard.core.flat import FlatLayout
+from zeroshard.core.mesh import TensorParallelSpec, local_tensor
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import PrecisionPolicy
 
@@ -49,7 +58,9 @@ class FlatGroup:
                  device: torch.device | None = None):
         self.names = names
         self.params = params
-        self.layout = FlatLayout(names, [p.shape for p in params], world_size)
+        self.tp_specs = [TensorParallelSpec.of(p) for p in params]  # None for a plain tensor
+        self._swapped = False  # DTensor parameters already point at the full buffer
+        self.layout = FlatLayout(names, [local_tensor(p).shape for p in params], world_size)
         self.rank = rank
         self.policy = policy
         self.reshards = reshards
@@ -68,7 +79,8 @@ class FlatGroup:
             for param in params:
                 placeholder = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), param.requires_grad)
                 torch.utils.swap_tensors(param, placeholder)
-        full = None if deferred else self.layout.flatten([p.detach() for p in params], torch.float32)  # 1-D, padded
+        full = None if deferred else self.layout.flatten([local_tensor(p.detach()) for p in params],
+                                                          torch.float32)  # 1-D, padded
         # The range this rank's optimizer updates: its shard, or the whole buffer for stage 0.
         sharded = policy.shard_optimizer
         start, end = self.layout.shard_range(rank) if sharded else (0, self.layout.padded_numel)
@@ -136,12 +148,20 @@ class FlatGroup:
         if compute_shard:
             self.compute_shard = (full_fp32[start:end].to(self.param_dtype, copy=True) if full_fp32 is not None
                                   else torch.zeros(end - start, dtype=self.param_dtype, device=self.device))
+        if any(self.tp_specs):  # DTensor parameters need views of the storage gathers will fill
+            self.point_params_at_full(self.new_full())
         self.free_full()
 
     # -- parameter storage ----------------------------------------------------------------------------
-    def point_params_at_full(self) -> None:
-        for param, view in zip(self.params, self.layout.views(self.full)):
-            param.data = view
+    def point_params_at_full(self, full: torch.Tensor | None = None) -> None:
+        swap = not self._swapped
+        for param, view, spec in zip(self.params, self.layout.views(self.full if full is None else full),
+                                     self.tp_specs):
+            if spec is None:
+                param.data = view
+            elif swap:  # once: see [Note: parameter storage]
+                torch.utils.swap_tensors(param, spec.parameter(view, param.requires_grad))
+        self._swapped = True
 
     def free_full(self, release: bool = False) -> None:
         """Free the gathered storage; parameters become empty (see [Note: parameter storage]).
@@ -149,10 +169,11 @@ class FlatGroup:
         the gathered parameters (`p.data.cpu()` is no copy on CPU) keep their values; for gathers
         outside forward/backward, where autograd saved no views (GatheredParameters)."""
         empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
-        for param in self.params:
-            param.data = empty
+        for param, spec in zip(self.params, self.tp_specs):
+            if spec is None:  # a DTensor keeps its view; the storage under it is freed below
+                param.data = empty
         if self.full is not None and not self.keep_full:
-            if release:
+            if release and not any(self.tp_specs):  # DTensor views stay on this buffer for good
                 self.full = None  # new_full() allocates afresh; memory goes when the last view does
             else:
                 self.full.untyped_storage().resize_(0)
@@ -231,6 +252,8 @@ class FlatGroup:
         if self.full_grad is None:
             self.full_grad = self.zeros_full_grad()
         slot = self.layout.slots[index]
+        if self.tp_specs[index] is not None:
+            grad = self.tp_specs[index].local_grad(grad)
         self.full_grad[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
 
     def grad_for_optimizer(self) -> torch.Tensor:
@@ -289,8 +312,9 @@ class FlatGroup:
 
     def destroy(self) -> None:
         empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
-        for param in self.params:
-            param.data = empty
+        for param, spec in zip(self.params, self.tp_specs):
+            if spec is None:
+                param.data = empty
         self.full = None
         self.compute_shard = None
         self.full_grad = None

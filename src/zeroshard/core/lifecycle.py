@@ -70,6 +70,9 @@ class Lifecycle:
         self.backward_opener = None
         self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)
+        # Keep units gathered until end_backward: a pipeline schedule's later micro-batches still
+        # need the parameters their saved activations view (Sharded.backward_by_caller).
+        self.hold_gathered = False
         self.forward_order: list[Unit] | None = None
         self.backward_order: list[Unit] | None = None
         self._recording: list[Unit] = []
@@ -237,6 +240,10 @@ class Lifecycle:
             if unit.reshards:
                 self._outside_backward(unit)
             return  # stays in param.grad: see [Note: gradients from another backward]
+        if unit.grads_pending == unit.trainable_params:
+            # A new micro-batch's first gradient (backward_by_caller): the previous micro-batch's
+            # reduction reads the full gradient buffer, so it completes first. No-op otherwise.
+            unit.finish_reduce()
         if group.trainable:
             group.add_grad(index, param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor)
         param.grad = None  # the flat buffer owns the gradient now; free autograd's copy
@@ -245,6 +252,9 @@ class Lifecycle:
         unit.grads_pending -= 1
         if unit.grads_pending == 0:
             self._unit_backward_done(unit)
+            # Re-armed for the next micro-batch of the same backward phase (a pipeline schedule runs
+            # several inside `Sharded.backward_by_caller`); one backward() never gets here twice.
+            unit.grads_pending = unit.trainable_params
 
     def _unit_backward_done(self, unit: Unit) -> None:
         if self.boundary:
@@ -252,12 +262,15 @@ class Lifecycle:
             self._inflight.append(unit)
             while len(self._inflight) > self.max_inflight:  # bound memory held by full gradients
                 self._inflight.pop(0).finish_reduce()
-        unit.reshard()
+        if not self.hold_gathered:
+            unit.reshard()
 
     def end_backward(self) -> None:
         """Reduce what unused parameters held back, wait for all reductions, free everything."""
         for unit in self.units:
-            if unit.trainable_params and unit.grads_pending and self.boundary and not unit.reduced_this_backward:
+            # Not yet reduced, or a micro-batch left it partly reduced (unused parameters).
+            partial = unit.grads_pending != unit.trainable_params or not unit.reduced_this_backward
+            if unit.trainable_params and self.boundary and partial:
                 self._unit_backward_done(unit)
         for unit in self._inflight:
             unit.finish_reduce()

@@ -15,6 +15,7 @@ import torch
 
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
+from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
@@ -73,7 +74,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
                  policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
-                 streamed: "StreamedStep | None" = None):
+                 streamed: "StreamedStep | None" = None, norm: NormScope | None = None):
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
@@ -91,6 +92,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
         self.streamed = streamed  # offload: step sub-group by sub-group through a store
+        self.norm = norm or NormScope()  # beyond dp: see [Note: ZeRO over the data-parallel dimension]
 
     @property
     def name(self) -> str:
@@ -136,13 +138,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
             group.zero_grads()
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64."""
+        """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64;
+        `grads` in the order of `self.groups`."""
         total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
-        for grad in grads:
-            for chunk in grad.split(_NORM_CHUNK):
-                total += chunk.double().pow(2).sum().to(total.device)
+        for group, grad in zip(self.groups, grads):
+            for piece in self.norm.counted(group, grad):  # tp-replicated parameters counted once
+                for chunk in piece.split(_NORM_CHUNK):
+                    total += chunk.double().pow(2).sum().to(total.device)
         if self.policy.shard_optimizer:  # shards are disjoint: sum them; stage 0 holds everything
             self.comm.all_reduce(total, "gradient norm", kind="control")
+        self.norm.all_reduce(total)  # tp and pp ranks hold other parameters: sum over them too
         return math.sqrt(total.item())
 
     def step(self) -> bool:

@@ -12,6 +12,7 @@ from torch import nn
 
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
+from zeroshard.core.mesh import local_tensor
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.placement import Placement
 from zeroshard.core.precision import PrecisionPolicy
@@ -30,7 +31,7 @@ def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
                  placement: Placement | None = None) -> list[Unit]:
     """Build the units of `model`. `optimizer_groups`: id(param) -> index of its optimizer param group.
 
-    Rank 0's values are broadcast first, as DDP does, so that every rank starts from the same model.
+    Rank 0's values (of `comm`'s group) are broadcast first, as DDP does, so that every rank starts from the same model.
     Parameters with fewer than `persistence_threshold` elements stay unsharded at stage 3 (their
     gathering would cost more in latency than it saves in memory), like DeepSpeed's
     `stage3_param_persistence_threshold`.
@@ -47,7 +48,7 @@ def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
     buckets: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name, _ in modules}
     buckets[PERSISTENT] = []
     for name, param in named:
-        persistent = policy.shard_parameters and param.numel() < persistence_threshold
+        persistent = policy.shard_parameters and local_tensor(param).numel() < persistence_threshold
         buckets[PERSISTENT if persistent else owners[id(param)]].append((name, param))
     module_of = dict(modules)
     units = []
@@ -73,10 +74,11 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
     for (_, index), items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
         names, params = [n for n, _ in items], [p for _, p in items]
         for name, param in items:
-            # Same start on every rank (DDP broadcasts rank 0's parameters too); parameters on the meta
-            # device have no values yet ([Note: deferred values] in group.py).
+            # Same start on every rank (DDP broadcasts rank 0's parameters too); rank 0 of `comm`'s
+            # group, the dp group under model parallelism, so that tp slices stay distinct. Parameters
+            # on the meta device have no values yet ([Note: deferred values] in group.py).
             if param.device.type != "meta":
-                comm.broadcast(param.data, 0, f"initial broadcast of '{name}'")
+                comm.broadcast(local_tensor(param.detach()), 0, f"initial broadcast of '{name}'")
         trainable = index is not None
         device = comm.device if params[0].device.type == "meta" else params[0].device
         master_store, compute_shard = _master_placement(placement, precision, device, reshards, trainable)

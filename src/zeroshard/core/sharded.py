@@ -28,6 +28,7 @@ from torch import nn
 
 from zeroshard.core.comm import Communicator
 from zeroshard.core.lifecycle import Lifecycle, Phase
+from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
 from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, refresh_parameters, repoint_optimizer
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
@@ -43,7 +44,8 @@ DEFAULT_PREFETCH_NUMEL = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size d
 
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: int | StagePolicy = 3,
           precision: PrecisionPolicy | None = None, placement: Placement | None = None,
-          group=None, wrap: list[str] | None = None, persistence_threshold: int = 0,
+          group=None, mesh=None, model_parallel: ModelParallel | None = None,
+          wrap: list[str] | None = None, persistence_threshold: int = 0,
           prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
           comm_timeout_s: float = 300.0, check_collectives: bool = True) -> "Sharded":
@@ -55,12 +57,23 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     offload stores, `wrap` the module classes that become units (default: the blocks of the largest
     ModuleList). Rank 0's parameter values are broadcast first, as DDP does. `optimizer=None`: for
     inference only (forward passes; `backward` and `step` raise).
+
+    Inside 3D parallelism, `mesh` is a DeviceMesh with dimensions named 'dp' and 'tp' and/or 'pp':
+    ZeRO shards over 'dp' only, and the gradient norm is completed over the others (or give
+    `group` and `model_parallel` yourself, e.g. from `zeroshard.core.mesh.from_mpu`). See
+    [Note: ZeRO over the data-parallel dimension] in core/mesh.py.
     """
+    if mesh is not None:
+        if group is not None or model_parallel is not None:
+            raise ValueError("shard(mesh=...) derives the dp group and the model-parallel groups from the "
+                             "mesh: pass either mesh or group/model_parallel, not both")
+        group, model_parallel = from_device_mesh(mesh, model)
     comm = Communicator(comm_timeout_s, check_collectives, group=group)
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
     return Sharded(model, optimizer, comm, policy, precision or PrecisionPolicy(), placement or Placement(),
                    wrap=wrap, persistence_threshold=persistence_threshold, prefetch_numel=prefetch_numel,
-                   overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler)
+                   overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
+                   model_parallel=model_parallel)
 
 
 class Sharded:
@@ -69,8 +82,10 @@ class Sharded:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
                  policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
                  wrap: list[str] | None, persistence_threshold: int, prefetch_numel: int, overlap_comm: bool,
-                 gradient_clipping: float, loss_scaler: DynamicLossScaler | None):
+                 gradient_clipping: float, loss_scaler: DynamicLossScaler | None,
+                 model_parallel: ModelParallel | None = None):
         self.module = model
+        self.model_parallel = model_parallel
         self.comm = comm
         self.policy = policy
         self.precision = precision
@@ -87,16 +102,26 @@ class Sharded:
         register_engine(self)  # for zero.GatheredParameters, which gets parameters and nothing else
         self.loss_scaler = loss_scaler
         self.optimizer: ZeroOptimizer | None = None
+        self.norm_comms = self._norm_comms(comm)
         if optimizer is not None:
             repoint_optimizer(optimizer, self.groups)
+            norm = NormScope.build(model_parallel, self.groups, self.norm_comms)
             self.optimizer = ZeroOptimizer(optimizer, self.groups, comm, policy, float(gradient_clipping),
-                                           loss_scaler, self._streamed_step(optimizer))
+                                           loss_scaler, self._streamed_step(optimizer), norm=norm)
         # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
         # reduction is waited for before backward goes on (none in flight).
         self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,
                                    prefetch_numel=prefetch_numel, overlap_comm=overlap_comm,
                                    max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
+
+    def _norm_comms(self, comm: Communicator) -> list[Communicator]:
+        if self.model_parallel is None or not self.model_parallel.norm_groups:
+            return []
+        if self.loss_scaler is not None:  # its overflow vote runs over dp only: stages would disagree
+            raise ValueError("fp16 dynamic loss scaling is not supported with tensor or pipeline parallelism: "
+                             "use bf16 (no loss scaling) or fp32")
+        return [Communicator(comm.timeout_s, comm.check_collectives, group=g) for g in self.model_parallel.norm_groups]
 
     def _streamed_step(self, optimizer) -> StreamedStep | None:
         if self.placement.optimizer_store is None:
@@ -125,6 +150,34 @@ class Sharded:
             self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
             raise
         self.lifecycle.end_backward()
+
+    @contextlib.contextmanager
+    def backward_by_caller(self, *, boundary: bool = True):
+        """For code that runs forward and backward itself, several micro-batches at a time: a pipeline
+        schedule (`torch.distributed.pipelining`) calls the stage module and autograd directly, never
+        `backward()`. Gradients arriving inside the block are this step's micro-batches:
+
+            with sharded.backward_by_caller():
+                schedule.step(inputs, target=targets, losses=losses)
+            sharded.step()
+
+        Stages 0/1 accumulate the micro-batches' full gradients and reduce once when the block ends
+        (DDP's no_sync, then one reduction); stages 2/3 reduce-scatter each unit after each
+        micro-batch, as `backward()` would. `boundary=False` defers the reduction at stages 0/1 to a
+        later block. At stage 3 a unit, once gathered, stays gathered until the block ends: the
+        schedule interleaves micro-batches' forwards and backwards, and the activations saved in
+        forward view the parameters (peak parameter memory inside the block is stage 2's)."""
+        self.lifecycle.begin_backward(False)  # stages 2/3 force per-micro-batch reduction themselves
+        self.lifecycle.hold_gathered = True
+        try:
+            yield
+        except BaseException:
+            self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
+            raise
+        finally:
+            self.lifecycle.hold_gathered = False
+        self.lifecycle.boundary = boundary or self.policy.shard_gradients
+        self.lifecycle.end_backward()  # stages 0/1: every unit reduces its accumulated gradient now
 
     def step(self) -> bool:
         """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""
@@ -229,7 +282,8 @@ class Sharded:
                 param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}
         self.placement.destroy()
-        self.comm.destroy()
+        for comm in [*self.norm_comms, self.comm]:
+            comm.destroy()
 
 
 def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:

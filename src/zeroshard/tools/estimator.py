@@ -183,6 +183,74 @@ def ring_bytes_sent_per_rank(params: int, ranks: int, stage: int, dtype_bytes: i
     return comm_bytes_per_step(params, stage, dtype_bytes) * (ranks - 1) / ranks
 
 
+# ---- 3D parallelism: ZeRO over dp of what tensor and pipeline parallelism leave on a rank ----
+
+@dataclass(frozen=True)
+class Layout:
+    """A dp x tp x pp mesh. Tensor and pipeline parallelism split the Ψ parameters over tp·pp ranks
+    first; ZeRO then partitions each rank's part over its dp group (ZeRO §8, "3D parallelism")."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp"):
+            _count(getattr(self, name), name, 1)
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp
+
+
+def local_params(params: int, layout: Layout, replicated: int = 0) -> int:
+    """Parameters one model-parallel rank holds: ceil((Ψ - R)/(tp·pp)) + R/pp, where the `replicated`
+    R (LayerNorms, row-parallel biases) is held whole by every tp rank of its pipeline stage."""
+    params, replicated = _count(params, "params", 0), _count(replicated, "replicated params", 0)
+    if replicated > params:
+        raise ValueError(f"replicated params ({replicated}) exceed params ({params})")
+    split = -(-(params - replicated) // layout.model_parallel)
+    return split + -(-replicated // layout.pp)
+
+
+def mesh_state_bytes(params: int, layout: Layout, stage: int, recipe: Recipe = MIXED_ADAM, *,
+                     replicated: int = 0, offload_optimizer: str | None = None,
+                     offload_param: str | None = None) -> StateBytes:
+    """Per-rank model-state bytes under `layout`: the §5 formulas for the rank's `local_params`, N = dp."""
+    return model_state_bytes(local_params(params, layout, replicated), layout.dp, stage, recipe,
+                             offload_optimizer, offload_param)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What tp and pp traffic scale with: `tokens` per micro-batch on a rank (micro batch x sequence),
+    `hidden` size, `layers` of the model, `micro_batches` per step."""
+
+    tokens: int
+    hidden: int
+    layers: int
+    micro_batches: int = 1
+
+
+def mesh_comm_bytes(params: int, layout: Layout, stage: int, dtype_bytes: int = 2, *, replicated: int = 0,
+                    activations: Activations | None = None) -> dict:
+    """Paper-convention bytes per step and rank, per mesh dimension. dp: ZeRO's 2Ψ_local (3Ψ_local at
+    stage 3). tp (Megatron-LM, Shoeybi et al. §3): per layer and micro-batch 2 all-reduces of the
+    activations in forward and 2 in backward, tokens x hidden each (all-reduce = 2x). pp: per
+    micro-batch each stage boundary sends the activations forward and their gradient back. tp and pp
+    are None without `activations`; 0 when that dimension is 1."""
+    out = {"dp": comm_bytes_per_step(local_params(params, layout, replicated), stage, dtype_bytes)
+           if layout.dp > 1 else 0, "tp": None, "pp": None}
+    if activations is None:
+        out.update(tp=0 if layout.tp == 1 else None, pp=0 if layout.pp == 1 else None)
+        return out
+    act = activations.tokens * activations.hidden * dtype_bytes * activations.micro_batches
+    layers_here = -(-activations.layers // layout.pp)
+    out["tp"] = 0 if layout.tp == 1 else 4 * 2 * act * layers_here
+    out["pp"] = 0 if layout.pp == 1 else 2 * act
+    return out
+
+
 # ---- units: decimal GB as in the paper (7.5e9 x 16 B = 120 GB), binary GiB when asked for ----
 
 _BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

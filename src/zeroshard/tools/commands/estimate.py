@@ -6,7 +6,7 @@ import json
 import sys
 
 from zeroshard.tools import estimator as est
-from zeroshard.tools.commands import add_command, bounded, params_from_args
+from zeroshard.tools.commands import CommandError, add_command, bounded, params_from_args
 
 SHARDED = {0: "nothing (DDP)", 1: "optimizer states", 2: "+ gradients", 3: "+ parameters"}
 
@@ -21,6 +21,7 @@ EXAMPLES = [
     "zeroshard estimate --model path/to/config.json --ranks 16 --precision fp32",
     "zeroshard estimate --params 13B --ranks 8 --offload-optimizer cpu --json",
     "zeroshard estimate --params 70B --ranks 32 --offload-optimizer nvme --offload-param nvme",
+    "zeroshard estimate --model gpt-7.5b --tp 2 --pp 2 --dp 16 --tokens 8192   # 3D parallelism",
 ]
 
 
@@ -32,8 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="parameter count: 7.5e9, 7.5B, 350M")
     size.add_argument("--model", metavar="NAME_OR_JSON",
                       help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
-    parser.add_argument("--ranks", type=bounded(int, 1), default=1, metavar="N",
+    parser.add_argument("--ranks", type=bounded(int, 1), default=None, metavar="N",
                         help="data-parallel ranks (default: 1)")
+    parser.add_argument("--dp", type=bounded(int, 1), metavar="N", help="data-parallel ranks (same as --ranks)")
+    parser.add_argument("--tp", type=bounded(int, 1), default=1, metavar="N",
+                        help="tensor-parallel ranks: parameters split over tp before ZeRO (default: 1)")
+    parser.add_argument("--pp", type=bounded(int, 1), default=1, metavar="N",
+                        help="pipeline stages: layers split over pp before ZeRO (default: 1)")
+    parser.add_argument("--tokens", type=bounded(int, 1), metavar="N",
+                        help="tokens per micro-batch and rank (batch x sequence), for tp/pp traffic; "
+                             "needs a built-in --model (hidden size, layers)")
+    parser.add_argument("--micro-batches", type=bounded(int, 1), default=1, metavar="N",
+                        help="micro-batches per step (pipeline / accumulation), for tp/pp traffic (default: 1)")
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16",
                         help="compute dtype; bf16/fp16 keep fp32 master weights (default: bf16)")
     parser.add_argument("--optimizer", choices=list(est.OPTIMIZER_STATES), default="adam",
@@ -58,26 +69,56 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
     reason = est.offload_error(stage, **offload)
     if reason is not None:  # e.g. offload_param below stage 3: that row is n/a, the others still count
         return {**row, "error": reason}
-    state = est.model_state_bytes(params, args.ranks, stage, rec, **offload)
+    state = est.mesh_state_bytes(params, args.layout, stage, rec, replicated=args.replicated, **offload)
     row.update(params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
                total_bytes=state.total, offloaded_cpu_bytes=state.offloaded_cpu,
                offloaded_nvme_bytes=state.offloaded_nvme,
                comm_elements=est.comm_elements_per_step(params, stage),
                comm_bytes=est.comm_bytes_per_step(params, stage, rec.param_bytes),
                ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes))
+    if args.layout.model_parallel > 1:  # ZeRO's volume is that of the rank's model-parallel part
+        local = est.local_params(params, args.layout, args.replicated)
+        row.update(local_params=local, comm_elements=est.comm_elements_per_step(local, stage),
+                   comm_bytes=est.comm_bytes_per_step(local, stage, rec.param_bytes),
+                   ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(local, args.ranks, stage, rec.param_bytes),
+                   comm_bytes_per_dim=est.mesh_comm_bytes(params, args.layout, stage, rec.param_bytes,
+                                                          replicated=args.replicated,
+                                                          activations=args.activations))
     if args.memory is not None:
         try:
-            row["largest_params"] = est.largest_model(args.memory, args.ranks, stage, rec, **offload,
-                                                      cpu_bytes=args.cpu_memory)
+            row["largest_params"] = args.layout.model_parallel * est.largest_model(
+                args.memory, args.ranks, stage, rec, **offload, cpu_bytes=args.cpu_memory)
         except ValueError:  # every model state is offloaded and no host budget bounds it
             row["largest_params"] = None
     return row
 
 
+def _mesh(args: argparse.Namespace) -> None:
+    """args.ranks, .layout, .replicated, .activations from --ranks/--dp, --tp, --pp, --tokens."""
+    if args.ranks is not None and args.dp is not None and args.ranks != args.dp:
+        raise CommandError(f"--ranks {args.ranks} and --dp {args.dp} both set the data-parallel ranks: give one")
+    args.ranks = args.dp or args.ranks or 1
+    args.layout = est.Layout(args.ranks, args.tp, args.pp)
+    spec = est.BUILTIN_MODELS.get(args.model) if args.model else None
+    # Megatron-LM splits embeddings and linears over tp; LayerNorms, the biases of row-parallel
+    # linears and position embeddings stay whole on every tp rank (6 per layer: 2 LayerNorms x 2, 2 biases).
+    args.replicated = (spec.n_layer * 6 * spec.n_embd + 2 * spec.n_embd + spec.block_size * spec.n_embd
+                       if spec is not None and args.tp > 1 else 0)
+    args.activations = None
+    if args.tokens is not None:
+        if spec is None:
+            raise CommandError("--tokens needs a built-in --model (its hidden size and layer count): "
+                               + ", ".join(est.BUILTIN_MODELS))
+        args.activations = est.Activations(args.tokens, spec.n_embd, spec.n_layer, args.micro_batches)
+
+
 def _result(args: argparse.Namespace) -> dict:
     params = params_from_args(args)
+    _mesh(args)
     rec = est.recipe(args.precision, args.optimizer, args.k)  # argparse has validated every input
     return {"params": params, "model": args.model, "ranks": args.ranks,
+            "mesh": {"dp": args.layout.dp, "tp": args.layout.tp, "pp": args.layout.pp,
+                     "replicated_params": args.replicated},
             "recipe": {"name": rec.name, "param_bytes": rec.param_bytes, "grad_bytes": rec.grad_bytes, "k": rec.k},
             "offload_optimizer": args.offload_optimizer, "offload_param": args.offload_param,
             "memory_bytes": args.memory, "cpu_memory_bytes": args.cpu_memory,
@@ -111,8 +152,12 @@ def _cell(row: dict, key: str) -> str:
 def format_table(result: dict) -> str:
     rec, columns = result["recipe"], _columns(result)
     source = f" ({result['model']})" if result["model"] else ""
+    mesh = result["mesh"]
+    ranks = (f"{result['ranks']} ranks" if mesh["tp"] * mesh["pp"] == 1 else
+             f"dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} (ZeRO over dp of each rank's "
+             f"{est.format_count(result['stages'][0].get('local_params', result['params']))} parameters)")
     lines = [f"ZeRO model states per rank: {est.format_count(result['params'])} parameters{source}, "
-             f"{result['ranks']} ranks, {rec['name']} "
+             f"{ranks}, {rec['name']} "
              f"({rec['param_bytes']} + {rec['grad_bytes']} + K={rec['k']} bytes per parameter)"]
     offload = [f"{name} -> {result[key]}" for name, key in
                (("optimizer", "offload_optimizer"), ("params", "offload_param")) if result[key]]
@@ -137,7 +182,22 @@ def format_table(result: dict) -> str:
         if "error" in row:
             reasons.setdefault(row["error"], []).append(str(row["stage"]))
     lines += [f"n/a at stage {', '.join(stages)}: {reason}." for reason, stages in reasons.items()]
+    lines += _per_dimension(result)
     return "\n".join(lines)
+
+
+def _per_dimension(result: dict) -> list[str]:
+    rows = [r for r in result["stages"] if "comm_bytes_per_dim" in r]
+    if not rows:
+        return []
+    def cell(value):
+        return "needs --model and --tokens" if value is None else est.format_bytes(value)
+    lines = ["comm/step per rank and mesh dimension (dp: ZeRO; tp: Megatron's 4 activation all-reduces "
+             "per layer; pp: activations and their gradients at stage boundaries):"]
+    for row in rows:
+        dims = row["comm_bytes_per_dim"]
+        lines.append(f"  stage {row['stage']}: " + ", ".join(f"{d} {cell(dims[d])}" for d in ("dp", "tp", "pp")))
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
