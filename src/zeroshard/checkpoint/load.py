@@ -25,7 +25,7 @@ from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
-                       persistent_buffers, rank_file, read_manifest, resolve_tag)
+                       persistent_buffers, rank_file, read_manifest, resolve_tag, state_key)
 from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
 
@@ -132,6 +132,8 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
         _check_same_partition(path, manifest, engine)
     loaded = _Loaded()
     with CheckpointReader(path, manifest) as reader:
+        if restore_optimizer:
+            _check_state_complete(reader, engine)
         for index, group in enumerate(engine.groups):
             master = group.master.detach().to("cpu", copy=True)  # what the checkpoint lacks stays as it is
             for slot, lo, hi, dest in group.master_pieces(master):
@@ -215,12 +217,49 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
             continue
         state[key] = torch.zeros_like(group.master)  # 1-D, numel = end - start
         for slot, lo, hi, dest in group.master_pieces(state[key]):
-            if slot.name in reader.index and reader.index.state_kinds(slot.name).get(key) == "elementwise":
+            if slot.name in reader.index:  # else load_module_strict=False: a parameter new to the model
                 reader.read_param(slot.name, key, lo, hi, dest)
-            else:
-                log.warning("checkpoint %s has no optimizer state '%s' for '%s': starting it at zero",
-                            reader.path, key, slot.name)
     return state  # {} when saved before the first step
+
+
+def _check_state_complete(reader: CheckpointReader, engine) -> None:
+    """Before anything is loaded: the optimizer state this engine will read is all there (see
+    `_check_state_not_lost`); every elementwise state a saved group lists is in every rank file;
+    and parameters that now share a flat group had the same kinds of state."""
+    _check_state_not_lost(reader, engine.optimizer)
+    groups = reader.manifest["groups"]
+    for index, saved in enumerate(groups):
+        for key, kind in saved["state"]:
+            for rank in range(reader.world_size) if kind == "elementwise" else ():
+                file = reader.file(rank_file(rank))
+                if state_key(index, key) not in file:
+                    raise CheckpointError(f"{file.path}: has no optimizer state '{state_key(index, key)}', which "
+                                          f"{reader.path / MANIFEST} lists; pass load_optimizer_states=False to "
+                                          "load the weights only")
+    for group in engine.groups:
+        names = [s.name for s in group.layout.slots if s.name in reader.index] if group.trainable else []
+        kinds = {name: reader.index.state_kinds(name) for name in names}
+        if len({tuple(sorted(k.items())) for k in kinds.values()}) > 1:
+            first, other = names[0], next(n for n in names if kinds[n] != kinds[names[0]])
+            raise CheckpointError(
+                f"{reader.path / MANIFEST}: parameters '{first}' and '{other}' have different optimizer state "
+                f"({sorted(kinds[first])} and {sorted(kinds[other])}) but share a flat group here: part of the "
+                "optimizer state was lost; pass load_optimizer_states=False to load the weights only")
+
+
+def _check_state_not_lost(reader: CheckpointReader, optimizer) -> None:
+    """A checkpoint of an optimizer that keeps state (Adam's moments, SGD's momentum) and had
+    stepped, yet holds no optimizer state at all, lost it (what issue 11 found offloaded
+    sub-groups did): an error, never a silently fresh optimizer. A group of its own may lack
+    state, since its parameters may never have had a gradient; all of them cannot."""
+    manifest = reader.manifest
+    applied = manifest["global_steps"] - manifest.get("skipped_steps", 0)
+    trainable = [g for g in manifest["groups"] if g.get("optimizer_group") is not None]
+    if applied > 0 and trainable and not any(g["state"] for g in trainable) and optimizer.keeps_state():
+        raise CheckpointError(
+            f"{reader.path / MANIFEST}: the optimizer ({manifest['optimizer']}) took {applied} step(s) but the "
+            "checkpoint holds no optimizer state for any parameter: it was lost when the checkpoint was written; "
+            "pass load_optimizer_states=False to load the weights only (the optimizer then starts afresh)")
 
 
 def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> list:

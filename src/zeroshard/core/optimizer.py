@@ -195,6 +195,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def refresh_parameters(self) -> None:
         refresh_parameters(self.groups, self.comm)
 
+    def keeps_state(self) -> bool:
+        """Does this optimizer keep per-parameter state after a step (Adam, SGD with momentum), as
+        opposed to none (plain SGD)? Asked of a twin over one element with each param group's
+        hyper-parameters, so that the user's optimizer is not touched."""
+        for param_group in self.optimizer.param_groups:
+            probe = torch.zeros(1, requires_grad=True)
+            twin = type(self.optimizer)([{**{k: v for k, v in param_group.items() if k != "params"},
+                                          "params": [probe]}])
+            probe.grad = torch.ones(1)
+            twin.step()
+            if twin.state.get(probe):
+                return True
+        return False
+
     # -- per-group state (the checkpoint contract) ------------------------------------------------------
     def group_state(self, group: FlatGroup) -> dict:
         """The optimizer state of one flat group as if the torch optimizer stepped `group.master` in
