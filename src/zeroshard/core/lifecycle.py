@@ -152,7 +152,7 @@ class Lifecycle:
             unit.grads_pending = unit.trainable_params
             unit.reduced_this_backward = False
             for group in unit.groups:
-                group.set_aside_reduced_slice()  # stage 1 only; see its note in group.py
+                group.set_aside_reduced_slice()  # stages 0/1; see its note in group.py
 
     # [Note: gradients from another backward]
     # A backward that is not this engine's can reach its parameters: a GAN's generator loss flows

@@ -103,7 +103,7 @@ class Unit:
     def finish_reduce(self) -> None:
         for handle, group, out in self._reductions:
             handle.wait()
-            if group.reduction is Reduction.REDUCE_SCATTER_IN_PLACE:
+            if group.grads_persist_full:  # stages 0/1: [Note: a second reduction before the step]
                 group.restore_reduced_slice()
             if out is not None:
                 group.grad_shard.add_(out.to(group.grad_shard.device))  # accumulate; offload: to host
