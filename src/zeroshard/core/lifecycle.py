@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils._pytree import tree_flatten
 
+from zeroshard.core.comm import CollectiveError
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import Unit
 
@@ -223,6 +224,25 @@ class Lifecycle:
         if self.backward_order is None and self._recording:
             self.backward_order = self._recording
         self.phase = Phase.IDLE
+
+    def abort(self, wait: bool) -> None:
+        """After a forward or backward raised, on this rank (see [Note: failed steps] in sharded.py):
+        every unit's in-flight collectives completed (`wait`: every rank that got this far issued
+        the same ones) or abandoned (a collective already failed: waiting again would only time out
+        again), their results dropped, gathered parameters freed, nothing recorded from the
+        partial pass. Raises the first CollectiveError met while waiting, after cleaning up."""
+        self._inflight.clear()
+        self._recording = []
+        self._seen_in_backward.clear()
+        self.phase = Phase.IDLE
+        first = None
+        for unit in self.units:
+            try:
+                unit.abort(wait=wait and first is None)
+            except CollectiveError as error:
+                first = first or error
+        if first is not None:
+            raise first
 
     # -- prefetch ----------------------------------------------------------------------------------
     def _prefetch(self, order: list[Unit], start: int, phase: str) -> None:

@@ -263,6 +263,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not self.transactional:
             yield
             return
+        for group in self.groups:  # a damaged swap file fails here, before it is read
+            if group.master_store is not None:
+                group.master_store.check([group.master])
+        if self.streamed is not None:
+            self.streamed.check()
         masters = [group.master.clone() for group in self.groups]
         state = {param: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in entry.items()}
                  for param, entry in self.optimizer.state.items()}

@@ -101,11 +101,7 @@ class StreamedStep:
         plans = plans or {}
         results: dict[int, list] = {}
         subs = self.sub_groups
-        # Every swap file is checked before anything is updated: a damaged store fails the step and
-        # leaves masters and optimizer states as they were.
-        self.store.check([t for sub in subs for t in self._tensors(sub)])
-        for group in self._offloaded_master_groups():
-            group.master_store.check([group.master])
+        self.check()
         self._prefetch(subs[0])
         try:
             for k, sub in enumerate(subs):
@@ -159,6 +155,13 @@ class StreamedStep:
     def _offloaded_master_groups(self) -> list[FlatGroup]:
         groups = {id(sub.group): sub.group for sub in self.sub_groups if sub.group.master_store is not None}
         return list(groups.values())
+
+    def check(self) -> None:
+        """Every swap file is checked before anything is read or updated: a damaged store fails the
+        step and leaves masters and optimizer states as they were (and never faults on a mapping)."""
+        self.store.check([t for sub in self.sub_groups for t in self._tensors(sub)])
+        for group in self._offloaded_master_groups():
+            group.master_store.check([group.master])
 
     def _step_one(self, sub: SubGroup) -> None:
         for pg, params in zip(self.optimizer.param_groups, self._all_params):
