@@ -11,7 +11,8 @@ with and without gradient accumulation: against DDP itself (accumulation steps 1
 accumulation steps, against the single-process emulation of 2 ranks that leaves `.grad` None where
 no rank had one (tests/reference.train_single for stages 0/1, which reduce once per step; for
 stages 2/3, which reduce every micro step, the same with a reduction per micro step). A checkpoint
-taken when parameters' step counts differ resumes bit for bit.
+taken when parameters' step counts differ resumes bit for bit, also after a trip through 1 rank
+and another stage (load there, save again, load back at 2 ranks).
 """
 from __future__ import annotations
 
@@ -203,22 +204,60 @@ def _case(stage, offload, gas, nvme, oracles) -> None:
     assert_close(ours, ref, exact=True, what=f"stage {stage} offload {offload} accumulation {gas}")
 
 
-def _resume_case(stage, offload, nvme, root) -> None:
+def _resume_case(stage, offload, nvme, root) -> dict:
     """Save at step 3, when experts' and the adapter's step counts differ; resume: bit for bit."""
     straight = _engine(stage, offload, 1, nvme)
     reference = _train_engine(straight, 0, STEPS)
     straight.destroy()
     half = _engine(stage, offload, 1, nvme)
     _train_engine(half, 0, 3)
+    assert not all(half.optimizer.slot_states.is_uniform(g) for g in half.optimizer.groups), "step counts differ"
     half.save_checkpoint(f"{root}/s{stage}-{offload}", tag="t")
     half.destroy()
+    _check_resume(stage, offload, nvme, f"{root}/s{stage}-{offload}", reference)
+    return reference
+
+
+def _check_resume(stage, offload, nvme, directory, reference) -> None:
     resumed = _engine(stage, offload, 1, nvme)
-    resumed.load_checkpoint(f"{root}/s{stage}-{offload}")
+    resumed.load_checkpoint(directory)
     rest = _train_engine(resumed, 3, STEPS - 3)
     resumed.destroy()
     assert rest["losses"] == reference["losses"][3:], (rest["losses"], reference["losses"][3:])
     for name, value in reference["params"].items():
         assert torch.equal(rest["params"][name], value), f"'{name}' differs after resume"
+
+
+RESUME_SETTINGS = [dict(stage=1, offload=None), dict(stage=3, offload=None), dict(stage=2, offload="cpu")]
+
+
+def _resume_worker(rank: int, world: int, *, root: str) -> list:
+    nvme = os.path.join(root, f"nvme{rank}")
+    return subtests([dict(s, nvme=nvme, root=root) for s in RESUME_SETTINGS], _resume_case)
+
+
+def _one_rank_worker(rank: int, world: int, *, root: str) -> None:
+    """At 1 rank, another stage: load each 2-rank checkpoint, save it again."""
+    def case(stage, offload):
+        engine = _engine(3 if stage < 3 else 1, None, 1, os.path.join(root, "nvme-one"))
+        engine.load_checkpoint(f"{root}/s{stage}-{offload}")
+        engine.save_checkpoint(f"{root}/via-one-s{stage}-{offload}", tag="t")
+        engine.destroy()
+    subtests(RESUME_SETTINGS, case)
+
+
+def _back_worker(rank: int, world: int, *, root: str, references: list) -> None:
+    nvme = os.path.join(root, f"nvme{rank}")
+    subtests([dict(s, nvme=nvme, directory=f"{root}/via-one-s{s['stage']}-{s['offload']}", reference=r)
+              for s, r in zip(RESUME_SETTINGS, references[rank])], _check_resume)
+
+
+def test_unused_state_resumes_and_reshards(tmp_path):
+    """2 ranks -> resume; 2 ranks -> 1 rank (another stage) -> 2 ranks -> resume: bit for bit."""
+    root = str(tmp_path)
+    references = run_distributed(_resume_worker, 2, timeout=600, root=root)
+    run_distributed(_one_rank_worker, 1, timeout=600, root=root)
+    run_distributed(_back_worker, 2, timeout=600, root=root, references=references)
 
 
 SETTINGS = [dict(stage=0, offload=None), dict(stage=1, offload=None), dict(stage=2, offload=None),
@@ -237,7 +276,6 @@ def _worker(rank: int, world: int, *, root: str) -> dict:
                                loss_fn=_loss, record_params=True)
     oracles = {1: ddp, 2: accumulated, "reduce every micro step": _reduce_every_micro_step_oracle(2)}
     subtests([dict(s, gas=g, nvme=nvme, oracles=oracles) for s in SETTINGS for g in (1, 2)], _case)
-    subtests([dict(s, nvme=nvme, root=root) for s in SETTINGS if s["stage"] in (1, 3)], _resume_case)
     # The adapter skipped odd steps: DDP's AdamW stepped it STEPS // 2 times, not STEPS.
     return {"adapter moved at odd steps": not torch.equal(ddp["params_per_step"][1]["adapter.weight"],
                                                           ddp["params_per_step"][0]["adapter.weight"])}

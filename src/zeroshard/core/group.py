@@ -215,6 +215,18 @@ class FlatGroup:
         self.full_grad[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
         self.grad_seen[index] = True
 
+    def note_loaded_grads(self) -> None:
+        """Gradients accumulated before a checkpoint (saved mid-window) were loaded: a slot counts
+        as having had a gradient where the part held here is non-zero (the checkpoint does not say
+        which had one; the step's all-reduce of these flags joins every rank's part)."""
+        grad = self.grad()
+        start = 0 if self.grads_persist_full else self.layout.shard_range(self.rank)[0]
+        end = start + grad.numel()
+        for index, slot in enumerate(self.layout.slots):
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi and bool(grad[lo - start: hi - start].any()):
+                self.grad_seen[index] = True
+
     def grad_for_optimizer(self) -> torch.Tensor:
         """The reduced gradient matching `master`, in grad_dtype."""
         if self.grad_shard is not None:

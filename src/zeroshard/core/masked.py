@@ -18,20 +18,20 @@ so it must do the same per parameter (slot):
     torch. Slots without a gradient are not touched at all.
 Torch keeps a step count per parameter; we keep one per group while they agree (the common case,
 no cost) and a scalar state per slot once they differ (`SlotStates`), collapsing back when they
-agree again. A slot that never stepped has no scalar state (None), so its first step starts the
-optimizer's state afresh, as in torch. Checkpoints see per-slot scalars as elementwise tensors
-named `<key>@per_parameter` (fp32, one value per element, NaN where the slot never stepped), so
-they re-slice across world sizes like any other state; a group whose slots agree is saved as before.
+agree again. Every rank keeps the statuses of all slots of a group, also those outside its shard
+(their update is computed on a one-element stand-in), so all ranks agree on the form of a group's
+state. A slot that never stepped has no scalar state (None), so its first step starts the
+optimizer's state afresh, as in torch. Checkpoints keep per-slot scalars as one scalar entry,
+`zeroshard_per_parameter`: parameter name -> its scalars, found by name at any world size and
+grouping; a group whose slots agree is saved as before.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 
 from zeroshard.core.group import FlatGroup
 
-PER_PARAMETER = "@per_parameter"
+PER_PARAMETER = "zeroshard_per_parameter"  # the checkpoint's key of per-parameter scalar state
 
 
 def is_elementwise(value, param: torch.Tensor) -> bool:
@@ -97,19 +97,25 @@ class SlotStates:
                 runs.append([a, b, statuses[index]])
         return [(a, b, status) for a, b, status in runs]
 
-    def settle(self, group: FlatGroup, uniform: dict | None, results: list[tuple[int, int, dict]]):
-        """After a stepped plan: record each stepped slot's new scalars. Returns the group's single
-        scalar state when every slot in this rank's range now agrees (uniform again), else None."""
+    def settle(self, group: FlatGroup, uniform: dict | None, seen: list[bool],
+               results: list[tuple[int, int, dict]], advance) -> dict | None:
+        """After a stepped plan: every slot that got a gradient anywhere has its new scalar state --
+        from this rank's runs where it holds the slot, else `advance(old)` (a scalar state's update
+        never depends on gradient values, so every rank computes the same). Statuses cover all
+        slots, so every rank agrees whether the group is uniform. Returns the group's one scalar
+        state when every slot agrees again, else None."""
         statuses = list(self.statuses(group, uniform))
-        ranges = slot_ranges(group)
-        for index, a, b in ranges:
+        exact = {}
+        for index, a, b in slot_ranges(group):
             for lo, hi, status in results:
                 if lo < b and a < hi:
-                    statuses[index] = status
-        keys = {_key(statuses[index]) for index, _, _ in ranges}
-        if len(keys) == 1:
+                    exact[index] = status
+        for index, got in enumerate(seen):
+            if got:
+                statuses[index] = exact[index] if index in exact else advance(statuses[index])
+        if len({_key(status) for status in statuses}) == 1:
             self.diverged.pop(id(group), None)
-            return _copy(statuses[ranges[0][0]]) if ranges else None
+            return _copy(statuses[0])
         self.diverged[id(group)] = statuses
         return None
 
@@ -117,38 +123,27 @@ class SlotStates:
         return id(group) not in self.diverged
 
     # -- the checkpoint form ----------------------------------------------------------------------------
-    def expand(self, group: FlatGroup) -> dict[str, torch.Tensor]:
-        """A diverged group's per-slot scalars as `<key>@per_parameter` tensors like the master."""
+    def expand(self, group: FlatGroup) -> dict:
+        """A diverged group's scalar state, one entry per parameter name (None: never stepped);
+        the same on every rank, so the checkpoint keeps it once, like any scalar state."""
         statuses = self.diverged[id(group)]
-        keys = sorted({k for s in statuses if s is not None for k in s})
-        out = {}
-        for key in keys:
-            values = torch.full_like(group.master, math.nan, dtype=torch.float32)
-            for index, a, b in slot_ranges(group):
-                if statuses[index] is not None:
-                    values[a:b] = float(statuses[index][key])
-            out[key + PER_PARAMETER] = values
-        return out
+        return {PER_PARAMETER: {slot.name: _copy(status) for slot, status in zip(group.layout.slots, statuses)}}
 
     def absorb(self, group: FlatGroup, state: dict) -> dict:
-        """Inverse of `expand` on loading: takes the `@per_parameter` entries out of `state` (the
-        form ZeroOptimizer.group_state returns) and returns what remains, with the scalar state
-        put back when every slot agrees."""
-        per_slot = {k[:-len(PER_PARAMETER)]: v for k, v in state.items() if k.endswith(PER_PARAMETER)}
-        rest = {k: v for k, v in state.items() if not k.endswith(PER_PARAMETER)}
+        """Inverse of `expand` on loading: takes the per-parameter entry out of `state` (the form
+        ZeroOptimizer.group_state returns) and returns the rest, with the one scalar state put
+        back when every parameter's agrees."""
+        per_parameter = state.get(PER_PARAMETER)
+        rest = {k: v for k, v in state.items() if k != PER_PARAMETER}
         self.diverged.pop(id(group), None)
-        if not per_slot:
+        if per_parameter is None:
             return rest
-        statuses: list[dict | None] = [None] * len(group.layout.slots)
-        for index, a, _ in slot_ranges(group):
-            values = {k: float(v[a]) for k, v in per_slot.items()}
-            if not any(math.isnan(x) for x in values.values()):
-                statuses[index] = {k: torch.tensor(x, dtype=torch.float32) for k, x in values.items()}
-        ranges = slot_ranges(group)
-        keys = {_key(statuses[index]) for index, _, _ in ranges}
-        if len(keys) == 1 and ranges:
-            uniform = statuses[ranges[0][0]]
-            return {**rest, **(uniform or {})} if uniform is not None else {}
+        missing = [slot.name for slot in group.layout.slots if slot.name not in per_parameter]
+        if missing:
+            raise ValueError(f"optimizer state '{PER_PARAMETER}' of '{group.names[0]}...' lacks {missing[:3]}")
+        statuses = [_copy(per_parameter[slot.name]) for slot in group.layout.slots]
+        if len({_key(status) for status in statuses}) == 1:
+            return {**rest, **statuses[0]} if statuses[0] is not None else {}
         self.diverged[id(group)] = statuses
         return rest
 

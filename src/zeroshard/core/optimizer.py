@@ -208,9 +208,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                         plans)
         else:
             results = self._apply_in_memory(grads, plans)
+        advanced: dict = {}
         for group in self.groups:
-            if plans[id(group)]:
-                self._settle(group, uniform[id(group)], results[id(group)])
+            if plans[id(group)] is not None and any(seen[id(group)]):
+                self._settle(group, uniform[id(group)], seen[id(group)], results.get(id(group), []), advanced)
 
     def _apply_in_memory(self, grads, plans) -> dict[int, list]:
         for group, grad in zip(self.groups, grads):
@@ -229,6 +230,24 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype))
         return results
 
+    def _advance(self, group: FlatGroup, status: dict | None) -> dict:
+        """The scalar state one step makes of `status` (None: never stepped), for a parameter this
+        rank does not hold: the torch optimizer steps a one-element stand-in with a zero gradient
+        (first from nothing, which gives it its elementwise state, then from `status`)."""
+        stand_in = torch.zeros(1, device=group.master.device)
+        zero = torch.zeros(1, device=group.master.device)
+
+        def new_state(key, dtype):
+            return torch.zeros(1, dtype=dtype, device=group.master.device)
+
+        try:
+            fresh = step_runs(self.optimizer, group.optimizer_group, stand_in, zero, [(0, 1, None)], new_state)
+            if status is None:
+                return fresh[0][2]
+            return step_runs(self.optimizer, group.optimizer_group, stand_in, zero, [(0, 1, status)], new_state)[0][2]
+        finally:
+            self.optimizer.state.pop(stand_in, None)
+
     def _stepping_params(self, group: FlatGroup) -> list[torch.Tensor]:
         """The tensors the torch optimizer keys this group's state by: its master, or its sub-groups."""
         return [s.param for s in self.streamed.subs_of(group)] if self.streamed is not None else [group.master]
@@ -237,9 +256,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
         param = self._stepping_params(group)[0]
         return scalars_of(self.optimizer.state.get(param), param)
 
-    def _settle(self, group: FlatGroup, uniform: dict | None, results: list) -> None:
+    def _settle(self, group: FlatGroup, uniform: dict | None, seen: list[bool], results: list, advanced: dict) -> None:
         """After a group stepped in runs: its scalar state is one again, or one per slot."""
-        agreed = self.slot_states.settle(group, uniform, results)
+        def advance(status):
+            key = (group.optimizer_group, repr(status and sorted((k, float(v)) for k, v in status.items())))
+            if key not in advanced:
+                advanced[key] = self._advance(group, status)
+            return advanced[key]
+
+        agreed = self.slot_states.settle(group, uniform, seen, results, advance)
         if self.streamed is not None:
             self.streamed.complete_state(group)
         for param in self._stepping_params(group):
