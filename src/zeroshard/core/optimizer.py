@@ -271,7 +271,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             state = self.optimizer.state[param]
             for key in [k for k, v in state.items() if not is_elementwise(v, param)]:
                 del state[key]
-            if agreed is not None:
+            if agreed is not None and state:  # empty: a shard of padding only, never stepped here
                 state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in agreed.items()})
 
     @contextlib.contextmanager
