@@ -1,7 +1,8 @@
 """Issue 11, item 4: a forward, backward or step that raises changes nothing but the gradients.
 
 All ranks raise (a forward hook, a gradient hook in the middle of backward while later units'
-reductions are in flight, the optimizer after it updated): parameters, masters, optimizer state,
+reductions are in flight -- in engine.backward(loss) and in loss.backward() --, the optimizer after
+it updated): parameters, masters, optimizer state,
 loss scaler and step counters are what they were before the failing call, bit for bit; backward()
 and step() refuse until zero_grad(); after zero_grad() the run goes on exactly like a run that
 never had the failed micro steps. Every stage, with and without offload and accumulation.
@@ -63,7 +64,7 @@ def _arm(engine, kind: str, armed: list) -> None:
     def forward_hook(module, args, output):
         if armed[0] and kind == "forward hook":
             raise Injected("forward hook failed")
-        if armed[0] and kind == "backward":
+        if armed[0] and kind in ("backward", "loss.backward()"):
             def raise_in_backward(grad):
                 raise Injected("backward failed")
             output.register_hook(raise_in_backward)
@@ -105,9 +106,12 @@ def _expect(kind: type, text: str, fn, *args) -> None:
     raise AssertionError(f"{fn.__name__}{args[1:]} did not raise {kind.__name__}")
 
 
-def _micro(engine, step, micro):
+def _micro(engine, step, micro, torch_backward=False):
     loss = gpt_loss(engine, *BATCHES(step, micro, engine.global_rank))
-    engine.backward(loss)
+    if torch_backward:  # DeepSpeed >= 0.17 lets scripts call loss.backward() on the engine's outputs
+        loss.backward()
+    else:
+        engine.backward(loss)
     engine.step()
     return loss.item()
 
@@ -126,7 +130,7 @@ def _run(stage, offload, gas, nvme, kind, precision):
             continue
         before = _state(engine)
         armed[0], FlakyAdamW.armed = True, kind == "optimizer"
-        _expect(Injected, "", _micro, engine, step, gas - 1)
+        _expect(Injected, "", _micro, engine, step, gas - 1, kind == "loss.backward()")
         armed[0], FlakyAdamW.armed = False, False
         _assert_same(_state(engine), before, f"after a failed {kind}")
         if kind != "forward hook":
@@ -154,6 +158,7 @@ def _all_ranks_worker(rank: int, world: int, *, tmp: str) -> None:
     nvme = os.path.join(tmp, f"nvme{rank}")
     cases = [dict(s, gas=g, kind=k) for s in SETTINGS for g in (1, 2) for k in KINDS]
     cases += [dict(stage=s, offload=None, gas=1, kind=k, precision="fp16") for s in (1, 3) for k in KINDS]
+    cases += [dict(stage=s, offload=None, gas=g, kind="loss.backward()") for s in (0, 1, 3) for g in (1, 2)]
     subtests([dict(c, nvme=nvme) for c in cases], _all_ranks_case)
 
 

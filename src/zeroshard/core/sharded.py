@@ -150,10 +150,11 @@ class Sharded:
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step."""
+        self._finish_interrupted_backward()
         self.optimizer.zero_grad()
         self._grads_lost = None
 
-    def _abort(self, error: BaseException) -> None:
+    def _abort(self, error: BaseException | None) -> None:
         """See [Note: failed steps]."""
         if isinstance(error, CollectiveError):
             self._broken = str(error)
@@ -161,9 +162,19 @@ class Sharded:
             self.lifecycle.abort(wait=self._broken is None)
         except CollectiveError as drained:
             self._broken = str(drained)
-            error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+            if error is not None:
+                error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+
+    def _finish_interrupted_backward(self) -> None:
+        """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)
+        that raised leaves the phase at BACKWARD, since autograd runs no callback after an error:
+        the next call cleans up as after a failed backward() ([Note: failed steps])."""
+        if self.lifecycle.phase is Phase.BACKWARD:
+            self._grads_lost = "loss.backward() raised"
+            self._abort(None)
 
     def _check_usable(self, what: str) -> None:
+        self._finish_interrupted_backward()
         if self._broken is not None:
             raise CollectiveError(f"rank {self.comm.rank}: {what}() refused: an earlier collective failed and the "
                                   f"ranks are no longer in step; restart from the last checkpoint. It was: "
