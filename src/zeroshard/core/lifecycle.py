@@ -235,6 +235,8 @@ class Lifecycle:
         self._recording = []
         self._seen_in_backward.clear()
         self.phase = Phase.IDLE
+        self.grad_factor = 1.0  # a loss.backward() that raised never reached the callback resetting it
+        self.backward_opener = None
         first = None
         for unit in self.units:
             try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import math
 
 import torch
@@ -19,6 +18,7 @@ from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.rollback import Snapshot
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
 
@@ -276,15 +276,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def _transaction(self):
-        """[Note: transactional step] Everything that can disagree between ranks or fail on a
-        collective (overflow check, norm, which parameters got a gradient) is decided before this
-        block; inside it only this rank's arithmetic runs: gradient scaling, the torch optimizer
-        over masters and state, which a user's optimizer, an out-of-memory error or a store may
-        interrupt half-way. A copy of the masters and of the optimizer state taken before is put
-        back if it raises, so the step leaves them as they were (the cost: one more copy of this
-        rank's optimizer shard while the step runs; `transactional = False` saves it). The
-        gradients of the window are then scaled or partly consumed: the caller must
-        zero_grad() before the next backward (Sharded enforces it)."""
+        """The update is all or nothing: [Note: transactional step] in rollback.py."""
         if not self.transactional:
             yield
             return
@@ -293,35 +285,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group.master_store.check([group.master])
         if self.streamed is not None:
             self.streamed.check()
-        masters = [group.master.clone() for group in self.groups]
-        state = {param: {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in entry.items()}
-                 for param, entry in self.optimizer.state.items()}
-        diverged = copy.deepcopy(self.slot_states.diverged)
+        before = Snapshot(self.groups, self.optimizer, self.slot_states)
         try:
             yield
         except BaseException:
-            with torch.no_grad():
-                for group, saved in zip(self.groups, masters):
-                    group.master.copy_(saved)
-                self._restore_state(state)
-            self.slot_states.diverged = diverged
+            before.restore()
             raise
-
-    def _restore_state(self, saved: dict) -> None:
-        """Optimizer state back to `saved`, in place where a tensor survives (a store's tensor stays
-        that store's), entries created since dropped."""
-        for param in [p for p in self.optimizer.state if p not in saved]:
-            del self.optimizer.state[param]
-        for param, entry in saved.items():
-            current = self.optimizer.state[param]
-            for key in [k for k in current if k not in entry]:
-                del current[key]
-            for key, value in entry.items():
-                old = current.get(key)
-                if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
-                    old.copy_(value)
-                else:
-                    current[key] = value
 
     def _overflow(self) -> bool:
         """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""

@@ -104,7 +104,7 @@ class Sharded:
     # -- one training step ---------------------------------------------------------------------------
     # [Note: failed steps]
     # A forward, backward or step that raises leaves parameters, masters, optimizer state and loss
-    # scaler as they were before it (the step: [Note: transactional step] in optimizer.py). What
+    # scaler as they were before it (the step: [Note: transactional step] in rollback.py). What
     # this rank has in flight is completed -- every rank that got as far issued the same
     # collectives -- and dropped, gathered units are freed, nothing is recorded from the partial
     # pass. Gradients are the exception: a failed backward or step leaves the window's gradients
