@@ -195,6 +195,8 @@ def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
 @pytest.mark.parametrize("kind,stage", [("backward", 3), ("optimizer", 2), ("forward hook", 3), ("backward", 1)])
 def test_one_rank_failing_names_an_error_on_every_rank(kind, stage):
     healthy, failing = run_distributed(_one_rank_worker, 2, timeout=10 * COMM_TIMEOUT_S, kind=kind, stage=stage)
+    print(f"{kind} at stage {stage}: rank 1 {failing['first'][0]}; rank 0 {healthy['first'][0]} after "
+          f"{healthy['elapsed']:.1f}s, then {healthy['second'][0]} after {healthy['second_elapsed']:.3f}s")
     assert failing["first"][0] == "Injected", failing
     assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
     assert healthy["elapsed"] < 3 * COMM_TIMEOUT_S, healthy

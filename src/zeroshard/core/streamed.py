@@ -64,6 +64,11 @@ class StreamedStep:
         if not subs or not states[0]:
             return {}
         self.store.check([t for sub in subs for t in self.state_tensors(sub)])
+        for sub, state in zip(subs, states):  # a sub-group without its share would lose it silently
+            missing = [k for k, v in states[0].items() if is_elementwise(v, subs[0].param) and k not in state]
+            if missing:
+                raise RuntimeError(f"optimizer state {missing} of '{group.names[0]}...' is missing for elements "
+                                   f"[{sub.start}, {sub.end}) of its shard")
         out = {}
         for key, value in states[0].items():
             if is_elementwise(value, subs[0].param):
