@@ -42,9 +42,10 @@ def _loss(model, inputs, targets):
 def _hard_case(variant: str, stage: int) -> None:
     model_fn = functools.partial(_build, variant)
     # gas = 1: "reduce every micro step" and "reduce once" are the same math, so one oracle serves
-    # all stages; an unused parameter then gets a zero gradient in both (DeepSpeed's semantics too).
+    # all stages; an unused parameter keeps `.grad` None and is not stepped, as with DDP
+    # (find_unused_parameters=True) and torch (issue 11, item 2; DeepSpeed steps it on a zero gradient).
     ref = train_single(model_fn, _batches, optimizer_fn=_trainable_adamw, steps=STEPS, world_size=2,
-                       reduce_every_micro_step=True, loss_fn=_loss, record_params=True)
+                       loss_fn=_loss, record_params=True)
     ours = train_engine(model_fn, _batches, config=make_config(stage), optimizer_fn=_trainable_adamw,
                         steps=STEPS, loss_fn=_loss, record_params=True)
     # train_single reports rank 0's losses; ranks differ in data, so compare on rank 0 only.

@@ -25,9 +25,10 @@ from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
-                       persistent_buffers, rank_file, read_manifest, resolve_tag)
+                       persistent_buffers, rank_file, read_manifest, resolve_tag, state_key)
 from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
+from zeroshard.core.masked import PER_PARAMETER
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ def engine_param_shapes(engine) -> dict[str, list[int]]:
 class _Loaded:
     copies: list = field(default_factory=list)  # (destination, loaded value): masters, grads, buffers
     states: list = field(default_factory=list)  # (group, optimizer state to load_group_state)
+    grads: list = field(default_factory=list)  # groups whose accumulated gradients were read
 
 
 @torch.no_grad()
@@ -132,6 +134,8 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
         _check_same_partition(path, manifest, engine)
     loaded = _Loaded()
     with CheckpointReader(path, manifest) as reader:
+        if restore_optimizer:
+            _check_state_complete(reader, engine)
         for index, group in enumerate(engine.groups):
             master = group.master.detach().to("cpu", copy=True)  # what the checkpoint lacks stays as it is
             for slot, lo, hi, dest in group.master_pieces(master):
@@ -145,7 +149,9 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
                 if state is not None:
                     loaded.states.append((group, state))
             if with_grads and group.trainable:
-                loaded.copies += _load_grads(reader, index, group, engine.comm.rank)
+                copies = _load_grads(reader, index, group, engine.comm.rank)
+                loaded.copies += copies
+                loaded.grads += [group] if copies else []
         loaded.copies += _load_buffers(engine.module, reader.buffers(), path, strict)
     return objects, loaded
 
@@ -154,6 +160,8 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
 def _apply(engine, loaded: _Loaded) -> None:
     for destination, value in loaded.copies:
         destination.copy_(value)
+    for group in loaded.grads:  # which parameters had a gradient ([Note: parameters without a gradient])
+        group.note_loaded_grads()
     for group, state in loaded.states:
         engine.optimizer.load_group_state(group, state)
 
@@ -198,29 +206,100 @@ def _check_same_partition(path: Path, manifest: dict, engine) -> None:
 
 def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimizer) -> dict | None:
     """One group's optimizer state read from the checkpoint, for ZeroOptimizer.load_group_state
-    (applied by `_apply`): elementwise state re-sliced, scalar state (Adam's `step`) from the saved
-    group holding this group's first parameter. None: the checkpoint has none of its parameters."""
-    names = [s.name for s in group.layout.slots if s.name in reader.index]
-    if not names:
+    (applied by `_apply`); None: the checkpoint has none of its parameters here. Elementwise
+    state re-sliced; scalar state (Adam's `step`) from the saved group(s) holding this
+    group's parameters -- one value when they agree, else one per parameter ([Note: parameters
+    without a gradient] in core/masked.py: step counts differ where some had no gradient)."""
+    sources = {s.name: reader.index.locate(s.name)[0] for s in group.layout.slots if s.name in reader.index}
+    if not any(slot.name in sources for slot, _, _, _ in group.master_pieces()):
         return None
-    source, _ = reader.index.locate(names[0])
-    kinds = reader.manifest["groups"][source]["state"]
-    state = {}
-    for key, kind in kinds:
-        if kind == "scalar":
-            # A copy per group: optimizers update scalar state in place (Adam: step += 1), and two
-            # groups may take theirs from the same saved group.
-            value, on_device = scalars[source][key]
-            state[key] = copy.deepcopy(value.to(group.master.device) if on_device else value)
-            continue
+    kinds = {source: dict(reader.manifest["groups"][source]["state"]) for source in sources.values()}
+    stepped = [source for source in dict.fromkeys(sources.values()) if kinds[source]]
+    if not stepped:
+        return {}  # saved before any of them stepped
+    statuses = {slot.name: _saved_status(scalars, kinds, sources.get(slot.name), slot.name)
+                for slot in group.layout.slots}
+    first_name = group.layout.slots[0].name
+    if len({_status_key(status) for status in statuses.values()}) > 1:
+        state = {PER_PARAMETER: copy.deepcopy(statuses)}
+    elif PER_PARAMETER in scalars[sources[first_name]]:
+        state = copy.deepcopy(statuses[first_name])
+    else:
+        # A copy per group: optimizers update scalar state in place (Adam: step += 1), and two
+        # groups may take theirs from the same saved group.
+        state = {key: copy.deepcopy(value.to(group.master.device) if on_device else value)
+                 for key, (value, on_device) in _saved_scalars(scalars, sources[first_name]).items()}
+    for key in [k for k, kind in kinds[stepped[0]].items() if kind == "elementwise"]:
         state[key] = torch.zeros_like(group.master)  # 1-D, numel = end - start
         for slot, lo, hi, dest in group.master_pieces(state[key]):
-            if slot.name in reader.index and reader.index.state_kinds(slot.name).get(key) == "elementwise":
+            if slot.name in sources and kinds[sources[slot.name]]:  # else new to the model, or never stepped
                 reader.read_param(slot.name, key, lo, hi, dest)
-            else:
-                log.warning("checkpoint %s has no optimizer state '%s' for '%s': starting it at zero",
-                            reader.path, key, slot.name)
-    return state  # {} when saved before the first step
+    return state
+
+
+def _saved_scalars(scalars: dict, source: int) -> dict:
+    return {key: entry for key, entry in scalars[source].items() if key != PER_PARAMETER}
+
+
+def _saved_status(scalars: dict, kinds: dict, source: int | None, name: str):
+    """One parameter's scalar optimizer state in the checkpoint; None where it never stepped."""
+    if source is None or not kinds[source]:
+        return None
+    if PER_PARAMETER in scalars[source]:
+        return scalars[source][PER_PARAMETER][0][name]
+    return {key: value for key, (value, _) in _saved_scalars(scalars, source).items()}
+
+
+def _status_key(status):
+    if status is None:
+        return None
+    return tuple(sorted((k, float(v.item() if isinstance(v, torch.Tensor) else v)) for k, v in status.items()))
+
+
+def _check_state_complete(reader: CheckpointReader, engine) -> None:
+    """Before anything is loaded: the optimizer state this engine will read is all there (see
+    `_check_state_not_lost`); every elementwise state a saved group lists is in every rank file;
+    and parameters that now share a flat group had the same kinds of state."""
+    _check_state_not_lost(reader, engine.optimizer)
+    groups = reader.manifest["groups"]
+    for index, saved in enumerate(groups):
+        for key, kind in saved["state"]:
+            for rank in range(reader.world_size) if kind == "elementwise" else ():
+                file = reader.file(rank_file(rank))
+                if state_key(index, key) not in file:
+                    raise CheckpointError(f"{file.path}: has no optimizer state '{state_key(index, key)}', which "
+                                          f"{reader.path / MANIFEST} lists; pass load_optimizer_states=False to "
+                                          "load the weights only")
+    for group in engine.groups:
+        names = [s.name for s in group.layout.slots if s.name in reader.index] if group.trainable else []
+        # Parameters that never stepped have no state; those that did must have the same kinds.
+        kinds = {name: _elementwise_kinds(reader.index.state_kinds(name)) for name in names}  # () never stepped
+        kinds = {name: k for name, k in kinds.items() if k}
+        if len(set(kinds.values())) > 1:
+            first, other = next(iter(kinds)), next(n for n in kinds if kinds[n] != next(iter(kinds.values())))
+            raise CheckpointError(
+                f"{reader.path / MANIFEST}: parameters '{first}' and '{other}' have different optimizer state "
+                f"({list(kinds[first])} and {list(kinds[other])}) but share a flat group here: part of the "
+                "optimizer state was lost; pass load_optimizer_states=False to load the weights only")
+
+
+def _elementwise_kinds(kinds: dict) -> tuple[str, ...]:
+    return tuple(sorted(k for k, kind in kinds.items() if kind == "elementwise"))
+
+
+def _check_state_not_lost(reader: CheckpointReader, optimizer) -> None:
+    """A checkpoint of an optimizer that keeps state (Adam's moments, SGD's momentum) and had
+    stepped, yet holds no optimizer state at all, lost it (what issue 11 found offloaded
+    sub-groups did): an error, never a silently fresh optimizer. A group of its own may lack
+    state, since its parameters may never have had a gradient; all of them cannot."""
+    manifest = reader.manifest
+    applied = manifest["global_steps"] - manifest.get("skipped_steps", 0)
+    trainable = [g for g in manifest["groups"] if g.get("optimizer_group") is not None]
+    if applied > 0 and trainable and not any(g["state"] for g in trainable) and optimizer.keeps_state():
+        raise CheckpointError(
+            f"{reader.path / MANIFEST}: the optimizer ({manifest['optimizer']}) took {applied} step(s) but the "
+            "checkpoint holds no optimizer state for any parameter: it was lost when the checkpoint was written; "
+            "pass load_optimizer_states=False to load the weights only (the optimizer then starts afresh)")
 
 
 def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> list:

@@ -231,7 +231,7 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
         self._backward_done = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self._step_applied = self.optimizer.step()
+            self._step_applied = self.sharded.step()  # raises with nothing changed ([Note: failed steps], core/sharded.py)
             if self._step_applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1

@@ -95,6 +95,9 @@ class FlatGroup:
         self.grad_shard: torch.Tensor | None = None
         self.reduced_slice: torch.Tensor | None = None  # see [Note: a second reduction before the step]
         self.holds_reduced_slice = False
+        # Which parameters got a gradient on this rank since the last step ([Note: parameters
+        # without a gradient] in masked.py).
+        self.grad_seen = [False] * len(self.layout.slots)
         if self.trainable:
             if self.grads_persist_full:
                 self.full_grad = self.zeros_full_grad()
@@ -255,6 +258,19 @@ class FlatGroup:
         if self.tp_specs[index] is not None:
             grad = self.tp_specs[index].local_grad(grad)
         self.full_grad[slot.offset: slot.offset + slot.numel].add_(grad.reshape(-1))
+        self.grad_seen[index] = True
+
+    def note_loaded_grads(self) -> None:
+        """Gradients accumulated before a checkpoint (saved mid-window) were loaded: a slot counts
+        as having had a gradient where the part held here is non-zero (the checkpoint does not say
+        which had one; the step's all-reduce of these flags joins every rank's part)."""
+        grad = self.grad()
+        start = 0 if self.grads_persist_full else self.layout.shard_range(self.rank)[0]
+        end = start + grad.numel()
+        for index, slot in enumerate(self.layout.slots):
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi and bool(grad[lo - start: hi - start].any()):
+                self.grad_seen[index] = True
 
     def grad_for_optimizer(self) -> torch.Tensor:
         """The reduced gradient matching `master`, in grad_dtype."""
@@ -264,20 +280,28 @@ class FlatGroup:
         return self.full_grad[start:end]
 
     def zero_grads(self) -> None:
+        """Discard every gradient since the last step: accumulated, reduced, set aside, and (stages
+        2/3) a full gradient a failed backward left unreduced."""
         if self.grads_persist_full and self.full_grad is not None:
             self.full_grad.zero_()
+        elif not self.grads_persist_full:
+            self.full_grad = None
         if self.grad_shard is not None:
             self.grad_shard.zero_()
         self.reduced_slice = None
         self.holds_reduced_slice = False
+        self.grad_seen = [False] * len(self.layout.slots)
 
-    # [Note: a second reduction before the step (stage 1)]
-    # Stage 1 reduce-scatters the full gradient buffer in place: afterwards this rank's slice holds the
-    # reduced gradient and the rest of the buffer only stale local values. A script may run another
+    # [Note: a second reduction before the step (stages 0/1)]
+    # Stages 0/1 reduce the full gradient buffer in place (stage 1 reduce-scatters it): afterwards this
+    # rank's slice (stage 0: the whole buffer) holds the reduced gradient and, at stage 1, the rest of
+    # the buffer only stale local values. A script may run another
     # backward before the step (a GAN's discriminator: one backward on real, one on fake data). Adding
     # its local gradients to that buffer and reducing again would mix reduced and local values, so the
     # reduced slice is set aside and the buffer zeroed when the next backward begins, and the slice is
-    # added back once that backward's reduction is done: reduced(g1) + reduced(g2), as DDP accumulates.
+    # added back once that backward's reduction is done: reduced(g1) + reduced(g2), what stages 2/3 do
+    # by reducing into a separate grad_shard. Stage 0 could re-reduce reduced(g1) + g2 as DDP does, but
+    # that rounds differently from the other stages; one meaning at every stage is the simpler contract.
     def set_aside_reduced_slice(self) -> None:
         if not self.holds_reduced_slice:
             return

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 import torch
 from torch.utils._pytree import tree_flatten
 
+from zeroshard.core.comm import CollectiveError
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import Unit, UnitState
 
@@ -199,7 +200,7 @@ class Lifecycle:
             unit.grads_pending = unit.trainable_params
             unit.reduced_this_backward = False
             for group in unit.groups:
-                group.set_aside_reduced_slice()  # stage 1 only; see its note in group.py
+                group.set_aside_reduced_slice()  # stages 0/1; see its note in group.py
 
     # [Note: gradients from another backward]
     # A backward that is not this engine's can reach its parameters: a GAN's generator loss flows
@@ -280,6 +281,27 @@ class Lifecycle:
         if self.backward_order is None and self._recording:
             self.backward_order = self._recording
         self.phase = Phase.IDLE
+
+    def abort(self, wait: bool) -> None:
+        """After a forward or backward raised, on this rank (see [Note: failed steps] in sharded.py):
+        every unit's in-flight collectives completed (`wait`: every rank that got this far issued
+        the same ones) or abandoned (a collective already failed: waiting again would only time out
+        again), their results dropped, gathered parameters freed, nothing recorded from the
+        partial pass. Raises the first CollectiveError met while waiting, after cleaning up."""
+        self._inflight.clear()
+        self._recording = []
+        self._seen_in_backward.clear()
+        self.phase = Phase.IDLE
+        self.grad_factor = 1.0  # a loss.backward() that raised never reached the callback resetting it
+        self.backward_opener = None
+        first = None
+        for unit in self.units:
+            try:
+                unit.abort(wait=wait and first is None)
+            except CollectiveError as error:
+                first = first or error
+        if first is not None:
+            raise first
 
     # -- prefetch ----------------------------------------------------------------------------------
     def _prefetch(self, order: list[Unit], start: int, phase: str) -> None:

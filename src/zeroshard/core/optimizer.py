@@ -9,6 +9,7 @@ exactly for optimizers whose update of an element depends only on that element's
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import torch
@@ -17,6 +18,8 @@ from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
+from zeroshard.core.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.rollback import Snapshot
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
 
@@ -93,6 +96,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.streamed = streamed  # offload: step sub-group by sub-group through a store
         self.norm = norm or NormScope()  # beyond dp: see [Note: ZeRO over the data-parallel dimension]
+        self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
+        self.transactional = True  # [Note: transactional step]
 
     @property
     def name(self) -> str:
@@ -140,15 +145,36 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
         """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64;
         `grads` in the order of `self.groups`."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.comm.device)
+        return self._norm_and_seen(grads)[0]
+
+    def _norm_and_seen(self, grads: list[torch.Tensor]) -> tuple[float, dict[int, list[bool]]]:
+        """The global gradient norm, and per group which slots got a gradient on any rank ([Note:
+        parameters without a gradient] in masked.py). Stages 1-3 carry the flags in the norm's own
+        all-reduce (one fp64 count per parameter tensor); stage 0, whose norm needs no collective,
+        all-reduces them alone (max, one byte per parameter tensor). Under tensor/pipeline
+        parallelism the norm (not the flags, which are this dp group's) is then summed over the
+        model-parallel groups, tp-replicated parameters counted once."""
+        flags = [seen for g in self.groups for seen in g.grad_seen]
+        total = torch.zeros(1 + len(flags), dtype=torch.float64, device=self.comm.device)
         for group, grad in zip(self.groups, grads):
-            for piece in self.norm.counted(group, grad):  # tp-replicated parameters counted once
+            for piece in self.norm.counted(group, grad):
                 for chunk in piece.split(_NORM_CHUNK):
-                    total += chunk.double().pow(2).sum().to(total.device)
+                    total[:1] += chunk.double().pow(2).sum().to(total.device)
         if self.policy.shard_optimizer:  # shards are disjoint: sum them; stage 0 holds everything
-            self.comm.all_reduce(total, "gradient norm", kind="control")
-        self.norm.all_reduce(total)  # tp and pp ranks hold other parameters: sum over them too
-        return math.sqrt(total.item())
+            total[1:] = torch.tensor(flags, dtype=torch.float64)
+            self.comm.all_reduce(total, "gradient norm and parameters with a gradient", kind="control")
+            everywhere = (total[1:] > 0).tolist()
+        else:
+            seen = torch.tensor(flags, dtype=torch.uint8, device=self.comm.device)
+            self.comm.all_reduce(seen, "parameters with a gradient", op="max", kind="control")
+            everywhere = seen.bool().tolist()
+        norm = total[:1].clone()
+        self.norm.all_reduce(norm)  # tp and pp ranks hold other parameters: sum over them too
+        out, position = {}, 0
+        for group in self.groups:
+            out[id(group)] = everywhere[position: position + len(group.grad_seen)]
+            position += len(group.grad_seen)
+        return math.sqrt(norm.item()), out
 
     def step(self) -> bool:
         """One optimizer step on this rank's shards; False when fp16 overflow skipped it."""
@@ -162,15 +188,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
         grads = [g.grad_for_optimizer() for g in self.groups]
         grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        norm = self.grad_norm(grads) / scale
-        self.last_grad_norm = norm
+        norm, seen = self._norm_and_seen(grads)
+        norm /= scale
         coef = 1.0 / scale  # unscale and clip in one pass, as DeepSpeed does
         if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
             coef *= self.clip / (norm + 1e-6)
-        for grad in grads:
-            if coef != 1.0:
-                grad.mul_(coef)
-        self._apply(grads)
+        with self._transaction():
+            for grad in grads:
+                if coef != 1.0:
+                    grad.mul_(coef)
+            self._apply(grads, seen)
+        self.last_grad_norm = norm
         self.refresh_parameters()
         for group in self.groups:
             group.zero_grads()
@@ -178,17 +206,99 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.loss_scaler.update(overflow=False)
         return True
 
-    def _apply(self, grads: list[torch.Tensor]) -> None:
+    def _apply(self, grads: list[torch.Tensor], seen: dict[int, list[bool]]) -> None:
+        """The update; groups with parameters that got no gradient step in runs ([Note: parameters
+        without a gradient] in masked.py)."""
+        uniform = {id(g): self._uniform_state(g) for g in self.groups}
+        plans = {id(g): self.slot_states.plan(g, seen[id(g)], uniform[id(g)]) for g in self.groups}
         if self.streamed is not None:
-            self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)})
-            return
+            results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)},
+                                        plans)
+        else:
+            results = self._apply_in_memory(grads, plans)
+        advanced: dict = {}
+        for group in self.groups:
+            if plans[id(group)] is not None and any(seen[id(group)]):
+                self._settle(group, uniform[id(group)], seen[id(group)], results.get(id(group), []), advanced)
+
+    def _apply_in_memory(self, grads, plans) -> dict[int, list]:
         for group, grad in zip(self.groups, grads):
-            group.master.grad = grad
+            group.master.grad = grad if plans[id(group)] is None else None  # torch skips grad None
         try:
-            self.optimizer.step()
+            if any(plans[id(g)] is None for g in self.groups):
+                self.optimizer.step()
         finally:
             for group in self.groups:
                 group.master.grad = None
+        results = {}
+        for group, grad in zip(self.groups, grads):
+            if plans[id(group)]:
+                results[id(group)] = step_runs(self.optimizer, group.optimizer_group, group.master, grad,
+                                               plans[id(group)],
+                                               lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype))
+        return results
+
+    def _advance(self, group: FlatGroup, status: dict | None) -> dict:
+        """The scalar state one step makes of `status` (None: never stepped), for a parameter this
+        rank does not hold: the torch optimizer steps a one-element stand-in with a zero gradient
+        (first from nothing, which gives it its elementwise state, then from `status`)."""
+        stand_in = torch.zeros(1, device=group.master.device)
+        zero = torch.zeros(1, device=group.master.device)
+
+        def new_state(key, dtype):
+            return torch.zeros(1, dtype=dtype, device=group.master.device)
+
+        try:
+            fresh = step_runs(self.optimizer, group.optimizer_group, stand_in, zero, [(0, 1, None)], new_state)
+            if status is None:
+                return fresh[0][2]
+            return step_runs(self.optimizer, group.optimizer_group, stand_in, zero, [(0, 1, status)], new_state)[0][2]
+        finally:
+            self.optimizer.state.pop(stand_in, None)
+
+    def _stepping_params(self, group: FlatGroup) -> list[torch.Tensor]:
+        """The tensors the torch optimizer keys this group's state by: its master, or its sub-groups."""
+        return [s.param for s in self.streamed.subs_of(group)] if self.streamed is not None else [group.master]
+
+    def _uniform_state(self, group: FlatGroup) -> dict | None:
+        param = self._stepping_params(group)[0]
+        return scalars_of(self.optimizer.state.get(param), param)
+
+    def _settle(self, group: FlatGroup, uniform: dict | None, seen: list[bool], results: list, advanced: dict) -> None:
+        """After a group stepped in runs: its scalar state is one again, or one per slot."""
+        def advance(status):
+            key = (group.optimizer_group, repr(status and sorted((k, float(v)) for k, v in status.items())))
+            if key not in advanced:
+                advanced[key] = self._advance(group, status)
+            return advanced[key]
+
+        agreed = self.slot_states.settle(group, uniform, seen, results, advance)
+        if self.streamed is not None:
+            self.streamed.complete_state(group)
+        for param in self._stepping_params(group):
+            state = self.optimizer.state[param]
+            for key in [k for k, v in state.items() if not is_elementwise(v, param)]:
+                del state[key]
+            if agreed is not None and state:  # empty: a shard of padding only, never stepped here
+                state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in agreed.items()})
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """The update is all or nothing: [Note: transactional step] in rollback.py."""
+        if not self.transactional:
+            yield
+            return
+        for group in self.groups:  # a damaged swap file fails here, before it is read
+            if group.master_store is not None:
+                group.master_store.check([group.master])
+        if self.streamed is not None:
+            self.streamed.check()
+        before = Snapshot(self.groups, self.optimizer, self.slot_states)
+        try:
+            yield
+        except BaseException:
+            before.restore()
+            raise
 
     def _overflow(self) -> bool:
         """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""
@@ -200,14 +310,31 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def refresh_parameters(self) -> None:
         refresh_parameters(self.groups, self.comm)
 
+    def keeps_state(self) -> bool:
+        """Does this optimizer keep per-parameter state after a step (Adam, SGD with momentum), as
+        opposed to none (plain SGD)? Asked of a twin over one element with each param group's
+        hyper-parameters, so that the user's optimizer is not touched."""
+        for param_group in self.optimizer.param_groups:
+            probe = torch.zeros(1, requires_grad=True)
+            twin = type(self.optimizer)([{**{k: v for k, v in param_group.items() if k != "params"},
+                                          "params": [probe]}])
+            probe.grad = torch.ones(1)
+            twin.step()
+            if twin.state.get(probe):
+                return True
+        return False
+
     # -- per-group state (the checkpoint contract) ------------------------------------------------------
     def group_state(self, group: FlatGroup) -> dict:
         """The optimizer state of one flat group as if the torch optimizer stepped `group.master` in
         one piece: elementwise tensors (1-D, numel = master.numel()) and scalars (Adam's `step`),
         whatever sub-groups the streamed step cuts it into. {} before the first step."""
-        if self.streamed is not None:
-            return self.streamed.state_of(group)
-        return dict(self.optimizer.state.get(group.master, {}))
+        state = self.streamed.state_of(group) if self.streamed is not None else \
+            dict(self.optimizer.state.get(group.master, {}))
+        if not self.slot_states.is_uniform(group):
+            state = {k: v for k, v in state.items() if is_elementwise(v, group.master)}
+            state.update(self.slot_states.expand(group))
+        return state
 
     def load_group_state(self, group: FlatGroup, state: dict) -> None:
         """Replace one group's optimizer state with `state` (the form `group_state` returns)."""
@@ -215,6 +342,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if isinstance(value, torch.Tensor) and value.dim() == 1 and not is_elementwise(value, group.master):
                 raise ValueError(f"optimizer state '{key}' of '{group.names[0]}...' has {value.numel()} elements, "
                                  f"the group's shard has {group.master.numel()}")
+        state = self.slot_states.absorb(group, state)
         if self.streamed is not None:
             self.streamed.load_state(group, state)
         elif state:  # copies, as torch's load_state_dict makes: the caller keeps its tensors

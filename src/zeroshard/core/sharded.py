@@ -26,7 +26,7 @@ import logging
 import torch
 from torch import nn
 
-from zeroshard.core.comm import Communicator
+from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.lifecycle import Lifecycle, Phase
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
 from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, refresh_parameters, repoint_optimizer
@@ -114,6 +114,8 @@ class Sharded:
                                    prefetch_numel=prefetch_numel, overlap_comm=overlap_comm,
                                    max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
+        self._grads_lost: str | None = None  # [Note: failed steps]
+        self._broken: str | None = None
 
     def _norm_comms(self, comm: Communicator) -> list[Communicator]:
         if self.model_parallel is None or not self.model_parallel.norm_groups:
@@ -132,24 +134,41 @@ class Sharded:
         return StreamedStep(optimizer, subs, self.placement.optimizer_store)
 
     # -- one training step ---------------------------------------------------------------------------
+    # [Note: failed steps]
+    # A forward, backward or step that raises leaves parameters, masters, optimizer state and loss
+    # scaler as they were before it (the step: [Note: transactional step] in rollback.py). What
+    # this rank has in flight is completed -- every rank that got as far issued the same
+    # collectives -- and dropped, gathered units are freed, nothing is recorded from the partial
+    # pass. Gradients are the exception: a failed backward or step leaves the window's gradients
+    # partial, so backward() and step() refuse to run until zero_grad() discards them; the next
+    # step then equals a run that never had the failed one. When only some ranks raise, the
+    # others cannot complete their next collective and get a CollectiveError after comm_timeout_s.
+    # The ranks are then out of step for good: every later call raises at once, naming the
+    # first failure, instead of pairing collectives wrongly or waiting again.
     def __call__(self, *args, **kwargs):
+        self._check_usable("forward")
         self.lifecycle.begin_forward()
         try:
-            return self.module(*args, **kwargs)
-        finally:
-            self.lifecycle.end_forward()
+            out = self.module(*args, **kwargs)
+        except BaseException as error:
+            self._abort(error)
+            raise
+        self.lifecycle.end_forward()
+        return out
 
     def backward(self, loss: torch.Tensor, *, boundary: bool = True, retain_graph: bool = False) -> None:
         """Backward of `loss` as it is (divide by the accumulation steps first). `boundary=False`
         accumulates without reducing at stages 0/1 (DDP's no_sync); stages 2/3 always reduce."""
         self._require_optimizer("backward")
+        self._check_usable("backward")
         self.lifecycle.begin_backward(boundary)
         try:
             loss.backward(retain_graph=retain_graph)
-        except BaseException:
-            self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
+            self.lifecycle.end_backward()
+        except BaseException as error:
+            self._grads_lost = f"backward raised {type(error).__name__}: {error}"
+            self._abort(error)
             raise
-        self.lifecycle.end_backward()
 
     @contextlib.contextmanager
     def backward_by_caller(self, *, boundary: bool = True):
@@ -182,17 +201,56 @@ class Sharded:
     def step(self) -> bool:
         """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""
         self._require_optimizer("step")
-        return self.optimizer.step()
+        self._check_usable("step")
+        try:
+            return self.optimizer.step()
+        except BaseException as error:
+            self._grads_lost = f"step raised {type(error).__name__}: {error}"
+            if isinstance(error, CollectiveError):
+                self._broken = str(error)
+            raise
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step."""
-        if self.optimizer is not None:
-            self.optimizer.zero_grad()
+        if self.optimizer is None:
+            return
+        self._finish_interrupted_backward()
+        self.optimizer.zero_grad()
+        self._grads_lost = None
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
             raise RuntimeError(f"{what}() on a model sharded without an optimizer (inference only): pass an "
                                "optimizer to shard() / initialize() to train")
+
+    def _abort(self, error: BaseException | None) -> None:
+        """See [Note: failed steps]."""
+        if isinstance(error, CollectiveError):
+            self._broken = str(error)
+        try:
+            self.lifecycle.abort(wait=self._broken is None)
+        except CollectiveError as drained:
+            self._broken = str(drained)
+            if error is not None:
+                error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+
+    def _finish_interrupted_backward(self) -> None:
+        """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)
+        that raised leaves the phase at BACKWARD, since autograd runs no callback after an error:
+        the next call cleans up as after a failed backward() ([Note: failed steps])."""
+        if self.lifecycle.phase is Phase.BACKWARD:
+            self._grads_lost = "loss.backward() raised"
+            self._abort(None)
+
+    def _check_usable(self, what: str) -> None:
+        self._finish_interrupted_backward()
+        if self._broken is not None:
+            raise CollectiveError(f"rank {self.comm.rank}: {what}() refused: an earlier collective failed and the "
+                                  f"ranks are no longer in step; restart from the last checkpoint. It was: "
+                                  f"{self._broken}")
+        if self._grads_lost is not None and what != "forward":
+            raise RuntimeError(f"rank {self.comm.rank}: {what}() refused: the last {self._grads_lost}; the "
+                               "gradients accumulated since the last step are partial: call zero_grad() first")
 
     # -- parameters outside forward ------------------------------------------------------------------
     @contextlib.contextmanager

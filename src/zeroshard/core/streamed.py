@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.core.group import FlatGroup
+from zeroshard.core.masked import is_elementwise, step_runs
 
 
 @dataclass
@@ -36,12 +37,6 @@ def split(groups: list[FlatGroup], sub_group_size: int) -> list[SubGroup]:
             end = min(start + sub_group_size, size)
             out.append(SubGroup(group, start, end, group.master[start:end]))
     return out
-
-
-def is_elementwise(value, param: torch.Tensor) -> bool:
-    """Optimizer state with one entry per element of `param` (exp_avg, momentum_buffer, ...), as
-    opposed to scalars (Adam's 0-dim `step`)."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape
 
 
 class StreamedStep:
@@ -69,6 +64,11 @@ class StreamedStep:
         if not subs or not states[0]:
             return {}
         self.store.check([t for sub in subs for t in self.state_tensors(sub)])
+        for sub, state in zip(subs, states):  # a sub-group without its share would lose it silently
+            missing = [k for k, v in states[0].items() if is_elementwise(v, subs[0].param) and k not in state]
+            if missing:
+                raise RuntimeError(f"optimizer state {missing} of '{group.names[0]}...' is missing for elements "
+                                   f"[{sub.start}, {sub.end}) of its shard")
         out = {}
         for key, value in states[0].items():
             if is_elementwise(value, subs[0].param):
@@ -99,22 +99,27 @@ class StreamedStep:
     def _tensors(self, sub: SubGroup) -> list[torch.Tensor]:
         return self.state_tensors(sub) + [sub.param]
 
-    def run(self, grads: dict[int, torch.Tensor]) -> None:
-        """`grads`: id(group) -> fp32 gradient matching group.master."""
+    def run(self, grads: dict[int, torch.Tensor], plans: dict | None = None) -> dict[int, list]:
+        """`grads`: id(group) -> fp32 gradient matching group.master; `plans`: id(group) -> None
+        (step it whole) or the runs to step ([Note: parameters without a gradient] in masked.py).
+        Returns, per group stepped in runs, (a, b, new scalar state) in master elements."""
+        plans = plans or {}
+        results: dict[int, list] = {}
         subs = self.sub_groups
-        # Every swap file is checked before anything is updated: a damaged store fails the step and
-        # leaves masters and optimizer states as they were.
-        self.store.check([t for sub in subs for t in self._tensors(sub)])
-        for group in self._offloaded_master_groups():
-            group.master_store.check([group.master])
+        self.check()
         self._prefetch(subs[0])
         try:
             for k, sub in enumerate(subs):
                 if k + 1 < len(subs):
                     self._prefetch(subs[k + 1])  # double buffering: read k+1 while k computes
-                sub.param.grad = grads[id(sub.group)][sub.start: sub.end]
-                self._step_one(sub)
-                sub.param.grad = None
+                plan = plans.get(id(sub.group))
+                grad = grads[id(sub.group)][sub.start: sub.end]
+                if plan is None:
+                    sub.param.grad = grad
+                    self._step_one(sub)
+                    sub.param.grad = None
+                else:
+                    results.setdefault(id(sub.group), []).extend(self._step_runs(sub, grad, plan))
                 self._adopt_new_state(sub)
                 self._release(sub)
         finally:
@@ -126,10 +131,42 @@ class StreamedStep:
             if master_store is not self.store:
                 master_store.wait()
         self.store.counters.wait_s += time.monotonic() - started
+        return results
+
+    def _step_runs(self, sub: SubGroup, grad: torch.Tensor, plan) -> list:
+        """The runs of `plan` (master elements) that fall in this sub-group, stepped."""
+        local = [(max(a, sub.start) - sub.start, min(b, sub.end) - sub.start, status)
+                 for a, b, status in plan if a < sub.end and sub.start < b]
+        if not local:
+            return []
+        done = step_runs(self.optimizer, sub.group.optimizer_group, sub.param, grad, local,
+                         lambda key, dtype: torch.zeros(sub.end - sub.start, dtype=dtype, device=sub.param.device))
+        return [(a + sub.start, b + sub.start, status) for a, b, status in done]
+
+    def complete_state(self, group: FlatGroup) -> None:
+        """After a step in runs, sub-groups none of whose parameters stepped get zero elementwise
+        state too, so that the group's state joins over its sub-groups (`state_of`)."""
+        subs = self.subs_of(group)
+        keys = {k: t.dtype for sub in subs for k, t in self.optimizer.state.get(sub.param, {}).items()
+                if is_elementwise(t, sub.param)}
+        for sub in subs:
+            state = self.optimizer.state.setdefault(sub.param, {})
+            for key, dtype in keys.items():
+                if key not in state:
+                    state[key] = self.store.tensor(f"{group.names[0]}.{sub.start}.{key}", sub.end - sub.start, dtype)
+                    self.store.release([state[key]])
+        self.store.wait()
 
     def _offloaded_master_groups(self) -> list[FlatGroup]:
         groups = {id(sub.group): sub.group for sub in self.sub_groups if sub.group.master_store is not None}
         return list(groups.values())
+
+    def check(self) -> None:
+        """Every swap file is checked before anything is read or updated: a damaged store fails the
+        step and leaves masters and optimizer states as they were (and never faults on a mapping)."""
+        self.store.check([t for sub in self.sub_groups for t in self._tensors(sub)])
+        for group in self._offloaded_master_groups():
+            group.master_store.check([group.master])
 
     def _step_one(self, sub: SubGroup) -> None:
         for pg, params in zip(self.optimizer.param_groups, self._all_params):

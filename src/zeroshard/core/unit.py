@@ -39,6 +39,7 @@ class Unit:
         self._reductions: list[tuple[Handle, FlatGroup, torch.Tensor | None]] = []
         self.grads_pending = self.trainable_params
         self.reduced_this_backward = False
+        self.abandoned: list[torch.Tensor] = []  # see abort()
 
     # -- parameters ---------------------------------------------------------------------------------
     def unshard(self, phase: str) -> None:
@@ -103,12 +104,42 @@ class Unit:
     def finish_reduce(self) -> None:
         for handle, group, out in self._reductions:
             handle.wait()
-            if group.reduction is Reduction.REDUCE_SCATTER_IN_PLACE:
+            if group.grads_persist_full:  # stages 0/1: [Note: a second reduction before the step]
                 group.restore_reduced_slice()
             if out is not None:
                 group.grad_shard.add_(out.to(group.grad_shard.device))  # accumulate; offload: to host
                 group.full_grad = None  # stages 2/3: the full gradient lives only until reduced
         self._reductions.clear()
+
+    def abort(self, wait: bool) -> None:
+        """After a forward or backward raised: complete (`wait`) or abandon the collectives this unit
+        has in flight, drop their results, free its gathered parameters. The buffers of abandoned
+        collectives are never reused (a peer may still write into them): they stay referenced in
+        `abandoned`, and the groups get new ones."""
+        reductions, gathers = list(self._reductions), list(self._gathers)
+        self._reductions.clear()
+        self._gathers.clear()
+        completed = False
+        try:
+            for handle in [h for h, _, _ in reductions] + gathers if wait else ():
+                handle.wait()
+            completed = True
+        finally:
+            if not completed:
+                for _, group, out in reductions:
+                    self.abandoned += [t for t in (out, group.full_grad) if t is not None]
+                    group.full_grad = group.zeros_full_grad() if group.grads_persist_full else None
+            if self.state is UnitState.GATHERING and completed:
+                for group in self.groups:
+                    group.point_params_at_full()
+                self.state = UnitState.UNSHARDED
+            elif self.state is UnitState.GATHERING:
+                self.abandoned += [g.full for g in self.groups if g.full is not None]
+                for group in self.groups:
+                    group.full = None  # gathered into a new buffer next time
+                    group.free_full()
+                self.state = UnitState.SHARDED
+            self.reshard()
 
     def destroy(self) -> None:
         for handle in self._gathers:

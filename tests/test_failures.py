@@ -1,0 +1,204 @@
+"""Issue 11, item 4: a forward, backward or step that raises changes nothing but the gradients.
+
+All ranks raise (a forward hook, a gradient hook in the middle of backward while later units'
+reductions are in flight -- in engine.backward(loss) and in loss.backward() --, the optimizer after
+it updated): parameters, masters, optimizer state,
+loss scaler and step counters are what they were before the failing call, bit for bit; backward()
+and step() refuse until zero_grad(); after zero_grad() the run goes on exactly like a run that
+never had the failed micro steps. Every stage, with and without offload and accumulation.
+
+One rank raises: it gets its own error, every other rank a CollectiveError within a bounded time
+(comm_timeout_s), and later calls raise at once instead of waiting again.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import zeroshard
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_batches, gpt_loss
+from tests.zs_common import gpt_model_fn, make_config
+from zeroshard.core.comm import CollectiveError
+from zeroshard.tools.models.gpt import tiny_gpt_config
+
+STEPS = 3
+FAILING_STEP = 1
+COMM_TIMEOUT_S = 5
+BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
+
+
+class Injected(RuntimeError):
+    """The failure a test injects."""
+
+
+class FlakyAdamW(torch.optim.AdamW):
+    """AdamW that, when armed, raises after it has updated (the worst moment)."""
+
+    armed = False
+
+    def step(self, closure=None):
+        result = super().step(closure)
+        if FlakyAdamW.armed:
+            raise Injected("optimizer failed after updating")
+        return result
+
+
+def _engine(stage, offload, gas, nvme, precision=None):
+    model = gpt_model_fn()()
+    zero = {"offload_optimizer": {"device": offload, "nvme_path": nvme}, "sub_group_size": 1000} if offload else {}
+    config = make_config(stage, gas, **zero)
+    config["zeroshard"]["comm_timeout_s"] = COMM_TIMEOUT_S
+    if precision:
+        config[precision] = {"enabled": True, "loss_scale_window": 2, "initial_scale_power": 8}  # no overflow
+    engine, *_ = zeroshard.initialize(model=model, optimizer=FlakyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+                                      config=config)
+    return engine
+
+
+def _arm(engine, kind: str, armed: list) -> None:
+    """Hooks that raise while `armed[0]`: in forward, or in backward once later units reduced."""
+    def forward_hook(module, args, output):
+        if armed[0] and kind == "forward hook":
+            raise Injected("forward hook failed")
+        if armed[0] and kind in ("backward", "loss.backward()"):
+            def raise_in_backward(grad):
+                raise Injected("backward failed")
+            output.register_hook(raise_in_backward)
+        return output
+    engine.module.blocks[0].register_forward_hook(forward_hook)
+
+
+def _state(engine) -> dict:
+    """Everything a failed call must leave as it was (gradients aside)."""
+    with engine.gathered_parameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    optimizer = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine.optimizer.group_state(g).items()}
+                 for g in engine.optimizer.groups]
+    return {"params": params, "masters": [g.master.clone() for g in engine.groups], "optimizer": optimizer,
+            "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+            "counters": (engine.global_steps, engine.micro_steps)}
+
+
+def _assert_same(a: dict, b: dict, what: str) -> None:
+    assert a["counters"] == b["counters"], (what, a["counters"], b["counters"])
+    assert a["scaler"] == b["scaler"], (what, a["scaler"], b["scaler"])
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), f"{what}: parameter '{name}' changed"
+    for x, y in zip(a["masters"], b["masters"]):
+        assert torch.equal(x, y), f"{what}: a master shard changed"
+    for x, y in zip(a["optimizer"], b["optimizer"]):
+        assert x.keys() == y.keys(), (what, x.keys(), y.keys())
+        for key in x:
+            assert torch.equal(torch.as_tensor(x[key]), torch.as_tensor(y[key])), f"{what}: optimizer '{key}' changed"
+
+
+def _expect(kind: type, text: str, fn, *args) -> None:
+    """fn(*args) raises `kind` with `text` in its message (an Exception, so that subtests reports it)."""
+    try:
+        fn(*args)
+    except kind as error:
+        assert text in str(error), str(error)
+        return
+    raise AssertionError(f"{fn.__name__}{args[1:]} did not raise {kind.__name__}")
+
+
+def _micro(engine, step, micro, torch_backward=False):
+    loss = gpt_loss(engine, *BATCHES(step, micro, engine.global_rank))
+    if torch_backward:  # DeepSpeed >= 0.17 lets scripts call loss.backward() on the engine's outputs
+        loss.backward()
+    else:
+        engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _run(stage, offload, gas, nvme, kind, precision):
+    """STEPS steps; with `kind`, the last micro step of FAILING_STEP fails once, then the step is redone."""
+    engine = _engine(stage, offload, gas, nvme, precision)
+    armed = [False]
+    _arm(engine, kind or "", armed)
+    losses = []
+    for step in range(STEPS):
+        failing = kind is not None and step == FAILING_STEP
+        done = [_micro(engine, step, micro) for micro in range(gas - 1 if failing else gas)]
+        if not failing:
+            losses += done
+            continue
+        before = _state(engine)
+        armed[0], FlakyAdamW.armed = True, kind == "optimizer"
+        _expect(Injected, "", _micro, engine, step, gas - 1, kind == "loss.backward()")
+        armed[0], FlakyAdamW.armed = False, False
+        _assert_same(_state(engine), before, f"after a failed {kind}")
+        if kind != "forward hook":
+            _expect(RuntimeError, "call zero_grad() first", _micro, engine, step, gas - 1)
+        engine.zero_grad()  # drops the window: the whole step again
+        losses += [_micro(engine, step, micro) for micro in range(gas)]
+    final = _state(engine)
+    engine.destroy()
+    return losses, final
+
+
+def _all_ranks_case(stage, offload, gas, nvme, kind, precision=None) -> None:
+    clean_losses, clean = _run(stage, offload, gas, nvme, None, precision)
+    losses, final = _run(stage, offload, gas, nvme, kind, precision)
+    assert losses == clean_losses, (losses, clean_losses)
+    _assert_same(final, clean, f"{kind} then zero_grad()")
+
+
+SETTINGS = [dict(stage=0, offload=None), dict(stage=1, offload=None), dict(stage=2, offload=None),
+            dict(stage=3, offload=None), dict(stage=2, offload="cpu"), dict(stage=3, offload="nvme")]
+KINDS = ["forward hook", "backward", "optimizer"]
+
+
+def _all_ranks_worker(rank: int, world: int, *, tmp: str) -> None:
+    nvme = os.path.join(tmp, f"nvme{rank}")
+    cases = [dict(s, gas=g, kind=k) for s in SETTINGS for g in (1, 2) for k in KINDS]
+    cases += [dict(stage=s, offload=None, gas=1, kind=k, precision="fp16") for s in (1, 3) for k in KINDS]
+    cases += [dict(stage=s, offload=None, gas=g, kind="loss.backward()") for s in (0, 1, 3) for g in (1, 2)]
+    subtests([dict(c, nvme=nvme) for c in cases], _all_ranks_case)
+
+
+def test_failed_calls_change_nothing_but_gradients(tmp_path):
+    run_distributed(_all_ranks_worker, 2, timeout=900, tmp=str(tmp_path))
+
+
+# ---------------------------------------------------------------- one rank raises
+
+def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
+    engine = _engine(stage, None, 1, "", None)
+    armed = [False]
+    _arm(engine, kind, armed)
+    _micro(engine, 0, 0)
+    armed[0] = rank == 1
+    FlakyAdamW.armed = rank == 1 and kind == "optimizer"
+    started = time.monotonic()
+    try:
+        _micro(engine, 1, 0)
+        first = ("no error", "")
+    except Exception as error:  # noqa: BLE001 - what each rank got is the result
+        first = (type(error).__name__, str(error))
+    elapsed = time.monotonic() - started
+    armed[0] = FlakyAdamW.armed = False
+    started = time.monotonic()
+    try:  # a rank that timed out must not wait again
+        _micro(engine, 2, 0)
+        second = ("no error", "")
+    except Exception as error:  # noqa: BLE001
+        second = (type(error).__name__, str(error))
+    return {"first": first, "elapsed": elapsed, "second": second, "second_elapsed": time.monotonic() - started}
+
+
+@pytest.mark.parametrize("kind,stage", [("backward", 3), ("optimizer", 2), ("forward hook", 3), ("backward", 1)])
+def test_one_rank_failing_names_an_error_on_every_rank(kind, stage):
+    healthy, failing = run_distributed(_one_rank_worker, 2, timeout=10 * COMM_TIMEOUT_S, kind=kind, stage=stage)
+    print(f"{kind} at stage {stage}: rank 1 {failing['first'][0]}; rank 0 {healthy['first'][0]} after "
+          f"{healthy['elapsed']:.1f}s, then {healthy['second'][0]} after {healthy['second_elapsed']:.3f}s")
+    assert failing["first"][0] == "Injected", failing
+    assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
+    assert healthy["elapsed"] < 3 * COMM_TIMEOUT_S, healthy
+    assert healthy["second"][0] == "CollectiveError" and "refused" in healthy["second"][1], healthy
+    assert healthy["second_elapsed"] < 1.0, healthy
