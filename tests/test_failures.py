@@ -52,6 +52,7 @@ def _engine(stage, offload, gas, nvme, precision=None):
     zero = {"offload_optimizer": {"device": offload, "nvme_path": nvme}, "sub_group_size": 1000} if offload else {}
     config = make_config(stage, gas, **zero)
     config["zeroshard"]["comm_timeout_s"] = COMM_TIMEOUT_S
+    config["zeroshard"]["transactional_step"] = True  # also with NVMe offload, where it is off by default
     if precision:
         config[precision] = {"enabled": True, "loss_scale_window": 2, "initial_scale_power": 8}  # no overflow
     engine, *_ = zeroshard.initialize(model=model, optimizer=FlakyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1),

@@ -60,6 +60,8 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
             loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None,
             model_parallel=model_parallel)
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
+        if extras.transactional_step is not None and self.sharded.optimizer is not None:
+            self.sharded.optimizer.transactional = extras.transactional_step
         configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
         self.micro_steps = 0

@@ -348,6 +348,10 @@ class ZeroShardExtConfig(Section):
     """Seconds a collective may take before the process group reports a hang."""
     check_collectives: bool = True
     """Check across ranks that every rank issues the same collective (catches divergent code paths)."""
+    transactional_step: Optional[bool] = None
+    """Copy masters and optimizer state before each optimizer step so that a step that raises is
+    undone; None = on, except with optimizer states offloaded to NVMe (the copy would bring them back
+    into memory; the step then checks every swap file before it changes anything)."""
     wrap_modules: Optional[list[str]] = None
     """Module class names that become sharding units; None = chosen automatically."""
     activation_checkpointing_units: bool = False

@@ -18,6 +18,7 @@ class Store(Protocol):
     hold (it ignores them), so callers never branch on the store's kind."""
 
     bytes_held: int  # bytes of tensors created by `tensor()` and not yet destroyed
+    in_memory: bool  # do its tensors live in this process's memory (host RAM), not in files?
 
     def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new zero-filled 1-D tensor that lives in this store."""

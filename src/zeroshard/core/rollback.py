@@ -8,7 +8,10 @@ masters and the optimizer state, which a user's optimizer, an out-of-memory erro
 interrupt half-way. A `Snapshot` of the masters, of the optimizer state and of the per-parameter
 scalar state ([Note: parameters without a gradient] in masked.py) is taken before and put back if
 the update raises, so the step leaves them as they were. The cost is one more copy of this rank's
-optimizer shard while the step runs (ZeroOptimizer.transactional = False saves it). The gradients of
+optimizer shard while the step runs (ZeroOptimizer.transactional = False saves it). With offloaded
+optimizer states no copy is taken (Sharded sets transactional = False): the copy would bring the
+states back into the memory they were offloaded from; the streamed step instead checks every swap
+file before it updates anything, so a damaged store still fails before any change. The gradients of
 the window are then scaled or partly consumed: the caller must zero_grad() before the next backward
 (Sharded enforces it, [Note: failed steps] in sharded.py).
 """

@@ -108,6 +108,11 @@ class Sharded:
             norm = NormScope.build(model_parallel, self.groups, self.norm_comms)
             self.optimizer = ZeroOptimizer(optimizer, self.groups, comm, policy, float(gradient_clipping),
                                            loss_scaler, self._streamed_step(optimizer), norm=norm)
+            # States offloaded out of memory (NVMe) are offloaded so that memory never holds them:
+            # the streamed step checks every swap file before it updates anything, but takes no
+            # copy ([Note: transactional step] in rollback.py).
+            store = placement.optimizer_store
+            self.optimizer.transactional = store is None or store.in_memory
         # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
         # reduction is waited for before backward goes on (none in flight).
         self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,

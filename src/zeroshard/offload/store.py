@@ -57,6 +57,7 @@ class CPUStore:
     GPU on a GPU machine."""
 
     kind = "cpu"
+    in_memory = True
     offloaded_bytes = 0  # nothing it holds lives outside this process's memory
 
     def __init__(self, pin_memory: bool = False):
@@ -112,6 +113,7 @@ class NVMeStore:
     """Memory-mapped swap files under `nvme_path` (zeroshard.core.placement.Store)."""
 
     kind = "nvme"
+    in_memory = False
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
