@@ -108,6 +108,7 @@ class NetCluster:
             else Path(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._saved_handlers: dict = {}
+        self._stop_signal: int | None = None  # a signal that arrived, acted on between polls
 
     # -- names --------------------------------------------------------------------------------------
     def namespace(self, node: int) -> str:
@@ -128,6 +129,7 @@ class NetCluster:
         self._trap_signals()
         try:
             self.up()
+            self._check_stop()
         except BaseException:
             self.down()
             raise
@@ -238,15 +240,27 @@ class NetCluster:
             raise ClusterError("; ".join(problems))
 
     def _trap_signals(self) -> None:
-        """SIGTERM / SIGHUP become SystemExit so that `finally` tears down (Ctrl-C already raises)."""
+        """SIGTERM / SIGHUP / SIGINT are noted, and acted on at the next safe point (`_check_stop`):
+        an exception raised from the handler could land inside `Popen.poll()` between taking and
+        releasing its internal lock, and every later `wait()` of that process would then block
+        until its timeout — teardown took over a minute that way under load."""
         if threading.current_thread() is not threading.main_thread():
             return
 
-        def leave(signum, _frame):
-            raise SystemExit(128 + signum)
+        def note(signum, _frame):
+            self._stop_signal = signum
 
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            self._saved_handlers[sig] = signal.signal(sig, leave)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            self._saved_handlers[sig] = signal.signal(sig, note)
+
+    def _check_stop(self) -> None:
+        """Leave (so that `finally` tears down) if a signal arrived: Ctrl-C as KeyboardInterrupt, the
+        others as SystemExit with the shell's status for a death by that signal."""
+        signum = self._stop_signal
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if signum is not None:
+            raise SystemExit(128 + signum)
 
     def _restore_signals(self) -> None:
         for sig, handler in self._saved_handlers.items():
@@ -306,6 +320,7 @@ class NetCluster:
         timeout (a scheduler's kill-on-bad-exit does the same)."""
         deadline = time.monotonic() + timeout_s
         while self.running() and time.monotonic() < deadline:
+            self._check_stop()
             failed = [i for i, p in self.procs.items() if p.poll() not in (None, 0)]
             if failed and not self._why:
                 deadline = min(deadline, time.monotonic() + fail_grace_s)
