@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpo
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
 from zeroshard.compat.ds_params import register as register_ds_metadata, unregister as unregister_ds_metadata
+from zeroshard.compat.views import ShardedViews
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.core.lifecycle import Phase, tensors_in
@@ -27,7 +27,7 @@ from zeroshard.offload import build_placement
 log = logging.getLogger(__name__)
 
 
-class ZeroEngine(DeepSpeedAccessors, nn.Module):
+class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     """Wraps a model for ZeRO training. Use through `zeroshard.initialize`.
 
     An `nn.Module` so that `engine(...)`, `engine.train()` and `engine.eval()` read as they do in
@@ -75,31 +75,7 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
         log.info("zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
                  self.policy.stage, self.comm.world_size, len(self.units), self.num_parameters() / 1e6)
 
-    # -- the core's parts, read-only ------------------------------------------------------------------
-    @property
-    def comm(self):
-        return self.sharded.comm
-
-    @property
-    def policy(self):
-        return self.sharded.policy
-
-    @property
-    def precision(self):
-        return self.sharded.precision
-
-    @property
-    def units(self):
-        return self.sharded.units
-
-    @property
-    def groups(self):
-        return self.sharded.groups
-
-    @property
-    def lifecycle(self):
-        return self.sharded.lifecycle
-
+    # -- the core's parts, read-only (ShardedViews has the rest) ----------------------------------------
     @property
     def optimizer(self):
         return self.sharded.optimizer
@@ -108,22 +84,12 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
     def loss_scaler(self):
         return self.sharded.loss_scaler
 
-    @property
-    def placement(self):
-        return self.sharded.placement
-
     # -- DeepSpeed's accessors ------------------------------------------------------------------------
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
     def train_batch_size(self) -> int:
         return self.config.train_batch_size
-
-    def zero_optimization_stage(self) -> int:
-        return self.policy.stage
 
     def get_global_grad_norm(self) -> float | None:
         return self.optimizer.last_grad_norm
@@ -137,18 +103,6 @@ class ZeroEngine(DeepSpeedAccessors, nn.Module):
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
-
-    @property
-    def global_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
 
     def __getattr__(self, name: str):
         """nn.Module's lookup (parameters, buffers, submodules), then the wrapped model's attributes."""

@@ -20,11 +20,11 @@ without ever materialising it, see `zeroshard.compat.pretrained.from_pretrained`
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.precision import PrecisionPolicy
@@ -38,7 +38,7 @@ _NOT_TRAINED = ("this engine was built by initialize() without an optimizer, for
                 "(ZeRO-Inference): pass optimizer=... or add an 'optimizer' section to the config to train")
 
 
-class InferenceEngine(nn.Module):
+class InferenceEngine(ShardedViews, nn.Module):
     """A model under ZeRO for forward passes only; build it with `zeroshard.initialize` and no optimizer.
 
     The model is put in eval mode (no dropout), as inference wants; `engine.train()` undoes that.
@@ -72,35 +72,9 @@ class InferenceEngine(nn.Module):
                  zero.stage, comm.world_size, len(self.units), self.num_parameters() / 1e6,
                  type(placement.param_store).__name__ if placement.param_store is not None else "compute memory")
 
-    # -- the core's parts, read-only ------------------------------------------------------------------
-    comm = property(lambda self: self.sharded.comm)
-    policy = property(lambda self: self.sharded.policy)
-    precision = property(lambda self: self.sharded.precision)
-    units = property(lambda self: self.sharded.units)
-    groups = property(lambda self: self.sharded.groups)
-    lifecycle = property(lambda self: self.sharded.lifecycle)
-    placement = property(lambda self: self.sharded.placement)
+    # -- the core's parts, read-only (ShardedViews has the rest): no optimizer, no scheduler ----------
     optimizer = property(lambda self: None)
     lr_scheduler = property(lambda self: None)
-
-    # -- DeepSpeed's accessors ------------------------------------------------------------------------
-    def zero_optimization_stage(self) -> int:
-        return self.policy.stage
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    @property
-    def global_rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.comm.world_size
-
-    @property
-    def local_rank(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0))
 
     # -- inference ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
