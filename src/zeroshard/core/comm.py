@@ -23,6 +23,7 @@ this. Callers never think about devices.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -148,7 +149,15 @@ class Handle:
         try:
             if self._check is not None:
                 check, self._check = self._check, None
-                check.verify()
+                try:
+                    check.verify()
+                except CollectiveError:
+                    # The ranks diverged, but the collective still runs and writes into its output:
+                    # let it end (bounded by the group's timeout) before the caller frees that buffer
+                    # (a stage-3 reshard resizes it to nothing; writing there crashed a rank).
+                    with contextlib.suppress(Exception):
+                        work.wait()
+                    raise
             work.wait()
         except Exception as error:  # gloo/NCCL raise RuntimeError subclasses; keep the cause
             raise self._comm.error(self.what, self._started, error) from error
