@@ -221,24 +221,33 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     def refresh_parameters(self) -> None:
         self.sharded.refresh_parameters()
 
-    def _refuse_model_parallel_checkpoint(self, what: str) -> None:
-        # The checkpoint layout names shards by dp rank only: tp/pp ranks would overwrite each other.
-        if self.sharded.model_parallel is not None:
-            raise ValueError(f"{what} under tensor/pipeline parallelism (mesh= or mpu=) is not supported yet: "
-                             "the sharded checkpoint layout has no tp/pp coordinate; see docs/parallelism.md")
+    @property
+    def model_parallel(self):
+        """The tp/pp dimensions around ZeRO's dp group (core/mesh.py ModelParallel), or None."""
+        return self.sharded.model_parallel
+
+    @property
+    def model_parallel_comms(self) -> list:
+        """Communicators over the model-parallel groups of size > 1 (tp, then pp)."""
+        return self.sharded.norm_comms
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
-        self._refuse_model_parallel_checkpoint("save_checkpoint")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, **kwargs):
-        self._refuse_model_parallel_checkpoint("load_checkpoint")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
+        sizes = self.model_parallel.sizes if self.model_parallel is not None else {}
+        if sizes.get("tp", 1) * sizes.get("pp", 1) > 1:
+            # Each dp group holds another tp slice or pipeline stage: one file from each would
+            # overwrite the others'.
+            raise ValueError("save_16bit_model under tensor/pipeline parallelism (mesh= or mpu=): save a "
+                             "checkpoint (engine.save_checkpoint) and consolidate it (`zeroshard consolidate`), "
+                             "which joins the tp slices and pipeline stages into the full model")
         return save_16bit_model(self, save_dir, save_filename)
 
     # -- reports --------------------------------------------------------------------------------------
