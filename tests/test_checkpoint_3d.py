@@ -9,6 +9,7 @@ equal the uninterrupted run's bit for bit. dp 2 -> 1 keeps the math exact: one r
 ranks' batches as two accumulation micro-batches (x/2 + y/2 = (x + y)/2 in floating point), and no
 clipping (a norm summed in another grouping differs in the last bit). There too: tp 2 -> 1 and
 pp 2 -> 1 through the consolidated state dict, bit for bit, and the refusals of a direct load.
+And 1 -> tp 2 / pp 2: the full weights load into each layout, each rank taking its slices.
 In the parent: consolidation of dp2 x tp2 before any step equals the single-process model's
 state dict bit for bit, and the zero_to_fp32 compat reads it too.
 """
@@ -223,6 +224,29 @@ def _consolidated_case(root: str, layout: str, expected: dict) -> None:
         assert torch.equal(value, saved[name]), f"{layout} 2 -> 1: {name} differs after the consolidated load"
 
 
+def _into_layout_case(root: str, layout: str, expected: dict) -> None:
+    """1 -> <layout> 2 through the full state dict: dp1 x <layout>2 takes the consolidated file (each
+    tp rank its slices, each stage its parameters); the gathered parameters equal the saved ones."""
+    mesh = _mesh(1, layout)
+    full = f"{root}/{layout}1_full.safetensors"  # written by _consolidated_case
+    if layout == "tp":
+        engine = _tp_engine(mesh, 3)
+        load_full_weights(engine, full)
+        ours = _full_params(engine)
+        engine.destroy()
+    else:
+        state, _ = _pp_stage(mesh, 3)
+        load_full_weights(state, full)
+        module = state.sharded.module
+        with state.sharded.gathered_parameters(list(module.parameters())):
+            ours = {n: p.detach().clone() for n, p in module.named_parameters()}
+        state.sharded.destroy()
+    saved = {}
+    for value in expected.values():
+        saved.update(value["at_save"])
+    assert ours and all(torch.equal(value, saved[name]) for name, value in ours.items()), f"1 -> {layout} 2"
+
+
 def _refusal_case(root: str) -> None:
     """A direct load at another tp or pp names the file and both layouts."""
     mesh = _mesh(1, "tp")
@@ -244,6 +268,7 @@ def _phase2(rank, world_size, root, expected):
     subtests(grid(layout=["tp", "pp"], stage=STAGES),
              lambda layout, stage: _phase2_case(root, layout, stage, expected[f"{layout}{stage}"]))
     subtests(grid(layout=["tp", "pp"]), lambda layout: _consolidated_case(root, layout, expected[f"{layout}1"]))
+    subtests(grid(layout=["tp", "pp"]), lambda layout: _into_layout_case(root, layout, expected[f"{layout}1"]))
     _refusal_case(root)
 
 
