@@ -16,6 +16,8 @@ state dict bit for bit, and the zero_to_fp32 compat reads it too.
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -171,10 +173,35 @@ def _save_untrained(root: str, style: str) -> None:
     sharded.destroy()
 
 
+def _failed_save_case(root: str) -> None:
+    """One rank of the grid (dp 1, tp 1) cannot write its shard: every rank raises, naming it by its
+    coordinate, and nothing is published."""
+    from zeroshard.checkpoint import save as save_module
+
+    mesh = _mesh(2, "tp")
+    engine = _tp_engine(mesh, 2)
+    original = save_module._write_rank_file
+
+    def failing(*args, **kwargs):
+        if (mesh.get_local_rank("dp"), mesh.get_local_rank("tp")) == (1, 1):
+            raise OSError(28, "No space left on device")
+        return original(*args, **kwargs)
+
+    save_module._write_rank_file = failing
+    try:
+        with pytest.raises(CheckpointError, match=r"failed on rank \(dp 1, tp 1\): OSError: .*No space left"):
+            engine.save_checkpoint(f"{root}/failed", tag="never")
+    finally:
+        save_module._write_rank_file = original
+        engine.destroy()
+    assert not list(Path(f"{root}/failed").iterdir()), "nothing published, the staging directory removed"
+
+
 def _phase1(rank, world_size, root):
     cases = grid(layout=["tp", "pp"], stage=STAGES)
     results = subtests(cases, lambda layout, stage: _phase1_case(root, layout, stage))
     subtests(grid(style=["dtensor", "megatron", "megatron_unnamed"]), lambda style: _save_untrained(root, style))
+    _failed_save_case(root)
     return {f"{c['layout']}{c['stage']}": r for c, r in zip(cases, results)}
 
 
@@ -338,7 +365,23 @@ def test_consolidation_of_dp2_tp2_equals_the_single_process_model(saved, tmp_pat
         for name, value in reference.items():
             assert torch.equal(full[name], value), f"{style}: {name} differs from the single-process model"
     compat = get_fp32_state_dict_from_zero_checkpoint(root / "untrained_dtensor", tag="t")
-    assert all(torch.equal(compat[n], v) for n, v in reference.items())
+    assert compat.keys() == reference.keys() and all(torch.equal(compat[n], v) for n, v in reference.items())
+
+
+def test_consolidate_command_and_a_damaged_part(saved, tmp_path, capsys):
+    from zeroshard.tools import cli
+
+    root, _ = saved
+    code = cli.main(["consolidate", str(root / "untrained_dtensor"), str(tmp_path / "m.pt"), "--tag", "t", "--json",
+                     "--quiet"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["parts"] == 2 and summary["tensors"] == len(mm.model_fn()().state_dict())
+    damaged = tmp_path / "damaged"
+    shutil.copytree(root / "untrained_dtensor", damaged)
+    shard = damaged / "t" / "tp01_pp00" / "rank_00001.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=r"tp01_pp00/rank_00001.safetensors: truncated"):
+        consolidate(damaged, tmp_path / "x.safetensors", tag="t", progress=False)
 
 
 def test_consolidation_names_what_a_megatron_parameter_lacks(saved, tmp_path):
