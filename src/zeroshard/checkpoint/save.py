@@ -12,6 +12,9 @@ Nothing is written under a name a reader looks for until the whole checkpoint ex
      renames leaves the old checkpoint under that name, which `checkpoint_path` (manifest.py) loads
      and the next save renames back;
   4. rank 0 replaces `latest` (temporary file + os.replace) and only then deletes the old copy.
+Under tensor/pipeline parallelism ([Note: checkpoints across layouts] in layout.py) each part's dp
+rank 0 does step 2 in its part's directory `tp<t>_pp<p>/`, and rank (dp 0, tp 0, pp 0), once every
+part is written, adds the top manifest, last, and does steps 3 and 4 for the whole directory.
 A crash at any moment therefore leaves `latest` naming a complete checkpoint. Leftover `.tmp-*`
 directories of crashed saves are removed by the next save. Every rank must see the same `save_dir`
 (a shared file system when ranks run on several machines).
@@ -81,10 +84,11 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         part, error = attempt(_write_part, engine, states, part_dir, tag, records, objects, layout)
     parts = grid.all_gather_objects(part, f"{what}: parts") if layout is not None else [part]
     if grid.rank == 0:
-        written = [p for p in parts if p is not None]
-        if len(written) == (layout.parts if layout is not None else 1):
+        written = [p for p in parts if p is not None]  # one per part whose dp rank 0 wrote it whole
+        complete = len(written) == (layout.parts if layout is not None else 1)
+        if complete:
             _, error = attempt(_publish, staging, save_dir, tag, nonce, save_latest, layout, written, counters)
-        if len(written) < len(parts) or error is not None or (layout is None and part is None):
+        if not complete or error is not None:
             # every rank is done writing (the checksums were gathered): remove the staging directory
             # before reporting, so that no rank sees it after the error (a crash would leave it too)
             shutil.rmtree(staging, ignore_errors=True)
