@@ -25,15 +25,18 @@ consolidation to one file, and full weights in and out of a live engine.
         buffers.safetensors      rank 0: the model's buffers (only when it has any)
 Readers re-slice by parameter and element range ([Note: resharding by element ranges] in
 reader.py), so a checkpoint written at N ranks and stage s loads at M ranks and stage t.
+Under tensor/pipeline parallelism a checkpoint holds one such directory per (tp, pp) part under a
+manifest of the mesh ([Note: checkpoints across layouts] in layout.py).
 Publication is atomic ([Note: atomic publication] in save.py). The manifest is checked against its
 schema on every read ([Note: manifest schema] in manifest.py).
 """
 from zeroshard.checkpoint.consolidate import consolidate, open_checkpoint
+from zeroshard.checkpoint.contract import CheckpointableSharded
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.full import full_state_dict, save_16bit_model
 from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.save import save_checkpoint
 from zeroshard.checkpoint.weights import load_full_weights
 
-__all__ = ["CheckpointError", "consolidate", "full_state_dict", "load_checkpoint", "load_full_weights",
+__all__ = ["CheckpointError", "CheckpointableSharded", "consolidate", "full_state_dict", "load_checkpoint", "load_full_weights",
            "open_checkpoint", "save_16bit_model", "save_checkpoint"]

@@ -18,10 +18,12 @@ def agree(comm, error: str | None, what: str) -> None:
     messages = sorted({message for _, message in failed})
     if len(failed) == len(errors) and len(messages) == 1:  # the same problem everywhere (a bad file)
         raise CheckpointError(f"{what}: {messages[0]}")
+    label = getattr(comm, "rank_label", str)  # a grid's ranks say where they sit (layout.GridComm)
     ranks = [rank for rank, _ in failed]
+    named = str(ranks) if label is str else ", ".join(label(rank) for rank in ranks)
     if len(messages) == 1:
-        raise CheckpointError(f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {ranks}: {messages[0]}")
-    lines = "\n".join(f"  rank {rank}: {message}" for rank, message in failed)
+        raise CheckpointError(f"{what} failed on rank{'s' if len(ranks) > 1 else ''} {named}: {messages[0]}")
+    lines = "\n".join(f"  rank {label(rank)}: {message}" for rank, message in failed)
     raise CheckpointError(f"{what} failed on ranks {ranks}:\n{lines}")
 
 

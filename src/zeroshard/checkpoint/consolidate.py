@@ -17,7 +17,9 @@ from tqdm import tqdm
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.deepspeed_convert import consolidate_deepspeed
 from zeroshard.checkpoint.files import CheckpointError, dtype_name
-from zeroshard.checkpoint.manifest import BUFFERS, MANIFEST, check_files, checkpoint_path, read_manifest, resolve_tag
+from zeroshard.checkpoint.joined import consolidate_layout
+from zeroshard.checkpoint.manifest import (BUFFERS, MANIFEST, check_files, checkpoint_path, is_layout, read_manifest,
+                                           resolve_tag)
 from zeroshard.checkpoint.output import FullModelWriter, format_for
 from zeroshard.checkpoint.reader import CheckpointReader
 
@@ -53,6 +55,13 @@ def consolidate(checkpoint_dir, output, tag=None, dtype: torch.dtype = torch.flo
     if deepspeed_dir is not None:
         return consolidate_deepspeed(deepspeed_dir, output, dtype, fmt)
     path, manifest = open_checkpoint(checkpoint_dir, tag)
+    if is_layout(manifest):  # tensor/pipeline parallel: join the parts ([Note: checkpoints across layouts])
+        joined = consolidate_layout(path, manifest, output, dtype, format_for(output, fmt), verify)
+        writer = joined["writer"]
+        return {"output": str(output), "checkpoint": str(path), "format": writer.format, "dtype": dtype_name(dtype),
+                "tensors": writer.tensors, "bytes": writer.bytes, "groups": joined["groups"],
+                "parts": joined["parts"], "largest_group_bytes": joined["largest_bytes"],
+                "seconds": round(time.monotonic() - started, 3)}
     if verify:
         problems = check_files(path, manifest)
         if problems:

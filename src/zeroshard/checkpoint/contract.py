@@ -36,9 +36,48 @@ class Checkpointable(Protocol):
     lr_scheduler: Any  # anything with state_dict()/load_state_dict(), or None
     config: Any  # the parsed config: written to the manifest for readers (never read back); its
     # zero_optimization.stage3_gather_16bit_weights_on_model_save decides save_16bit_model at stage 3
+    model_parallel: Any  # zeroshard.core.mesh.ModelParallel or None: the tp/pp grid around `comm`
+    model_parallel_comms: list  # Communicators over its groups of size > 1 (tp, then pp)
 
     def counters(self) -> Counters: ...
 
     def restore_counters(self, counters: Counters) -> None: ...
 
     def refresh_parameters(self) -> None: ...
+
+
+class CheckpointableSharded:
+    """A `zeroshard.shard()` result as a Checkpointable, for loops that drive the core without an
+    engine (a pipeline schedule, examples/pp_zero.py). The loop counts its optimizer steps in
+    `global_steps` (one micro step per step: micro-batches inside a step are not checkpoint
+    boundaries); a learning-rate scheduler, when given, is saved and restored with it.
+
+        checkpointable = CheckpointableSharded(sharded)
+        ... sharded.step(); checkpointable.global_steps += 1
+        save_checkpoint(checkpointable, "ckpt")"""
+
+    config = None  # the manifest then records no config
+
+    def __init__(self, sharded, global_steps: int = 0, lr_scheduler=None):
+        self.sharded = sharded
+        self.global_steps = global_steps
+        self.lr_scheduler = lr_scheduler
+
+    def __getattr__(self, name: str):
+        if name in ("comm", "groups", "units", "module", "policy", "optimizer", "loss_scaler", "model_parallel"):
+            return getattr(self.sharded, name)
+        raise AttributeError(name)
+
+    @property
+    def model_parallel_comms(self) -> list:
+        return self.sharded.norm_comms
+
+    def counters(self) -> Counters:
+        return Counters(self.global_steps, self.global_steps, 1, self.sharded.optimizer.skipped_steps)
+
+    def restore_counters(self, counters: Counters) -> None:
+        self.global_steps = counters.global_steps
+        self.sharded.optimizer.skipped_steps = counters.skipped_steps
+
+    def refresh_parameters(self) -> None:
+        self.sharded.refresh_parameters()

@@ -24,8 +24,10 @@ from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.files import CheckpointError
-from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_files, checkpoint_path, grad_key,
-                       persistent_buffers, rank_file, read_manifest, resolve_tag, state_key)
+from zeroshard.checkpoint.layout import Layout, check_same_model_parallel, layout_of
+from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_file, check_files,
+                                           checkpoint_path, grad_key, is_layout, persistent_buffers, rank_file,
+                                           read_manifest, resolve_tag, state_key)
 from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.core.masked import PER_PARAMETER
@@ -51,34 +53,42 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     torch.serialization.add_safe_globals too), not arbitrary objects as DeepSpeed's may; saving
     other objects is refused ([Note: objects.pt holds data, not code] in objects.py).
     """
-    comm = engine.comm
+    comm = engine.comm  # the dp group: the ranks that read one part ([Note: checkpoints across layouts])
+    layout = layout_of(engine)
+    grid = layout.comm if layout is not None else comm
     load_dir = Path(load_dir)
     deepspeed_dir = find_deepspeed(load_dir, tag)  # a checkpoint DeepSpeed wrote: read its own format
     if deepspeed_dir is not None:
+        if layout is not None:
+            raise CheckpointError(f"{deepspeed_dir}: loading a DeepSpeed checkpoint under tensor/pipeline "
+                                  "parallelism is not supported; consolidate it (`zeroshard consolidate`) and load "
+                                  "the full weights (zeroshard.checkpoint.load_full_weights)")
         from zeroshard.checkpoint.deepspeed_load import load_deepspeed_checkpoint  # it uses _apply below
 
         return load_deepspeed_checkpoint(engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
                                          load_module_only, load_module_strict)
     found, error = attempt(_find, load_dir, tag)
-    agree(comm, error, f"loading checkpoint from {load_dir}")
+    if error is None and found is not None:
+        found, error = attempt(_own_part, *found, engine, layout, verify)
+    agree(grid, error, f"loading checkpoint from {load_dir}")
     if found is None:
         log.warning("zeroshard: %s has no '%s' file and no tag was given: nothing loaded", load_dir, "latest")
         return None, None
     path, manifest = found
-    what = f"loading checkpoint {path}"
+    what = f"loading checkpoint {path.parent if layout is not None else path}"  # the same text on every part
     if verify:
         files = sorted(manifest["files"])
         problems, error = attempt(check_files, path, manifest, files[comm.rank::comm.world_size])
-        every = [p for mine in comm.all_gather_objects(problems or [], f"{what}: verification") for p in mine]
-        agree(comm, error or ("; ".join(every) if every else None), what)
+        every = [p for mine in grid.all_gather_objects(problems or [], f"{what}: verification") for p in mine]
+        agree(grid, error or ("; ".join(every) if every else None), what)
     restore_optimizer = load_optimizer_states and not load_module_only
     read, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict,
                           load_module_only)
-    agree(comm, error, what)
+    agree(grid, error, what)
     # [Note: a failed load changes nothing]: every rank has read all it needs; only now is it applied
     objects, loaded = read
     _, error = attempt(_apply, engine, loaded)
-    agree(comm, error, f"{what}: applying what was read")
+    agree(grid, error, f"{what}: applying what was read")
     engine.refresh_parameters()
     if restore_optimizer:
         _restore_param_groups(engine, objects["optimizer"]["param_groups"])
@@ -101,6 +111,33 @@ def _find(load_dir: Path, tag):
         return None
     path = checkpoint_path(load_dir, tag)
     return path, read_manifest(path)
+
+
+def _own_part(path: Path, manifest: dict, engine, layout: Layout | None, verify: bool) -> tuple[Path, dict]:
+    """The checkpoint this rank reads: the whole one when dp-only, else the part of its own (tp, pp)
+    ([Note: checkpoints across layouts] in layout.py); another tp or pp is an error naming both."""
+    check_same_model_parallel(path, manifest, engine, layout)
+    if layout is None:
+        return path, manifest
+    if not is_layout(manifest):
+        raise CheckpointError(f"{path / MANIFEST}: is one part of a tensor/pipeline-parallel checkpoint; pass the "
+                              f"checkpoint's directory ({path.parent}), whose manifest lists every part")
+    tp, pp = layout.coordinate["tp"], layout.coordinate["pp"]
+    part = next((p for p in manifest["parts"] if (p["tp"], p["pp"]) == (tp, pp)), None)
+    if part is None:
+        raise CheckpointError(f"{path / MANIFEST}: has no part for tp rank {tp}, pp rank {pp} (parts: "
+                              f"{[(p['tp'], p['pp']) for p in manifest['parts']]}): the checkpoint is damaged")
+    name = f"{part['dir']}/{MANIFEST}"
+    if verify and name in manifest["files"]:
+        problem = check_file(path, name, manifest["files"][name])
+        if problem is not None:
+            raise CheckpointError(problem)
+    part_path = path / part["dir"]
+    part_manifest = read_manifest(part_path)
+    if part_manifest.get("mesh") != manifest["mesh"]:
+        raise CheckpointError(f"{part_path / MANIFEST}: its mesh {part_manifest.get('mesh')} is not the checkpoint's "
+                              f"{manifest['mesh']} ({path / MANIFEST}): the checkpoint is damaged")
+    return part_path, part_manifest
 
 
 def engine_param_shapes(engine) -> dict[str, list[int]]:

@@ -20,7 +20,8 @@ from zeroshard.core.streamed import is_elementwise
 log = logging.getLogger(__name__)
 
 FORMAT = "zeroshard.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what a dp-only checkpoint is written as (unchanged since it was first written)
+READABLE_VERSION = 2  # the newest this zeroshard reads: 2 adds tp/pp parts ([Note: checkpoints across layouts])
 MANIFEST = "manifest.json"
 LATEST = "latest"
 OBJECTS = "objects.pt"
@@ -149,7 +150,7 @@ def read_manifest(path: Path) -> dict:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file}: not a zeroshard checkpoint manifest")
     version = manifest.get("format_version", 0)
-    if isinstance(version, int) and version > FORMAT_VERSION:
+    if isinstance(version, int) and version > READABLE_VERSION:
         raise CheckpointError(f"{file}: format version {manifest['format_version']} is newer than this "
                               f"zeroshard ({manifest.get('library_version')} wrote it); upgrade zeroshard")
     check_schema(file, manifest)
@@ -172,21 +173,40 @@ _MANIFEST_FIELDS = {
     "optimizer": str, "lr_scheduler": _JSON, "loss_scaler": _JSON, "aliases": dict, "buffers": list,
     "groups": list, "files": dict,
 }
-_MANIFEST_OPTIONAL = {"library_version": str, "created": str, "skipped_steps": int, "config": _JSON}
+_MANIFEST_OPTIONAL = {"library_version": str, "created": str, "skipped_steps": int, "config": _JSON,
+                      # a part of a tp/pp checkpoint ([Note: checkpoints across layouts] in layout.py)
+                      "mesh": dict, "shards": dict}
+# The top manifest of a tp/pp checkpoint: its parts, and the (dp, tp, pp) of every rank file.
+_LAYOUT_FIELDS = {"format": str, "format_version": int, "tag": str, "mesh": dict, "parts": list, "shards": dict,
+                  "files": dict, "global_steps": int}
+_LAYOUT_OPTIONAL = {"library_version": str, "created": str}
+_PART_FIELDS = {"tp": int, "pp": int, "dir": str}
+_MESH_DIMS = ("dp", "tp", "pp")
 _GROUP_FIELDS = {"unit": str, "optimizer_group": _INDEX_OR_NULL, "numel": int, "shard_numel": int, "params": list,
                  "state": list}
 _PARAM_FIELDS = {"name": str, "shape": list, "dtype": str, "offset": int, "numel": int}
+_PARAM_OPTIONAL = {"tp_split_dim": _JSON}  # int, null (whole on every tp rank) or "unknown"
 _FILE_FIELDS = {"sha256": str, "bytes": int}
 
 
 def check_schema(file: Path, manifest: dict) -> None:
     """Raise CheckpointError naming `file` and the field unless `manifest` fits [Note: manifest schema]."""
+    if "parts" in manifest:
+        return _check_layout_schema(file, manifest)
     _check_fields(file, "", manifest, _MANIFEST_FIELDS, _MANIFEST_OPTIONAL)
+    if "mesh" in manifest:
+        _check_grid(file, "mesh", manifest["mesh"])
+    for name, coordinate in manifest.get("shards", {}).items():
+        _check_grid(file, f"shards[{name!r}]", coordinate)
     for index, group in enumerate(manifest["groups"]):
         where = f"groups[{index}]"
         _check_fields(file, where, group, _GROUP_FIELDS)
         for number, param in enumerate(group["params"]):
-            _check_fields(file, f"{where}.params[{number}]", param, _PARAM_FIELDS)
+            _check_fields(file, f"{where}.params[{number}]", param, _PARAM_FIELDS, _PARAM_OPTIONAL)
+            split = param.get("tp_split_dim")
+            if not (split is None or split == "unknown" or (_is(split, int) and 0 <= split < len(param["shape"]))):
+                raise CheckpointError(f"{file}: field '{where}.params[{number}].tp_split_dim' must be a dim of its "
+                                      f"shape {param['shape']}, null or 'unknown', got {split!r}")
         for number, entry in enumerate(group["state"]):
             if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
                     and entry[1] in ("elementwise", "scalar")):
@@ -200,6 +220,29 @@ def check_schema(file: Path, manifest: dict) -> None:
         raise CheckpointError(f"{file}: field 'buffers' must list buffer names")
 
 
+def _check_layout_schema(file: Path, manifest: dict) -> None:
+    _check_fields(file, "", manifest, _LAYOUT_FIELDS, _LAYOUT_OPTIONAL)
+    _check_grid(file, "mesh", manifest["mesh"])
+    for number, part in enumerate(manifest["parts"]):
+        _check_fields(file, f"parts[{number}]", part, _PART_FIELDS)
+    for name, coordinate in manifest["shards"].items():
+        _check_grid(file, f"shards[{name!r}]", coordinate)
+    for name, entry in manifest["files"].items():
+        _check_fields(file, f"files[{name!r}]", entry, _FILE_FIELDS)
+
+
+def _check_grid(file: Path, where: str, value) -> None:
+    """{"dp": .., "tp": .., "pp": ..}: a mesh's sizes or a coordinate in it."""
+    if not (isinstance(value, dict) and set(value) == set(_MESH_DIMS) and all(_is(v, int) for v in value.values())):
+        raise CheckpointError(f"{file}: field '{where}' must map each of {', '.join(_MESH_DIMS)} to an integer, "
+                              f"got {value!r:.80}")
+
+
+def is_layout(manifest: dict) -> bool:
+    """The top manifest of a tp/pp checkpoint ([Note: checkpoints across layouts] in layout.py)."""
+    return "parts" in manifest
+
+
 def _check_fields(file: Path, where: str, value, required: dict, optional: dict | None = None) -> None:
     prefix = f"{where}." if where else ""
     if not isinstance(value, dict):
@@ -208,7 +251,7 @@ def _check_fields(file: Path, where: str, value, required: dict, optional: dict 
     unknown = sorted(set(value) - set(allowed))
     if unknown:
         raise CheckpointError(f"{file}: field '{prefix}{unknown[0]}' is not part of the zeroshard manifest "
-                              f"schema (format version {FORMAT_VERSION}); allowed here: {', '.join(allowed)}")
+                              f"schema (format version {READABLE_VERSION}); allowed here: {', '.join(allowed)}")
     missing = [key for key in required if key not in value]
     if missing:
         raise CheckpointError(f"{file}: required field '{prefix}{missing[0]}' is missing: the manifest is damaged")

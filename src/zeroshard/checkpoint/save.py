@@ -12,6 +12,9 @@ Nothing is written under a name a reader looks for until the whole checkpoint ex
      renames leaves the old checkpoint under that name, which `checkpoint_path` (manifest.py) loads
      and the next save renames back;
   4. rank 0 replaces `latest` (temporary file + os.replace) and only then deletes the old copy.
+Under tensor/pipeline parallelism ([Note: checkpoints across layouts] in layout.py) each part's dp
+rank 0 does step 2 in its part's directory `tp<t>_pp<p>/`, and rank (dp 0, tp 0, pp 0), once every
+part is written, adds the top manifest, last, and does steps 3 and 4 for the whole directory.
 A crash at any moment therefore leaves `latest` naming a complete checkpoint. Leftover `.tmp-*`
 directories of crashed saves are removed by the next save. Every rank must see the same `save_dir`
 (a shared file system when ranks run on several machines).
@@ -29,7 +32,9 @@ import torch
 
 from zeroshard.checkpoint.common import agree, attempt, compute_dtype, optimizer_states, own_range_in_master
 from zeroshard.checkpoint.files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
+from zeroshard.checkpoint.layout import LAYOUT_FORMAT_VERSION, Layout, layout_of, tp_split_dim
 from zeroshard.checkpoint.objects import objects_bytes
+from zeroshard.core.mesh import MESH_DIMS
 from zeroshard.checkpoint.manifest import (BUFFERS, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, OBJECTS, check_tag, describe_groups,
                        grad_key, is_elementwise, manifest_text, master_key, model_aliases, persistent_buffers,
                        rank_file, state_key)
@@ -40,15 +45,18 @@ log = logging.getLogger(__name__)
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
     """Write a checkpoint of `engine` to `save_dir/<tag>` (default tag `global_step<N>`) and, with
     `save_latest`, point `save_dir/latest` at it. Collective: every rank calls it with the same
-    arguments. Returns the checkpoint directory."""
+    arguments (under tensor/pipeline parallelism every rank of the grid: [Note: checkpoints across
+    layouts] in layout.py). Returns the checkpoint directory."""
     counters = engine.counters()
     if counters.backward_pending:
         raise CheckpointError("save_checkpoint() called between engine.backward() and engine.step(): "
                               "call engine.step() first, the gradients of this micro step are not saved")
-    comm = engine.comm
+    comm = engine.comm  # the dp group: the ranks of one part
+    layout = layout_of(engine)
+    grid = layout.comm if layout is not None else comm  # every rank that writes into this checkpoint
     save_dir = Path(save_dir)
     tag = check_tag(str(tag) if tag is not None else f"global_step{counters.global_steps}")
-    proposals = comm.all_gather_objects((tag, str(save_dir.resolve()), uuid.uuid4().hex[:12]), "checkpoint tag")
+    proposals = grid.all_gather_objects((tag, str(save_dir.resolve()), uuid.uuid4().hex[:12]), "checkpoint tag")
     if len({t for t, _, _ in proposals}) > 1:
         raise CheckpointError(f"ranks passed different checkpoint tags: {[t for t, _, _ in proposals]}")
     if len({d for _, d, _ in proposals}) > 1:  # e.g. a directory named from each rank's own clock
@@ -58,25 +66,33 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     nonce = proposals[0][2]
     what = f"saving checkpoint {save_dir / tag}"
     staging = save_dir / f".tmp-{tag}-{nonce}"
+    part_dir = staging / layout.part if layout is not None else staging
     # once: an offloaded step joins its sub-groups for it (and reads its swap files, which may fail)
     states, error = attempt(optimizer_states, engine)
-    # rank 0 serialises the objects first: a value that could not be loaded back is refused before
-    # any shard is written
+    # each part's dp rank 0 serialises the objects first: a value that could not be loaded back is
+    # refused before any shard is written
     objects = None
     if error is None and comm.rank == 0:
-        objects, error = attempt(_prepare, engine, states, client_state or {}, save_dir, staging)
-    agree(comm, error, what)
-    record, error = attempt(_write_rank_file, engine, states, staging)
+        objects, error = attempt(_objects_bytes, engine, states, client_state or {})
+    if error is None and grid.rank == 0:
+        _, error = attempt(_prepare, save_dir, staging)
+    agree(grid, error, what)
+    record, error = attempt(_write_rank_file, engine, states, part_dir, layout)
     records = comm.all_gather_objects(record, f"{what}: shard checksums")
-    if comm.rank == 0:
-        failed = error is not None or any(r is None for r in records)
-        if not failed:  # every shard is written
-            _, error = attempt(_finish, engine, states, staging, save_dir, tag, nonce, records, objects, save_latest)
-        if (failed or error is not None) and staging.exists():
+    part = None  # on dp rank 0: the part's files, once all of them are written
+    if comm.rank == 0 and error is None and all(r is not None for r in records):
+        part, error = attempt(_write_part, engine, states, part_dir, tag, records, objects, layout)
+    parts = grid.all_gather_objects(part, f"{what}: parts") if layout is not None else [part]
+    if grid.rank == 0:
+        written = [p for p in parts if p is not None]  # one per part whose dp rank 0 wrote it whole
+        complete = len(written) == (layout.parts if layout is not None else 1)
+        if complete:
+            _, error = attempt(_publish, staging, save_dir, tag, nonce, save_latest, layout, written, counters)
+        if not complete or error is not None:
             # every rank is done writing (the checksums were gathered): remove the staging directory
             # before reporting, so that no rank sees it after the error (a crash would leave it too)
             shutil.rmtree(staging, ignore_errors=True)
-    agree(comm, error, what)
+    agree(grid, error, what)
     log.info("zeroshard: saved checkpoint %s", save_dir / tag)
     return str(save_dir / tag)
 
@@ -102,21 +118,20 @@ def rank_tensors(engine, states: list[dict]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write_rank_file(engine, states: list[dict], staging: Path) -> tuple[str, dict]:
-    staging.mkdir(parents=True, exist_ok=True)
+def _write_rank_file(engine, states: list[dict], part_dir: Path, layout: Layout | None) -> tuple[str, dict]:
+    part_dir.mkdir(parents=True, exist_ok=True)
     name = rank_file(engine.comm.rank)
     metadata = {"format": FORMAT, "rank": str(engine.comm.rank), "world_size": str(engine.comm.world_size)}
-    return name, write_safetensors(staging / name, rank_tensors(engine, states), metadata)
+    if layout is not None:
+        metadata.update({f"{d}_rank": str(layout.coordinate[d]) for d in MESH_DIMS})
+    return name, write_safetensors(part_dir / name, rank_tensors(engine, states), metadata)
 
 
 # -- rank 0 -------------------------------------------------------------------------------------------
-def _prepare(engine, states: list[dict], client_state, save_dir: Path, staging: Path) -> bytes:
-    """objects.pt's bytes; create `save_dir`, clear what crashed saves left behind (see [Note:
-    atomic publication])."""
-    objects = _objects_bytes(engine, states, client_state)
+def _prepare(save_dir: Path, staging: Path) -> None:
+    """Create `save_dir`, clear what crashed saves left behind (see [Note: atomic publication])."""
     save_dir.mkdir(parents=True, exist_ok=True)
     _clear_leftovers(save_dir, staging)
-    return objects
 
 
 def _clear_leftovers(save_dir: Path, staging: Path) -> None:
@@ -138,15 +153,52 @@ def _clear_leftovers(save_dir: Path, staging: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
-def _finish(engine, states: list[dict], staging: Path, save_dir: Path, tag: str, nonce: str, records,
-            objects: bytes, save_latest: bool) -> None:
+def _write_part(engine, states: list[dict], part_dir: Path, tag: str, records, objects: bytes,
+                layout: Layout | None) -> dict:
+    """Step 2 of [Note: atomic publication] for one part (the whole checkpoint when dp-only): its
+    objects, buffers and manifest. Returns what the top manifest records of it."""
     files = dict(records)
-    files[OBJECTS] = write_atomic(staging / OBJECTS, objects)
+    files[OBJECTS] = write_atomic(part_dir / OBJECTS, objects)
     buffers = persistent_buffers(engine.module)
     if buffers:
-        files[BUFFERS] = write_safetensors(staging / BUFFERS, {k: v.detach() for k, v in buffers.items()})
+        files[BUFFERS] = write_safetensors(part_dir / BUFFERS, {k: v.detach() for k, v in buffers.items()})
     manifest = build_manifest(engine, states, tag, files, list(buffers))
-    write_atomic(staging / MANIFEST, manifest_text(manifest).encode())
+    shards = {}
+    if layout is not None:
+        shards = {rank_file(r): {**layout.coordinate, "dp": r} for r in range(engine.comm.world_size)}
+        manifest.update(format_version=LAYOUT_FORMAT_VERSION, mesh=dict(layout.sizes), shards=shards)
+        if layout.sizes["tp"] > 1:
+            _record_tp_splits(engine, manifest["groups"])
+    record = write_atomic(part_dir / MANIFEST, manifest_text(manifest).encode())
+    if layout is None:
+        return {}
+    return {"tp": layout.coordinate["tp"], "pp": layout.coordinate["pp"], "dir": layout.part,
+            "manifest": record, "shards": shards}
+
+
+def _record_tp_splits(engine, groups: list[dict]) -> None:
+    """Each parameter's `tp_split_dim` ([Note: checkpoints across layouts] in layout.py)."""
+    for group, described in zip(engine.groups, groups):
+        for param, spec, entry in zip(group.params, group.tp_specs, described["params"]):
+            entry["tp_split_dim"] = tp_split_dim(param, spec)
+
+
+def _publish(staging: Path, save_dir: Path, tag: str, nonce: str, save_latest: bool, layout: Layout | None,
+             parts: list[dict], counters) -> None:
+    """Steps 2 (the top manifest of a tp/pp checkpoint, last) to 4 of [Note: atomic publication]."""
+    if layout is not None:
+        from zeroshard.version import __version__
+
+        parts = sorted(parts, key=lambda p: (p["pp"], p["tp"]))
+        manifest = {
+            "format": FORMAT, "format_version": LAYOUT_FORMAT_VERSION, "library_version": __version__,
+            "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "global_steps": counters.global_steps,
+            "mesh": dict(layout.sizes),
+            "parts": [{"tp": p["tp"], "pp": p["pp"], "dir": p["dir"]} for p in parts],
+            "shards": {f"{p['dir']}/{name}": coordinate for p in parts for name, coordinate in p["shards"].items()},
+            "files": {f"{p['dir']}/{MANIFEST}": p["manifest"] for p in parts},
+        }
+        write_atomic(staging / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
     publish(staging, save_dir, tag, nonce, save_latest)
 
 

@@ -1,15 +1,22 @@
 """Full weights (a pretrained state dict, a safetensors file or a directory of them) into a sharded
 engine: each rank reads only the element ranges of its own master shard, so no rank materialises
-the whole model (except at stage 0, where every rank holds it anyway)."""
+the whole model (except at stage 0, where every rank holds it anyway).
+
+Under tensor/pipeline parallelism the full weights are the way between layouts ([Note: checkpoints
+across layouts] in layout.py): a pipeline stage takes the parameters it has and leaves the other
+stages' keys, and a parameter tensor parallelism cut is read whole (one parameter at a time) and this
+tp rank's slice taken along its split dim, as DTensor's Shard (torch.chunk) or Megatron cut it."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.files import CheckpointError, SafetensorsReader
+from zeroshard.checkpoint.layout import Layout, layout_of, tp_split_dim
 from zeroshard.checkpoint.manifest import model_aliases, persistent_buffers
 
 
@@ -95,22 +102,27 @@ def _open_source(source):
 def load_full_weights(engine, source, strict: bool = True) -> None:
     """Set the engine's parameters (and buffers) from full weights: a state dict, a safetensors
     file, a directory of safetensors files, or a torch.save file. A tied parameter is found under
-    any of its names. `strict`: every parameter must be present and no unknown key may be.
-    Optimizer state is left as it is. Collective."""
-    _, error = attempt(_load, engine, source, strict)
+    any of its names. `strict`: every parameter must be present and no unknown key may be (under
+    pipeline parallelism the other stages' keys are expected). Optimizer state is left as it is.
+    Collective (under tensor/pipeline parallelism: over every rank of the grid)."""
+    layout = layout_of(engine)
+    _, error = attempt(_load, engine, source, strict, layout)
     where = "a state dict" if isinstance(source, dict) else source
-    agree(engine.comm, error, f"loading full weights from {where}")
+    agree(layout.comm if layout is not None else engine.comm, error, f"loading full weights from {where}")
     engine.refresh_parameters()
 
 
 @torch.no_grad()
-def _load(engine, source, strict: bool) -> None:
+def _load(engine, source, strict: bool, layout: Layout | None) -> None:
     weights = _open_source(source)
     try:
-        found = _match(engine, weights, strict)
+        cuts = _tp_cuts(engine, layout)
+        found = _match(engine, weights, strict, cuts, pipelined=layout is not None and layout.sizes["pp"] > 1)
         for group in engine.groups:
             for slot, lo, hi, dest in group.master_pieces():
-                if slot.name in found:
+                if slot.name in found and slot.name in cuts:
+                    dest.copy_(cuts[slot.name].local(weights, found[slot.name], slot.shape).view(-1)[lo:hi])
+                elif slot.name in found:
                     weights.read_into(found[slot.name], lo, hi, dest)
             group.release_master()  # an NVMe master goes to its file now: memory stays about one group
         buffers = persistent_buffers(engine.module)
@@ -122,8 +134,52 @@ def _load(engine, source, strict: bool) -> None:
         weights.close()
 
 
-def _match(engine, weights, strict: bool) -> dict[str, str]:
-    """Parameter name -> the key holding it in `weights` (its own name or a tied alias)."""
+@dataclass(frozen=True)
+class _Cut:
+    """How tensor parallelism cut one parameter: along `dim` of `full_shape`, this rank's slice `rank` of `size`."""
+
+    dim: int
+    full_shape: tuple
+    rank: int
+    size: int
+
+    def local(self, weights, key: str, local_shape) -> torch.Tensor:
+        """This rank's slice of the full tensor `key` (read whole: the slice is strided unless dim is 0)."""
+        full = torch.empty(torch.Size(self.full_shape).numel(), dtype=torch.float32)  # 1-D, the whole parameter
+        weights.read_into(key, 0, full.numel(), full)
+        pieces = full.view(self.full_shape).chunk(self.size, dim=self.dim)
+        piece = pieces[self.rank] if self.rank < len(pieces) else None
+        if piece is None or tuple(piece.shape) != tuple(local_shape):
+            raise CheckpointError(f"{weights.where}: '{key}' of shape {list(self.full_shape)} cut along dim {self.dim} "
+                                  f"into {self.size} does not give tp rank {self.rank} its shape {list(local_shape)}")
+        return piece.contiguous()
+
+
+def _tp_cuts(engine, layout: Layout | None) -> dict[str, _Cut]:
+    """The parameters tensor parallelism cut, by name ([Note: checkpoints across layouts] in layout.py)."""
+    if layout is None or layout.sizes["tp"] == 1:
+        return {}
+    size, rank, cuts = layout.sizes["tp"], layout.coordinate["tp"], {}
+    for group in engine.groups:
+        for slot, param, spec in zip(group.layout.slots, group.params, group.tp_specs):
+            dim = tp_split_dim(param, spec)
+            if dim == "unknown":
+                raise CheckpointError(f"parameter '{slot.name}' is split over tensor-parallel ranks along a dim the "
+                                      "model does not name: a Megatron-style parameter marked `tensor_model_parallel` "
+                                      "needs Megatron's `partition_dim` (and `partition_stride` 1) to take its slice "
+                                      "of full weights")
+            if dim is not None:  # Megatron cuts evenly; a DTensor knows its global shape
+                full = tuple(spec.shape) if spec is not None else \
+                    tuple(n * size if i == dim else n for i, n in enumerate(slot.shape))
+                cuts[slot.name] = _Cut(dim, full, rank, size)
+    return cuts
+
+
+def _match(engine, weights, strict: bool, cuts: dict | None = None, pipelined: bool = False) -> dict[str, str]:
+    """Parameter name -> the key holding it in `weights` (its own name or a tied alias). `cuts`:
+    parameters whose full shape is wanted (tensor parallelism); `pipelined`: keys of other pipeline
+    stages are not unexpected."""
+    cuts = cuts or {}
     names_of: dict[str, list[str]] = {s.name: [s.name] for g in engine.groups for s in g.layout.slots}
     for alias, name in model_aliases(engine.module).items():
         names_of[name].append(alias)
@@ -134,8 +190,9 @@ def _match(engine, weights, strict: bool) -> dict[str, str]:
             key = next((k for k in names_of[slot.name] if k in keys), None)
             if key is None:
                 missing.append(slot.name)
-            elif tuple(weights.shape(key)) != tuple(slot.shape):
-                reshaped.append(f"'{key}': {list(weights.shape(key))} there, {list(slot.shape)} in the model")
+            elif tuple(weights.shape(key)) != (cuts[slot.name].full_shape if slot.name in cuts else tuple(slot.shape)):
+                wanted = cuts[slot.name].full_shape if slot.name in cuts else slot.shape
+                reshaped.append(f"'{key}': {list(weights.shape(key))} there, {list(wanted)} in the model")
             else:
                 found[slot.name] = key
     known = {n for names in names_of.values() for n in names} | set(persistent_buffers(engine.module))
@@ -143,7 +200,7 @@ def _match(engine, weights, strict: bool) -> dict[str, str]:
     problems = [f"{len(reshaped)} with a different shape ({reshaped[0]})"] if reshaped else []
     if strict and missing:
         problems.append(f"{len(missing)} parameter(s) missing (e.g. {missing[:3]})")
-    if strict and unexpected:
+    if strict and unexpected and not pipelined:
         problems.append(f"{len(unexpected)} unexpected key(s) (e.g. {unexpected[:3]})")
     if problems:
         raise CheckpointError(f"{weights.where}: does not fit the model: " + "; ".join(problems))

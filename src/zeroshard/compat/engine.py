@@ -51,7 +51,8 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         if zero.stage == 0 and zero.offload_optimizer is not None:  # and this one at stage 0
             zero = zero.model_copy(update={"offload_optimizer": None})
         placement = build_placement(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
-                                    comm.rank, comm.world_size)
+                                    comm.rank, comm.world_size,
+                                    model_parallel.coordinate if model_parallel is not None else None)
         self.sharded = Sharded(
             model, optimizer, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
@@ -221,24 +222,33 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     def refresh_parameters(self) -> None:
         self.sharded.refresh_parameters()
 
-    def _refuse_model_parallel_checkpoint(self, what: str) -> None:
-        # The checkpoint layout names shards by dp rank only: tp/pp ranks would overwrite each other.
-        if self.sharded.model_parallel is not None:
-            raise ValueError(f"{what} under tensor/pipeline parallelism (mesh= or mpu=) is not supported yet: "
-                             "the sharded checkpoint layout has no tp/pp coordinate; see docs/parallelism.md")
+    @property
+    def model_parallel(self):
+        """The tp/pp dimensions around ZeRO's dp group (core/mesh.py ModelParallel), or None."""
+        return self.sharded.model_parallel
+
+    @property
+    def model_parallel_comms(self) -> list:
+        """Communicators over the model-parallel groups of size > 1 (tp, then pp)."""
+        return self.sharded.norm_comms
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
-        self._refuse_model_parallel_checkpoint("save_checkpoint")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, **kwargs):
-        self._refuse_model_parallel_checkpoint("load_checkpoint")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
+        sizes = self.model_parallel.sizes if self.model_parallel is not None else {}
+        if sizes.get("tp", 1) * sizes.get("pp", 1) > 1:
+            # Each dp group holds another tp slice or pipeline stage: one file from each would
+            # overwrite the others'.
+            raise ValueError("save_16bit_model under tensor/pipeline parallelism (mesh= or mpu=): save a "
+                             "checkpoint (engine.save_checkpoint) and consolidate it (`zeroshard consolidate`), "
+                             "which joins the tp slices and pipeline stages into the full model")
         return save_16bit_model(self, save_dir, save_filename)
 
     # -- reports --------------------------------------------------------------------------------------

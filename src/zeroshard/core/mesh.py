@@ -40,6 +40,9 @@ class ModelParallel:
     replicated: frozenset = frozenset()
     count_replicated: bool = True
     sizes: dict = field(default_factory=dict)  # {"dp": 2, "tp": 2, ...}, for reports and checks
+    # This rank's place in the grid, {"dp": 1, "tp": 0, "pp": 1}: checkpoints name their shards by it
+    # (a dp rank alone repeats in every tp/pp part). Empty when built by hand without it.
+    coordinate: dict = field(default_factory=dict)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,7 +115,7 @@ def from_device_mesh(mesh, model: nn.Module):
         norm_groups=tuple(mesh.get_group(n) for n in others if sizes[n] > 1),
         replicated=replicated_names(model, tp),
         count_replicated=not tp or mesh.get_local_rank("tp") == 0,
-        sizes=sizes)
+        sizes=sizes, coordinate={n: mesh.get_local_rank(n) for n in names})
 
 
 _MPU_DP = ("get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size")
@@ -138,11 +141,14 @@ def from_mpu(mpu, model: nn.Module):
     if all(callable(getattr(mpu, c, None)) for c in _MPU_PP):
         dims.append(("pp", getattr(mpu, _MPU_PP[0])(), getattr(mpu, _MPU_PP[2])()))
     sizes = {"dp": mpu.get_data_parallel_world_size(), **{n: s for n, _, s in dims}}
+    coordinate = {"dp": mpu.get_data_parallel_rank(), "tp": rank}
+    if len(dims) > 1:
+        coordinate["pp"] = mpu.get_pipeline_model_parallel_rank()
     return mpu.get_data_parallel_group(), ModelParallel(
         norm_groups=tuple(g for _, g, s in dims if s > 1),
         replicated=replicated_names(model, size > 1),
         count_replicated=size == 1 or rank == 0,
-        sizes=sizes)
+        sizes=sizes, coordinate=coordinate)
 
 
 class NormScope:

@@ -115,11 +115,14 @@ class NVMeStore:
     kind = "nvme"
     in_memory = False
 
-    def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2):
+    def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2,
+                 coordinate: dict | None = None):
+        """`rank`: the data-parallel rank; `coordinate`: under tensor/pipeline parallelism this rank's
+        {"tp": t, "pp": p} too, named in the directory (see `store_stem`)."""
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise StoreError(f"NVMe store: threads must be a positive integer (aio.thread_count), got {threads!r}")
         self.threads = threads
-        self.root, lock = make_root(Path(nvme_path), rank, bytes_needed)
+        self.root, lock = make_root(Path(nvme_path), store_stem(rank, coordinate), bytes_needed)
         self.counters = IOCounters()
         self.bytes_held = 0
         self._files: dict[int, _Mapped] = {}  # id(tensor) -> mapping
@@ -223,13 +226,22 @@ def _write_back(item: _Mapped) -> None:
             raise StoreError(f"NVMe store cannot write {item.path} back ({item.nbytes} bytes): {error}") from error
 
 
-def make_root(base: Path, rank: int, bytes_needed: int) -> tuple[Path, int]:
+def store_stem(rank: int, coordinate: dict | None = None) -> str:
+    """`zeroshard-<pid>-rank<dp>[-tp<t>-pp<p>]`: a dp rank repeats in every tp/pp part of a grid, so
+    the directory says which part too. Uniqueness comes from the pid and the nonce that
+    `create_locked_dir` appends (ranks sharing a dp rank are other processes, or in one process
+    other stores); the coordinate is for the people reading `describe_others` and `ls`."""
+    extra = "".join(f"-{d}{int(coordinate.get(d, 0))}" for d in ("tp", "pp")) if coordinate else ""
+    return f"zeroshard-{os.getpid()}-rank{rank}{extra}"
+
+
+def make_root(base: Path, stem: str, bytes_needed: int) -> tuple[Path, int]:
     """This store's directory under `base` and the descriptor of the lock that marks it alive, after
     reclaiming what dead processes left there; StoreError when `base` is unwritable or too full."""
     try:
         base.mkdir(parents=True, exist_ok=True)
         reclaim_dead(base)
-        root, lock = create_locked_dir(base, f"zeroshard-{os.getpid()}-rank{rank}")
+        root, lock = create_locked_dir(base, stem)
     except OSError as error:
         raise StoreError(f"offload nvme_path '{base}' is not writable: {error}") from error
     try:

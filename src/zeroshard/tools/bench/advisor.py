@@ -8,6 +8,11 @@ Per candidate (stage 0-3, and with `offload` the ZeRO-Offload variants) the advi
 The fastest candidate that fits wins; between equally fast ones (stages 0-2 move the same bytes) the
 one that shards least, since sharding more buys only memory that is not needed; the explanation names
 the memory the others would free.
+
+Inside 3D parallelism (`tp`, `pp` > 1) ZeRO shards over dp what tensor and pipeline parallelism leave on
+a rank: every formula above takes that rank's Ψ_local (`estimator.local_params`) with N = dp, as
+`zeroshard estimate --tp --pp` does. tp and pp traffic is the same at every stage, so it does not
+enter the comparison.
 """
 from __future__ import annotations
 
@@ -31,6 +36,18 @@ class Problem:
     offload: bool = False
     host_bandwidth: float = 12e9  # device <-> host bytes/s, for offload
     cpu_memory: int | None = None  # host bytes per rank for offloaded states; None = unbounded
+    tp: int = 1  # tensor-parallel ranks: `ranks` is then the dp degree of a dp x tp x pp mesh
+    pp: int = 1  # pipeline stages
+    replicated: int = 0  # parameters every tp rank holds whole (LayerNorms, row-parallel biases)
+
+    @property
+    def layout(self) -> est.Layout:
+        return est.Layout(self.ranks, self.tp, self.pp)
+
+    @property
+    def local_params(self) -> int:
+        """Ψ_local: the parameters one model-parallel rank holds, which ZeRO shards over dp."""
+        return est.local_params(self.params, self.layout, self.replicated)
 
 
 @dataclass
@@ -69,12 +86,13 @@ def candidates(problem: Problem) -> list[Candidate]:
 
 
 def _predict(p: Problem, c: Candidate) -> None:
-    c.states = est.model_state_bytes(p.params, p.ranks, c.stage, p.recipe, c.offload_optimizer, c.offload_param)
+    local = p.local_params  # Ψ itself without tp/pp
+    c.states = est.model_state_bytes(local, p.ranks, c.stage, p.recipe, c.offload_optimizer, c.offload_param)
     c.need = c.states.total + p.activations
     usable = int(p.memory * (1 - p.reserve))
-    c.comm_bytes = est.comm_bytes_per_step(p.params, c.stage, p.recipe.param_bytes)
-    c.wire_bytes = est.ring_bytes_sent_per_rank(p.params, p.ranks, c.stage, p.recipe.param_bytes)
-    shard = -(-p.params // p.ranks)
+    c.comm_bytes = est.comm_bytes_per_step(local, c.stage, p.recipe.param_bytes)
+    c.wire_bytes = est.ring_bytes_sent_per_rank(local, p.ranks, c.stage, p.recipe.param_bytes)
+    shard = -(-local // p.ranks)
     if c.offload_optimizer:  # gradients down, updated parameters up (ZeRO-Offload, arXiv 2101.06840 §4)
         c.host_bytes += (p.recipe.grad_bytes + p.recipe.param_bytes) * shard
     if c.offload_param:  # the parameter shard comes up for the forward and again for the backward
@@ -124,9 +142,11 @@ def explain(problem: Problem, best: Candidate | None, every: list[Candidate]) ->
                     "activations (activation checkpointing)"]
         hint = "" if p.offload else "; try --offload"
         return [f"nothing fits: even {smallest.name} {smallest.why_not}{hint}, or add ranks "
-                f"(model states at stage 3 shrink as 1/N)"]
-    lines = [f"recommend {best.name}: fits with {headroom(p, best):.0%} headroom ({est.format_bytes(best.need)} of "
-             f"{est.format_bytes(p.memory)} per rank) and moves {_psi(best)} = "
+                f"(model states at stage 3 shrink as 1/N{', and as 1/(tp·pp) with more tp or pp' if p.tp * p.pp > 1 else ''})"]
+    where = "" if p.tp * p.pp == 1 else (f" on each rank of dp {p.ranks} x tp {p.tp} x pp {p.pp} (ZeRO over dp of "
+                                         f"its {est.format_count(p.local_params)} parameters)")
+    lines = [f"recommend {best.name}{where}: fits with {headroom(p, best):.0%} headroom ({est.format_bytes(best.need)} of "
+             f"{est.format_bytes(p.memory)} per rank) and moves {_psi(best)}{'_local' if where else ''} = "
              f"{est.format_bytes(best.comm_bytes)} per step (~{_seconds(best.wire_bytes / p.bandwidth)} at "
              f"{est.format_bytes(p.bandwidth)}/s)" + (f", plus {est.format_bytes(best.host_bytes)} over the host "
                                                        f"link" if best.host_bytes else "")]

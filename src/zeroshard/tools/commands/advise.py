@@ -25,6 +25,7 @@ EXAMPLES = [
     "zeroshard advise --model gpt-small --ranks 2 --memory 4GiB --measure-bandwidth   # local ranks, a few seconds",
     "zeroshard advise --model config.json --ranks 16 --memory 80GB --bandwidth 200GB/s --batch 8 --seq-len 2048",
     "zeroshard advise --params 1.3B --ranks 4 --memory 16GiB --bandwidth 10GB/s --json",
+    "zeroshard advise --model gpt-7.5b --dp 16 --tp 2 --pp 2 --memory 24GB --bandwidth 25GB/s   # 3D parallelism",
 ]
 
 _RATE = re.compile(r"^\s*(.+?)\s*(/s|ps)?\s*$", re.IGNORECASE)
@@ -51,7 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     size.add_argument("--params", type=bounded(est.parse_count, 0, inclusive=False), metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
     size.add_argument("--model", metavar="NAME_OR_JSON",
                       help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
-    parser.add_argument("--ranks", type=bounded(int, 0, inclusive=False), required=True, metavar="N", help="data-parallel ranks")
+    parser.add_argument("--ranks", type=bounded(int, 0, inclusive=False), metavar="N",
+                        help="data-parallel ranks (required, or --dp)")
+    parser.add_argument("--dp", type=bounded(int, 0, inclusive=False), metavar="N", help="data-parallel ranks (same as --ranks)")
+    parser.add_argument("--tp", type=bounded(int, 0, inclusive=False), default=1, metavar="N",
+                        help="tensor-parallel ranks: parameters split over tp before ZeRO (default: 1)")
+    parser.add_argument("--pp", type=bounded(int, 0, inclusive=False), default=1, metavar="N",
+                        help="pipeline stages: layers split over pp before ZeRO (default: 1)")
     parser.add_argument("--memory", type=bounded(est.parse_bytes, 0, inclusive=False), required=True, metavar="SIZE",
                         help="device memory per rank: 24GiB, 80GB")
     net = parser.add_mutually_exclusive_group(required=True)
@@ -80,12 +87,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def gpt_activation_bytes(spec: est.GPTSpec, batch: int, seq_len: int, dtype_bytes: int) -> int:
-    """Korthikanti et al. (arXiv 2205.05198, §4.1): per layer s*b*h*(34 + 5*a*s/h) bytes in 16-bit, no
-    recomputation; scaled for fp32, plus the fp32 logits the loss keeps."""
-    s, b, h, a = seq_len, batch, spec.n_embd, spec.n_head
-    per_layer = s * b * h * (34 + 5 * a * s / h) * dtype_bytes / 2
-    return int(spec.n_layer * per_layer + 4 * s * b * spec.vocab)
+def gpt_activation_bytes(spec: est.GPTSpec, batch: int, seq_len: int, dtype_bytes: int, tp: int = 1) -> int:
+    """Korthikanti et al. (arXiv 2205.05198, §4.1-4.2): per layer s*b*h*(10 + 24/t + 5*a*s/(h*t)) bytes
+    in 16-bit under tensor parallelism t (34 + 5as/h at t = 1), no recomputation; scaled for fp32,
+    plus the fp32 logits the loss keeps (vocabulary-parallel: 1/t). Pipeline stages do not shrink it:
+    under 1F1B the first stage holds p micro-batches of L/p layers, all L layers' worth (§4.2.3)."""
+    s, b, h, a, t = seq_len, batch, spec.n_embd, spec.n_head, tp
+    per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * dtype_bytes / 2
+    return int(spec.n_layer * per_layer + 4 * s * b * spec.vocab / t)
 
 
 def _activations(args: argparse.Namespace) -> tuple[int, str]:
@@ -93,9 +102,19 @@ def _activations(args: argparse.Namespace) -> tuple[int, str]:
         return args.activations, "given"
     spec = est.BUILTIN_MODELS.get(args.model or "")
     if spec is not None and args.batch and args.seq_len:
-        return gpt_activation_bytes(spec, args.batch, args.seq_len, est.PRECISIONS[args.precision]), \
+        return gpt_activation_bytes(spec, args.batch, args.seq_len, est.PRECISIONS[args.precision], args.tp), \
             "estimated (Korthikanti et al. 2022, no recomputation)"
     return 0, "not counted: give --activations, or --batch and --seq-len with a built-in --model"
+
+
+def _tp_replicated(args: argparse.Namespace) -> int:
+    """Parameters every tp rank holds whole, for a built-in GPT under tp (as `zeroshard estimate`
+    counts them: per layer 2 LayerNorms x 2 and the 2 row-parallel biases, the final LayerNorm,
+    position embeddings); 0 for other models (their split is not known: every parameter counts 1/tp)."""
+    spec = est.BUILTIN_MODELS.get(args.model) if args.model else None
+    if spec is None or args.tp == 1:
+        return 0
+    return spec.n_layer * 6 * spec.n_embd + 2 * spec.n_embd + spec.block_size * spec.n_embd
 
 
 def measure_bandwidth(ranks: int) -> dict:
@@ -114,7 +133,16 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 <= args.reserve < 1:
         raise CommandError(f"--reserve must be in [0, 1), got {args.reserve}")
+    if args.ranks is not None and args.dp is not None and args.ranks != args.dp:
+        raise CommandError(f"--ranks {args.ranks} and --dp {args.dp} both set the data-parallel ranks: give one")
+    args.ranks = args.ranks or args.dp
+    if args.ranks is None:
+        raise CommandError("--ranks (or --dp) is required: the data-parallel ranks ZeRO shards over")
     params = params_from_args(args)
+    replicated = _tp_replicated(args)
+    if replicated > params:
+        raise CommandError(f"--tp {args.tp}: the {replicated} parameters every tp rank holds whole exceed the model's "
+                           f"{params}")
     bandwidth, source = args.bandwidth, "given"
     if args.measure_bandwidth:
         probe = measure_bandwidth(args.measure_ranks)
@@ -125,11 +153,14 @@ def run(args: argparse.Namespace) -> int:
     problem = advise.Problem(params=params, ranks=args.ranks, memory=args.memory, bandwidth=bandwidth,
                              recipe=est.recipe(args.precision, args.optimizer), activations=activations,
                              reserve=args.reserve, compute_s=args.compute_time, offload=args.offload,
-                             host_bandwidth=args.host_bandwidth, cpu_memory=args.cpu_memory)
+                             host_bandwidth=args.host_bandwidth, cpu_memory=args.cpu_memory,
+                             tp=args.tp, pp=args.pp, replicated=replicated)
     best, every = advise.choose(problem)
     lines = advise.explain(problem, best, every)
     if args.json:
         document = {"params": params, "ranks": args.ranks, "memory_bytes": args.memory, "bandwidth": bandwidth,
+                    "mesh": {"dp": args.ranks, "tp": args.tp, "pp": args.pp, "replicated_params": replicated},
+                    "local_params": problem.local_params,
                     "bandwidth_source": source, "activations_bytes": activations, "activations_source": act_source,
                     "recommendation": best.name if best else None,
                     "deepspeed_config": advise.ds_config(best) if best else None, "explanation": lines,
@@ -138,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
                                     "predicted_comm_s": c.time_s - args.compute_time} for c in every]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return 0 if best else 1
-    head = [f"{est.format_count(params)} parameters{f' ({args.model})' if args.model else ''}, {args.ranks} ranks, "
+    ranks = (f"{args.ranks} ranks" if args.tp * args.pp == 1 else
+             f"dp {args.ranks} x tp {args.tp} x pp {args.pp} ({est.format_count(problem.local_params)} parameters on "
+             "each rank before ZeRO)")
+    head = [f"{est.format_count(params)} parameters{f' ({args.model})' if args.model else ''}, {ranks}, "
             f"{est.format_bytes(args.memory)} per rank, {problem.recipe.name} "
             f"(K={problem.recipe.k}), interconnect {est.format_bytes(bandwidth)}/s ({source})",
             f"activations and buffers: {est.format_bytes(activations)} per rank, {act_source}", ""]

@@ -14,6 +14,8 @@ and buffers included. CKPT_DIR is the directory given to engine.save_checkpoint 
 `latest` names is used unless --tag is given) or one checkpoint directory. Safetensors output is
 streamed unit by unit, so memory stays about one unit; a .pt file is built in memory. Every shard's
 checksum is verified first; a damaged or incomplete checkpoint is an error naming the file.
+A checkpoint saved under tensor/pipeline parallelism (dp x tp x pp) gives the full model: each
+parameter's tp slices joined along the dim they were cut on, the pipeline stages side by side.
 A checkpoint DeepSpeed wrote (ZeRO stages 1-3, any world size) is accepted too: the result is what
 DeepSpeed's zero_to_fp32.py makes of it, streamed parameter by parameter, without DeepSpeed."""
 
