@@ -317,6 +317,12 @@ class GPTSpec:
         head = 0 if self.tie else self.vocab * d  # the head has no bias, as in GPT-2
         return embeddings + self.n_layer * block + 2 * d + head  # + final LayerNorm
 
+    def tp_replicated_params(self) -> int:
+        """Parameters every tensor-parallel rank holds whole. Megatron-LM splits embeddings and linears
+        over tp; LayerNorms, the biases of row-parallel linears and position embeddings stay whole
+        (6 per layer: 2 LayerNorms x 2, 2 biases; plus the final LayerNorm)."""
+        return self.n_layer * 6 * self.n_embd + 2 * self.n_embd + self.block_size * self.n_embd
+
 
 # gpt-small .. gpt2-xl are GPT-2's published shapes (124M, 355M, 774M, 1.56B); gpt-2.7b is GPT-3's 2.7B
 # shape; gpt-7.5b (7.46B) is sized for the paper's 7.5B example. The vocab is padded to a multiple of 64

@@ -108,13 +108,13 @@ def _activations(args: argparse.Namespace) -> tuple[int, str]:
 
 
 def _tp_replicated(args: argparse.Namespace) -> int:
-    """Parameters every tp rank holds whole, for a built-in GPT under tp (as `zeroshard estimate`
-    counts them: per layer 2 LayerNorms x 2 and the 2 row-parallel biases, the final LayerNorm,
-    position embeddings); 0 for other models (their split is not known: every parameter counts 1/tp)."""
+    """Parameters every tp rank holds whole, for a built-in GPT under tp (`GPTSpec.tp_replicated_params`,
+    as `zeroshard estimate` counts them); 0 for other models (their split is not known: every
+    parameter counts 1/tp)."""
     spec = est.BUILTIN_MODELS.get(args.model) if args.model else None
     if spec is None or args.tp == 1:
         return 0
-    return spec.n_layer * 6 * spec.n_embd + 2 * spec.n_embd + spec.block_size * spec.n_embd
+    return spec.tp_replicated_params()
 
 
 def measure_bandwidth(ranks: int) -> dict:

@@ -100,10 +100,7 @@ def _mesh(args: argparse.Namespace) -> None:
     args.ranks = args.dp or args.ranks or 1
     args.layout = est.Layout(args.ranks, args.tp, args.pp)
     spec = est.BUILTIN_MODELS.get(args.model) if args.model else None
-    # Megatron-LM splits embeddings and linears over tp; LayerNorms, the biases of row-parallel
-    # linears and position embeddings stay whole on every tp rank (6 per layer: 2 LayerNorms x 2, 2 biases).
-    args.replicated = (spec.n_layer * 6 * spec.n_embd + 2 * spec.n_embd + spec.block_size * spec.n_embd
-                       if spec is not None and args.tp > 1 else 0)
+    args.replicated = spec.tp_replicated_params() if spec is not None and args.tp > 1 else 0
     args.activations = None
     if args.tokens is not None:
         if spec is None:
