@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeroshard.core import consistency, quantize
+from zeroshard.core import consistency
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -182,21 +182,6 @@ class Handle:
             self._staging.finish()
 
 
-class _Composite:
-    """Several collectives that make one (int8 values and their scales), then a local `finish`
-    (dequantization) once all have completed; waited like a `Handle`."""
-
-    def __init__(self, handles: list[Handle], finish):
-        self._handles, self._finish = handles, finish
-
-    def wait(self) -> None:
-        for handle in self._handles:
-            handle.wait()
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            finish()
-
-
 class Communicator:
     """Collectives over one process group, with byte counting, consistency checks and timeouts."""
 
@@ -275,57 +260,6 @@ class Communicator:
         return self._run("all_to_all", full, what, async_op,
                          lambda: dist.all_to_all_single(staged_out, staged_full, group=self.group, async_op=True),
                          stage)
-
-    # -- quantized collectives (ZeRO++, [Note: block quantization] in quantize.py) -----------------------
-    def all_gather_quantized(self, out: torch.Tensor, shard: torch.Tensor, what: str, block: int,
-                             async_op: bool = False):
-        """qwZ: `all_gather`, with each rank's shard sent as int8 blocks and their fp32 scales; `out`
-        (any float dtype) receives the dequantized values when the returned handle is waited on."""
-        assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
-        numel, world = shard.numel(), self.world_size
-        q, scales = quantize.quantize(shard, block)
-        q_all = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)  # 1-D, rank-major
-        scales_all = torch.empty(world * scales.numel(), dtype=scales.dtype, device=q.device)
-        handles = [self.all_gather(q_all, q, f"{what}, int8 blocks", async_op=True),
-                   self.all_gather(scales_all, scales, f"{what}, block scales", async_op=True)]
-
-        def finish() -> None:
-            out.view(world, numel).copy_(quantize.dequantize_rows(q_all, scales_all, world, numel, block))
-        return self._composite(handles, finish, async_op)
-
-    def reduce_scatter_quantized(self, out: torch.Tensor, full: torch.Tensor, what: str, block: int,
-                                 async_op: bool = False):
-        """qgZ: `reduce_scatter` as one all-to-all of int8 blocks: each rank quantizes the N chunks of
-        its `full`, sends chunk r to rank r, and sums the N dequantized chunks it receives in fp32,
-        in rank order (deterministic). One quantization per gradient element, where the paper's
-        hierarchical scheme (§3.3: intra-node all-to-all, reduce, requantize, inter-node all-to-all)
-        quantizes twice to keep the inter-node hop small; on one rank per node both are the same."""
-        assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
-        numel, world = out.numel(), self.world_size
-        nblocks = quantize.blocks_for(numel, block)
-        q = torch.empty(world * nblocks * block, dtype=torch.int8, device=full.device)  # 1-D, chunk-major
-        scales = torch.empty(world * nblocks, dtype=torch.float32, device=full.device)
-        for r, chunk in enumerate(full.view(world, numel)):
-            quantize.quantize_into(chunk, q[r * nblocks * block:(r + 1) * nblocks * block],
-                                   scales[r * nblocks:(r + 1) * nblocks], block)
-        q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)
-        handles = [self.all_to_all(q_in, q, f"{what}, int8 blocks", async_op=True),
-                   self.all_to_all(scales_in, scales, f"{what}, block scales", async_op=True)]
-
-        def finish() -> None:
-            rows = quantize.dequantize_rows(q_in, scales_in, world, numel, block)  # (world, numel) fp32
-            total = rows[0].clone()
-            for row in rows[1:]:
-                total.add_(row)
-            out.copy_(total)
-        return self._composite(handles, finish, async_op)
-
-    @staticmethod
-    def _composite(handles: list[Handle], finish, async_op: bool) -> _Composite:
-        handle = _Composite(handles, finish)
-        if not async_op:
-            handle.wait()
-        return handle
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False,
                    kind: str = "all_reduce"):

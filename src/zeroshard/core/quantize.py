@@ -1,5 +1,7 @@
 """Block-wise symmetric int8 quantization for ZeRO++'s quantized collectives (Wang et al., arXiv
-2306.10209, §3.1 qwZ and §3.3 qgZ). Pure arithmetic: no collectives, no process groups.
+2306.10209, §3.1 qwZ and §3.3 qgZ): the kernels, pure arithmetic, and the quantized all-gather and
+reduce-scatter, which compose a Communicator's own collectives (so they are counted and checked as
+any other) and call no torch.distributed function.
 
 [Note: block quantization]
 A 1-D tensor is cut into blocks of `block` consecutive elements (the last one zero padded). Each
@@ -59,3 +61,73 @@ def dequantize_rows(q: torch.Tensor, scales: torch.Tensor, rows: int, numel: int
     nblocks = blocks_for(numel, block)
     out = q.view(rows, nblocks, block).to(torch.float32).mul_(scales.view(rows, nblocks, 1))
     return out.view(rows, nblocks * block)[:, :numel]
+
+
+# -- quantized collectives: compositions of the Communicator's own collectives, which count and
+# check them; this module calls no torch.distributed function ----------------------------------------
+class Composite:
+    """Several collectives that make one (int8 values and their scales), then a local `finish`
+    (dequantization) once all have completed; waited like a `comm.Handle`."""
+
+    def __init__(self, handles: list, finish):
+        self._handles, self._finish = handles, finish
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            finish()
+
+
+def _started(handles: list, finish, async_op: bool) -> Composite:
+    handle = Composite(handles, finish)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def all_gather(comm, out: torch.Tensor, shard: torch.Tensor, what: str, block: int = DEFAULT_BLOCK,
+               async_op: bool = False) -> Composite:
+    """qwZ: `comm.all_gather(out, shard)` with each rank's shard sent as int8 blocks and their fp32
+    scales; `out` (any float dtype) receives the dequantized values when the handle is waited on."""
+    assert out.numel() == shard.numel() * comm.world_size, (out.numel(), shard.numel())
+    numel, world = shard.numel(), comm.world_size
+    q, scales = quantize(shard, block)
+    q_all = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)  # 1-D, rank-major
+    scales_all = torch.empty(world * scales.numel(), dtype=scales.dtype, device=q.device)
+    handles = [comm.all_gather(q_all, q, f"{what}, int8 blocks", async_op=True),
+               comm.all_gather(scales_all, scales, f"{what}, block scales", async_op=True)]
+
+    def finish() -> None:
+        out.view(world, numel).copy_(dequantize_rows(q_all, scales_all, world, numel, block))
+    return _started(handles, finish, async_op)
+
+
+def reduce_scatter(comm, out: torch.Tensor, full: torch.Tensor, what: str, block: int = DEFAULT_BLOCK,
+                   async_op: bool = False) -> Composite:
+    """qgZ: `comm.reduce_scatter(out, full)` as one all-to-all of int8 blocks: each rank quantizes the
+    N chunks of its `full`, sends chunk r to rank r, and sums the N dequantized chunks it receives in
+    fp32, in rank order (deterministic). One quantization per gradient element, where the paper's
+    hierarchical scheme (§3.3: intra-node all-to-all, reduce, requantize, inter-node all-to-all)
+    quantizes twice so that the inter-node hop carries 1/(ranks per node) of the data; at one rank
+    per node the two are the same."""
+    assert full.numel() == out.numel() * comm.world_size, (full.numel(), out.numel())
+    numel, world = out.numel(), comm.world_size
+    nblocks = blocks_for(numel, block)
+    q = torch.empty(world * nblocks * block, dtype=torch.int8, device=full.device)  # 1-D, chunk-major
+    scales = torch.empty(world * nblocks, dtype=torch.float32, device=full.device)
+    for r, chunk in enumerate(full.view(world, numel)):
+        quantize_into(chunk, q[r * nblocks * block:(r + 1) * nblocks * block],
+                      scales[r * nblocks:(r + 1) * nblocks], block)
+    q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)
+    handles = [comm.all_to_all(q_in, q, f"{what}, int8 blocks", async_op=True),
+               comm.all_to_all(scales_in, scales, f"{what}, block scales", async_op=True)]
+
+    def finish() -> None:
+        rows = dequantize_rows(q_in, scales_in, world, numel, block)  # (world, numel) fp32
+        total = rows[0].clone()
+        for row in rows[1:]:
+            total.add_(row)
+        out.copy_(total)
+    return _started(handles, finish, async_op)

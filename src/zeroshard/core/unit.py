@@ -24,12 +24,12 @@ communicators they need, built by sharded.py from core/mesh.py's rank groups.
     GatheredParameters) drops the copies (FlatGroup.drop_secondary); the next forward's gather
     refreshes them. Cost: padded numel / h of parameter memory per unit between forward and step.
   * qwZ (`zero_quantized_weights`): primary gathers send int8 blocks and scales
-    (`Communicator.all_gather_quantized`), dequantized into the gathered buffer; masters stay exact
+    (`quantize.all_gather`), dequantized into the gathered buffer; masters stay exact
     fp32, so the quantization error does not accumulate across steps (ZeRO++ §3.1). The backward
     sees exactly the forward's weights (it dequantizes the same shard, or copies the secondary
     copy taken from the dequantized buffer).
   * qgZ (`zero_quantized_gradients`): the gradient reduce-scatter is an all-to-all of int8 blocks,
-    summed locally in fp32 (`Communicator.reduce_scatter_quantized`); the MiCS replica all-reduce
+    summed locally in fp32 (`quantize.reduce_scatter`); the MiCS replica all-reduce
     after it stays exact.
 Parameters below the persistence threshold are never gathered and are reduced like the others.
 """
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zeroshard.core import quantize
 from zeroshard.core.comm import Communicator, Handle
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import consecutive_groups, strided_groups
@@ -115,8 +116,8 @@ class Unit:
                 handle = node.all_gather(group.new_full(), group.secondary, f"{what} from secondary copies",
                                          async_op=True)
             elif self.links.quantize_weights:  # qwZ
-                handle = self.comm.all_gather_quantized(group.new_full(), group.gather_input(), what,
-                                                        self.links.block, async_op=True)
+                handle = quantize.all_gather(self.comm, group.new_full(), group.gather_input(), what,
+                                             self.links.block, async_op=True)
             else:
                 shard = group.gather_input()  # 1-D, numel = shard_numel, compute dtype
                 handle = self.comm.all_gather(group.new_full(), shard, what, async_op=True)
@@ -175,8 +176,8 @@ class Unit:
             return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, None
         out = torch.empty(group.layout.shard_numel, dtype=group.grad_dtype, device=group.device)  # 2/3
         if self.links.quantize_gradients:  # qgZ
-            return self.comm.reduce_scatter_quantized(out, group.full_grad, what, self.links.block,
-                                                      async_op=True), group, out
+            return quantize.reduce_scatter(self.comm, out, group.full_grad, what, self.links.block,
+                                           async_op=True), group, out
         return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, out
 
     def finish_reduce(self) -> None:
