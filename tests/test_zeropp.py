@@ -168,7 +168,8 @@ def _bad_sizes() -> None:
     for key, value in (("mics_shard_size", 3), ("zero_hpz_partition_size", 3)):
         model = gpt_model_fn()()
         with pytest.raises(ValueError, match=f"{key}={value}"):
-            zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(3, **{key: value}))
+            zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
+                                 config=make_config(3, **{key: value}))
 
 
 def _worker4(rank: int, world: int) -> list:
