@@ -78,6 +78,7 @@ def _train(config: dict, steps: int = STEPS, batches=None) -> dict:
             inputs, targets = batches(step, micro, engine.global_rank)
             loss = gpt_loss(engine, inputs, targets)
             engine.backward(loss)
+            out["memory_before_step"] = engine.memory_report()  # hpZ's copies exist until the step
             engine.step()
             losses.append(loss.item())
         out["losses"].append(losses)
@@ -107,8 +108,17 @@ def _hpz_bit_exact() -> dict:
     assert hpz["comm"]["groups"]["secondary"]["inter_node_bytes"].get("all_gather", 0) == 0
     assert hpz["comm"]["groups"]["world"]["inter_node_bytes"]["all_gather"] \
         < plain["comm"]["inter_node_bytes"]["all_gather"]
+    # With qwZ the copies stay int8 blocks + scales: the same math as qwZ alone, a quarter of the memory.
+    qwz = _train(make_config(3, gas=GAS, clip=CLIP, zero_quantized_weights=True))
+    hpz_qwz = _train(make_config(3, gas=GAS, clip=CLIP, zero_quantized_weights=True, zero_hpz_partition_size=2))
+    assert_close(hpz_qwz, qwz, exact=True, what="hpZ h=2 + qwZ vs qwZ")
+    copy = {name: run["memory_before_step"]["params"] - plain["memory_before_step"]["params"]
+            for name, run in (("fp32", hpz), ("int8", hpz_qwz))}
+    assert copy["fp32"] == plain["padded_numel"] // 2 * 4, copy  # half the model, fp32
+    assert 0 < copy["int8"] < 0.3 * copy["fp32"], copy
     return {"moved": moved, "plain_inter": plain["comm"]["inter_node_bytes"]["all_gather"],
-            "hpz_inter": hpz["comm"]["inter_node_bytes"]["all_gather"]}
+            "hpz_inter": hpz["comm"]["inter_node_bytes"]["all_gather"], "copy_bytes": copy,
+            "stage3_before_step": plain["memory_before_step"]["total"]}
 
 
 def _mics_vs_ddp(world: int) -> dict:

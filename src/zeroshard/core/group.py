@@ -91,6 +91,7 @@ class FlatGroup:
         # hpZ's secondary copy: param_dtype, 1-D, numel = padded_numel / secondary group size
         # ([Note: ZeRO++ and MiCS] in unit.py); valid from a gather until the parameters change.
         self.secondary: torch.Tensor | None = None
+        self.secondary_scales: torch.Tensor | None = None  # with qwZ the copy is int8 blocks + scales
         self.secondary_valid = False
         self._init_storage(full, compute_shard)
         # Gradients: full flat buffer kept across micro steps (stages 0/1), or built per backward and
@@ -254,19 +255,23 @@ class FlatGroup:
             self.compute_shard.copy_(self.master)
 
     def keep_secondary(self, index: int, size: int) -> None:
-        """hpZ: keep piece `index` of `size` of the gathered parameters (the same storage each time)."""
+        """hpZ: keep piece `index` of `size` of the gathered parameters."""
         numel = self.layout.padded_numel // size  # padded_numel is a multiple of the partition size
-        if self.secondary is None:
-            self.secondary = torch.empty(numel, dtype=self.param_dtype, device=self.device)
-        else:
-            self.secondary.untyped_storage().resize_(numel * self.secondary.element_size())
-        self.secondary.copy_(self.full[index * numel:(index + 1) * numel])
+        self.secondary = self.full[index * numel:(index + 1) * numel].clone()  # 1-D, param_dtype
+        self.secondary_valid = True
+
+    def keep_secondary_encoded(self, q_all: torch.Tensor, scales_all: torch.Tensor, *, index: int,
+                               size: int) -> None:
+        """hpZ with qwZ: keep piece `index` of `size` of what the quantized gather received (int8
+        blocks and their scales, rank-major), ~1 byte per element instead of the dequantized values;
+        gathering and dequantizing it again gives the forward's values bit for bit."""
+        self.secondary = q_all.view(size, -1)[index].clone()  # int8, 1-D
+        self.secondary_scales = scales_all.view(size, -1)[index].clone()  # fp32, 1-D
         self.secondary_valid = True
 
     def drop_secondary(self) -> None:
         """The parameters change (a step, a load, a modification): the secondary copy is stale."""
-        if self.secondary is not None:
-            self.secondary.untyped_storage().resize_(0)
+        self.secondary = self.secondary_scales = None
         self.secondary_valid = False
 
     # -- gradients -----------------------------------------------------------------------------------
@@ -352,7 +357,7 @@ class FlatGroup:
             params = nbytes(self.compute_shard)
         else:  # stage 3 gathers from the master: in fp32 it is the parameter shard, else a copy
             params = in_memory(self.master) if self.param_dtype == torch.float32 else 0
-        params += nbytes(self.secondary) if self.secondary_valid else 0  # hpZ
+        params += nbytes(self.secondary) + nbytes(self.secondary_scales) if self.secondary_valid else 0  # hpZ
         master = 0 if self.master_is_parameter_storage() else in_memory(self.master)
         grads = nbytes(self.full_grad) if self.grads_persist_full else in_memory(self.grad_shard)
         return {"params": params, "master": master, "grads": grads}
@@ -364,7 +369,7 @@ class FlatGroup:
                 param.data = empty
         self.full = None
         self.compute_shard = None
-        self.secondary = None
+        self.secondary = self.secondary_scales = None
         self.full_grad = None
         self.grad_shard = None
         self.master = torch.empty(0)

@@ -88,19 +88,29 @@ def _started(handles: list, finish, async_op: bool) -> Composite:
 
 
 def all_gather(comm, out: torch.Tensor, shard: torch.Tensor, what: str, block: int = DEFAULT_BLOCK,
-               async_op: bool = False) -> Composite:
+               async_op: bool = False, keep=None) -> Composite:
     """qwZ: `comm.all_gather(out, shard)` with each rank's shard sent as int8 blocks and their fp32
-    scales; `out` (any float dtype) receives the dequantized values when the handle is waited on."""
+    scales; `out` (any float dtype) receives the dequantized values when the handle is waited on,
+    and `keep(q_all, scales_all)`, if given, what was received (hpZ's secondary copy)."""
     assert out.numel() == shard.numel() * comm.world_size, (out.numel(), shard.numel())
-    numel, world = shard.numel(), comm.world_size
     q, scales = quantize(shard, block)
+    return all_gather_encoded(comm, out, q, scales, what, comm.world_size, block, async_op, keep)
+
+
+def all_gather_encoded(comm, out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, what: str, rows: int,
+                       block: int = DEFAULT_BLOCK, async_op: bool = False, keep=None) -> Composite:
+    """All-gather int8 blocks and scales already encoded (this rank's `rows / comm.world_size`
+    quantized rows), then dequantize the `rows` rows into `out` (1-D, rows x numel)."""
+    numel, world = out.numel() // rows, comm.world_size
     q_all = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)  # 1-D, rank-major
     scales_all = torch.empty(world * scales.numel(), dtype=scales.dtype, device=q.device)
     handles = [comm.all_gather(q_all, q, f"{what}, int8 blocks", async_op=True),
                comm.all_gather(scales_all, scales, f"{what}, block scales", async_op=True)]
 
     def finish() -> None:
-        out.view(world, numel).copy_(dequantize_rows(q_all, scales_all, world, numel, block))
+        out.view(rows, numel).copy_(dequantize_rows(q_all, scales_all, rows, numel, block))
+        if keep is not None:
+            keep(q_all, scales_all)
     return _started(handles, finish, async_op)
 
 

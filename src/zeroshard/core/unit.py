@@ -26,8 +26,9 @@ communicators they need, built by sharded.py from core/mesh.py's rank groups.
   * qwZ (`zero_quantized_weights`): primary gathers send int8 blocks and scales
     (`quantize.all_gather`), dequantized into the gathered buffer; masters stay exact
     fp32, so the quantization error does not accumulate across steps (ZeRO++ §3.1). The backward
-    sees exactly the forward's weights (it dequantizes the same shard, or copies the secondary
-    copy taken from the dequantized buffer).
+    sees exactly the forward's weights: it dequantizes the same shard again, or, with hpZ, the
+    secondary copy, which is then kept as received (int8 blocks and scales, ~1 byte per element
+    instead of 4; FlatGroup.keep_secondary_encoded) and gathered inside the node as such.
   * qgZ (`zero_quantized_gradients`): the gradient reduce-scatter is an all-to-all of int8 blocks,
     summed locally in fp32 (`quantize.reduce_scatter`); the MiCS replica all-reduce
     after it stays exact.
@@ -36,6 +37,7 @@ Parameters below the persistence threshold are never gathered and are reduced li
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -110,20 +112,27 @@ class Unit:
             return
         node = self.links.secondary
         from_secondary = node is not None and phase == "backward" and all(g.secondary_valid for g in self.groups)
+        # Only a pass with a backward to come needs the copies (not eval, not ZeRO-Inference).
+        keep_secondary = node is not None and not from_secondary and torch.is_grad_enabled()
         for group in self.groups:
             what = f"all-gather of unit '{self.name}' parameters ({phase})"
-            if from_secondary:  # hpZ: inside the node group, from the copies the forward kept
+            if from_secondary and group.secondary_scales is not None:  # hpZ with qwZ: int8 copies
+                handle = quantize.all_gather_encoded(node, group.new_full(), group.secondary, group.secondary_scales,
+                                                     f"{what} from secondary copies", self.comm.world_size,
+                                                     self.links.block, async_op=True)
+            elif from_secondary:  # hpZ: inside the node group, from the copies the forward kept
                 handle = node.all_gather(group.new_full(), group.secondary, f"{what} from secondary copies",
                                          async_op=True)
             elif self.links.quantize_weights:  # qwZ
+                keep = functools.partial(group.keep_secondary_encoded, index=node.rank, size=node.world_size) \
+                    if keep_secondary else None
                 handle = quantize.all_gather(self.comm, group.new_full(), group.gather_input(), what,
-                                             self.links.block, async_op=True)
+                                             self.links.block, async_op=True, keep=keep)
             else:
                 shard = group.gather_input()  # 1-D, numel = shard_numel, compute dtype
                 handle = self.comm.all_gather(group.new_full(), shard, what, async_op=True)
             self._gathers.append(handle)
-        # Only a pass with a backward to come needs the copies (not eval, not ZeRO-Inference).
-        self._keep_secondary = node is not None and not from_secondary and torch.is_grad_enabled()
+        self._keep_secondary = keep_secondary and not self.links.quantize_weights  # else kept as received
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
