@@ -2,7 +2,8 @@
 
     torchrun ... scripts/sweep_job.py --out result.json --runs ddp,0,1,2,3 --n-layer 4 --n-embd 256
 
-For each run (`ddp`: torch's DistributedDataParallel; 0-3: zeroshard's stages) on the same GPT, data and
+For each run (`ddp`: torch's DistributedDataParallel; 0-3: zeroshard's stages; `3q`: stage 3 with qwZ and qgZ;
+`3pp`: stage 3 with hpZ over each node's ranks, qwZ and qgZ, docs/zeropp.md) on the same GPT, data and
 AdamW (fused, the bench's bench_optimizer, for every system): warm-up steps, then `--steps` timed steps,
 each the slowest rank's time (DESIGN.md: median, side by side with DDP in the same invocation). Bytes per step two ways: the paper-convention volume the
 implementation issued (zeroshard's comm_report; the bench's c10d counter for DDP), and what the kernel
@@ -29,12 +30,13 @@ from zeroshard.tools.bench.worker import bench_optimizer
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 LR = 1e-3
+RUNS = ("ddp", "0", "1", "2", "3", "3q", "3pp")
 
 
 def _runs(text: str) -> list[str]:
     runs = [r.strip() for r in text.split(",") if r.strip()]
-    if not runs or any(r not in ("ddp", "0", "1", "2", "3") for r in runs):
-        raise argparse.ArgumentTypeError(f"--runs {text!r}: a comma-separated list of ddp, 0, 1, 2, 3")
+    if not runs or any(r not in RUNS for r in runs):
+        raise argparse.ArgumentTypeError(f"--runs {text!r}: a comma-separated list of {', '.join(RUNS)}")
     return runs
 
 
@@ -57,11 +59,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _config(stage: int, batch: int) -> dict:
+def _config(run: str, batch: int) -> dict:
     # No optimizer section: every run is handed the same torch AdamW (the bench's bench_optimizer).
+    zero = {"stage": int(run[0]), "overlap_comm": True}
+    if run in ("3q", "3pp"):  # ZeRO++ (docs/zeropp.md): hpZ over the ranks of a node (off at one per node)
+        zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    if run == "3pp":
+        zero["zero_hpz_partition_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": False},
-            "zero_optimization": {"stage": stage, "overlap_comm": True},
+            "bf16": {"enabled": False}, "zero_optimization": zero,
             "zeroshard": {"comm_timeout_s": 600}}
 
 
@@ -74,8 +80,8 @@ def _link_tx_bytes() -> int:
 def _subject(run: str, model, device, batch: int):
     make_optimizer = bench_optimizer({"lr": LR})
     if run == "ddp":
-        return peers.build({"kind": "ddp"}, model, device, _config(0, batch), make_optimizer)
-    return zeroshard_subject(model, _config(int(run), batch), device, make_optimizer)
+        return peers.build({"kind": "ddp"}, model, device, _config("0", batch), make_optimizer)
+    return zeroshard_subject(model, _config(run, batch), device, make_optimizer)
 
 
 def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
@@ -94,10 +100,12 @@ def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
         times.append(subject.slowest(time.perf_counter() - started))
     tx_per_step = (_link_tx_bytes() - tx_before) / args.steps
     node_tx = subject.gather((os.environ.get("NETCLUSTER_NODE", "0"), tx_per_step))
+    states = subject.states()  # at rest, after a step (an hpZ secondary copy lives from forward to step)
     subject.close()
     return {"run": run, "params": subject.params, "median_s": statistics.median(times), "times_s": times,
             "paper_bytes_per_step": sum(paper.values()),
             "link_tx_bytes_per_step": dict(sorted(node_tx)),  # node -> bytes (its ranks read one counter)
+            "states_bytes": states.get("total"),
             }
 
 

@@ -20,7 +20,8 @@ from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.core.lifecycle import Phase, tensors_in
 from zeroshard.core.comm import Communicator
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, cast_floating
-from zeroshard.core.policy import stage_policy
+from zeroshard.config.schema import ZeroConfig
+from zeroshard.core.policy import CommPolicy, stage_policy
 from zeroshard.core.sharded import Sharded
 from zeroshard.offload import build_placement
 
@@ -59,7 +60,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
             gradient_clipping=float(config.gradient_clipping or 0.0),
             loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None,
-            model_parallel=model_parallel)
+            model_parallel=model_parallel, comm_policy=comm_policy(zero))
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
         if extras.transactional_step is not None and self.sharded.optimizer is not None:
             self.sharded.optimizer.transactional = extras.transactional_step
@@ -232,12 +233,21 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         """Communicators over the model-parallel groups of size > 1 (tp, then pp)."""
         return self.sharded.norm_comms
 
+    def _refuse_mics_checkpoint(self, what: str) -> None:
+        # Shards are named by rank and laid out over the world; MiCS lays them out over a shard group.
+        if self.sharded.partition is not self.comm:
+            raise ValueError(f"{what} with zero_optimization.mics_shard_size={self.sharded.comm_policy.shard_size} "
+                             "is not supported yet: the sharded checkpoint layout partitions over every rank; "
+                             "see docs/zeropp.md")
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+        self._refuse_mics_checkpoint("save_checkpoint")
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, **kwargs):
+        self._refuse_mics_checkpoint("load_checkpoint")
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
 
@@ -269,3 +279,14 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
 
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's class name, for isinstance checks in scripts and tests
+
+
+def comm_policy(zero: ZeroConfig) -> CommPolicy:
+    """ZeRO++ and MiCS keys as the core's communication policy (stage 3 only; below it they are
+    reported as not acted on, as DeepSpeed ignores them). hpZ sizes 0 and 1 mean off, as in DeepSpeed."""
+    if zero.stage < 3:
+        return CommPolicy()
+    return CommPolicy(shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
+                      secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
+                      quantize_weights=zero.zero_quantized_weights,
+                      quantize_gradients=zero.zero_quantized_gradients)

@@ -69,13 +69,12 @@ TABLE: dict[str, Rule] = {
     **_unparsed("DeepSpeed's bf16 optimizer switches; overflow is never checked in bf16 here",
                 "bf16.immediate_grad_update", "bf16.check_grad_overflow"),
     **_unparsed(
-        "DeepSpeed runtime switches with no counterpart (elastic checkpoints, ZeRO++ and MiCS "
-        "communication, module-granularity tuning)",
+        "DeepSpeed runtime switches with no counterpart (elastic checkpoints; ZeRO++'s int8 storage of "
+        "frozen weights and LoCo error feedback; MiCS's two-hop gather, here one all-gather in the shard "
+        "group; module-granularity tuning)",
         *(f"zero_optimization.{key}" for key in (
             "elastic_checkpoint", "ignore_unused_parameters", "legacy_stage1", "load_from_fp32_weights",
-            "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients", "zeropp_loco_param", "mics_shard_size",
-            "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
+            "zero_quantized_nontrainable_weights", "zeropp_loco_param", "mics_hierarchical_params_gather", "use_multi_rank_bucket_allreduce", "memory_efficient_linear",
             "stage3_module_granularity_threshold", "stage3_model_persistence_threshold",
             "stage3_use_all_reduce_for_fetch_params", "pipeline_loading_checkpoint", "override_module_apply",
             "log_trace_cache_warnings"))),
@@ -105,6 +104,12 @@ TABLE: dict[str, Rule] = {
     **_parsed("offload_optimizer acts only at stages 1-3; DeepSpeed ignores it at stage 0, and so does zeroshard",
               "zero_optimization.offload_optimizer", when=lambda cfg: _optimizer_offload(cfg)
               and cfg.zero_optimization.stage == 0),
+    **_parsed("ZeRO++ (hpZ, qwZ, qgZ) and MiCS act at stage 3 only; DeepSpeed ignores them below, and so "
+              "does zeroshard",
+              *(f"zero_optimization.{key}" for key in (
+                  "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+                  "mics_shard_size")),
+              when=lambda cfg: cfg.zero_optimization.stage < 3),
     **_parsed("only the streamed (offloaded) optimizer step cuts shards into sub-groups",
               "zero_optimization.sub_group_size", when=_no_optimizer_offload),
     # The stores size themselves (offload/store.py): DeepSpeed's swap-buffer pools have no equivalent,

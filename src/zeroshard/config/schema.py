@@ -302,6 +302,24 @@ class ZeroConfig(Section):
     """Optimizer-state offload (stages 1-3)."""
     offload_param: Optional[OffloadParamConfig] = None
     """Parameter offload (stage 3 only)."""
+    zero_hpz_partition_size: NonNegInt = 1
+    """ZeRO++ hpZ (stage 3): ranks per secondary partition group (one node); the backward gathers
+    parameters inside it. 0 or 1 = off (DeepSpeed). Must divide the partition group size."""
+    zero_quantized_weights: bool = False
+    """ZeRO++ qwZ (stage 3): all-gather parameters as block-quantized int8."""
+    zero_quantized_gradients: bool = False
+    """ZeRO++ qgZ (stage 3): reduce-scatter gradients as an all-to-all of block-quantized int8."""
+    mics_shard_size: int = -1
+    """MiCS (stage 3): partition over groups of this many consecutive ranks, replicate across them;
+    -1 = off. Must divide the data-parallel world size."""
+
+    @field_validator("mics_shard_size")
+    @classmethod
+    def _mics_size(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError(f"zero_optimization.mics_shard_size={value}: -1 (off) or a rank count >= 1 that "
+                             "divides the data-parallel world size")
+        return value
 
     @field_validator("overlap_comm", mode="before")
     @classmethod

@@ -20,10 +20,20 @@ argument whose device is not `self.device` is staged through a temporary on `sel
 copied in before the collective, outputs copied back when it completes (at `wait()` for an async
 one) — and the bytes copied are counted (`ByteCounter.staged`), so a run shows when it pays for
 this. Callers never think about devices.
+
+[Note: bytes over the slow link]
+Nodes (machines) are runs of `ranks_per_node` consecutive global ranks (torchrun's
+LOCAL_WORLD_SIZE by default). For a collective over a group of N ranks of which m sit on this
+rank's node, at least (N - m)/N of the paper-convention volume must cross this node's boundary
+whatever the algorithm (that share of an all-gather's output comes from other nodes; that share of
+an all-to-all's or reduce-scatter's input goes to them), so `ByteCounter.inter_node` counts that,
+per kind: zero for a group inside one node (hpZ's secondary group, a MiCS shard group that fits a
+node), everything for one rank per node.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -41,10 +51,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # Reductions by name, so that callers never import torch.distributed for an op.
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "control")
+KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "control", "all_to_all")
 _KIND_ID = {k: i for i, k in enumerate(KINDS)}
 # Paper convention (ZeRO §7.1): all-reduce = reduce-scatter + all-gather = 2Ψ.
-_PAPER_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "control": 1}
+_PAPER_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "control": 1,
+                 "all_to_all": 1}
 
 
 class CollectiveError(RuntimeError):
@@ -61,18 +72,22 @@ class ByteCounter:
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wait_s: float = 0.0  # time the calling thread spent blocked on collectives
     staged: int = 0  # bytes copied to and from the communicator's device ([Note: staging host tensors])
+    off_node: float = 0.0  # (N - m)/N of [Note: bytes over the slow link]
+    inter_node: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def add(self, kind: str, nbytes: int) -> None:
         """`nbytes`: the size of the full (unsharded) tensor the collective is about."""
         self.paper[kind] += _PAPER_FACTOR[kind] * nbytes
         ring = (self.world_size - 1) / self.world_size
         self.wire[kind] += _PAPER_FACTOR[kind] * nbytes * ring
+        self.inter_node[kind] += _PAPER_FACTOR[kind] * nbytes * self.off_node
         self.calls[kind] += 1
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         return {
             "paper_bytes": dict(self.paper),
             "wire_bytes": dict(self.wire),
+            "inter_node_bytes": dict(self.inter_node),
             "calls": dict(self.calls),
             "staged_bytes": self.staged,
         }
@@ -190,6 +205,35 @@ class Communicator:
         nccl = dist.get_backend(self.group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.counter = ByteCounter(self.world_size)
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
+
+    def global_ranks(self) -> list[int]:
+        return [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+
+    def place_on_nodes(self, ranks_per_node: int) -> None:
+        """Nodes are runs of `ranks_per_node` global ranks: see [Note: bytes over the slow link]."""
+        node = dist.get_rank() // ranks_per_node
+        local = sum(1 for g in self.global_ranks() if g // ranks_per_node == node)
+        self.ranks_per_node = ranks_per_node
+        self.counter.off_node = (self.world_size - local) / self.world_size
+
+    def split(self, rank_sets: list[list[int]]) -> "Communicator":
+        """A communicator over the set of `rank_sets` (ranks of this communicator's group, disjoint,
+        covering it) that holds this rank. Every rank calls this with the same sets: torch builds
+        each process group on every rank, member or not."""
+        assert sorted(r for ranks in rank_sets for r in ranks) == list(range(self.world_size)), rank_sets
+        members = self.global_ranks()
+        mine = None
+        for ranks in rank_sets:
+            group = dist.new_group([members[r] for r in ranks], backend=dist.get_backend(self.group),
+                                   timeout=timedelta(seconds=self.timeout_s))
+            if self.rank in ranks:
+                mine = group
+        sub = Communicator(self.timeout_s, self.check_collectives, group=mine)
+        sub._owns_group = True
+        sub.place_on_nodes(self.ranks_per_node)
+        return sub
 
     # -- collectives --------------------------------------------------------------------------------
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
@@ -207,6 +251,15 @@ class Communicator:
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
         return self._run("reduce_scatter", full, what, async_op,
                          lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True), stage)
+
+    def all_to_all(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
+        """out (1-D) <- chunk r of every rank's `full`, in rank order (r: this rank); equal chunks."""
+        assert out.numel() == full.numel() and full.numel() % self.world_size == 0, (out.numel(), full.numel())
+        stage = _Staging(self)
+        staged_out, staged_full = stage(out, read=False, written=True), stage(full)
+        return self._run("all_to_all", full, what, async_op,
+                         lambda: dist.all_to_all_single(staged_out, staged_full, group=self.group, async_op=True),
+                         stage)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False,
                    kind: str = "all_reduce"):

@@ -88,6 +88,11 @@ class FlatGroup:
         self.full: torch.Tensor | None = None  # param_dtype, 1-D, numel = padded_numel
         self.master: torch.Tensor  # fp32, 1-D, numel = end - start
         self.compute_shard: torch.Tensor | None = None  # param_dtype, 1-D, numel = shard_numel, on device
+        # hpZ's secondary copy: param_dtype, 1-D, numel = padded_numel / secondary group size
+        # ([Note: ZeRO++ and MiCS] in unit.py); valid from a gather until the parameters change.
+        self.secondary: torch.Tensor | None = None
+        self.secondary_scales: torch.Tensor | None = None  # with qwZ the copy is int8 blocks + scales
+        self.secondary_valid = False
         self._init_storage(full, compute_shard)
         # Gradients: full flat buffer kept across micro steps (stages 0/1), or built per backward and
         # reduce-scattered into `grad_shard` (stages 2/3).
@@ -233,6 +238,7 @@ class FlatGroup:
         """After the full parameters were changed in place (GatheredParameters with a modifier rank):
         this rank's master shard (and compute shard) take the new values."""
         start, end = self.opt_range
+        self.drop_secondary()
         if not self.master_is_view_of_full():
             self.master.copy_(self.full[start:end])  # to the master's store and dtype
         if self.compute_shard is not None:
@@ -242,10 +248,31 @@ class FlatGroup:
         """After the optimizer step (or a load): this rank's compute copy follows its master: its slice
         of a separately stored full buffer (stages 0-2) or its compute shard (stage 3)."""
         start, end = self.opt_range
+        self.drop_secondary()
         if self.keep_full and not self.master_is_view_of_full():
             self.full[start:end].copy_(self.master)  # casts to the compute dtype and device
         if self.compute_shard is not None:
             self.compute_shard.copy_(self.master)
+
+    def keep_secondary(self, index: int, size: int) -> None:
+        """hpZ: keep piece `index` of `size` of the gathered parameters."""
+        numel = self.layout.padded_numel // size  # padded_numel is a multiple of the partition size
+        self.secondary = self.full[index * numel:(index + 1) * numel].clone()  # 1-D, param_dtype
+        self.secondary_valid = True
+
+    def keep_secondary_encoded(self, q_all: torch.Tensor, scales_all: torch.Tensor, *, index: int,
+                               size: int) -> None:
+        """hpZ with qwZ: keep piece `index` of `size` of what the quantized gather received (int8
+        blocks and their scales, rank-major), ~1 byte per element instead of the dequantized values;
+        gathering and dequantizing it again gives the forward's values bit for bit."""
+        self.secondary = q_all.view(size, -1)[index].clone()  # int8, 1-D
+        self.secondary_scales = scales_all.view(size, -1)[index].clone()  # fp32, 1-D
+        self.secondary_valid = True
+
+    def drop_secondary(self) -> None:
+        """The parameters change (a step, a load, a modification): the secondary copy is stale."""
+        self.secondary = self.secondary_scales = None
+        self.secondary_valid = False
 
     # -- gradients -----------------------------------------------------------------------------------
     def zeros_full_grad(self) -> torch.Tensor:
@@ -330,6 +357,7 @@ class FlatGroup:
             params = nbytes(self.compute_shard)
         else:  # stage 3 gathers from the master: in fp32 it is the parameter shard, else a copy
             params = in_memory(self.master) if self.param_dtype == torch.float32 else 0
+        params += nbytes(self.secondary) + nbytes(self.secondary_scales) if self.secondary_valid else 0  # hpZ
         master = 0 if self.master_is_parameter_storage() else in_memory(self.master)
         grads = nbytes(self.full_grad) if self.grads_persist_full else in_memory(self.grad_shard)
         return {"params": params, "master": master, "grads": grads}
@@ -341,6 +369,7 @@ class FlatGroup:
                 param.data = empty
         self.full = None
         self.compute_shard = None
+        self.secondary = self.secondary_scales = None
         self.full_grad = None
         self.grad_shard = None
         self.master = torch.empty(0)

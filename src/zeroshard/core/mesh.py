@@ -188,3 +188,17 @@ class NormScope:
     def all_reduce(self, total: torch.Tensor) -> None:
         for comm in self.comms:
             comm.all_reduce(total, "gradient norm over a model-parallel group", kind="control")
+
+
+def consecutive_groups(world_size: int, size: int) -> list[list[int]]:
+    """Ranks 0..world-1 cut into runs of `size`: the ranks of one node (hpZ's secondary groups) or one
+    MiCS shard group ([Note: ZeRO++ and MiCS] in unit.py)."""
+    assert world_size % size == 0, (world_size, size)
+    return [list(range(start, start + size)) for start in range(0, world_size, size)]
+
+
+def strided_groups(world_size: int, size: int) -> list[list[int]]:
+    """The ranks holding the same shard in every run of `size` (MiCS's replication groups): rank r
+    with r + size, r + 2 size, ..."""
+    assert world_size % size == 0, (world_size, size)
+    return [list(range(first, world_size, size)) for first in range(size)]

@@ -77,7 +77,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
                  policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
-                 streamed: "StreamedStep | None" = None, norm: NormScope | None = None):
+                 streamed: "StreamedStep | None" = None, norm: NormScope | None = None,
+                 replica: Communicator | None = None):
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
@@ -96,6 +97,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self.streamed = streamed  # offload: step sub-group by sub-group through a store
         self.norm = norm or NormScope()  # beyond dp: see [Note: ZeRO over the data-parallel dimension]
+        # MiCS: `comm` is one partition group, whose shards hold every gradient (so the norm is
+        # complete there); a parameter's flag must still count every rank ([Note: ZeRO++ and MiCS]).
+        self.replica = replica
         self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
         self.transactional = True  # [Note: transactional step]
 
@@ -167,6 +171,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             seen = torch.tensor(flags, dtype=torch.uint8, device=self.comm.device)
             self.comm.all_reduce(seen, "parameters with a gradient", op="max", kind="control")
+            everywhere = seen.bool().tolist()
+        if self.replica is not None and flags:
+            seen = torch.tensor(everywhere, dtype=torch.uint8, device=self.replica.device)
+            self.replica.all_reduce(seen, "parameters with a gradient, across partition groups", op="max",
+                                    kind="control")
             everywhere = seen.bool().tolist()
         norm = total[:1].clone()
         self.norm.all_reduce(norm)  # tp and pp ranks hold other parameters: sum over them too

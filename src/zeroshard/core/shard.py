@@ -16,7 +16,7 @@ from zeroshard.core.mesh import local_tensor
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.placement import Placement
 from zeroshard.core.precision import PrecisionPolicy
-from zeroshard.core.unit import Unit
+from zeroshard.core.unit import Links, Unit
 from zeroshard.core.wrap import assign_owners, unit_modules
 from zeroshard.core.partition import materialize
 
@@ -28,14 +28,18 @@ PERSISTENT = "<persistent>"
 def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
                  optimizer_groups: dict[int, int], precision: PrecisionPolicy = PrecisionPolicy(),
                  persistence_threshold: int = 0, wrap_modules: list[str] | None = None,
-                 placement: Placement | None = None) -> list[Unit]:
+                 placement: Placement | None = None, partition: Communicator | None = None,
+                 links: Links = Links()) -> list[Unit]:
     """Build the units of `model`. `optimizer_groups`: id(param) -> index of its optimizer param group.
 
     Rank 0's values (of `comm`'s group) are broadcast first, as DDP does, so that every rank starts from the same model.
     Parameters with fewer than `persistence_threshold` elements stay unsharded at stage 3 (their
     gathering would cost more in latency than it saves in memory), like DeepSpeed's
     `stage3_param_persistence_threshold`.
+    `partition`: the group the flat layouts are sliced over (default `comm`; a MiCS shard group), and
+    `links` the unit's other communicators ([Note: ZeRO++ and MiCS] in unit.py).
     """
+    partition = partition or comm
     named = list(model.named_parameters())  # tied parameters appear once, under their first name
     if not named:
         raise ValueError("the model has no parameters: there is nothing for zeroshard to shard or train")
@@ -58,14 +62,14 @@ def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
         reshards = policy.shard_parameters and unit_name != PERSISTENT
         materialize([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
         groups = _build_groups(members, policy, comm, optimizer_groups, precision, reshards,
-                               placement or Placement())
-        units.append(Unit(unit_name, module_of.get(unit_name), groups, comm, reshards))
+                               placement or Placement(), partition)
+        units.append(Unit(unit_name, module_of.get(unit_name), groups, partition, reshards, links))
     log.info("zeroshard: %d units, %s", len(units), ", ".join(f"{u.name}={u.numel}" for u in units))
     return units
 
 
 def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_groups, precision,
-                  reshards: bool, placement: Placement) -> list[FlatGroup]:
+                  reshards: bool, placement: Placement, partition: Communicator) -> list[FlatGroup]:
     by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, param in members:
         index = optimizer_groups.get(id(param)) if param.requires_grad else None
@@ -83,7 +87,7 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
         device = comm.device if params[0].device.type == "meta" else params[0].device
         master_store, compute_shard = _master_placement(placement, precision, device, reshards, trainable)
         groups.append(FlatGroup(
-            names, params, policy=policy, precision=precision, world_size=comm.world_size, rank=comm.rank,
+            names, params, policy=policy, precision=precision, world_size=partition.world_size, rank=partition.rank,
             reshards=reshards, optimizer_group=index, master_store=master_store, compute_shard=compute_shard,
             grad_store=placement.optimizer_store if trainable else None, device=comm.device))
     return groups

@@ -32,10 +32,11 @@ from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
 from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, refresh_parameters, repoint_optimizer
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
-from zeroshard.core.policy import StagePolicy, stage_policy
+from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, check_supported
 from zeroshard.core.shard import shard_module
 from zeroshard.core.streamed import StreamedStep, split
+from zeroshard.core.unit import build_links
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
           wrap: list[str] | None = None, persistence_threshold: int = 0,
           prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
-          comm_timeout_s: float = 300.0, check_collectives: bool = True) -> "Sharded":
+          comm_timeout_s: float = 300.0, check_collectives: bool = True,
+          comm_policy: CommPolicy | None = None) -> "Sharded":
     """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
 
     `optimizer` must be a torch optimizer over `model`'s parameters with an elementwise update (SGD,
@@ -61,7 +63,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     Inside 3D parallelism, `mesh` is a DeviceMesh with dimensions named 'dp' and 'tp' and/or 'pp':
     ZeRO shards over 'dp' only, and the gradient norm is completed over the others (or give
     `group` and `model_parallel` yourself, e.g. from `zeroshard.core.mesh.from_mpu`). See
-    [Note: ZeRO over the data-parallel dimension] in core/mesh.py.
+    [Note: ZeRO over the data-parallel dimension] in core/mesh.py. `comm_policy`: ZeRO++ and MiCS at
+    stage 3 ([Note: ZeRO++ and MiCS] in core/unit.py).
     """
     if mesh is not None:
         if group is not None or model_parallel is not None:
@@ -73,7 +76,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     return Sharded(model, optimizer, comm, policy, precision or PrecisionPolicy(), placement or Placement(),
                    wrap=wrap, persistence_threshold=persistence_threshold, prefetch_numel=prefetch_numel,
                    overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                   model_parallel=model_parallel)
+                   model_parallel=model_parallel, comm_policy=comm_policy)
 
 
 class Sharded:
@@ -83,7 +86,7 @@ class Sharded:
                  policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
                  wrap: list[str] | None, persistence_threshold: int, prefetch_numel: int, overlap_comm: bool,
                  gradient_clipping: float, loss_scaler: DynamicLossScaler | None,
-                 model_parallel: ModelParallel | None = None):
+                 model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None):
         self.module = model
         self.model_parallel = model_parallel
         self.comm = comm
@@ -94,9 +97,12 @@ class Sharded:
         check_supported(precision.param_dtype, comm.device if device.type == "meta" else device)
         _cast_buffers(model, precision.param_dtype)
         optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
+        self.comm_policy = comm_policy or CommPolicy()
+        self.partition, self.links = build_links(comm, policy, self.comm_policy)
         self.units = shard_module(model, policy, comm, optimizer_groups=optimizer_groups,
                                   precision=precision, placement=placement,
-                                  persistence_threshold=persistence_threshold, wrap_modules=wrap)
+                                  persistence_threshold=persistence_threshold, wrap_modules=wrap,
+                                  partition=self.partition, links=self.links)
         self.groups = [g for unit in self.units for g in unit.groups]
         self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
         register_engine(self)  # for zero.GatheredParameters, which gets parameters and nothing else
@@ -106,8 +112,9 @@ class Sharded:
         if optimizer is not None:
             repoint_optimizer(optimizer, self.groups)
             norm = NormScope.build(model_parallel, self.groups, self.norm_comms)
-            self.optimizer = ZeroOptimizer(optimizer, self.groups, comm, policy, float(gradient_clipping),
-                                           loss_scaler, self._streamed_step(optimizer), norm=norm)
+            self.optimizer = ZeroOptimizer(optimizer, self.groups, self.partition, policy, float(gradient_clipping),
+                                           loss_scaler, self._streamed_step(optimizer), norm=norm,
+                                           replica=self.links.replica)
             # States offloaded out of memory (NVMe) are offloaded so that memory never holds them:
             # the streamed step checks every swap file before it updates anything, but takes no
             # copy ([Note: transactional step] in rollback.py).
@@ -313,7 +320,7 @@ class Sharded:
 
     def refresh_parameters(self) -> None:
         """After master weights changed outside a step: every rank's unsharded parameters follow."""
-        refresh_parameters(self.groups, self.comm)
+        refresh_parameters(self.groups, self.partition)
 
     # -- reports -------------------------------------------------------------------------------------
     def num_parameters(self) -> int:
@@ -331,8 +338,32 @@ class Sharded:
         report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
         return report
 
+    def communicators(self) -> dict[str, Communicator]:
+        """The communicators the model states move over, by role ([Note: ZeRO++ and MiCS] in unit.py)."""
+        named = {"world": self.comm, "partition": self.partition, "replica": self.links.replica,
+                 "secondary": self.links.secondary}
+        out, seen = {}, set()
+        for name, comm in named.items():
+            if comm is not None and id(comm) not in seen:
+                seen.add(id(comm))
+                out[name] = comm
+        return out
+
     def comm_report(self) -> dict:
-        return self.comm.counter.snapshot()
+        """This rank's communication: per collective kind summed over every communicator, and under
+        "groups" each communicator's own (with ZeRO++ / MiCS the model states move over several)."""
+        groups = {name: comm.counter.snapshot() for name, comm in self.communicators().items()}
+        report = dict(groups["world"])
+        if len(groups) > 1:
+            for key in ("paper_bytes", "wire_bytes", "inter_node_bytes", "calls"):
+                total: dict = {}
+                for snapshot in groups.values():
+                    for kind, value in snapshot[key].items():
+                        total[kind] = total.get(kind, 0) + value
+                report[key] = total
+            report["staged_bytes"] = sum(g["staged_bytes"] for g in groups.values())
+            report["groups"] = groups
+        return report
 
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
@@ -345,7 +376,7 @@ class Sharded:
                 param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}
         self.placement.destroy()
-        for comm in [*self.norm_comms, self.comm]:
+        for comm in [*self.norm_comms, *reversed(self.communicators().values())]:
             comm.destroy()
 
 

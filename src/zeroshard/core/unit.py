@@ -5,17 +5,49 @@ gradient reduction. Issues its collectives through the Communicator; states are 
     SHARDED --unshard()--> GATHERING --wait_unshard()--> UNSHARDED --reshard()--> SHARDED
 Units that never reshard (stages 0-2, parameters below the persistence threshold) stay UNSHARDED.
 A prefetch is an `unshard()` issued early; the consumer's `wait_unshard()` completes it.
+
+[Note: ZeRO++ and MiCS]
+Communication policies of the same stage 3 (core/policy.py `CommPolicy`); `Links` carries the
+communicators they need, built by sharded.py from core/mesh.py's rank groups.
+  * MiCS (`mics_shard_size` k): a unit's `comm` is its *partition group*, k consecutive ranks: flat
+    layouts are padded and sliced over k, parameters all-gathered and gradients reduce-scattered
+    inside it; then each reduced shard is all-reduced over the *replica group* (the ranks holding
+    the same shard in the other partition groups), the hierarchical reduction of MiCS §3.3.
+    Per rank: model states / k. Sums run in another order than one all-reduce: at 4 ranks, k = 2,
+    results match plain stage 3 to rounding, not bit for bit (at k = world it *is* plain stage 3).
+  * hpZ (`zero_hpz_partition_size` h): a primary gather (forward, or any gather that is not for
+    backward) leaves every rank a *secondary copy*, its 1/h piece of the gathered parameters
+    (FlatGroup.keep_secondary), over the h consecutive ranks of its node; the backward gather of
+    the unit (and an activation-checkpointing recomputation inside backward) then runs inside that
+    node group from the copies (ZeRO++ §3.2). The values are the gathered ones, bit for bit, so
+    the math is plain stage 3's. Any change of the parameters (a step, a load, a modified
+    GatheredParameters) drops the copies (FlatGroup.drop_secondary); the next forward's gather
+    refreshes them. Cost: padded numel / h of parameter memory per unit between forward and step.
+  * qwZ (`zero_quantized_weights`): primary gathers send int8 blocks and scales
+    (`quantize.all_gather`), dequantized into the gathered buffer; masters stay exact
+    fp32, so the quantization error does not accumulate across steps (ZeRO++ §3.1). The backward
+    sees exactly the forward's weights: it dequantizes the same shard again, or, with hpZ, the
+    secondary copy, which is then kept as received (int8 blocks and scales, ~1 byte per element
+    instead of 4; FlatGroup.keep_secondary_encoded) and gathered inside the node as such.
+  * qgZ (`zero_quantized_gradients`): the gradient reduce-scatter is an all-to-all of int8 blocks,
+    summed locally in fp32 (`quantize.reduce_scatter`); the MiCS replica all-reduce
+    after it stays exact.
+Parameters below the persistence threshold are never gathered and are reduced like the others.
 """
 from __future__ import annotations
 
 import enum
+import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from zeroshard.core import quantize
 from zeroshard.core.comm import Communicator, Handle
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.policy import Reduction
+from zeroshard.core.mesh import consecutive_groups, strided_groups
+from zeroshard.core.policy import CommPolicy, Reduction, StagePolicy
 
 
 class UnitState(enum.Enum):
@@ -24,13 +56,45 @@ class UnitState(enum.Enum):
     UNSHARDED = "unsharded"
 
 
+@dataclass(frozen=True)
+class Links:
+    """A unit's collectives beyond its partition group: [Note: ZeRO++ and MiCS]."""
+
+    replica: Communicator | None = None  # MiCS: all-reduce of reduced shards across partition groups
+    secondary: Communicator | None = None  # hpZ: the node group the backward gathers inside
+    quantize_weights: bool = False  # qwZ
+    quantize_gradients: bool = False  # qgZ
+    block: int = 256  # elements per quantization block
+
+
+def build_links(comm: Communicator, policy: StagePolicy, comm_policy: CommPolicy) -> tuple[Communicator, Links]:
+    """(partition communicator, Links) of `comm_policy` over `comm`'s ranks ([Note: ZeRO++ and MiCS]
+    in core/unit.py). Every rank builds every group, in the same order."""
+    comm_policy.check(policy, comm.world_size)
+    if comm_policy.ranks_per_node is not None:
+        comm.place_on_nodes(comm_policy.ranks_per_node)
+    world, shard = comm.world_size, comm_policy.shard_size or comm.world_size
+    partition, replica = comm, None
+    if shard < world:
+        partition = comm.split(consecutive_groups(world, shard))
+        replica = comm.split(strided_groups(world, shard))
+    secondary = None
+    if comm_policy.secondary_size is not None:
+        size = comm_policy.secondary_size
+        secondary = partition if size == shard else comm.split(consecutive_groups(world, size))
+    return partition, Links(replica=replica, secondary=secondary, quantize_weights=comm_policy.quantize_weights,
+                            quantize_gradients=comm_policy.quantize_gradients, block=comm_policy.block)
+
+
 class Unit:
     def __init__(self, name: str, module: nn.Module | None, groups: list[FlatGroup],
-                 comm: Communicator, reshards: bool):
+                 comm: Communicator, reshards: bool, links: Links = Links()):
         self.name = name  # the module's qualified name; "<root>" for the model itself
         self.module = module
         self.groups = groups
-        self.comm = comm
+        self.comm = comm  # the partition group: every rank, or a MiCS shard group
+        self.links = links
+        self._keep_secondary = False
         self.reshards = reshards
         self.state = UnitState.SHARDED if reshards else UnitState.UNSHARDED
         self.numel = sum(g.layout.padded_numel for g in groups)
@@ -46,10 +110,29 @@ class Unit:
         """Start gathering the parameters (no-op unless SHARDED)."""
         if self.state is not UnitState.SHARDED:
             return
+        node = self.links.secondary
+        from_secondary = node is not None and phase == "backward" and all(g.secondary_valid for g in self.groups)
+        # Only a pass with a backward to come needs the copies (not eval, not ZeRO-Inference).
+        keep_secondary = node is not None and not from_secondary and torch.is_grad_enabled()
         for group in self.groups:
-            shard = group.gather_input()  # 1-D, numel = shard_numel, compute dtype
             what = f"all-gather of unit '{self.name}' parameters ({phase})"
-            self._gathers.append(self.comm.all_gather(group.new_full(), shard, what, async_op=True))
+            if from_secondary and group.secondary_scales is not None:  # hpZ with qwZ: int8 copies
+                handle = quantize.all_gather_encoded(node, group.new_full(), group.secondary, group.secondary_scales,
+                                                     f"{what} from secondary copies", self.comm.world_size,
+                                                     self.links.block, async_op=True)
+            elif from_secondary:  # hpZ: inside the node group, from the copies the forward kept
+                handle = node.all_gather(group.new_full(), group.secondary, f"{what} from secondary copies",
+                                         async_op=True)
+            elif self.links.quantize_weights:  # qwZ
+                keep = functools.partial(group.keep_secondary_encoded, index=node.rank, size=node.world_size) \
+                    if keep_secondary else None
+                handle = quantize.all_gather(self.comm, group.new_full(), group.gather_input(), what,
+                                             self.links.block, async_op=True, keep=keep)
+            else:
+                shard = group.gather_input()  # 1-D, numel = shard_numel, compute dtype
+                handle = self.comm.all_gather(group.new_full(), shard, what, async_op=True)
+            self._gathers.append(handle)
+        self._keep_secondary = keep_secondary and not self.links.quantize_weights  # else kept as received
         self.state = UnitState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -60,6 +143,8 @@ class Unit:
             for group in self.groups:
                 group.point_params_at_full()
                 group.release_master()
+                if self._keep_secondary:
+                    group.keep_secondary(self.links.secondary.rank, self.links.secondary.world_size)
             self.state = UnitState.UNSHARDED
         assert self.state is UnitState.UNSHARDED, (self.name, self.state)
 
@@ -99,17 +184,32 @@ class Unit:
             out = group.full_grad[slice(*group.layout.shard_range(group.rank))]
             return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, None
         out = torch.empty(group.layout.shard_numel, dtype=group.grad_dtype, device=group.device)  # 2/3
+        if self.links.quantize_gradients:  # qgZ
+            return quantize.reduce_scatter(self.comm, out, group.full_grad, what, self.links.block,
+                                           async_op=True), group, out
         return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, out
 
     def finish_reduce(self) -> None:
+        across = []  # MiCS: the shards reduced in the partition group, then over the replica group
         for handle, group, out in self._reductions:
             handle.wait()
-            if group.grads_persist_full:  # stages 0/1: [Note: a second reduction before the step]
-                group.restore_reduced_slice()
-            if out is not None:
-                group.grad_shard.add_(out.to(group.grad_shard.device))  # accumulate; offload: to host
-                group.full_grad = None  # stages 2/3: the full gradient lives only until reduced
+            if out is not None and self.links.replica is not None:
+                what = f"gradient reduction of unit '{self.name}' across partition groups"
+                across.append((self.links.replica.all_reduce(out, what, async_op=True), group, out))
+            else:
+                self._take_reduced(group, out)
+        for handle, group, out in across:
+            handle.wait()
+            self._take_reduced(group, out)
         self._reductions.clear()
+
+    @staticmethod
+    def _take_reduced(group: FlatGroup, out: torch.Tensor | None) -> None:
+        if group.grads_persist_full:  # stages 0/1: [Note: a second reduction before the step]
+            group.restore_reduced_slice()
+        if out is not None:
+            group.grad_shard.add_(out.to(group.grad_shard.device))  # accumulate; offload: to host
+            group.full_grad = None  # stages 2/3: the full gradient lives only until reduced
 
     def abort(self, wait: bool) -> None:
         """After a forward or backward raised: complete (`wait`) or abandon the collectives this unit
