@@ -356,8 +356,13 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def run_max_model(args: argparse.Namespace) -> int:
+    import torch
+
     from zeroshard.tools.bench import maxmodel
 
+    if torch.cuda.is_available():  # the ranks would compute on the GPUs, whose memory RLIMIT_DATA does not bound
+        raise CommandError("--max-model caps the process memory of CPU ranks (RLIMIT_DATA); on a GPU machine "
+                           "run it with CUDA_VISIBLE_DEVICES= to measure the CPU case")
     args.memory = args.memory or est.parse_bytes(MAX_MODEL_MEMORY)
     args.configs = args.configs or list(maxmodel.CONFIGS)
     spec = maxmodel.trial_spec(args)
@@ -367,8 +372,6 @@ def run_max_model(args: argparse.Namespace) -> int:
         log.info("[%d/%d] %s", i, len(args.configs), maxmodel.CONFIGS[key]["name"])
         rows.append(maxmodel.search(spec, key, args.ranks, args.max_layers, args.timeout, args.threads,
                                     args.nvme_path))
-    import torch
-
     document = {"command": mode_command_line(args), "machine": machine_info(torch.__version__),
                 "ranks": args.ranks, "spec": spec, "rows": rows, "wall_s": time.perf_counter() - started}
     written = maxmodel.write_outputs(args.out, document)
