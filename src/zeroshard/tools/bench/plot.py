@@ -3,6 +3,7 @@ parameters / gradients / optimizer states, the measured bar next to the predicte
 measured peak memory per rank of every configuration, peers included."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 KINDS = (("params", "parameters", "#4C72B0"), ("grads", "gradients", "#55A868"),
@@ -93,14 +94,15 @@ def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
         x = [p["params"] / 1e6 for p in line]
         color = STAGE_COLORS[stage % len(STAGE_COLORS)]
         ax.plot(x, [p["peak_memory"] / _MB for p in line], "o-", color=color, label=f"stage {stage}, measured")
-        ax.plot(x, [p["predicted_peak"] / _MB for p in line], "--", color=color,
+        ax.plot(x, [p["predicted_peak"] / _MB for p in line], "--", color=color, zorder=3,  # drawn over the measured
                 label=f"stage {stage}, estimator (baseline + model states)")
     baseline = max(p["baseline_memory"] for p in points) / _MB
     ax.axhline(baseline, color="#999999", linewidth=0.8)
-    ax.text(0, baseline, " process baseline (torch, gloo)", va="bottom", fontsize=7, color="#666666")
+    ax.text(max(p["params"] for p in points) / 1e6, baseline, "process baseline (torch, gloo) ", ha="right",
+            va="bottom", fontsize=7, color="#666666")
     ax.set_xlabel("parameters (M)")
     ax.set_ylabel("peak memory per rank (MB)")
-    ax.set_title(title, fontsize=8)
+    ax.set_title(textwrap.fill(title, 120), fontsize=8)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
