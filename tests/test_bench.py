@@ -13,6 +13,7 @@ from zeroshard.tools import cli
 from zeroshard.tools import estimator as est
 from zeroshard.tools.bench import advisor as advise, family, maxmodel
 from zeroshard.tools.bench.launch import Outcome
+from zeroshard.tools.commands import CommandError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -178,6 +179,24 @@ def test_allocation_failure_is_does_not_fit_and_anything_else_a_crash():
     assert maxmodel.classify(crashed) == (maxmodel.CRASH, "ranks died by SIGSEGV")
     broken = Outcome(None, 1, {"rank 0": "Traceback ...\nKeyError: 'shape'"})
     assert maxmodel.classify(broken)[0] == maxmodel.CRASH
+
+
+def test_a_crash_under_the_cap_is_told_apart_from_a_defect_by_a_run_without_it(monkeypatch):
+    crashed = Outcome(None, 1, {}, log="  exitcode  : -11 (pid: 4242)  (SIGSEGV)")
+    launched = []
+
+    def fake_run_ranks(module, spec, ranks, **kwargs):  # the second launch is the one without the cap
+        launched.append(spec["cap_bytes"])
+        return crashed if len(launched) == 1 else uncapped
+    monkeypatch.setattr(maxmodel, "run_ranks", fake_run_ranks)
+    spec = {"width": 64, "seq_len": 16, "cap_bytes": 2**28, "run": {"name": "stage 3"}}
+    uncapped = Outcome({"fits": True}, 0)
+    trial = maxmodel.run_trial(spec, 3, 2, 60, None)
+    assert launched == [2**28, None] and not trial.fits and "SIGSEGV" in trial.detail
+    launched.clear()
+    uncapped = crashed
+    with pytest.raises(CommandError, match="failed under the cap .* and without it"):
+        maxmodel.run_trial(spec, 3, 2, 60, None)
 
 
 @pytest.mark.slow

@@ -81,9 +81,9 @@ def build_model(spec: dict, vocab: int) -> torch.nn.Module:
     config = GPTConfig(**{**spec["shape"], "vocab_size": vocab})
     if spec["run"]["stage"] != 3:
         return GPT(config)
-    import zeroshard
+    from zeroshard.compat.zero.init import Init
 
-    with zeroshard.zero.Init():
+    with Init():
         return GPT(config)
 
 
