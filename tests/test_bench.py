@@ -1,12 +1,19 @@
 """`zeroshard bench` and `zeroshard advise`: one real 2-rank bench (tiny model, peers included) checked
-against the paper's formulas, the advisor's choices on the paper's example, help and errors."""
+against the paper's formulas; `bench --max-model` (the search, its classification of real allocation
+failures under RLIMIT_DATA, a real 2-rank search) and `bench --sweep`; the advisor's choices on the
+paper's example, help and errors."""
 import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 from zeroshard.tools import cli
 from zeroshard.tools import estimator as est
-from zeroshard.tools.bench import advisor as advise, family
+from zeroshard.tools.bench import advisor as advise, family, maxmodel
+from zeroshard.tools.bench.launch import Outcome
+from zeroshard.tools.commands import CommandError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -22,7 +29,7 @@ def bench(tmp_path_factory):
     """One bench of every stage and the peers on 2 ranks; ~20 s on 2 cores."""
     out = tmp_path_factory.mktemp("bench")
     code = cli.main(["bench", "--size", "1", "--seq-len", "32", "--batch", "4", "--steps", "2", "--warmup", "1",
-                     "--peers", "--memory", "1GiB", "--out", str(out)])
+                     "--peers", "--out", str(out)])
     assert code == 0
     return out, json.loads((out / "bench.json").read_text())
 
@@ -78,22 +85,153 @@ def test_peers_side_by_side(bench):
         assert "skipped" not in row or "DeepSpeed" in row["skipped"]
 
 
-def test_largest_model_grows_with_stage(bench):
-    _, document = bench
-    rows = _rows(document)
-    sizes = [rows[s]["largest"]["size"] for s in range(4)]
-    assert all(sizes) and sizes == sorted(sizes) and sizes[3] > sizes[0]
+def test_bench_points_to_the_tried_largest_model(bench):
+    out, document = bench
+    assert all("largest" not in row for row in document["rows"])  # no extrapolated column any more
+    assert "zeroshard bench --max-model" in (out / "bench.txt").read_text()
+
+
+# ---- bench --max-model ----
+
+def _oracle(largest_that_fits):
+    """A stand-in for real trials: sizes up to `largest_that_fits` fit; records what was asked."""
+    asked = []
+
+    def fits(layers):
+        asked.append(layers)
+        return maxmodel.Trial(layers, layers <= largest_that_fits, "" if layers <= largest_that_fits else "oom", 0.0)
+    return fits, asked
+
+
+@pytest.mark.parametrize("truth, guess", [(13, 5), (13, 40), (13, 13), (13, 14), (1, 7), (95, 3)])
+def test_search_ends_on_an_adjacent_pair_it_ran(truth, guess):
+    fits, asked = _oracle(truth)
+    boundary = maxmodel.find_boundary(fits, guess, ceiling=96)
+    assert (boundary.largest, boundary.smallest_failing) == (truth, truth + 1)
+    ran = {t.layers: t.fits for t in boundary.trials}
+    assert ran[truth] is True and ran[truth + 1] is False  # both ends of the boundary were tried
+    assert len(asked) == len(set(asked)) <= 12  # no size twice; galloping + bisection stays short
+
+
+def test_search_reports_the_ends_of_its_range():
+    fits, _ = _oracle(200)
+    boundary = maxmodel.find_boundary(fits, 10, ceiling=96)
+    assert (boundary.largest, boundary.smallest_failing) == (96, None)  # the ceiling fits: no boundary below it
+    fits, _ = _oracle(0)
+    boundary = maxmodel.find_boundary(fits, 10, ceiling=96)
+    assert (boundary.largest, boundary.smallest_failing) == (None, 1)  # not even one layer fits
+    with pytest.raises(ValueError, match="ceiling"):
+        maxmodel.find_boundary(fits, 1, ceiling=0)
+
+
+def test_estimator_prediction_per_configuration():
+    rec, cap = est.recipe("fp32", "adamw"), 10**9
     for stage in range(4):
-        assert rows[stage]["largest"]["peak"] <= 2**30
+        assert maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS[str(stage)], rec) == \
+            est.largest_model(cap, 2, stage, rec)
+    # CPU offload on a CPU machine: the states stay in the capped process, at 4 + 4 + 8 B/param over 2 ranks
+    cpu = maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["3-cpu"], rec)
+    assert abs(cpu - cap // 8) <= 2
+    assert maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["3-nvme"], rec) is None  # all in files
+    assert maxmodel.layers_for(maxmodel.num_params(7, 256, 159, 64), 256, 159, 64) == 7
 
 
-def test_family_search_is_the_largest_that_fits():
-    model = family.MemoryModel(stage=2, ranks=4, vocab=100, seq_len=64, batch=4, recipe=est.recipe("fp32", "adamw"),
-                               baseline=300_000_000, activation_scale=1.5)
-    budget = 2 * 10**9
-    size = family.largest_fitting(model, budget)
-    assert model.peak(size) <= budget < model.peak(size + 1)
-    assert family.largest_fitting(model, 1000) is None
+_ALLOCATE_UNDER_A_CAP = textwrap.dedent("""
+    import torch
+    from zeroshard.tools.bench.capped import data_cap, is_allocation_failure, status_bytes
+    with data_cap(status_bytes("VmData") + 64 * 2**20):
+        small = torch.ones(8 * 2**20 // 4)  # fits
+        try:
+            torch.empty(256 * 2**20 // 4)  # 256 MiB beyond a 64 MiB margin
+        except BaseException as error:
+            print("FAILED", type(error).__name__, is_allocation_failure(error))
+        else:
+            print("ALLOCATED")
+    torch.empty(256 * 2**20 // 4)  # the cap is gone again outside
+    print("LIFTED")
+""")
+
+
+def test_rlimit_data_makes_a_real_allocation_fail():
+    done = subprocess.run([sys.executable, "-c", _ALLOCATE_UNDER_A_CAP], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["FAILED", "RuntimeError", "True", "LIFTED"]
+
+
+_TORCH_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+              "memory: you tried to allocate 12609536 bytes. Error code 12 (Cannot allocate memory)")
+
+
+def test_allocation_failure_is_does_not_fit_and_anything_else_a_crash():
+    fits = Outcome({"fits": True}, 0)
+    assert maxmodel.classify(fits) == (maxmodel.FITS, "")
+    reported = Outcome(None, 1, {"rank 1": f"Traceback ...\n{_TORCH_OOM}\n\nThe above exception was the direct cause"
+                                           f"\nzeroshard.tools.bench.capped.AllocationFailure: step 2 optimizer: "
+                                           f"RuntimeError: DefaultCPUAllocator: can't allocate memory"},
+                       log="rank 0 exitcode  : -11 (pid: 3)  (SIGSEGV)")
+    verdict, detail = maxmodel.classify(reported)
+    assert verdict == maxmodel.NO_FIT and detail.startswith("rank 1, step 2 optimizer")
+    # a C++ thread that aborts on std::bad_alloc leaves no traceback file, only the log
+    aborted = Outcome(None, 1, {}, log="terminate called after throwing an instance of 'std::bad_alloc'")
+    assert maxmodel.classify(aborted)[0] == maxmodel.NO_FIT
+    crashed = Outcome(None, 1, {}, log="  exitcode  : -11 (pid: 4242)  (SIGSEGV)")
+    assert maxmodel.classify(crashed) == (maxmodel.CRASH, "ranks died by SIGSEGV")
+    broken = Outcome(None, 1, {"rank 0": "Traceback ...\nKeyError: 'shape'"})
+    assert maxmodel.classify(broken)[0] == maxmodel.CRASH
+
+
+def test_a_crash_under_the_cap_is_told_apart_from_a_defect_by_a_run_without_it(monkeypatch):
+    crashed = Outcome(None, 1, {}, log="  exitcode  : -11 (pid: 4242)  (SIGSEGV)")
+    launched = []
+
+    def fake_run_ranks(module, spec, ranks, **kwargs):  # the second launch is the one without the cap
+        launched.append(spec["cap_bytes"])
+        return crashed if len(launched) == 1 else uncapped
+    monkeypatch.setattr(maxmodel, "run_ranks", fake_run_ranks)
+    spec = {"width": 64, "seq_len": 16, "cap_bytes": 2**28, "run": {"name": "stage 3"}}
+    uncapped = Outcome({"fits": True}, 0)
+    trial = maxmodel.run_trial(spec, 3, 2, 60, None)
+    assert launched == [2**28, None] and not trial.fits and "SIGSEGV" in trial.detail
+    launched.clear()
+    uncapped = crashed
+    with pytest.raises(CommandError, match="failed under the cap .* and without it"):
+        maxmodel.run_trial(spec, 3, 2, 60, None)
+
+
+@pytest.mark.slow
+def test_max_model_finds_a_boundary_by_running_both_sides(tmp_path, capsys):
+    """~50 s: real 2-rank trials of a width-256 GPT under a 340 MiB cap (the process baseline is ~265 MB)."""
+    code = cli.main(["bench", "--max-model", "--configs", "0", "--width", "256", "--memory", "340MiB",
+                     "--max-layers", "6", "--out", str(tmp_path)])
+    assert code == 0
+    document = json.loads((tmp_path / "max_model.json").read_text())
+    (row,) = document["rows"]
+    largest, failing = row["largest"]["layers"], row["smallest_failing"]["layers"]
+    assert failing == largest + 1
+    ran = {t["layers"]: t for t in row["trials"]}
+    assert ran[largest]["fits"] and not ran[failing]["fits"]
+    assert "can't allocate memory" in row["smallest_failing"]["failure"]
+    assert row["largest"]["params"] == maxmodel.num_params(largest, 256, document["spec"]["vocab"], 64)
+    assert row["estimator_cap_minus_baseline"]["params"] > row["largest"]["params"]  # states are not all it needs
+    assert "stage 0" in (tmp_path / "max_model.txt").read_text()
+
+
+@pytest.mark.slow
+def test_sweep_writes_memory_against_parameters(tmp_path):
+    """~30 s: family members 1 and 2 at stages 0 and 3 in one launch."""
+    code = cli.main(["bench", "--sweep", "--sizes", "1,2", "--stages", "0,3", "--seq-len", "32", "--out", str(tmp_path)])
+    assert code == 0
+    document = json.loads((tmp_path / "sweep.json").read_text())
+    points = {(p["size"], p["stage"]): p for p in document["points"]}
+    assert sorted(points) == [(1, 0), (1, 3), (2, 0), (2, 3)]
+    for p in points.values():
+        assert p["params"] == family.num_params(p["size"], document["vocab"], 32)
+        assert p["states_formula"] <= p["states_measured"] <= p["states_formula"] * 1.01 + 1024
+        assert p["peak_memory"] > p["baseline_memory"]
+    assert points[(2, 3)]["states_measured"] < points[(2, 0)]["states_measured"]
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    assert (tmp_path / "sweep.txt").read_text().startswith("$ zeroshard bench --sweep")
 
 
 def _paper_problem(**overrides):
@@ -144,6 +282,16 @@ def test_help_has_examples(capsys, command):
     (["bench", "--stages", "0,5"], "--stages"),
     (["bench", "--size", "0"], "--size"),
     (["bench", "--memory", "12XB"], "--memory"),
+    (["bench", "--memory", "1GiB"], "--memory"),  # the cap belongs to --max-model
+    (["bench", "--max-model", "--configs", "0,9"], "--configs"),
+    (["bench", "--max-model", "--width", "100"], "--width"),
+    (["bench", "--max-model", "--max-layers", "0"], "--max-layers"),
+    (["bench", "--max-model", "--steps", "1"], "--steps"),
+    (["bench", "--max-model", "--peers"], "--peers"),
+    (["bench", "--max-model", "--nvme-path", "/nonexistent/dir"], "--nvme-path"),
+    (["bench", "--max-model", "--sweep"], "--sweep"),
+    (["bench", "--sweep", "--sizes", "0"], "--sizes"),
+    (["bench", "--sweep", "--configs", "0"], "--configs"),
     (["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB"], "--bandwidth"),
     (["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB", "--bandwidth", "fast"], "--bandwidth"),
     (["advise", "--model", "nope", "--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s"], "--model"),

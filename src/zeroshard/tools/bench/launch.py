@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zeroshard.version
@@ -45,9 +47,27 @@ def torchrun_command(module: str, ranks: int, run_dir: Path) -> list[str]:
             "-m", module, str(run_dir)]
 
 
-def launch(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], None] = lambda event: None,
-           timeout_s: float = 3600.0, threads_per_rank: int | None = None) -> dict:
-    """Run `module` on `ranks` local ranks with `spec`; returns rank 0's result (raises CommandError)."""
+@dataclass
+class Outcome:
+    """How a launch ended: rank 0's result, or what the ranks left behind when there is none."""
+
+    result: dict | None
+    returncode: int | None
+    errors: dict[str, str] = field(default_factory=dict)  # "rank r" -> traceback written by that rank
+    log_tail: str = ""  # the end of every rank's combined output
+    log: str = ""  # all of it
+    run_dir: Path | None = None  # kept when there is no result, for the user to read
+
+    def signals(self) -> list[str]:
+        """Ranks that torchrun saw die by a signal, e.g. ['SIGSEGV']."""
+        return re.findall(r"exitcode\s*:\s*-\d+ \(pid: \d+\)\s*\((SIG[A-Z]+)\)", self.log)
+
+
+def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], None] = lambda event: None,
+              timeout_s: float = 3600.0, threads_per_rank: int | None = None, keep_failed: bool = True) -> Outcome:
+    """Run `module` on `ranks` local ranks with `spec` and say how it ended (raises CommandError only
+    for a bad rank count or a timeout). `keep_failed=False` removes the run directory of a failed run too,
+    for callers that expect failures and keep what they need from the Outcome."""
     if ranks < 1:
         raise CommandError(f"--ranks must be >= 1, got {ranks}")
     run_dir = Path(tempfile.mkdtemp(prefix="zeroshard-run-"))
@@ -63,13 +83,28 @@ def launch(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], No
             _stop(process)
             raise
     result_path = run_dir / "result.json"
-    if not result_path.is_file():
-        raise CommandError(_failure(run_dir, process.returncode))
-    result = json.loads(result_path.read_text())
-    if process.returncode:  # see rank.py: a teardown abort after the result was written
-        log.debug("torchrun exited with %s after writing the result", process.returncode)
-    shutil.rmtree(run_dir, ignore_errors=True)
-    return result
+    if result_path.is_file():
+        if process.returncode:  # see rank.py: a teardown abort after the result was written
+            log.debug("torchrun exited with %s after writing the result", process.returncode)
+        outcome = Outcome(json.loads(result_path.read_text()), process.returncode)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return outcome
+    errors = {path.stem.split(".")[-1].replace("rank", "rank "): path.read_text()
+              for path in sorted(run_dir.glob("error.rank*.txt"))}
+    text = (run_dir / "ranks.log").read_text(errors="replace")
+    outcome = Outcome(None, process.returncode, errors, text[-_LOG_TAIL:], text, run_dir if keep_failed else None)
+    if not keep_failed:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return outcome
+
+
+def launch(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], None] = lambda event: None,
+           timeout_s: float = 3600.0, threads_per_rank: int | None = None) -> dict:
+    """Run `module` on `ranks` local ranks with `spec`; returns rank 0's result (raises CommandError)."""
+    outcome = run_ranks(module, spec, ranks, on_progress, timeout_s, threads_per_rank)
+    if outcome.result is None:
+        raise CommandError(failure_message(outcome))
+    return outcome.result
 
 
 def _follow(process: subprocess.Popen, progress: Path, on_progress, timeout_s: float) -> None:
@@ -113,13 +148,12 @@ def _stop(process: subprocess.Popen) -> None:
         pass
 
 
-def _failure(run_dir: Path, returncode: int | None) -> str:
-    errors = sorted(run_dir.glob("error.rank*.txt"))
-    if errors:
-        lines = errors[0].read_text().strip().splitlines()
-        rank = errors[0].stem.split(".")[-1].replace("rank", "rank ")
-        return f"{rank} failed: {lines[-1] if lines else '?'}\n(traceback in {errors[0]}; output of every " \
-               f"rank in {run_dir / 'ranks.log'})"
-    tail = (run_dir / "ranks.log").read_text(errors="replace")[-_LOG_TAIL:]
-    return f"torchrun exited with code {returncode} before any rank reported a result:\n{tail}\n" \
-           f"(full logs in {run_dir})"
+def failure_message(outcome: Outcome) -> str:
+    where = f" ({outcome.run_dir})" if outcome.run_dir else ""
+    if outcome.errors:
+        rank, text = next(iter(outcome.errors.items()))
+        lines = text.strip().splitlines()
+        return f"{rank} failed: {lines[-1] if lines else '?'}\n(traceback and the output of every rank in " \
+               f"the run directory{where})"
+    return f"torchrun exited with code {outcome.returncode} before any rank reported a result:\n" \
+           f"{outcome.log_tail}\n(full logs in the run directory{where})"

@@ -3,6 +3,7 @@ parameters / gradients / optimizer states, the measured bar next to the predicte
 measured peak memory per rank of every configuration, peers included."""
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 KINDS = (("params", "parameters", "#4C72B0"), ("grads", "gradients", "#55A868"),
@@ -10,7 +11,7 @@ KINDS = (("params", "parameters", "#4C72B0"), ("grads", "gradients", "#55A868"),
 _MB = 1e6
 
 
-def write_chart(rows: list[dict], title: str, path: Path) -> Path:
+def _pyplot():
     import logging
 
     import matplotlib
@@ -18,6 +19,12 @@ def write_chart(rows: list[dict], title: str, path: Path) -> Path:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)  # its font cache notice is not our output
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_chart(rows: list[dict], title: str, path: Path) -> Path:
+    plt = _pyplot()
 
     measured = [r for r in rows if "skipped" not in r]
     staged = [r for r in measured if r["kind"] == "zeroshard" and not (r.get("offload_optimizer") or r.get("offload_param"))]
@@ -72,3 +79,34 @@ def _label(row: dict) -> str:
     if row.get("offload_param"):
         label += f"\n+param->{row['offload_param']}"
     return label
+
+
+STAGE_COLORS = ("#4C72B0", "#55A868", "#C44E52", "#8172B2")
+
+
+def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
+    """`bench --sweep`: measured peak per rank against parameters, one solid line per stage, and the
+    estimator's baseline + model states dashed in the same colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for stage in sorted({p["stage"] for p in points}):
+        line = sorted((p for p in points if p["stage"] == stage), key=lambda p: p["params"])
+        x = [p["params"] / 1e6 for p in line]
+        color = STAGE_COLORS[stage % len(STAGE_COLORS)]
+        ax.plot(x, [p["peak_memory"] / _MB for p in line], "o-", color=color, label=f"stage {stage}, measured")
+        ax.plot(x, [p["predicted_peak"] / _MB for p in line], "--", color=color, zorder=3,  # drawn over the measured
+                label=f"stage {stage}, estimator (baseline + model states)")
+    baseline = max(p["baseline_memory"] for p in points) / _MB
+    ax.axhline(baseline, color="#999999", linewidth=0.8)
+    ax.text(max(p["params"] for p in points) / 1e6, baseline, "process baseline (torch, gloo) ", ha="right",
+            va="bottom", fontsize=7, color="#666666")
+    ax.set_xlabel("parameters (M)")
+    ax.set_ylabel("peak memory per rank (MB)")
+    ax.set_title(textwrap.fill(title, 120), fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

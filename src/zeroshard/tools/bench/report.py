@@ -8,12 +8,10 @@ ZeroRedundancyOptimizer 1, FSDP2 3).
 from __future__ import annotations
 
 from zeroshard.tools import estimator as est
-from zeroshard.tools.bench import family
 
 PEER_STAGE = {"ddp": 0, "torch-zero": 1, "fsdp2": 3}
-LARGEST_METHOD = ("largest model: GPT family member k (k layers, width 64k) whose modelled peak memory per rank "
-                  "fits the budget; model states from the estimator, process baseline and activation term "
-                  "calibrated from this run's measured peak (bench/family.py); extrapolated, not tried")
+# The largest model is not extrapolated from this run: `bench --max-model` tries sizes under a real cap.
+LARGEST_NOTE = "largest model per stage: tried under a per-rank memory cap by `zeroshard bench --max-model`."
 
 
 def equivalent_stage(run: dict) -> int | None:
@@ -28,7 +26,7 @@ def recipe_of(spec: dict) -> est.Recipe:
     return est.recipe(spec["precision"], "adamw")
 
 
-def summarize(result: dict, budget: int | None) -> list[dict]:
+def summarize(result: dict) -> list[dict]:
     """One row per configuration, with measured and predicted figures side by side."""
     spec, ranks = result["spec"], result["world_size"]
     rows = []
@@ -36,11 +34,11 @@ def summarize(result: dict, budget: int | None) -> list[dict]:
         if run.get("skipped"):
             rows.append({"name": run["name"], "skipped": run["skipped"]})
             continue
-        rows.append(_row(run, spec, ranks, budget, result["vocab"], host_is_device=result["device"] == "cpu"))
+        rows.append(_row(run, spec, ranks, host_is_device=result["device"] == "cpu"))
     return rows
 
 
-def _row(run: dict, spec: dict, ranks: int, budget: int | None, vocab: int, host_is_device: bool) -> dict:
+def _row(run: dict, spec: dict, ranks: int, host_is_device: bool) -> dict:
     rec, psi, stage = recipe_of(spec), run["params"], equivalent_stage(run)
     per_rank = run["ranks"]
     worst = max(per_rank, key=lambda r: r["states"]["total"])
@@ -63,20 +61,7 @@ def _row(run: dict, spec: dict, ranks: int, budget: int | None, vocab: int, host
                                    "total": predicted.total + host}
         row["comm_predicted"] = est.comm_bytes_per_step(psi, stage, rec.param_bytes)
         row["comm_ratio"] = row["comm_measured"] / row["comm_predicted"] if row["comm_predicted"] else None
-    if run["kind"] == "zeroshard" and budget and not (run.get("offload_optimizer") or run.get("offload_param")):
-        row["largest"] = _largest(run, spec, ranks, rec, worst, budget, vocab)
     return row
-
-
-def _largest(run: dict, spec: dict, ranks: int, rec: est.Recipe, worst: dict, budget: int, vocab: int) -> dict:
-    seq_len = spec["shape"]["block_size"]
-    model = family.calibrate(run["stage"], ranks, vocab, seq_len, spec["batch"], rec, spec["size"],
-                             worst["baseline_memory"], worst["peak_memory"], worst["states"]["total"])
-    size = family.largest_fitting(model, budget)
-    if size is None:
-        return {"size": None, "params": 0, "activation_scale": model.activation_scale}
-    return {"size": size, "params": family.num_params(size, vocab, seq_len), "peak": model.peak(size),
-            "activation_scale": model.activation_scale}
 
 
 # ---- terminal table ----
@@ -93,26 +78,23 @@ def _vs(measured: int, predicted: int | None) -> str:
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
     header = ["config", "step ms med [min-max]", "tokens/s", "peak mem/rank", "model states meas/pred",
-              "comm/step meas/pred", "ratio", "largest model"]
+              "comm/step meas/pred", "ratio"]
     lines = [header]
     for row in rows:
         if "skipped" in row:
             continue  # listed under the table
         t = row["step_time"]
-        largest = row.get("largest")
         comparable = row["kind"] != "deepspeed"  # see the DeepSpeed footnote in format_table
         lines.append([
             row["name"], f"{_ms(t['median_s'])} [{_ms(t['min_s'])}-{_ms(t['max_s'])}]", f"{row['tokens_per_s']:,.0f}",
             est.format_bytes(row["peak_memory"]),
             _vs(row["states_measured"]["total"], row.get("states_predicted", {}).get("total")) if comparable else "n/a",
             _vs(row["comm_measured"], row.get("comm_predicted")) if comparable else "n/a",
-            f"{row['comm_ratio']:.3f}" if row.get("comm_ratio") and comparable else "-",
-            "-" if not largest else (f"{est.format_count(largest['params'])} (k={largest['size']})"
-                                     if largest["size"] else "none fits")])
+            f"{row['comm_ratio']:.3f}" if row.get("comm_ratio") and comparable else "-"])
     return lines
 
 
-def format_table(result: dict, rows: list[dict], budget: int | None) -> str:
+def format_table(result: dict, rows: list[dict]) -> str:
     spec = result["spec"]
     shape = spec["shape"]
     params = next((r["params"] for r in rows if "params" in r), 0)
@@ -144,6 +126,5 @@ def format_table(result: dict, rows: list[dict], budget: int | None) -> str:
     if result["device"] == "cpu" and any(r.get("offload_optimizer") for r in rows):
         out.append("offload rows: on CPU the host is the device, so their model states are compared with the "
                    "formula's device + offloaded bytes.")
-    if budget:
-        out.append(f"{LARGEST_METHOD}; budget {est.format_bytes(budget)} per rank.")
+    out.append(LARGEST_NOTE)
     return "\n".join(out)

@@ -52,6 +52,8 @@ class Bench:
         self.meter = measure.PeakMemory(ctx.device)
 
     def run(self, spec: dict, run: dict) -> dict:
+        if "shape" in run:  # a size sweep: each configuration names its own member of the family
+            spec = {**spec, "shape": run["shape"]}
         measure.trim()
         baseline = self.meter.current()
         torch.manual_seed(spec["seed"])

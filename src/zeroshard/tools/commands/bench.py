@@ -8,6 +8,7 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 
 from zeroshard.tools import estimator as est
@@ -19,17 +20,33 @@ DESCRIPTION = """\
 Trains the same GPT (member k of the bench family: k layers, width 64k) on the same data and ranks with
 ZeRO stages 0-3 in one invocation (one torchrun launch), and reports for each: step time (median, min,
 max; per step the slowest rank), tokens/s, peak memory per rank, model-state bytes against the paper's
-formula, communication per step against 2Ψ/3Ψ, and the largest family member that fits a memory budget.
-Writes a table (bench.txt), the full data (bench.json) and a chart in the style of the ZeRO paper's
-Figure 1 (bench.png) to --out. Ranks are local processes (gloo on CPU, NCCL on GPUs)."""
+formula, and communication per step against 2Ψ/3Ψ. Writes a table (bench.txt), the full data
+(bench.json) and a chart in the style of the ZeRO paper's Figure 1 (bench.png) to --out. Ranks are local
+processes (gloo on CPU, NCCL on GPUs).
+
+--sweep: live peak memory per rank against parameters for family members --sizes, one line per stage
+beside the estimator's formula (sweep.txt, sweep.json, sweep.png).
+--max-model: the largest GPT (width --width, L layers) that trains two optimizer steps at stages 0-3 and
+stage 3 with CPU / NVMe offload, found by trying sizes under a real per-rank memory cap (--memory, as
+RLIMIT_DATA: an allocation beyond it fails), next to the estimator's prediction (max_model.txt, .json)."""
 
 EXAMPLES = [
     "zeroshard bench                                  # stages 0-3, 2 ranks, GPT k=4, results in bench_out/",
     "zeroshard bench --peers                          # + torch DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed",
     "zeroshard bench --size 1 --steps 3 --warmup 1    # a quick look",
-    "zeroshard bench --stages 0,3 --memory 8GiB --out /tmp/b",
+    "zeroshard bench --stages 0,3 --out /tmp/b",
     "zeroshard bench --offload --precision bf16",
+    "zeroshard bench --sweep                          # memory against parameters, k = 4,8,12,16 (3.2M-201M)",
+    "zeroshard bench --max-model --memory 1.5GiB      # the largest model that trains under a 1.5 GiB cap",
+    "zeroshard bench --max-model --configs 0,3,3-nvme --width 256 --memory 800MiB",
 ]
+
+# Defaults that differ by mode: a size sweep and the largest-model trials are kept short (their models are
+# 10-100x the default one), and a largest-model trial is exactly two optimizer steps.
+MODE_DEFAULTS = {"bench": {"seq_len": 128, "batch": 8, "steps": 10, "warmup": 3},
+                 "sweep": {"seq_len": 64, "batch": 2, "steps": 1, "warmup": 1},
+                 "max-model": {"seq_len": 64, "batch": 1, "steps": 2, "warmup": 0}}
+MAX_MODEL_MEMORY = "1GiB"
 
 
 def _positive(text: str) -> int:
@@ -59,13 +76,46 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, size: int, seq_len: int, batch: int) -> None:
-    """Flags shared by bench and train: the family member, sequence, batch."""
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected family members like 4,8,12,16, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be whole numbers >= 1, got {text!r}")
+    return sizes
+
+
+def _configs(text: str) -> list[str]:
+    from zeroshard.tools.bench.maxmodel import CONFIGS
+
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in CONFIGS]
+    if not keys or unknown:
+        raise argparse.ArgumentTypeError(f"unknown configuration {', '.join(unknown) or repr(text)}; "
+                                         f"allowed: {','.join(CONFIGS)}")
+    return list(dict.fromkeys(keys))
+
+
+def _width(text: str) -> int:
+    from zeroshard.tools.bench.maxmodel import HEAD_DIM
+
+    value = _positive(text)
+    if value % HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"must be a multiple of {HEAD_DIM} (heads of {HEAD_DIM}), got {text!r}")
+    return value
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, size: int, seq_len: int | None, batch: int | None,
+                        mode_note: str = "") -> None:
+    """Flags shared by bench and train: the family member, sequence, batch (None: set by the mode)."""
     parser.add_argument("--ranks", type=_positive, default=2, metavar="N", help="local ranks (default: 2)")
     parser.add_argument("--size", type=_positive, default=size, metavar="K",
                         help=f"GPT family member: K layers, width 64K, K heads (default: {size}; 12 = GPT-2 small)")
-    parser.add_argument("--seq-len", type=_positive, default=seq_len, metavar="T", help=f"tokens per sample (default: {seq_len})")
-    parser.add_argument("--batch", type=_positive, default=batch, metavar="B", help=f"micro batch per rank (default: {batch})")
+    parser.add_argument("--seq-len", type=_positive, default=seq_len, metavar="T",
+                        help=f"tokens per sample (default: {seq_len or MODE_DEFAULTS['bench']['seq_len']}{mode_note})")
+    parser.add_argument("--batch", type=_positive, default=batch, metavar="B",
+                        help=f"micro batch per rank (default: {batch or MODE_DEFAULTS['bench']['batch']}{mode_note})")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype (default: fp32)")
     parser.add_argument("--threads", type=_positive, metavar="N", help="torch threads per rank (default: cores / ranks)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
@@ -74,21 +124,66 @@ def add_model_arguments(parser: argparse.ArgumentParser, size: int, seq_len: int
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "bench", summary="ZeRO stages side by side: time, memory, communication",
                          description=DESCRIPTION, examples=EXAMPLES)
-    add_model_arguments(parser, size=4, seq_len=128, batch=8)
+    note = "; --sweep, --max-model: see MODE DEFAULTS below"
+    add_model_arguments(parser, size=4, seq_len=None, batch=None, mode_note=note)
     parser.add_argument("--stages", type=_stages, default=[0, 1, 2, 3], metavar="LIST", help="default: 0,1,2,3")
-    parser.add_argument("--steps", type=_positive, default=10, help="timed steps per configuration (default: 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
+    parser.add_argument("--steps", type=_positive, help=f"timed steps per configuration (default: 10{note})")
+    parser.add_argument("--warmup", type=int, help=f"untimed steps first (default: 3{note})")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     parser.add_argument("--offload", action="store_true",
                         help="also run optimizer offload to CPU (stages 1-3) and parameter offload (stage 3)")
     parser.add_argument("--peers", action="store_true",
                         help="also run torch DDP, ZeroRedundancyOptimizer, FSDP2 fully_shard, DeepSpeed if installed")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", action="store_true", help="peak memory per rank against parameters, per stage")
+    mode.add_argument("--max-model", action="store_true",
+                      help="the largest model that trains under a per-rank memory cap, tried, per stage and offload")
+    parser.add_argument("--sizes", type=_sizes, metavar="LIST",
+                        help="--sweep: family members k (k layers, width 64k) (default: 4,8,12,16)")
     parser.add_argument("--memory", type=_bytes, metavar="SIZE",
-                        help="memory budget per rank for the largest-model search (default: RAM / ranks, or GPU memory)")
+                        help=f"--max-model: the cap per rank, RLIMIT_DATA, process baseline included (default: "
+                             f"{MAX_MODEL_MEMORY})")
+    parser.add_argument("--configs", type=_configs, metavar="LIST",
+                        help="--max-model: among 0,1,2,3,3-cpu,3-nvme (default: all)")
+    parser.add_argument("--width", type=_width, default=256, metavar="D",
+                        help="--max-model: width of the searched GPT; layers are the size knob (default: 256)")
+    parser.add_argument("--max-layers", type=_positive, default=96, metavar="L",
+                        help="--max-model: the search ceiling in layers (default: 96)")
+    parser.add_argument("--nvme-path", type=Path, metavar="DIR",
+                        help="--max-model: where the NVMe configuration's swap files go (default: the temp dir)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), metavar="DIR",
                         help="where bench.txt, bench.json, bench.png go (default: bench_out)")
     parser.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="stop the ranks after S seconds")
+    parser.epilog += ("\n\nMODE DEFAULTS (--seq-len, --batch, --steps, --warmup):\n"
+                      + "\n".join(f"  {m}: {', '.join(f'{k}={v}' for k, v in d.items())}" for m, d in MODE_DEFAULTS.items()))
     parser.set_defaults(func=run)
+
+
+def mode_of(args: argparse.Namespace) -> str:
+    return "sweep" if args.sweep else "max-model" if args.max_model else "bench"
+
+
+def check_mode(args: argparse.Namespace) -> None:
+    """Fill the mode's defaults; a flag that belongs to another mode is an error naming it."""
+    mode = mode_of(args)
+    for key, value in MODE_DEFAULTS[mode].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.warmup < 0:
+        raise CommandError(f"--warmup must be >= 0, got {args.warmup}")
+    owners = {"--peers": ("bench", args.peers), "--offload": ("bench", args.offload),
+              "--sizes": ("sweep", args.sizes is not None), "--memory": ("max-model", args.memory is not None),
+              "--configs": ("max-model", args.configs is not None),
+              "--nvme-path": ("max-model", args.nvme_path is not None)}
+    for flag, (owner, given) in owners.items():
+        if given and owner != mode:
+            raise CommandError(f"{flag} applies to {'the side-by-side bench' if owner == 'bench' else '--' + owner} "
+                               f"only, not to {'the side-by-side bench' if mode == 'bench' else '--' + mode}")
+    if mode == "max-model" and args.steps < 2:
+        raise CommandError(f"--max-model: --steps must be >= 2 (the first step creates the optimizer states), "
+                           f"got {args.steps}")
+    if args.nvme_path is not None and not args.nvme_path.is_dir():
+        raise CommandError(f"--nvme-path {str(args.nvme_path)!r} is not a directory")
 
 
 def runs_for(args: argparse.Namespace) -> list[dict]:
@@ -121,18 +216,23 @@ def command_line(args: argparse.Namespace) -> str:
              "--batch", args.batch, "--precision", args.precision, "--stages", ",".join(map(str, args.stages)),
              "--steps", args.steps, "--warmup", args.warmup, "--seed", args.seed, "--lr", args.lr]
     parts += ["--threads", args.threads] if args.threads else []
-    parts += ["--memory", args.memory] if args.memory else []
     parts += ["--offload"] * args.offload + ["--peers"] * args.peers + ["--out", args.out]
     return shlex.join(str(p) for p in parts)
 
 
-def default_budget(ranks: int) -> int:
-    import psutil
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    return psutil.virtual_memory().total // ranks
+def mode_command_line(args: argparse.Namespace) -> str:
+    """`--sweep` / `--max-model` with every effective value spelled out."""
+    parts = ["zeroshard", "bench", f"--{mode_of(args)}", "--ranks", args.ranks, "--seq-len", args.seq_len,
+             "--batch", args.batch, "--precision", args.precision, "--steps", args.steps, "--seed", args.seed,
+             "--lr", args.lr]
+    if args.sweep:
+        parts += ["--warmup", args.warmup, "--stages", ",".join(map(str, args.stages)),
+                  "--sizes", ",".join(map(str, args.sizes))]
+    else:
+        parts += ["--memory", args.memory, "--configs", ",".join(args.configs), "--width", args.width,
+                  "--max-layers", args.max_layers] + (["--nvme-path", args.nvme_path] if args.nvme_path else [])
+    parts += (["--threads", args.threads] if args.threads else []) + ["--out", args.out]
+    return shlex.join(str(p) for p in parts)
 
 
 class StepBars:
@@ -164,32 +264,44 @@ class StepBars:
             self.bar = None
 
 
-def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict], int]:
-    """Launch the ranks and summarise; returns (raw result, summary rows, budget)."""
+def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Launch the ranks and summarise; returns (raw result, summary rows)."""
     from zeroshard.tools.bench import report
     from zeroshard.tools.bench.launch import launch
 
     runs = runs_for(args)
-    budget = args.memory or default_budget(args.ranks)
     bars = StepBars(len(runs))
     try:
         result = launch("zeroshard.tools.bench.worker", bench_spec(args, runs), args.ranks, on_progress=bars,
                         timeout_s=args.timeout, threads_per_rank=args.threads)
     finally:
         bars.close()
-    return result, report.summarize(result, budget), budget
+    return result, report.summarize(result)
 
 
-def write_outputs(args: argparse.Namespace, result: dict, rows: list[dict], budget: int, table: str) -> list[Path]:
+def machine_info(torch_version: str) -> dict:
     import psutil
-    from zeroshard.tools.bench import report
 
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch_version,
+            "cpus": psutil.cpu_count(), "cpu_model": platform.processor() or _cpu_model(),
+            "memory_bytes": psutil.virtual_memory().total,
+            "load_average_after": list(os.getloadavg())}  # other work on the machine skews step times
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def write_outputs(args: argparse.Namespace, result: dict, rows: list[dict], table: str) -> list[Path]:
     args.out.mkdir(parents=True, exist_ok=True)
-    machine = {"platform": platform.platform(), "python": platform.python_version(), "torch": result["torch"],
-               "cpus": psutil.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-               "load_average_after": list(os.getloadavg())}  # other work on the machine skews step times
-    document = {"command": command_line(args), "machine": machine, "budget_bytes": budget,
-                "largest_method": report.LARGEST_METHOD, "memory_method": result["memory_method"],
+    machine = machine_info(result["torch"])
+    document = {"command": command_line(args), "machine": machine, "memory_method": result["memory_method"],
                 "rows": rows, "raw": result}
     written = [args.out / "bench.json", args.out / "bench.txt"]
     written[0].write_text(json.dumps(document, indent=2))
@@ -208,12 +320,60 @@ def write_outputs(args: argparse.Namespace, result: dict, rows: list[dict], budg
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.warmup < 0:
-        raise CommandError(f"--warmup must be >= 0, got {args.warmup}")
+    check_mode(args)
+    if args.sweep:
+        return run_sweep(args)
+    if args.max_model:
+        return run_max_model(args)
     from zeroshard.tools.bench import report
 
-    result, rows, budget = run_bench(args)
-    table = report.format_table(result, rows, budget)
-    written = write_outputs(args, result, rows, budget, table)
+    result, rows = run_bench(args)
+    table = report.format_table(result, rows)
+    written = write_outputs(args, result, rows, table)
     sys.stdout.write(table + "\n\nwrote " + ", ".join(str(p) for p in written) + "\n")
+    return 0
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from zeroshard.tools.bench import sweep
+    from zeroshard.tools.bench.launch import launch
+
+    args.sizes = args.sizes or [4, 8, 12, 16]
+    runs = sweep.runs_for(args.sizes, args.stages, args.seq_len)
+    spec = {**bench_spec(args, runs), "size": max(args.sizes)}
+    bars = StepBars(len(runs))
+    try:
+        result = launch("zeroshard.tools.bench.worker", spec, args.ranks, on_progress=bars, timeout_s=args.timeout,
+                        threads_per_rank=args.threads)
+    finally:
+        bars.close()
+    points = sweep.summarize(result)
+    command = mode_command_line(args)
+    written = sweep.write_outputs(args.out, result, points, command, machine_info(result["torch"]))
+    sys.stdout.write(sweep.format_table(result, points, command) + "\n\nwrote "
+                     + ", ".join(str(p) for p in written) + "\n")
+    return 0
+
+
+def run_max_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from zeroshard.tools.bench import maxmodel
+
+    if torch.cuda.is_available():  # the ranks would compute on the GPUs, whose memory RLIMIT_DATA does not bound
+        raise CommandError("--max-model caps the process memory of CPU ranks (RLIMIT_DATA); on a GPU machine "
+                           "run it with CUDA_VISIBLE_DEVICES= to measure the CPU case")
+    args.memory = args.memory or est.parse_bytes(MAX_MODEL_MEMORY)
+    args.configs = args.configs or list(maxmodel.CONFIGS)
+    spec = maxmodel.trial_spec(args)
+    started = time.perf_counter()
+    rows = []
+    for i, key in enumerate(args.configs, 1):
+        log.info("[%d/%d] %s", i, len(args.configs), maxmodel.CONFIGS[key]["name"])
+        rows.append(maxmodel.search(spec, key, args.ranks, args.max_layers, args.timeout, args.threads,
+                                    args.nvme_path))
+    document = {"command": mode_command_line(args), "machine": machine_info(torch.__version__),
+                "ranks": args.ranks, "spec": spec, "rows": rows, "wall_s": time.perf_counter() - started}
+    written = maxmodel.write_outputs(args.out, document)
+    sys.stdout.write(maxmodel.format_table(document) + "\n\nwrote " + ", ".join(str(p) for p in written) + "\n")
     return 0

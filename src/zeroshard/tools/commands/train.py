@@ -143,9 +143,9 @@ def stage_table(args: argparse.Namespace) -> str:
     from zeroshard.tools.commands.bench import run_bench
 
     bench_args = argparse.Namespace(**{**vars(args), "stages": [0, 1, 2, 3], "steps": args.table_steps,
-                                       "warmup": 2, "offload": False, "peers": False, "memory": None, "lr": 1e-3})
-    result, rows, budget = run_bench(bench_args)
-    cells = [line[:7] for line in report.table_rows(rows)]  # without the largest-model column
+                                       "warmup": 2, "offload": False, "peers": False, "lr": 1e-3})
+    result, rows = run_bench(bench_args)
+    cells = report.table_rows(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     text = [f"stage table (`zeroshard bench --size {args.size} --seq-len {args.seq_len} --batch {args.batch} "
             f"--ranks {args.ranks} --steps {args.table_steps} --warmup 2`):"]
