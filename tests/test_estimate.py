@@ -257,3 +257,18 @@ def test_cli_estimate_mesh(capsys):
     assert set(row["comm_bytes_per_dim"]) == {"dp", "tp", "pp"} and row["comm_bytes_per_dim"]["tp"] > 0
     assert main(["estimate", "--params", "1e9", "--tp", "2", "--pp", "2", "--dp", "16"]) == 0
     assert "dp 16 x tp 2 x pp 2" in capsys.readouterr().out
+
+
+def test_step_snapshot_is_the_transactional_copy_of_masters_and_optimizer_state(capsys):
+    from zeroshard.tools.cli import main
+
+    # Adam: fp32 master + m + v = 12 B per element of what this rank updates (all of it at stage 0,
+    # its shard from stage 1), fp32 or mixed alike; nothing with offloaded optimizer states.
+    fp32, mixed = est.recipe("fp32", "adam"), est.recipe("bf16", "adam")
+    assert est.step_snapshot_bytes(1000, 4, 0, fp32) == 12 * 1000
+    assert est.step_snapshot_bytes(1001, 4, 1, mixed) == 12 * 251
+    assert est.step_snapshot_bytes(1001, 4, 3, est.recipe("fp32", "sgd")) == 4 * 251
+    assert est.step_snapshot_bytes(1000, 4, 2, mixed, offload_optimizer="cpu") == 0
+    assert main(["estimate", "--params", "7.5e9", "--ranks", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [row["step_snapshot_bytes"] for row in out["stages"]] == [90 * 10**9] + [12 * 117_187_500] * 3

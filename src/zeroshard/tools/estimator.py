@@ -134,6 +134,20 @@ def model_state_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXE
     return StateBytes(**device, total=sum(device.values()), offloaded_cpu=off["cpu"], offloaded_nvme=off["nvme"])
 
 
+def step_snapshot_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
+                        offload_optimizer: str | None = None) -> int:
+    """Bytes per rank of the copy zeroshard's transactional step keeps while the optimizer runs
+    ([Note: transactional step] in core/rollback.py): this rank's fp32 masters and optimizer state,
+    K bytes per element plus the fp32 master that fp32 training does not count in K. Not a model
+    state of the paper, so not in `model_state_bytes`; 0 with offloaded optimizer states, where the
+    copy is off by default (`zeroshard.transactional_step: false` turns it off everywhere)."""
+    params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
+    if offload_optimizer is not None:
+        return 0
+    per_element = recipe.k + (4 if recipe.param_bytes == 4 else 0)
+    return per_element * (-(-params // ranks) if stage_policy(stage).shard_optimizer else params)
+
+
 def _largest_within(replicated: int, sharded: int, memory: int, ranks: int) -> int | None:
     """Largest Ψ with replicated*Ψ + sharded*ceil(Ψ/N) <= memory; None when nothing bounds Ψ."""
     if replicated == 0 and sharded == 0:

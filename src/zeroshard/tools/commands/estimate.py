@@ -75,7 +75,10 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
                offloaded_nvme_bytes=state.offloaded_nvme,
                comm_elements=est.comm_elements_per_step(params, stage),
                comm_bytes=est.comm_bytes_per_step(params, stage, rec.param_bytes),
-               ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes))
+               ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes),
+               step_snapshot_bytes=est.step_snapshot_bytes(
+                   est.local_params(params, args.layout, args.replicated), args.ranks, stage, rec,
+                   args.offload_optimizer))
     if args.layout.model_parallel > 1:  # ZeRO's volume is that of the rank's model-parallel part
         local = est.local_params(params, args.layout, args.replicated)
         row.update(local_params=local, comm_elements=est.comm_elements_per_step(local, stage),
@@ -174,6 +177,12 @@ def format_table(result: dict) -> str:
     lines.append("")
     lines.append(f"comm/step: paper convention (§7: all-reduce of Ψ = 2Ψ, stage 3 = 3Ψ) in "
                  f"{rec['param_bytes']}-byte elements; a ring sends (N-1)/N of it per rank.")
+    snapshots = [f"{row['stage']}: {est.format_bytes(row['step_snapshot_bytes'])}" for row in result["stages"]
+                 if row.get("step_snapshot_bytes")]
+    if snapshots:  # real memory a user gets by default, though not a model state of the paper
+        lines.append("plus, while the optimizer step runs, zeroshard's transactional-step copy of the rank's fp32 "
+                     "masters and optimizer state (stage " + ", ".join(snapshots)
+                     + "; `zeroshard.transactional_step: false` drops it).")
     reasons: dict[str, list[str]] = {}
     for row in result["stages"]:
         if "error" in row:
