@@ -136,11 +136,9 @@ def model_state_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXE
 
 def step_snapshot_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
                         offload_optimizer: str | None = None) -> int:
-    """Bytes per rank of the copy zeroshard's transactional step keeps while the optimizer runs
-    ([Note: transactional step] in core/rollback.py): this rank's fp32 masters and optimizer state,
-    K bytes per element plus the fp32 master that fp32 training does not count in K. Not a model
-    state of the paper, so not in `model_state_bytes`; 0 with offloaded optimizer states, where the
-    copy is off by default (`zeroshard.transactional_step: false` turns it off everywhere)."""
+    """The transactional step's copy of a rank's fp32 masters and optimizer state while the optimizer
+    runs ([Note: transactional step], core/rollback.py): K + the fp32 master K omits in fp32. Not a paper
+    model state; 0 with offloaded optimizer states (off by default there)."""
     params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
     if offload_optimizer is not None:
         return 0
