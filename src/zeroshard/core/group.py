@@ -34,6 +34,18 @@ entry) with a DTensor over the same tp mesh whose local tensor is a view of the 
 then on only the buffer's storage is freed and grown back, never the views and never the buffer
 (FSDP2 keeps its unsharded DTensor parameters the same way); see [Note: ZeRO over the data-parallel
 dimension].
+[Note: gathering in place at one rank]
+At one rank a stage-3 group's shard is its whole flat buffer (shard_numel == padded_numel), so the
+all-gather is only a copy of the master into the gathered buffer: every forward moved the model's
+bytes twice more (read the shard, write the buffer) and allocated and freed a buffer per unit,
+which made a ZeRO-Inference token from the NVMe store ~2x slower than its disk read. A group that
+is not trained and whose master is in compute dtype on the compute device (fp32 inference from
+CPU memory or the memory-mapped NVMe store) therefore gathers in place: `full` *is* the master,
+the parameters are views of the store's tensor, and freeing drops those views and releases the
+master to its store (the NVMe store drops its pages), never resizing the master's storage. Trained
+groups keep the copy: the optimizer updates the master in place, while tensors a user took from
+gathered parameters (GatheredParameters) keep the values they were gathered with.
+
 This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
 """
 from __future__ import annotations
@@ -75,6 +87,9 @@ class FlatGroup:
         deferred = params[0].device.type == "meta"  # see [Note: deferred values]
         device = (device or torch.device("cpu")) if deferred else params[0].device
         self.device = device
+        # Set by its unit when the gather does more than copy (ZeRO++ qwZ quantizes, hpZ keeps secondary
+        # copies): then it never gathers in place ([Note: gathering in place at one rank]).
+        self.gather_must_copy = False
         if deferred:
             for param in params:
                 placeholder = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), param.requires_grad)
@@ -180,6 +195,11 @@ class FlatGroup:
         for param, spec in zip(self.params, self.tp_specs):
             if spec is None:  # a DTensor keeps its view; the storage under it is freed below
                 param.data = empty
+        if self.gathers_in_place:  # `full` is the master: drop it, never shrink the store's storage
+            if self.full is not None and self.master_store is not None:
+                self.master_store.release([self.master])
+            self.full = None
+            return
         if self.full is not None and not self.keep_full:
             if release and not any(self.tp_specs):  # DTensor views stay on this buffer for good
                 self.full = None  # new_full() allocates afresh; memory goes when the last view does
@@ -193,6 +213,20 @@ class FlatGroup:
         else:
             self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         return self.full
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Is the master itself the gathered buffer? See [Note: gathering in place at one rank]."""
+        return (self.reshards and self.layout.world_size == 1 and not self.trainable and not self.gather_must_copy
+                and self.compute_shard is None and not any(self.tp_specs)
+                and self.master.dtype == self.param_dtype and self.master.device == self.device)
+
+    def gather_in_place(self) -> None:
+        """The unshard of a group that gathers in place: ask the store for the master's pages (the
+        read runs ahead of use, while earlier units compute) and use the master as the buffer."""
+        if self.master_store is not None:
+            self.master_store.prefetch([self.master])
+        self.full = self.master
 
     def gather_input(self) -> torch.Tensor:
         """This rank's shard of the parameters in compute dtype (input of the all-gather)."""
@@ -208,8 +242,8 @@ class FlatGroup:
 
     def release_master(self) -> None:
         """An offloaded master shard is not needed until its next use: let the store write it out."""
-        if self.master_store is not None and self.compute_shard is None:
-            self.master_store.release([self.master])
+        if self.master_store is not None and self.compute_shard is None and not self.gathers_in_place:
+            self.master_store.release([self.master])  # (in place: the master is in use until free_full)
 
     def master_pieces(self, tensor: torch.Tensor | None = None):
         """(slot, lo, hi, view) per parameter piece in this rank's optimizer range: elements [lo, hi)

@@ -94,6 +94,9 @@ class Unit:
         self.groups = groups
         self.comm = comm  # the partition group: every rank, or a MiCS shard group
         self.links = links
+        if links.quantize_weights or links.secondary is not None:  # its gather is more than a copy
+            for group in groups:
+                group.gather_must_copy = True
         self._keep_secondary = False
         self.reshards = reshards
         self.state = UnitState.SHARDED if reshards else UnitState.UNSHARDED
@@ -115,6 +118,9 @@ class Unit:
         # Only a pass with a backward to come needs the copies (not eval, not ZeRO-Inference).
         keep_secondary = node is not None and not from_secondary and torch.is_grad_enabled()
         for group in self.groups:
+            if group.gathers_in_place:  # one rank: no copy ([Note: gathering in place at one rank])
+                group.gather_in_place()
+                continue
             what = f"all-gather of unit '{self.name}' parameters ({phase})"
             if from_secondary and group.secondary_scales is not None:  # hpZ with qwZ: int8 copies
                 handle = quantize.all_gather_encoded(node, group.new_full(), group.secondary, group.secondary_scales,
