@@ -234,19 +234,26 @@ CAPPED = textwrap.dedent("""
     def data_bytes():
         return int(open("/proc/self/status").read().split("VmData:")[1].split()[0]) * 1024
     cap = data_bytes() + headroom  # the runtime as it is, plus `headroom` bytes for the model
+    def rss():
+        return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+    rss_before = rss()
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     prompt = torch.tensor([[5, 6, 7, 8]])
     kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
     if mode == "unsharded":
         model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        rss_loaded = rss()
         tokens = model.generate(prompt, **kwargs)
     else:
         config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                   "stage3_prefetch_bucket_size": 1, "offload_param": {"device": "nvme", "nvme_path": swap}}}
         engine = from_pretrained(path, config)
+        rss_loaded = rss()
+        open("/proc/self/clear_refs", "w").write("5")  # VmHWM of generate alone
         tokens = engine.module.generate(prompt, **kwargs)
     rss = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
-    print(json.dumps({"tokens": tokens.tolist(), "cap": cap, "data": data_bytes(), "peak_rss": rss}), flush=True)
+    print(json.dumps({"tokens": tokens.tolist(), "cap": cap, "data": data_bytes(), "peak_rss": rss,
+                      "rss_before": rss_before, "rss_loaded": rss_loaded}), flush=True)
 """)
 
 
@@ -282,6 +289,10 @@ def test_capped_process_generates_a_model_larger_than_its_cap(tmp_path):
     report = json.loads(ours.stdout.strip().splitlines()[-1])
     assert report["tokens"] == expected.tolist(), report
     assert report["data"] < report["cap"], report
+    # Resident memory too (the cap does not count pages of the swap files): loading releases each group
+    # to its file, generating maps about two units, so neither keeps the model resident.
+    assert report["rss_loaded"] - report["rss_before"] < weights // 2, report
+    assert report["peak_rss"] - report["rss_loaded"] < weights // 2, report
 
 
 # -- offload_param.max_in_cpu -------------------------------------------------------------------------------
@@ -334,3 +345,90 @@ def test_max_in_cpu_is_acted_on_with_nvme_offload(tmp_path):
     plan.optimizer_store.tensor("m", 10, torch.float32)
     assert sum(s.offloaded_bytes for s in plan.stores()) == 80, "the shared files once: p1 and m"
     plan.destroy()
+
+
+# -- InferenceEngine.load_checkpoint: a training checkpoint's weights, streamed into the store ---------------
+def _trained_checkpoint(root: Path) -> dict:
+    """Train the tiny Llama two steps at stage 3 (these ranks), save a zeroshard checkpoint; the full
+    weights it holds (rank 0's full_state_dict)."""
+    from zeroshard.checkpoint import full_state_dict
+
+    model = build_model("llama", seed=4).train()
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "zeroshard": {"comm_timeout_s": 60}})
+    gen = torch.Generator().manual_seed(200 + torch.distributed.get_rank())
+    for _ in range(2):
+        ids = torch.randint(2, VOCAB, (2, 6), generator=gen)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(str(root), tag="trained")
+    full = full_state_dict(engine, torch.float32)
+    engine.destroy()
+    return full
+
+
+def _meta_engine(kind: str, config: dict) -> InferenceEngine:
+    """An engine over a model built on the meta device: no full copy of the weights is ever made."""
+    import transformers
+
+    from zeroshard.checkpoint.manifest import persistent_buffers
+    from zeroshard.compat.pretrained import materialize_buffers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    materialize_buffers(model, persistent_buffers(model))
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    return engine
+
+
+def _load_checkpoint_worker(rank: int, world_size: int, root: str, swap: str) -> None:
+    box = [_trained_checkpoint(Path(root))]
+    torch.distributed.broadcast_object_list(box, src=0)  # rank 0's full weights, the oracle's
+    subtests([{"case": "zeroshard"}, {"case": "deepspeed"}], lambda case: (
+        _case_load_checkpoint(root, swap, box[0]) if case == "zeroshard" else _case_load_deepspeed("stage3_fp32", swap)))
+
+
+def _case_load_checkpoint(root: str, swap: str, full: dict) -> None:
+    from zeroshard.checkpoint import CheckpointError
+
+    rank = torch.distributed.get_rank()
+    oracle = build_model("llama")
+    oracle.load_state_dict(full)
+    engine = _meta_engine("llama", inference_config("nvme", f"{swap}/load"))
+    path, client = engine.load_checkpoint(root, load_optimizer_states=False)  # `latest` names "trained"
+    assert path.endswith("trained") and client == {}, (path, client)
+    prompt, new_tokens = prompts(rank)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(engine.generate(prompt, do_sample=False, **kwargs),
+                       oracle.generate(prompt, do_sample=False, **kwargs)), f"rank {rank}: greedy differs"
+    assert engine.gathered_units() == [] and engine.memory_report()["offloaded_nvme"] > 0
+    engine.destroy()
+    other = _meta_engine("gpt2", inference_config("cpu", ""))
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        other.load_checkpoint(root, tag="trained")
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        other.load_checkpoint(str(Path(root) / "nowhere"))
+    other.destroy()
+
+
+def _case_load_deepspeed(source: str, swap: str) -> None:
+    """A checkpoint DeepSpeed itself wrote (tests/data/deepspeed): the weights are its zero_to_fp32 output."""
+    from tests.test_deepspeed_checkpoints import DATA, _reference, tm
+
+    engine, *_ = zeroshard.initialize(model=tm.build_model(), config=inference_config("nvme", f"{swap}/ds"))
+    engine.load_checkpoint(str(DATA / source))
+    with engine.gathered_parameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    reference = _reference(source)
+    assert params.keys() <= reference.keys() and all(torch.equal(params[n], reference[n].float()) for n in params)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_checkpoint_streams_a_training_checkpoint_into_the_store(world_size, tmp_path):
+    """InferenceEngine.load_checkpoint over a model built on the meta device: a zeroshard checkpoint
+    trained at these ranks generates the tokens of the plain model with its full weights; one
+    DeepSpeed wrote loads its zero_to_fp32 weights; a checkpoint of another model, or none, is refused."""
+    run_distributed(_load_checkpoint_worker, world_size, timeout=300, env=ENV, root=str(tmp_path / "ckpt"),
+                    swap=str(tmp_path / "swap"))

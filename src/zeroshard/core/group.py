@@ -242,8 +242,8 @@ class FlatGroup:
 
     def release_master(self) -> None:
         """An offloaded master shard is not needed until its next use: let the store write it out."""
-        if self.master_store is not None and self.compute_shard is None and not self.gathers_in_place:
-            self.master_store.release([self.master])  # (in place: the master is in use until free_full)
+        if self.master_store is not None and self.compute_shard is None:
+            self.master_store.release([self.master])
 
     def master_pieces(self, tensor: torch.Tensor | None = None):
         """(slot, lo, hi, view) per parameter piece in this rank's optimizer range: elements [lo, hi)

@@ -148,7 +148,8 @@ class Unit:
             self._gathers.clear()
             for group in self.groups:
                 group.point_params_at_full()
-                group.release_master()
+                if not group.gathers_in_place:  # in place, the master is in use until free_full
+                    group.release_master()
                 if self._keep_secondary:
                     group.keep_secondary(self.links.secondary.rank, self.links.secondary.world_size)
             self.state = UnitState.UNSHARDED

@@ -54,7 +54,7 @@ _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _LIBC.msync.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _MADV_POPULATE_READ = 22  # Linux >= 5.14: read the pages and map them, so their use takes no page faults
 _MS_SYNC = 4  # Linux's value (the mmap module does not export it)
-WRITE_BEHIND_BYTES = 256 * 2**20  # released bytes that may wait for their write-back (see NVMeStore.release)
+WRITE_BEHIND_BYTES = 32 * 2**20  # released bytes that may wait for their write-back (see NVMeStore.release)
 
 
 class StoreError(RuntimeError):
@@ -125,6 +125,7 @@ class _Mapped:
     fd: int
     lock: threading.Lock = field(default_factory=threading.Lock)
     releasing: Future | None = None  # its last write-back: a read-ahead waits for it (no drop after the read)
+    releases: int = 0  # how many times it was released: a read-ahead asked for before the last one is moot
 
     def syscall(self, name: str, *args) -> None:
         """libc `name`(start of the mapping, its length, *args); OSError on failure (see [Note:
@@ -214,7 +215,7 @@ class NVMeStore:
         mapped = self._mapped(tensors)
         self.check(tensors)
         for item in mapped:
-            self._readers.submit(_read_ahead, item)
+            self._readers.submit(_read_ahead, item, item.releasing, item.releases)
             self.counters.prefetched_bytes += item.nbytes
 
     def release(self, tensors) -> None:
@@ -224,6 +225,7 @@ class NVMeStore:
         2.1 GB model peaked at 2.5 GB of RSS so)."""
         for item in self._mapped(tensors):
             self.counters.released_bytes += item.nbytes
+            item.releases += 1
             item.releasing = self._pool.submit(_write_back, item)
             self._pending.append((item.releasing, item.nbytes))
         self._pending = [(f, n) for f, n in self._pending if not f.done() or f.exception()]
@@ -253,13 +255,18 @@ class NVMeStore:
         self.bytes_held = 0
 
 
-def _read_ahead(item: _Mapped) -> None:
+def _read_ahead(item: _Mapped, releasing: Future | None, releases: int) -> None:
     """Read a tensor's pages and map them into the process (a use then takes no page faults). Only
-    a hint: if it fails, the use faults the pages in itself, and `check` names a damaged file."""
-    releasing = item.releasing
+    a hint: if it fails, the use faults the pages in itself, and `check` names a damaged file.
+    `releasing`, `releases`: the tensor's last write-back and release count when this was asked for.
+    The write-back runs first (so it cannot drop the pages just read); if the tensor was released
+    again since (its use is over: the read came too late), nothing is read, since the pages would
+    then stay resident until its next release."""
     if releasing is not None:
-        wait_for([releasing])  # its pages are dropped first, never after this read (a failure is wait()'s to raise)
+        wait_for([releasing])  # a failure is wait()'s to raise
     with item.lock:
+        if item.releases != releases:
+            return
         try:
             item.syscall("madvise", _MADV_POPULATE_READ)
         except OSError as error:
