@@ -34,18 +34,6 @@ entry) with a DTensor over the same tp mesh whose local tensor is a view of the 
 then on only the buffer's storage is freed and grown back, never the views and never the buffer
 (FSDP2 keeps its unsharded DTensor parameters the same way); see [Note: ZeRO over the data-parallel
 dimension].
-[Note: gathering in place at one rank]
-At one rank a stage-3 group's shard is its whole flat buffer (shard_numel == padded_numel), so the
-all-gather is only a copy of the master into the gathered buffer: every forward moved the model's
-bytes twice more (read the shard, write the buffer) and allocated and freed a buffer per unit,
-which made a ZeRO-Inference token from the NVMe store ~2x slower than its disk read. A group that
-is not trained and whose master is in compute dtype on the compute device (fp32 inference from
-CPU memory or the memory-mapped NVMe store) therefore gathers in place: `full` *is* the master,
-the parameters are views of the store's tensor, and freeing drops those views and releases the
-master to its store (the NVMe store drops its pages), never resizing the master's storage. Trained
-groups keep the copy: the optimizer updates the master in place, while tensors a user took from
-gathered parameters (GatheredParameters) keep the values they were gathered with.
-
 This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
 """
 from __future__ import annotations
@@ -88,7 +76,7 @@ class FlatGroup:
         device = (device or torch.device("cpu")) if deferred else params[0].device
         self.device = device
         # Set by its unit when the gather does more than copy (ZeRO++ qwZ quantizes, hpZ keeps secondary
-        # copies): then it never gathers in place ([Note: gathering in place at one rank]).
+        # copies): then it never gathers in place ([Note: gathering in place at one rank] in unit.py).
         self.gather_must_copy = False
         if deferred:
             for param in params:
@@ -216,7 +204,7 @@ class FlatGroup:
 
     @property
     def gathers_in_place(self) -> bool:
-        """Is the master itself the gathered buffer? See [Note: gathering in place at one rank]."""
+        """Is the master itself the gathered buffer? See [Note: gathering in place at one rank] in unit.py."""
         return (self.reshards and self.layout.world_size == 1 and not self.trainable and not self.gather_must_copy
                 and self.compute_shard is None and not any(self.tp_specs)
                 and self.master.dtype == self.param_dtype and self.master.device == self.device)

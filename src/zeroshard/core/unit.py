@@ -6,6 +6,19 @@ gradient reduction. Issues its collectives through the Communicator; states are 
 Units that never reshard (stages 0-2, parameters below the persistence threshold) stay UNSHARDED.
 A prefetch is an `unshard()` issued early; the consumer's `wait_unshard()` completes it.
 
+[Note: gathering in place at one rank]
+At one rank a stage-3 group's shard is its whole flat buffer (shard_numel == padded_numel), so the
+all-gather is only a copy of the master into the gathered buffer: every forward moved the model's
+bytes twice more (read the shard, write the buffer) and allocated and freed a buffer per unit,
+which made a ZeRO-Inference token from the NVMe store ~2x slower than its disk read. A group that
+is not trained and whose master is in compute dtype on the compute device (fp32 inference from
+CPU memory or the memory-mapped NVMe store) therefore gathers in place: `full` *is* the master,
+the parameters are views of the store's tensor, and freeing drops those views and releases the
+master to its store (the NVMe store drops its pages), never resizing the master's storage. Trained
+groups keep the copy: the optimizer updates the master in place, while tensors a user took from
+gathered parameters (GatheredParameters) keep the values they were gathered with; so do ZeRO++
+units (qwZ quantizes what it gathers, hpZ keeps secondary copies: `gather_must_copy`).
+
 [Note: ZeRO++ and MiCS]
 Communication policies of the same stage 3 (core/policy.py `CommPolicy`); `Links` carries the
 communicators they need, built by sharded.py from core/mesh.py's rank groups.
