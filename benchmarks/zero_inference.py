@@ -9,7 +9,9 @@ the disk with `dd` (O_DIRECT read), then runs each system in its own process who
 segment + anonymous memory, set before Python starts) is --cap (default: half the weights):
 
   * zeroshard: `from_pretrained` straight into the NVMe store (`offload_param.device = nvme`), stage 3,
-    prefetch of the next layer; `engine.module.generate`.
+    prefetch of the next layer; `engine.module.generate`. Every weight streams from the disk.
+  * zeroshard-resident: the same, with `offload_param.max_in_cpu` = the CPU budget accelerate gets
+    (below), in elements: the first layers stay in memory, the rest stream.
   * accelerate: transformers `from_pretrained(device_map="auto", max_memory={"cpu": ...},
     offload_folder=...)`: what fits in the CPU budget stays resident, the rest is read from the
     checkpoint's safetensors files at each forward (accelerate's disk offload).
@@ -20,7 +22,8 @@ model in this 24 GB machine's RAM, so that a "disk" run reads RAM: after every g
 processes drop the page cache of every file holding weights (posix_fadvise DONTNEED on the checkpoint,
 and the NVMe store does it for its own files), which is what a model larger than RAM gets. Measured per
 batch size: tokens/s (batch x new tokens / wall time of generate), bytes read from the block device
-(/proc/self/io read_bytes) per second as a fraction of dd's, peak RSS (VmHWM, reset before each
+(/proc/self/io read_bytes) per second as a fraction of dd's, the machine's 1-minute load average
+before and after each system's process (this machine is shared: absolute times move with it), peak RSS (VmHWM, reset before each
 generate through /proc/self/clear_refs) with MALLOC_MMAP_THRESHOLD_=65536 in both (glibc returns freed
 buffers), and whether the tokens equal those of the unsharded model (computed without a cap, in this
 process). Outputs: OUT.json, OUT.txt (table and command), OUT.png (tokens/s against batch size).
@@ -129,23 +132,34 @@ def _read_bytes() -> int:
     return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["read_bytes"])
 
 
+def cpu_budget_mb(args) -> int:
+    """MiB of weights a system may keep in memory: what is left of the cap after this runtime, less
+    room for activations and loading (or --accelerate-cpu-mb)."""
+    if args.accelerate_cpu_mb is not None:
+        return args.accelerate_cpu_mb
+    return max(0, (args.cap - _status("VmData")) // 2**20 - 300)
+
+
 def load(system: str, args):
     import torch
     import transformers
 
-    if system == "zeroshard":
+    if system in ("zeroshard", "zeroshard-resident"):
         from zeroshard.compat.pretrained import from_pretrained
 
         # Units: every decoder layer, and inside it every Linear, and the embedding: so the LM head and
         # the embedding (131 MB each here) are gathered only while they compute, not for the whole pass.
-        # Prefetch: about one decoder layer (12.8M elements) ahead.
+        # Prefetch: about three decoder layers (12.8M elements each) ahead, read by the store's two readers.
+        offload = {"device": "nvme", "nvme_path": str(args.nvme)}
+        if system == "zeroshard-resident":  # accelerate's CPU budget, in fp32 elements
+            offload["max_in_cpu"] = cpu_budget_mb(args) * 2**20 // 4
+            print(f"zeroshard: max_in_cpu {offload['max_in_cpu']} elements ({cpu_budget_mb(args)} MiB)",
+                  file=sys.stderr)
         config = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch,
-                                        "offload_param": {"device": "nvme", "nvme_path": str(args.nvme)}},
+                                        "offload_param": offload},
                   "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"]}}
         return from_pretrained(args.model_dir, config).module
-    budget = args.accelerate_cpu_mb
-    if budget is None:  # what is left of the cap after this runtime, less room for activations and loading
-        budget = max(0, (args.cap - _status("VmData")) // 2**20 - 300)
+    budget = cpu_budget_mb(args)
     offload = tempfile.mkdtemp(dir=args.nvme)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         args.model_dir, device_map="auto", max_memory={"cpu": f"{budget}MiB"}, offload_folder=offload,
@@ -191,16 +205,17 @@ def run_capped(system: str, args, argv: list[str], capped: bool = True) -> list[
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT / "src"), **ENV)
     command = [sys.executable, __file__, *argv, "--child", system, "--cap", str(args.cap)]
-    started = time.perf_counter()
+    load_before, started = os.getloadavg()[0], time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=cap if capped else None,
                             timeout=args.timeout)
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    notes = [line for line in result.stderr.splitlines() if line.startswith(("accelerate:", "INFO"))]
+    notes = [line for line in result.stderr.splitlines() if line.startswith(("accelerate:", "zeroshard:", "INFO"))]
     if len(rows) < len(args.batches):
         tail = "\n".join(result.stderr.strip().splitlines()[-6:])
         rows.append({"system": system, "error": f"exit code {result.returncode}: {tail}"})
+    load = [load_before, os.getloadavg()[0]]  # this machine's 1-minute load average, before and after
     for row in rows:
-        row["process_s"], row["notes"], row["capped"] = time.perf_counter() - started, notes, capped
+        row["process_s"], row["notes"], row["capped"], row["load"] = time.perf_counter() - started, notes, capped, load
     return rows
 
 
@@ -208,7 +223,7 @@ def run_system(system: str, args, argv: list[str]) -> list[dict]:
     """Under the cap; a system that cannot run under it runs again without it (same CPU budget and
     prompts), so its speed and its real peak memory can still be set beside the others'."""
     rows = run_capped(system, args, argv)
-    if rows and "error" in rows[0] and system != "zeroshard":
+    if rows and "error" in rows[0] and not system.startswith("zeroshard"):
         rows += run_capped(system, args, argv, capped=False)
     return rows
 
@@ -223,7 +238,7 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
              f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; {args.threads} threads; "
              f"dd O_DIRECT read: {dd:.2f} GB/s",
              "", f"{'system':<20} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
-             f"{'peak RSS GB':>11} {'tokens = unsharded':>18}"]
+             f"{'peak RSS GB':>11} {'tokens = unsharded':>18} {'load':>9}"]
     for row in rows:
         name = row["system"] + ("" if row.get("capped", True) else " uncapped")
         if "error" in row:
@@ -232,14 +247,15 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
         same = row["tokens"] == reference[row["batch"]]
         lines.append(f"{name:<20} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
                      f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {row['peak_rss'] / 1e9:>11.2f} "
-                     f"{'yes' if same else 'NO':>18}")
-    speedups = []
-    for batch in args.batches:
-        ours = [r for r in rows if r.get("batch") == batch and r["system"] == "zeroshard" and "error" not in r]
-        theirs = [r for r in rows if r.get("batch") == batch and r["system"] == "accelerate" and "error" not in r]
-        if ours and theirs:
-            speedups.append(f"batch {batch}: {ours[0]['tokens_per_s'] / theirs[0]['tokens_per_s']:.1f}x")
-    lines += ["", "zeroshard / accelerate tokens/s: " + ", ".join(speedups)] if speedups else []
+                     f"{'yes' if same else 'NO':>18} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}")
+    for system in ("zeroshard", "zeroshard-resident"):
+        speedups = []
+        for batch in args.batches:
+            ours = [r for r in rows if r.get("batch") == batch and r["system"] == system and "error" not in r]
+            theirs = [r for r in rows if r.get("batch") == batch and r["system"] == "accelerate" and "error" not in r]
+            if ours and theirs:
+                speedups.append(f"batch {batch}: {ours[0]['tokens_per_s'] / theirs[0]['tokens_per_s']:.1f}x")
+        lines += [f"{system} / accelerate tokens/s: " + ", ".join(speedups)] if speedups else []
     return "\n".join(lines) + "\n"
 
 
@@ -253,7 +269,7 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib is not installed (pip install 'zeroshard[plot]'): no chart", file=sys.stderr)
         return
     figure, axis = plt.subplots(figsize=(6, 4))
-    for system, marker in (("zeroshard", "o"), ("accelerate", "s")):
+    for system, marker in (("zeroshard", "o"), ("zeroshard-resident", "^"), ("accelerate", "s")):
         ok = [r for r in rows if r.get("system") == system and "error" not in r]
         points = sorted((r["batch"], r["tokens_per_s"]) for r in ok)
         if points:
@@ -282,12 +298,12 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prefetch", type=int, default=13_000_000,
-                        help="zeroshard's stage3_prefetch_bucket_size in elements (default: about one layer)")
+    parser.add_argument("--prefetch", type=int, default=40_000_000,
+                        help="zeroshard's stage3_prefetch_bucket_size in elements (default: about three layers)")
     parser.add_argument("--cap", type=int, default=None, help="RLIMIT_DATA bytes (default: half the weights)")
     parser.add_argument("--accelerate-cpu-mb", type=int, default=None,
                         help="accelerate's max_memory for the CPU (default: what the cap leaves, less 300 MiB)")
-    parser.add_argument("--systems", default="zeroshard,accelerate")
+    parser.add_argument("--systems", default="zeroshard,zeroshard-resident,accelerate")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=Path("zero_inference"))
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -50,8 +50,11 @@ def build_model(kind: str, seed: int = 0):
     return transformers.AutoModelForCausalLM.from_config(hf_config(kind)).eval()
 
 
-def inference_config(store: str, swap: str, **zero) -> dict:
+def inference_config(store: str, swap: str, in_cpu: int = 0, **zero) -> dict:
+    """store "nvme+cpu": NVMe offload with offload_param.max_in_cpu = `in_cpu`."""
     offload = {"device": "cpu"} if store == "cpu" else {"device": "nvme", "nvme_path": swap}
+    if store == "nvme+cpu":
+        offload["max_in_cpu"] = in_cpu
     return {"zero_optimization": {"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0,
                                   "stage3_prefetch_bucket_size": 1, **zero},  # prefetch: the next unit only
             "zeroshard": {"comm_timeout_s": 60}}
@@ -64,10 +67,10 @@ def prompts(rank: int) -> tuple[torch.Tensor, int]:
 
 
 # -- token equality at 1 and 2 ranks ---------------------------------------------------------------------
-def _engine(source: str, kind: str, store: str, checkpoints: str, swap: str):
+def _engine(source: str, kind: str, store: str, checkpoints: str, swap: str, in_cpu: int = 0):
     from zeroshard.compat.pretrained import from_pretrained
 
-    config = inference_config(store, swap)
+    config = inference_config(store, swap, in_cpu)
     if source == "pretrained":
         return from_pretrained(Path(checkpoints) / kind, config)
     engine, optimizer, _, scheduler = zeroshard.initialize(model=build_model(kind), config=config)
@@ -86,23 +89,49 @@ def _watch_prefetch(engine) -> list[tuple[str, str]]:
     return seen
 
 
+def _watch_storage(engine) -> list[bool]:
+    """At each unit's forward (after our hooks): are its parameters views of its groups' master shards?"""
+    seen = []
+    for unit in engine.units:
+        masters = {g.master.untyped_storage().data_ptr() for g in unit.groups}
+        params = [p for g in unit.groups for p in g.params]
+        unit.module.register_forward_pre_hook(lambda module, args, masters=masters, params=params: seen.append(
+            all(p.untyped_storage().data_ptr() in masters for p in params)))
+    return seen
+
+
+def _check_max_in_cpu(engine, memory: dict, in_cpu: int) -> None:
+    """The first shards, up to max_in_cpu elements, are in CPU memory, the rest in the NVMe files."""
+    store = engine.placement.param_store
+    resident = [store.cpu.holds(g.master) for g in engine.groups]
+    first_streamed = resident.index(False)
+    assert all(resident[:first_streamed]) and not any(resident[first_streamed:]), resident
+    held = sum(g.master.numel() for g in engine.groups[:first_streamed])
+    assert 0 < held <= in_cpu < held + engine.groups[first_streamed].master.numel(), (held, in_cpu)
+    assert memory["params"] == held * 4, memory
+
+
 def _generate_case(source: str, kind: str, store: str, checkpoints: str, swap: str) -> None:
     import transformers
 
     rank = torch.distributed.get_rank()
     oracle = (transformers.AutoModelForCausalLM.from_pretrained(Path(checkpoints) / kind).eval()
               if source == "pretrained" else build_model(kind))
-    engine = _engine(source, kind, store, checkpoints, f"{swap}/{source}-{kind}")
+    in_cpu = sum(p.numel() for p in oracle.parameters()) // (2 * torch.distributed.get_world_size())  # half
+    engine = _engine(source, kind, store, checkpoints, f"{swap}/{source}-{kind}-{store}", in_cpu)
     assert isinstance(engine, InferenceEngine)
     memory = engine.memory_report()
     assert memory["grads"] == 0 and memory["optimizer"] == 0 and memory["master"] == 0, memory
     resident = memory["params"] + memory["offloaded_nvme"]
     assert resident == sum(g.layout.shard_numel * 4 for g in engine.groups), memory  # the shards, once
-    assert (memory["offloaded_nvme"] > 0) == (store == "nvme"), memory
+    assert (memory["offloaded_nvme"] > 0) == (store != "cpu"), memory
+    if store == "nvme+cpu":
+        _check_max_in_cpu(engine, memory, in_cpu)
     assert all(p.numel() == 0 for p in engine.module.parameters()), "parameters not sharded at rest"
     prompt, new_tokens = prompts(rank)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, attention_mask=torch.ones_like(prompt))
     seen = _watch_prefetch(engine)
+    in_place = _watch_storage(engine)
     greedy = engine.generate(prompt, do_sample=False, **kwargs)
     assert torch.equal(greedy, oracle.generate(prompt, do_sample=False, **kwargs)), f"rank {rank}: greedy differs"
     torch.manual_seed(7)
@@ -115,12 +144,16 @@ def _generate_case(source: str, kind: str, store: str, checkpoints: str, swap: s
     assert order[0] == "<root>" and len(order) == len(engine.units), order
     # After the first pass (which records the order): the next layer is being gathered, the one after is not.
     assert seen[:1] == [("sharded", "sharded")] and set(seen[1:]) == {("gathering", "sharded")}, seen
+    # One rank: the parameters are views of the shards, no copy ([Note: gathering in place at one
+    # rank]); two ranks: of the gathered buffer.
+    assert set(in_place) == {engine.world_size == 1}, in_place
     engine.destroy()
 
 
 def _generate_worker(rank: int, world_size: int, checkpoints: str, swap: str) -> None:
-    subtests(grid(source=["initialize", "pretrained"], kind=["gpt2", "llama"], store=["cpu", "nvme"]),
-             lambda **case: _generate_case(checkpoints=checkpoints, swap=swap, **case))
+    cases = (grid(source=["initialize", "pretrained"], kind=["gpt2", "llama"], store=["cpu", "nvme"])
+             + grid(source=["pretrained"], kind=["gpt2", "llama"], store=["nvme+cpu"]))
+    subtests(cases, lambda **case: _generate_case(checkpoints=checkpoints, swap=swap, **case))
 
 
 def _save_checkpoints(root: Path) -> str:
@@ -201,19 +234,26 @@ CAPPED = textwrap.dedent("""
     def data_bytes():
         return int(open("/proc/self/status").read().split("VmData:")[1].split()[0]) * 1024
     cap = data_bytes() + headroom  # the runtime as it is, plus `headroom` bytes for the model
+    def rss():
+        return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) * 1024
+    rss_before = rss()
     resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
     prompt = torch.tensor([[5, 6, 7, 8]])
     kwargs = dict(max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
     if mode == "unsharded":
         model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        rss_loaded = rss()
         tokens = model.generate(prompt, **kwargs)
     else:
         config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
                   "stage3_prefetch_bucket_size": 1, "offload_param": {"device": "nvme", "nvme_path": swap}}}
         engine = from_pretrained(path, config)
+        rss_loaded = rss()
+        open("/proc/self/clear_refs", "w").write("5")  # VmHWM of generate alone
         tokens = engine.module.generate(prompt, **kwargs)
     rss = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) * 1024
-    print(json.dumps({"tokens": tokens.tolist(), "cap": cap, "data": data_bytes(), "peak_rss": rss}), flush=True)
+    print(json.dumps({"tokens": tokens.tolist(), "cap": cap, "data": data_bytes(), "peak_rss": rss,
+                      "rss_before": rss_before, "rss_loaded": rss_loaded}), flush=True)
 """)
 
 
@@ -249,3 +289,146 @@ def test_capped_process_generates_a_model_larger_than_its_cap(tmp_path):
     report = json.loads(ours.stdout.strip().splitlines()[-1])
     assert report["tokens"] == expected.tolist(), report
     assert report["data"] < report["cap"], report
+    # Resident memory too (the cap does not count pages of the swap files): loading releases each group
+    # to its file, generating maps about two units, so neither keeps the model resident.
+    assert report["rss_loaded"] - report["rss_before"] < weights // 2, report
+    assert report["peak_rss"] - report["rss_loaded"] < weights // 2, report
+
+
+# -- offload_param.max_in_cpu -------------------------------------------------------------------------------
+def test_max_in_cpu_is_acted_on_with_nvme_offload(tmp_path):
+    """Set with NVMe offload: the first tensors up to max_in_cpu elements are in CPU memory, the rest in files
+    (no not-acted-on warning). Absent: everything streams. With device cpu: reported as not acted on. Shared
+    with the optimizer's NVMe store: its files are counted once."""
+    import warnings
+
+    from zeroshard.config import load_config
+    from zeroshard.config.parse import ConfigKeyNotActedOnWarning
+    from zeroshard.offload import CPUStore, NVMeStore, ResidentFirstStore, build_placement
+
+    def placement(offload_param: dict, optimizer=None, offload_optimizer=None):
+        zero = {"stage": 3, "offload_param": offload_param}
+        if offload_optimizer:
+            zero["offload_optimizer"] = offload_optimizer
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            cfg = load_config({"zero_optimization": zero}, 1)
+        named = [str(w.message) for w in record if w.category is ConfigKeyNotActedOnWarning]
+        return build_placement(cfg.zero_optimization, cfg.aio, optimizer, 100, 0, 1), named
+
+    nvme = {"device": "nvme", "nvme_path": str(tmp_path / "a")}
+    plan, named = placement({**nvme, "max_in_cpu": 25})
+    store = plan.param_store
+    assert isinstance(store, ResidentFirstStore) and not any("max_in_cpu" in n for n in named), named
+    tensors = [store.tensor(f"t{i}", 10, torch.float32) for i in range(4)]
+    assert [store.cpu.holds(t) for t in tensors] == [True, True, False, False]  # 20 <= 25 < 30: a prefix
+    assert store.offloaded_bytes == 80 and store.bytes_held == 160 and not store.resident(tensors[2])
+    store.release(tensors)
+    store.prefetch(tensors)
+    assert all(t.sum().item() == 0 for t in tensors)
+    plan.destroy()
+    assert not any((tmp_path / "a").iterdir()), "destroy removes the swap files"
+
+    plan, _ = placement(dict(nvme, nvme_path=str(tmp_path / "b")))
+    assert isinstance(plan.param_store, NVMeStore), "absent: every shard streams"
+    plan.destroy()
+    plan, named = placement({"device": "cpu", "max_in_cpu": 25})
+    assert isinstance(plan.param_store, CPUStore) and any("max_in_cpu" in n for n in named), named
+    plan.destroy()
+
+    shared = dict(nvme, nvme_path=str(tmp_path / "c"))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(100))], lr=0.1)
+    plan, _ = placement({**shared, "max_in_cpu": 10}, optimizer, offload_optimizer=shared)
+    assert plan.param_store.nvme is plan.optimizer_store
+    plan.param_store.tensor("p0", 10, torch.float32)
+    plan.param_store.tensor("p1", 10, torch.float32)
+    plan.optimizer_store.tensor("m", 10, torch.float32)
+    assert sum(s.offloaded_bytes for s in plan.stores()) == 80, "the shared files once: p1 and m"
+    plan.destroy()
+
+
+# -- InferenceEngine.load_checkpoint: a training checkpoint's weights, streamed into the store ---------------
+def _trained_checkpoint(root: Path) -> dict:
+    """Train the tiny Llama two steps at stage 3 (these ranks), save a zeroshard checkpoint; the full
+    weights it holds (rank 0's full_state_dict)."""
+    from zeroshard.checkpoint import full_state_dict
+
+    model = build_model("llama", seed=4).train()
+    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "zeroshard": {"comm_timeout_s": 60}})
+    gen = torch.Generator().manual_seed(200 + torch.distributed.get_rank())
+    for _ in range(2):
+        ids = torch.randint(2, VOCAB, (2, 6), generator=gen)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    engine.save_checkpoint(str(root), tag="trained")
+    full = full_state_dict(engine, torch.float32)
+    engine.destroy()
+    return full
+
+
+def _meta_engine(kind: str, config: dict) -> InferenceEngine:
+    """An engine over a model built on the meta device: no full copy of the weights is ever made."""
+    import transformers
+
+    from zeroshard.checkpoint.manifest import persistent_buffers
+    from zeroshard.compat.pretrained import materialize_buffers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+    materialize_buffers(model, persistent_buffers(model))
+    engine, *_ = zeroshard.initialize(model=model, config=config)
+    return engine
+
+
+def _load_checkpoint_worker(rank: int, world_size: int, root: str, swap: str) -> None:
+    box = [_trained_checkpoint(Path(root))]
+    torch.distributed.broadcast_object_list(box, src=0)  # rank 0's full weights, the oracle's
+    subtests([{"case": "zeroshard"}, {"case": "deepspeed"}], lambda case: (
+        _case_load_checkpoint(root, swap, box[0]) if case == "zeroshard" else _case_load_deepspeed("stage3_fp32", swap)))
+
+
+def _case_load_checkpoint(root: str, swap: str, full: dict) -> None:
+    from zeroshard.checkpoint import CheckpointError
+
+    rank = torch.distributed.get_rank()
+    oracle = build_model("llama")
+    oracle.load_state_dict(full)
+    engine = _meta_engine("llama", inference_config("nvme", f"{swap}/load"))
+    path, client = engine.load_checkpoint(root, load_optimizer_states=False)  # `latest` names "trained"
+    assert path.endswith("trained") and client == {}, (path, client)
+    prompt, new_tokens = prompts(rank)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(engine.generate(prompt, do_sample=False, **kwargs),
+                       oracle.generate(prompt, do_sample=False, **kwargs)), f"rank {rank}: greedy differs"
+    assert engine.gathered_units() == [] and engine.memory_report()["offloaded_nvme"] > 0
+    engine.destroy()
+    other = _meta_engine("gpt2", inference_config("cpu", ""))
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        other.load_checkpoint(root, tag="trained")
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        other.load_checkpoint(str(Path(root) / "nowhere"))
+    other.destroy()
+
+
+def _case_load_deepspeed(source: str, swap: str) -> None:
+    """A checkpoint DeepSpeed itself wrote (tests/data/deepspeed): the weights are its zero_to_fp32 output."""
+    from tests.test_deepspeed_checkpoints import DATA, _reference, tm
+
+    engine, *_ = zeroshard.initialize(model=tm.build_model(), config=inference_config("nvme", f"{swap}/ds"))
+    engine.load_checkpoint(str(DATA / source))
+    with engine.gathered_parameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    reference = _reference(source)
+    assert params.keys() <= reference.keys() and all(torch.equal(params[n], reference[n].float()) for n in params)
+    engine.destroy()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_load_checkpoint_streams_a_training_checkpoint_into_the_store(world_size, tmp_path):
+    """InferenceEngine.load_checkpoint over a model built on the meta device: a zeroshard checkpoint
+    trained at these ranks generates the tokens of the plain model with its full weights; one
+    DeepSpeed wrote loads its zero_to_fp32 weights; a checkpoint of another model, or none, is refused."""
+    run_distributed(_load_checkpoint_worker, world_size, timeout=300, env=ENV, root=str(tmp_path / "ckpt"),
+                    swap=str(tmp_path / "swap"))

@@ -88,6 +88,8 @@ def _indexed_files(directory: Path) -> list[Path]:
 
 
 def _open_source(source):
+    if hasattr(source, "read_into"):  # already a source (module_weights.py: a training checkpoint)
+        return source
     if isinstance(source, dict):
         return _StateDictSource(source, "the state dict")
     path = Path(source)
@@ -107,7 +109,7 @@ def load_full_weights(engine, source, strict: bool = True) -> None:
     Collective (under tensor/pipeline parallelism: over every rank of the grid)."""
     layout = layout_of(engine)
     _, error = attempt(_load, engine, source, strict, layout)
-    where = "a state dict" if isinstance(source, dict) else source
+    where = "a state dict" if isinstance(source, dict) else getattr(source, "where", source)
     agree(layout.comm if layout is not None else engine.comm, error, f"loading full weights from {where}")
     engine.refresh_parameters()
 

@@ -112,6 +112,21 @@ class InferenceEngine(ShardedViews, nn.Module):
 
         load_full_weights(self, source, strict=strict)
 
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, verify: bool = True, **ignored):
+        """The module weights of a training checkpoint (zeroshard's or DeepSpeed's, any world size
+        and stage) into the store, group by group, never the whole model in memory
+        (checkpoint/module_weights.py). `tag`: default the one `latest` names, or `load_dir` itself
+        when it is one checkpoint. DeepSpeed's training-state arguments (`load_optimizer_states`,
+        `load_lr_scheduler_states`, `load_module_only`) are accepted and mean nothing here: an
+        inference engine has no optimizer, scheduler or step counters. Returns `(checkpoint
+        directory, {})`, as DeepSpeed's `load_checkpoint` returns `(path, client_state)`. Collective."""
+        from zeroshard.checkpoint.module_weights import load_module_weights
+
+        unknown = sorted(set(ignored) - {"load_optimizer_states", "load_lr_scheduler_states", "load_module_only"})
+        if unknown:
+            raise TypeError(f"load_checkpoint() got unexpected keyword argument(s) {unknown}")
+        return load_module_weights(self, load_dir, tag, strict=load_module_strict, verify=verify), {}
+
     def refresh_parameters(self) -> None:
         self.sharded.refresh_parameters()
 

@@ -118,8 +118,12 @@ TABLE: dict[str, Rule] = {
               *(f"zero_optimization.offload_optimizer.{key}" for key in ("buffer_count", "ratio", "fast_init")),
               when=_optimizer_offload),
     **_parsed("the offload stores size themselves; everything chosen is offloaded",
-              *(f"zero_optimization.offload_param.{key}" for key in ("buffer_count", "buffer_size", "max_in_cpu")),
+              *(f"zero_optimization.offload_param.{key}" for key in ("buffer_count", "buffer_size")),
               when=_param_offload),
+    # Acted on with NVMe offload (offload/split.py): the first max_in_cpu elements stay in CPU memory.
+    **_parsed("max_in_cpu acts with device 'nvme'; with device 'cpu' every parameter shard is in CPU memory",
+              "zero_optimization.offload_param.max_in_cpu",
+              when=lambda cfg: _param_offload(cfg) and cfg.zero_optimization.offload_param.device == "cpu"),
     # [Note: why memory-mapped files] in offload/store.py: the kernel sizes, queues and submits the
     # I/O of a mapping, so DeepSpeed's libaio request knobs have nothing to set. `aio.thread_count`
     # is acted on (threads of the write-back pool).

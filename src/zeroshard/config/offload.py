@@ -47,7 +47,9 @@ class OffloadParamConfig(Section):
     buffer_size: NonNegInt = 100_000_000
     """Elements per buffer of the NVMe parameter pool."""
     max_in_cpu: NonNegInt = 1_000_000_000
-    """Parameter elements kept in CPU memory when offloading to NVMe."""
+    """Parameter elements kept in CPU memory when offloading to NVMe: the first shards up to this many
+    stay resident, the rest stream. Acted on only when set (absent: every shard streams); see [Note:
+    max_in_cpu is acted on when set] in offload/split.py."""
 
 
 def _check_nvme_path(section: OffloadOptimizerConfig | OffloadParamConfig | None, name: str) -> None:

@@ -75,6 +75,9 @@ class FlatGroup:
         deferred = params[0].device.type == "meta"  # see [Note: deferred values]
         device = (device or torch.device("cpu")) if deferred else params[0].device
         self.device = device
+        # Set by its unit when the gather does more than copy (ZeRO++ qwZ quantizes, hpZ keeps secondary
+        # copies): then it never gathers in place ([Note: gathering in place at one rank] in unit.py).
+        self.gather_must_copy = False
         if deferred:
             for param in params:
                 placeholder = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), param.requires_grad)
@@ -180,6 +183,11 @@ class FlatGroup:
         for param, spec in zip(self.params, self.tp_specs):
             if spec is None:  # a DTensor keeps its view; the storage under it is freed below
                 param.data = empty
+        if self.gathers_in_place:  # `full` is the master: drop it, never shrink the store's storage
+            if self.full is not None and self.master_store is not None:
+                self.master_store.release([self.master])
+            self.full = None
+            return
         if self.full is not None and not self.keep_full:
             if release and not any(self.tp_specs):  # DTensor views stay on this buffer for good
                 self.full = None  # new_full() allocates afresh; memory goes when the last view does
@@ -193,6 +201,20 @@ class FlatGroup:
         else:
             self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         return self.full
+
+    @property
+    def gathers_in_place(self) -> bool:
+        """Is the master itself the gathered buffer? See [Note: gathering in place at one rank] in unit.py."""
+        return (self.reshards and self.layout.world_size == 1 and not self.trainable and not self.gather_must_copy
+                and self.compute_shard is None and not any(self.tp_specs)
+                and self.master.dtype == self.param_dtype and self.master.device == self.device)
+
+    def gather_in_place(self) -> None:
+        """The unshard of a group that gathers in place: ask the store for the master's pages (the
+        read runs ahead of use, while earlier units compute) and use the master as the buffer."""
+        if self.master_store is not None:
+            self.master_store.prefetch([self.master])
+        self.full = self.master
 
     def gather_input(self) -> torch.Tensor:
         """This rank's shard of the parameters in compute dtype (input of the all-gather)."""

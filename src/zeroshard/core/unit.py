@@ -6,6 +6,19 @@ gradient reduction. Issues its collectives through the Communicator; states are 
 Units that never reshard (stages 0-2, parameters below the persistence threshold) stay UNSHARDED.
 A prefetch is an `unshard()` issued early; the consumer's `wait_unshard()` completes it.
 
+[Note: gathering in place at one rank]
+At one rank a stage-3 group's shard is its whole flat buffer (shard_numel == padded_numel), so the
+all-gather is only a copy of the master into the gathered buffer: every forward moved the model's
+bytes twice more (read the shard, write the buffer) and allocated and freed a buffer per unit,
+which made a ZeRO-Inference token from the NVMe store ~2x slower than its disk read. A group that
+is not trained and whose master is in compute dtype on the compute device (fp32 inference from
+CPU memory or the memory-mapped NVMe store) therefore gathers in place: `full` *is* the master,
+the parameters are views of the store's tensor, and freeing drops those views and releases the
+master to its store (the NVMe store drops its pages), never resizing the master's storage. Trained
+groups keep the copy: the optimizer updates the master in place, while tensors a user took from
+gathered parameters (GatheredParameters) keep the values they were gathered with; so do ZeRO++
+units (qwZ quantizes what it gathers, hpZ keeps secondary copies: `gather_must_copy`).
+
 [Note: ZeRO++ and MiCS]
 Communication policies of the same stage 3 (core/policy.py `CommPolicy`); `Links` carries the
 communicators they need, built by sharded.py from core/mesh.py's rank groups.
@@ -94,6 +107,9 @@ class Unit:
         self.groups = groups
         self.comm = comm  # the partition group: every rank, or a MiCS shard group
         self.links = links
+        if links.quantize_weights or links.secondary is not None:  # its gather is more than a copy
+            for group in groups:
+                group.gather_must_copy = True
         self._keep_secondary = False
         self.reshards = reshards
         self.state = UnitState.SHARDED if reshards else UnitState.UNSHARDED
@@ -115,6 +131,9 @@ class Unit:
         # Only a pass with a backward to come needs the copies (not eval, not ZeRO-Inference).
         keep_secondary = node is not None and not from_secondary and torch.is_grad_enabled()
         for group in self.groups:
+            if group.gathers_in_place:  # one rank: no copy ([Note: gathering in place at one rank])
+                group.gather_in_place()
+                continue
             what = f"all-gather of unit '{self.name}' parameters ({phase})"
             if from_secondary and group.secondary_scales is not None:  # hpZ with qwZ: int8 copies
                 handle = quantize.all_gather_encoded(node, group.new_full(), group.secondary, group.secondary_scales,
@@ -142,7 +161,8 @@ class Unit:
             self._gathers.clear()
             for group in self.groups:
                 group.point_params_at_full()
-                group.release_master()
+                if not group.gathers_in_place:  # in place, the master is in use until free_full
+                    group.release_master()
                 if self._keep_secondary:
                     group.keep_secondary(self.links.secondary.rank, self.links.secondary.world_size)
             self.state = UnitState.UNSHARDED

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from zeroshard.offload.split import ResidentFirstStore
 from zeroshard.offload.store import CPUStore, NVMeStore, StoreError
 from zeroshard.core.placement import Placement
 
-__all__ = ["CPUStore", "NVMeStore", "StoreError", "build_placement"]
+__all__ = ["CPUStore", "NVMeStore", "ResidentFirstStore", "StoreError", "build_placement"]
 
 
 def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
@@ -45,4 +46,13 @@ def build_placement(zero, aio, optimizer: torch.optim.Optimizer | None, model_nu
             and zero.offload_param.device == zero.offload_optimizer.device == "nvme"
             and zero.offload_param.nvme_path == zero.offload_optimizer.nvme_path)
     plan.param_store = plan.optimizer_store if same else _store(zero.offload_param, rank, param_bytes, aio, coordinate)
+    if plan.param_store is not None and keeps_some_in_cpu(zero.offload_param):
+        plan.param_store = ResidentFirstStore(CPUStore(pin_memory=zero.offload_param.pin_memory), plan.param_store,
+                                              zero.offload_param.max_in_cpu, owns_nvme=not same)
     return plan
+
+
+def keeps_some_in_cpu(section) -> bool:
+    """Is `offload_param.max_in_cpu` acted on? Set by the user with NVMe offload: [Note: max_in_cpu
+    is acted on when set] in offload/split.py."""
+    return section.device == "nvme" and "max_in_cpu" in section.model_fields_set
