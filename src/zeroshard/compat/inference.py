@@ -24,6 +24,7 @@ import logging
 import torch
 from torch import nn
 
+from zeroshard.compat.engine import comm_policy
 from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
@@ -66,7 +67,8 @@ class InferenceEngine(ShardedViews, nn.Module):
             model, None, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
-            gradient_clipping=0.0, loss_scaler=None)
+            gradient_clipping=0.0, loss_scaler=None,
+            comm_policy=comm_policy(zero))  # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
         model.eval()
         log.info("zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",
                  zero.stage, comm.world_size, len(self.units), self.num_parameters() / 1e6,
