@@ -80,6 +80,7 @@ def _counted_worker(rank: int, world: int) -> list[dict]:
         {"head": False, "zero": {"stage3_prefetch_bucket_size": 3 * 2 * 32 * 32}, "inference": False},
         {"head": False, "zero": {"stage3_max_live_parameters": 1}, "inference": False},  # below one unit
         {"head": False, "zero": {"stage3_prefetch_bucket_size": 0}, "inference": False},
+        {"head": True, "zero": {"stage3_max_reuse_distance": 0}, "inference": False},  # nothing kept
         {"head": True, "zero": {}, "inference": False},  # the root is kept from forward to backward
         {"head": True, "zero": {"stage3_max_reuse_distance": 10**9}, "inference": False},  # everything kept
         {"head": True, "zero": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 4 * 2048},
@@ -90,7 +91,7 @@ def _counted_worker(rank: int, world: int) -> list[dict]:
 
 def test_live_gathered_elements_stay_within_the_bounds():
     reports = run_distributed(_counted_worker, 2, timeout=300)
-    (default, unbounded, live3, ahead3, live1, no_prefetch, root, reuse_all, reuse_capped) = reports[0]
+    (default, unbounded, live3, ahead3, live1, no_prefetch, reuse0, root, reuse_all, reuse_capped) = reports[0]
     unit = default["unit"]
     for r in reports[0]:
         assert r["live_after"] == 0, r  # everything freed after the step
@@ -106,11 +107,12 @@ def test_live_gathered_elements_stay_within_the_bounds():
     # A live bound below one unit: the computed unit is gathered anyway, nothing prefetched.
     assert live1["step_peak"] == no_prefetch["step_peak"] == unit, (live1, no_prefetch)
     # Every step gathers each block twice (forward, backward), but the last, whose backward begins where
-    # its forward ends (reuse distance 0): it stays gathered, unless the live bound forbids it.
+    # its forward ends (the default reuse distance 1): it stays gathered, unless the live bound forbids it.
     assert default["gathers"] == unbounded["gathers"] == 2 * BLOCKS - 1 and live1["gathers"] == 2 * BLOCKS, default
     # The root unit (the head, outermost): gathered while the blocks run, kept for its backward, which
     # begins where its forward ends: one gather fewer per step, no higher peak.
     assert root["step_peak"] == root["root"] + 2 * unit and root["gathers"] == 2 * BLOCKS + 1, root
+    assert reuse0["step_peak"] == root["step_peak"] and reuse0["gathers"] == 2 * (BLOCKS + 1), reuse0
     # A reuse distance above the model: no unit freed after forward, one gather each per step.
     assert reuse_all["forward_peak"] == root["root"] + BLOCKS * unit and reuse_all["gathers"] == BLOCKS + 1
     # ... unless the live bound says otherwise: kept only while live stays within it.

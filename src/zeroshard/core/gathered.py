@@ -16,12 +16,14 @@ persistent unit of small parameters) are model states, not counted. Three bounds
     None: no bound beyond the prefetch's.
   * `reuse_distance` (stage3_max_reuse_distance): a unit whose forward ends is kept gathered for its
     backward when the units used in between (the rest of the forward, then the backward up to it, in
-    the recorded orders) hold at most this many elements. 0 keeps only what is reused at once: the
-    root unit, whose backward begins where its forward ends (FSDP2 keeps its root unit gathered there
-    too). Reuse inside one forward or one backward is not looked for.
+    the recorded orders) hold fewer than this many elements (DeepSpeed's test), and the next unit to
+    run still fits within `max_live_numel` beside it. 0 frees every unit after its forward (the
+    paper's schedule: each gathered twice a step); 1 keeps only what is reused at once: the root unit,
+    whose backward begins where its forward ends (FSDP2 keeps its root unit gathered there too), or
+    the last block of a model without one. Reuse inside one forward or one backward is not looked for.
 
 zeroshard's defaults (`GatherLimits()`): the next unit prefetched, no element bound beyond it, reuse
-distance 0; so at most the enclosing units + the current unit + the next one are live, FSDP2's
+distance 1; so at most the enclosing units + the current unit + the next one are live, FSDP2's
 shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse) apply when a config gives them,
 and then a small model may be gathered whole.
 """
@@ -34,7 +36,7 @@ import dataclasses
 class GatherLimits:
     prefetch_numel: int = 1  # below one unit's size: "the next unit only"
     max_live_numel: int | None = None
-    reuse_distance: int = 0
+    reuse_distance: int = 1  # only a unit used again at once (the root) stays gathered
 
     def __post_init__(self):
         for name in ("prefetch_numel", "max_live_numel", "reuse_distance"):

@@ -221,7 +221,7 @@ class Lifecycle:
         if before_backward is None or later_forward >= self._position:
             return False  # no backward of its own, or it runs again in this forward: not looked for
         distance = self._forward_suffix[self._position] + before_backward
-        if distance > self.limits.reuse_distance:
+        if distance >= self.limits.reuse_distance:
             return False
         # Kept only if the next unit to run can still be gathered within max_live beside it.
         order, index = ((self.forward_order, self._position) if self._position < len(self.forward_order)

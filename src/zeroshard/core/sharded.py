@@ -52,7 +52,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
           group=None, mesh=None, model_parallel: ModelParallel | None = None,
           wrap: list[str] | None = None, persistence_threshold: int = 0,
           prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, max_live_numel: int | None = None,
-          reuse_distance: int = 0, overlap_comm: bool = True,
+          reuse_distance: int = 1, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
           comm_timeout_s: float = 300.0, check_collectives: bool = True,
           comm_policy: CommPolicy | None = None) -> "Sharded":
