@@ -247,6 +247,9 @@ class Sharded:
         """See [Note: failed steps]."""
         if isinstance(error, CollectiveError):
             self._broken = str(error)
+        links = [c for u in self.units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
+        for comm in {id(c): c for c in [self.comm, *self.norm_comms, *links]}.values():
+            comm.verify_before_launch = True  # peers may still be in this pass: see its comment in comm.py
         try:
             self.lifecycle.abort(wait=self._broken is None)
         except CollectiveError as drained:
