@@ -67,6 +67,12 @@ def _counted_case(head: bool, zero: dict, inference: bool) -> dict:
                 live.reset_peak()
                 engine.module(x)
         report["inference_peak"] = live.peak
+        engine(x)  # a training forward that no backward follows keeps its last unit for reuse ...
+        kept = live.numel
+        live.reset_peak()
+        with torch.no_grad():
+            engine.module(x)  # ... until the next pass starts: it is freed there, not held through it
+        report["kept_then_freed"] = (kept, live.peak, live.numel)
     engine.destroy()
     return report
 
@@ -98,6 +104,7 @@ def test_live_gathered_elements_stay_within_the_bounds():
         assert r["losses"] == default["losses"] if r["root"] == 0 else r["losses"] == root["losses"], r
     # Defaults: the unit being computed + the next one prefetched, in forward, backward and no-grad passes.
     assert default["forward_peak"] == default["step_peak"] == default["inference_peak"] == 2 * unit, default
+    assert default["kept_then_freed"] == (unit, 2 * unit, 0), default
     # What DeepSpeed's defaults (and zeroshard before the bounds) did: the whole model gathered at once.
     assert unbounded["step_peak"] == unbounded["inference_peak"] == BLOCKS * unit, unbounded
     # stage3_max_live_parameters bounds units computed + in flight.

@@ -147,6 +147,7 @@ class Lifecycle:
         if self._training_forward():
             self._check_order(unit)
         elif inference:
+            self.release_retained()  # kept by a training forward that no backward followed
             self._follow_inference_order(unit)
         unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
         unit.wait_unshard()
