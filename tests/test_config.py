@@ -36,8 +36,11 @@ def test_defaults_are_deepspeeds():
     z = cfg.zero_optimization
     assert z.stage == 0 and z.overlap_comm is False and z.contiguous_gradients and z.reduce_scatter
     assert z.reduce_bucket_size == z.allgather_bucket_size == 500_000_000
-    assert z.stage3_prefetch_bucket_size == 50_000_000 and z.stage3_param_persistence_threshold == 100_000
-    assert z.stage3_max_live_parameters == z.stage3_max_reuse_distance == z.sub_group_size == 10**9
+    # Stage 3's gathering bounds are zeroshard's (the next unit prefetched, only the root kept for backward),
+    # not DeepSpeed's 5e7 / 1e9 / 1e9, which gather a small model whole ([Note: bounded gathering]).
+    assert z.stage3_prefetch_bucket_size == 1 and z.stage3_param_persistence_threshold == 100_000
+    assert z.stage3_max_live_parameters is None and z.stage3_max_reuse_distance == 1
+    assert z.sub_group_size == 10**9
     assert z.allgather_partitions and not z.round_robin_gradients
     assert not z.stage3_gather_16bit_weights_on_model_save
     assert z.offload_optimizer is None and z.offload_param is None

@@ -111,7 +111,9 @@ def test_dp_only_mesh_is_bitwise_ddp():
 def _engine_case(mesh, ref, layout: str, stage: int) -> dict:
     model = dtensor_model(mesh) if layout == "dtensor" else megatron_model(mesh)
     where = {"mesh": mesh} if layout == "dtensor" else {"mpu": Mpu(mesh)}
-    config = make_config(stage, gas=GAS, clip=CLIP)
+    # Reuse distance 0: every stage-3 unit gathered in forward and again in backward, the schedule the
+    # byte count below checks (the default keeps the root unit for its backward and saves that gather).
+    config = make_config(stage, gas=GAS, clip=CLIP, stage3_max_reuse_distance=0)
     engine, *_ = zeroshard.initialize(model=model, optimizer=mm.adamw(model.parameters()), config=config, **where)
     assert engine.world_size == 2 and engine.train_batch_size() == 4 * GAS * 2  # dp ranks, not the world
     dp_rank = mesh.get_local_rank("dp")

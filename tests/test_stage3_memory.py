@@ -1,61 +1,170 @@
-"""Stage 3 really frees gathered parameters between uses — measured as process memory, not from our
-own bookkeeping. Autograd saves views of parameters for backward (a Linear saves `weight.t()`), so a
-unit whose buffer is merely dropped after forward would stay in memory until its backward."""
+"""Stage 3 bounds what is gathered *during* forward and backward ([Note: bounded gathering] in
+core/gathered.py): counted by the units themselves at every gather and free (LiveCount's peak), and
+measured as process memory (VmHWM of each rank) against unbounded prefetch. Autograd saves views of
+parameters for backward (a Linear saves `weight.t()`), so a unit whose buffer were merely dropped
+after forward would stay in memory until its backward: the VmHWM case sees that too."""
 from __future__ import annotations
 
-import gc
-
-import psutil
 import torch
 from torch import nn
 
 import zeroshard
-from tests.harness import run_distributed
+from tests.harness import run_distributed, subtests
 from tests.zs_common import make_config
+from zeroshard.tools.bench import measure
 
-WIDTH, BLOCKS = 1024, 8  # one unit = 2 x 1024 x 1024 fp32 = 8 MiB; the model = 64 MiB
-UNIT_MIB = 2 * WIDTH * WIDTH * 4 / 2**20
+BLOCKS = 8
+UNBOUNDED = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9}  # DeepSpeed's
 
 
 class Deep(nn.Module):
-    def __init__(self):
+    """BLOCKS equal units (2 x width^2 elements each) and, with `head`, a root unit of its own."""
+
+    def __init__(self, width: int, head: bool = False):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH, bias=False), nn.Tanh(),
-                                                  nn.Linear(WIDTH, WIDTH, bias=False)) for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh(),
+                                                  nn.Linear(width, width, bias=False)) for _ in range(BLOCKS))
+        self.head = nn.Linear(width, width, bias=False) if head else None
 
     def forward(self, x):
         for block in self.blocks:
             x = x + block(x)
-        return x.square().mean()
+        return (self.head(x) if self.head is not None else x).square().mean()
 
 
-def _rss_mib() -> float:
-    gc.collect()
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def _worker(rank: int, world: int) -> dict:
+def _engine(width: int, head: bool = False, **zero):
     torch.manual_seed(0)
-    model = Deep()
+    model = Deep(width, head)
     engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-                                      config=make_config(3, micro=2))
-    x = torch.randn(2, WIDTH)
+                                      config=make_config(3, micro=2, **zero))
+    return engine
+
+
+def _counted_case(head: bool, zero: dict, inference: bool) -> dict:
+    width = 32
+    engine = _engine(width, head, **zero)
+    live = engine.sharded.lifecycle.live
+    gathers = engine.comm.counter.calls
+    x = torch.randn(2, width, generator=torch.Generator().manual_seed(1))
+    losses = []
+    for _ in range(2):  # the first step records the orders the prefetch follows
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    before = gathers["all_gather"]
+    live.reset_peak()
+    loss = engine(x)
+    forward_peak = live.peak
+    engine.backward(loss)
+    engine.step()
+    report = {"forward_peak": forward_peak, "step_peak": live.peak, "live_after": live.numel,
+              "gathers": gathers["all_gather"] - before, "losses": losses + [loss.item()],
+              "unit": 2 * width * width, "root": width * width * head}
+    if inference:
+        with torch.no_grad():
+            for _ in range(3):  # the first pass records the inference order, the second starts prefetching
+                live.reset_peak()
+                engine.module(x)
+        report["inference_peak"] = live.peak
+        engine(x)  # a training forward that no backward follows keeps its last unit for reuse ...
+        kept = live.numel
+        live.reset_peak()
+        with torch.no_grad():
+            engine.module(x)  # ... until the next pass starts: it is freed there, not held through it
+        report["kept_then_freed"] = (kept, live.peak, live.numel)
+    engine.destroy()
+    return report
+
+
+def _counted_worker(rank: int, world: int) -> list[dict]:
+    cases = [
+        {"head": False, "zero": {}, "inference": True},  # zeroshard's defaults
+        {"head": False, "zero": UNBOUNDED, "inference": True},
+        {"head": False, "zero": {"stage3_prefetch_bucket_size": 50_000_000,
+                                 "stage3_max_live_parameters": 3 * 2 * 32 * 32}, "inference": True},
+        {"head": False, "zero": {"stage3_prefetch_bucket_size": 3 * 2 * 32 * 32}, "inference": False},
+        {"head": False, "zero": {"stage3_max_live_parameters": 1}, "inference": False},  # below one unit
+        {"head": False, "zero": {"stage3_prefetch_bucket_size": 0}, "inference": False},
+        {"head": True, "zero": {"stage3_max_reuse_distance": 0}, "inference": False},  # nothing kept
+        {"head": True, "zero": {}, "inference": False},  # the root is kept from forward to backward
+        {"head": True, "zero": {"stage3_max_reuse_distance": 10**9}, "inference": False},  # everything kept
+        {"head": True, "zero": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 4 * 2048},
+         "inference": False},
+    ]
+    return subtests(cases, _counted_case)
+
+
+def test_live_gathered_elements_stay_within_the_bounds():
+    reports = run_distributed(_counted_worker, 2, timeout=300)
+    (default, unbounded, live3, ahead3, live1, no_prefetch, reuse0, root, reuse_all, reuse_capped) = reports[0]
+    unit = default["unit"]
+    for r in reports[0]:
+        assert r["live_after"] == 0, r  # everything freed after the step
+        assert r["losses"] == default["losses"] if r["root"] == 0 else r["losses"] == root["losses"], r
+    # Defaults: the unit being computed + the next one prefetched, in forward, backward and no-grad passes.
+    assert default["forward_peak"] == default["step_peak"] == default["inference_peak"] == 2 * unit, default
+    assert default["kept_then_freed"] == (unit, 2 * unit, 0), default
+    # What DeepSpeed's defaults (and zeroshard before the bounds) did: the whole model gathered at once.
+    assert unbounded["step_peak"] == unbounded["inference_peak"] == BLOCKS * unit, unbounded
+    # stage3_max_live_parameters bounds units computed + in flight.
+    assert live3["step_peak"] == live3["inference_peak"] == 3 * unit, live3
+    # stage3_prefetch_bucket_size bounds what is ahead: current unit + prefetch bound.
+    assert ahead3["step_peak"] == unit + 3 * unit, ahead3
+    # A live bound below one unit: the computed unit is gathered anyway, nothing prefetched.
+    assert live1["step_peak"] == no_prefetch["step_peak"] == unit, (live1, no_prefetch)
+    # Every step gathers each block twice (forward, backward), but the last, whose backward begins where
+    # its forward ends (the default reuse distance 1): it stays gathered, unless the live bound forbids it.
+    assert default["gathers"] == unbounded["gathers"] == 2 * BLOCKS - 1 and live1["gathers"] == 2 * BLOCKS, default
+    # The root unit (the head, outermost): gathered while the blocks run, kept for its backward, which
+    # begins where its forward ends: one gather fewer per step, no higher peak.
+    assert root["step_peak"] == root["root"] + 2 * unit and root["gathers"] == 2 * BLOCKS + 1, root
+    assert reuse0["step_peak"] == root["step_peak"] and reuse0["gathers"] == 2 * (BLOCKS + 1), reuse0
+    # A reuse distance above the model: no unit freed after forward, one gather each per step.
+    assert reuse_all["forward_peak"] == root["root"] + BLOCKS * unit and reuse_all["gathers"] == BLOCKS + 1
+    # ... unless the live bound says otherwise: kept only while live stays within it.
+    assert reuse_capped["step_peak"] <= 4 * 2048 and BLOCKS + 1 < reuse_capped["gathers"] < 2 * BLOCKS + 1
+    assert reuse_capped["losses"] == root["losses"], reuse_capped
+
+
+WIDTH = 1024  # one unit = 2 x 1024 x 1024 fp32 = 8 MiB; the model = 64 MiB
+UNIT_MIB = 2 * WIDTH * WIDTH * 4 / 2**20
+
+
+def _hwm_case(zero: dict) -> dict:
+    engine = _engine(WIDTH, **zero)
+    meter = measure.PeakMemory(torch.device("cpu"))
+    # 64 rows: each block computes long enough for the gathers in flight to land (the unbounded
+    # prefetch then holds every unit), while activations stay small (256 KiB a layer).
+    x = torch.randn(64, WIDTH)
     for _ in range(2):  # warm up: first step records the order, allocator settles
         engine.backward(engine(x))
         engine.step()
-    before = _rss_mib()
+    measure.trim()
+    base = meter.current()
+    meter.reset()
     loss = engine(x)
-    after_forward = _rss_mib()
+    forward = meter.peak()
     engine.backward(loss)
+    both = meter.peak()  # the high-water mark of forward and backward, not counting the step
     engine.step()
-    after_step = _rss_mib()
     engine.destroy()
-    return {"forward_growth_mib": after_forward - before, "step_growth_mib": after_step - before}
+    return {"forward_mib": (forward - base) / 2**20, "forward_backward_mib": (both - base) / 2**20,
+            "method": meter.method}
 
 
-def test_forward_keeps_about_one_unit_gathered():
-    reports = run_distributed(_worker, 2, timeout=300, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
-    for report in reports:
-        # Current unit + the prefetched next one, not all eight (64 MiB) of them.
-        assert report["forward_growth_mib"] < 3 * UNIT_MIB, report
-        assert report["step_growth_mib"] < 3 * UNIT_MIB, report
+def _hwm_worker(rank: int, world: int) -> list[dict]:
+    return subtests([{"zero": {}}, {"zero": UNBOUNDED}], _hwm_case)
+
+
+def test_process_peak_during_forward_and_backward_is_bounded():
+    reports = run_distributed(_hwm_worker, 2, timeout=300, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    for default, unbounded in reports:
+        assert default["method"].startswith("RSS high-water"), default
+        # Forward: the current unit + the prefetched next one (16 MiB) + activations (~8 MiB), not all
+        # eight units (64 MiB; how many of those have landed at a moment depends on timing).
+        assert default["forward_mib"] < 4 * UNIT_MIB, default
+        assert unbounded["forward_mib"] > default["forward_mib"], (default, unbounded)
+        # Backward adds the full gradients of up to three units awaiting their reduce-scatter, the
+        # same with either prefetch; the unbounded prefetch's seven units ahead add ~4 units more.
+        assert unbounded["forward_backward_mib"] > default["forward_backward_mib"] + 3 * UNIT_MIB, (default, unbounded)

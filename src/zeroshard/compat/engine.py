@@ -19,6 +19,7 @@ from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.core.lifecycle import Phase, tensors_in
 from zeroshard.core.comm import Communicator
+from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, cast_floating
 from zeroshard.config.schema import ZeroConfig
 from zeroshard.core.policy import CommPolicy, stage_policy
@@ -57,7 +58,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         self.sharded = Sharded(
             model, optimizer, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
+            gather_limits=GatherLimits.from_section(zero), overlap_comm=bool(zero.overlap_comm),
             gradient_clipping=float(config.gradient_clipping or 0.0),
             loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None,
             model_parallel=model_parallel, comm_policy=comm_policy(zero))

@@ -27,6 +27,7 @@ from torch import nn
 from zeroshard.compat.engine import comm_policy
 from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import Communicator
+from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.precision import PrecisionPolicy
 from zeroshard.core.sharded import Sharded
@@ -66,7 +67,7 @@ class InferenceEngine(ShardedViews, nn.Module):
         self.sharded = Sharded(
             model, None, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            prefetch_numel=int(zero.stage3_prefetch_bucket_size), overlap_comm=bool(zero.overlap_comm),
+            gather_limits=GatherLimits.from_section(zero), overlap_comm=bool(zero.overlap_comm),
             gradient_clipping=0.0, loss_scaler=None,
             comm_policy=comm_policy(zero))  # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
         model.eval()

@@ -90,8 +90,7 @@ TABLE: dict[str, Rule] = {
     **_parsed("a unit (one flat group per block) is the bucket of every collective",
               *(f"zero_optimization.{key}" for key in (
                   "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter",
-                  "allgather_partitions", "round_robin_gradients", "stage3_max_live_parameters",
-                  "stage3_max_reuse_distance"))),
+                  "allgather_partitions", "round_robin_gradients"))),
     **_parsed("bf16 master weights, gradients and optimizer states are kept in fp32 here (more accurate "
               "than DeepSpeed's bf16 option, and more memory)",
               "bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states",

@@ -285,14 +285,19 @@ class ZeroConfig(Section):
     """Elements all-gathered at a time."""
     round_robin_gradients: bool = False
     """Stage 1/2 with CPU offload: spread gradient copies over ranks."""
-    stage3_prefetch_bucket_size: NonNegInt = 50_000_000
-    """Stage 3: parameter elements prefetched ahead of use."""
+    stage3_prefetch_bucket_size: NonNegInt = 1
+    """Stage 3: parameter elements gathered ahead of the unit being computed; the next unit is always
+    prefetched when above 0, so the default 1 means "the next unit only" (FSDP2's; DeepSpeed's default
+    is 5e7). 0: no prefetch. See [Note: bounded gathering] in core/gathered.py."""
     stage3_param_persistence_threshold: NonNegInt = 100_000
     """Stage 3: parameters with fewer elements stay unsharded."""
-    stage3_max_live_parameters: NonNegInt = 1_000_000_000
-    """Stage 3: parameter elements kept gathered before releasing."""
-    stage3_max_reuse_distance: NonNegInt = 1_000_000_000
-    """Stage 3: do not release a parameter reused within this many elements."""
+    stage3_max_live_parameters: Optional[NonNegInt] = None
+    """Stage 3: most parameter elements gathered at once (prefetches and reuse stop there; the unit
+    being computed is gathered regardless). Unset: no bound beyond the prefetch's (DeepSpeed: 1e9)."""
+    stage3_max_reuse_distance: NonNegInt = 1
+    """Stage 3: keep a unit gathered from its forward to its backward when the units used in between
+    hold fewer than this many elements: 0 frees every unit, the default 1 keeps only the root unit,
+    whose backward starts where its forward ends (DeepSpeed's default: 1e9)."""
     sub_group_size: NonNegInt = 1_000_000_000
     """Elements per optimizer-step tile (offload streams the step tile by tile)."""
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(

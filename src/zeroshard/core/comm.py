@@ -205,6 +205,11 @@ class Communicator:
         nccl = dist.get_backend(self.group) == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.counter = ByteCounter(self.world_size)
+        # Set after this rank abandoned a forward or backward (Sharded._abort): its peers may still be
+        # in theirs, so its next collective's check is verified before the collective is launched:
+        # the asynchronous check would otherwise let collectives of different sizes meet, which gloo
+        # answers by aborting the process. Cleared by the first check the ranks agree on.
+        self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
 
@@ -301,6 +306,9 @@ class Communicator:
              staging: _Staging | None = None) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         check = self._start_check(kind, nbytes, what)  # queued first on the same group, not waited here
+        if check is not None and self.verify_before_launch:
+            check.verify()  # raises, launching nothing, if the ranks diverged
+            check, self.verify_before_launch = None, False
         self.counter.add(kind, nbytes)
         started = time.monotonic()
         try:

@@ -1,9 +1,10 @@
 """When units gather, free and reduce: the hooks that drive a training step.
 
 Forward (stage 3): a unit's forward pre-hook gathers it (or waits on the prefetch issued by the
-unit before it) and prefetches the next units in the order recorded on the first step; its forward
-hook frees it again and hooks its outputs, so that the gradient arriving at those outputs gathers
-it once more before its own backward. Backward (every stage): each parameter's
+unit before it) and prefetches the next units in the order recorded on the first step, within the
+bounds of [Note: bounded gathering] (gathered.py); its forward hook frees it again (unless it is
+reused soon enough to keep) and hooks its outputs, so that the gradient arriving at those outputs
+gathers it once more before its own backward. Backward (every stage): each parameter's
 post-accumulate-grad hook moves its gradient into the group's flat gradient buffer; when the last
 trainable parameter of a unit has its gradient, the unit's reduction is issued (asynchronously) and
 the unit is freed. `end_backward` reduces units whose parameters were unused, waits for every
@@ -20,6 +21,7 @@ is simply not prefetched, and a unit prefetched but not run is freed when the ne
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import logging
@@ -29,6 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.comm import CollectiveError
+from zeroshard.core.gathered import GatherLimits, LiveCount
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import Unit, UnitState
 
@@ -57,12 +60,17 @@ class Phase(enum.Enum):
 
 class Lifecycle:
     def __init__(self, units: list[Unit], policy: StagePolicy, rank: int, world_size: int, *,
-                 prefetch_numel: int, overlap_comm: bool, max_inflight_reductions: int = 2):
+                 limits: GatherLimits, overlap_comm: bool, max_inflight_reductions: int = 2):
         self.units = units
         self.policy = policy
         self.rank = rank
         self.world_size = world_size
-        self.prefetch_numel = prefetch_numel if overlap_comm else 0
+        self.limits = limits if overlap_comm else dataclasses.replace(limits, prefetch_numel=0)
+        self.live = LiveCount()  # gathered elements of this model's units, now and at most
+        for unit in units:
+            assert unit.state is not UnitState.GATHERING, unit.name
+            unit.live = self.live
+            self.live.add(unit.numel if unit.reshards and unit.state is UnitState.UNSHARDED else 0)
         self.max_inflight = max_inflight_reductions
         self.phase = Phase.IDLE
         # Set by the engine after a forward whose outputs it hooked: a gradient reaching a unit before
@@ -85,6 +93,9 @@ class Lifecycle:
         self.inference_order: list[Unit] | None = None  # see [Note: inference prefetch]
         self._inference_recording: list[Unit] = []
         self._inference_next: int | None = None  # index in inference_order of the unit expected next
+        self._retained: list[Unit] = []  # kept gathered from forward for backward (reuse distance)
+        self._reuse: dict[int, tuple[int, int | None]] | None = None  # see _reuse_offsets
+        self._forward_suffix: list[int] = []  # [i]: elements of forward_order[i:]
 
     # -- registration ------------------------------------------------------------------------------
     def register(self) -> None:
@@ -109,6 +120,7 @@ class Lifecycle:
     def begin_forward(self) -> None:
         if self.phase is Phase.BACKWARD:
             raise RuntimeError("forward called while backward is still running")
+        self.release_retained()  # a forward with no backward after it kept them
         self.phase = Phase.FORWARD
         self.backward_opener = None
         self._forward_grad = torch.is_grad_enabled()
@@ -135,6 +147,7 @@ class Lifecycle:
         if self._training_forward():
             self._check_order(unit)
         elif inference:
+            self.release_retained()  # kept by a training forward that no backward followed
             self._follow_inference_order(unit)
         unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
         unit.wait_unshard()
@@ -181,8 +194,42 @@ class Lifecycle:
             return output
         if torch.is_grad_enabled():
             self._hook_outputs(unit, output)
+            if self._reused_soon(unit):
+                self._retained.append(unit)
+                return output
         unit.reshard()
         return output
+
+    def release_retained(self) -> None:
+        """Free the units a forward kept for a backward that did not come (a forward with autograd
+        on and no backward, or a step or load that changed the shards under them)."""
+        for unit in self._retained:
+            if not self.hold_gathered:
+                unit.reshard()
+        self._retained.clear()
+
+    def _reused_soon(self, unit: Unit) -> bool:
+        """Keep `unit` gathered from its forward to its backward? See [Note: bounded gathering]."""
+        if not unit.reshards or self.phase is not Phase.FORWARD or self.backward_order is None \
+                or self.forward_order is None:
+            return False
+        if self._reuse is None:
+            self._reuse = _reuse_offsets(self.forward_order, self.backward_order)
+            self._forward_suffix = [0] * (len(self.forward_order) + 1)
+            for i in range(len(self.forward_order) - 1, -1, -1):
+                self._forward_suffix[i] = self._forward_suffix[i + 1] + self.forward_order[i].numel
+        later_forward, before_backward = self._reuse.get(id(unit), (None, None))
+        if before_backward is None or later_forward >= self._position:
+            return False  # no backward of its own, or it runs again in this forward: not looked for
+        distance = self._forward_suffix[self._position] + before_backward
+        if distance >= self.limits.reuse_distance:
+            return False
+        # Kept only if the next unit to run can still be gathered within max_live beside it.
+        order, index = ((self.forward_order, self._position) if self._position < len(self.forward_order)
+                        else (self.backward_order, 0))
+        following = order[index]
+        need = following.numel if following.state is UnitState.SHARDED and following is not unit else 0
+        return self.limits.live_allows(self.live.numel, need)
 
     def _hook_outputs(self, unit: Unit, output) -> None:
         for tensor in _tensors_in(output):
@@ -278,6 +325,7 @@ class Lifecycle:
         self._inflight.clear()
         for unit in self.units:
             unit.reshard()
+        self._retained.clear()  # freed above with every other unit
         if self.backward_order is None and self._recording:
             self.backward_order = self._recording
         self.phase = Phase.IDLE
@@ -289,6 +337,7 @@ class Lifecycle:
         again), their results dropped, gathered parameters freed, nothing recorded from the
         partial pass. Raises the first CollectiveError met while waiting, after cleaning up."""
         self._inflight.clear()
+        self._retained.clear()  # every unit is freed below
         self._recording = []
         self._seen_in_backward.clear()
         self.phase = Phase.IDLE
@@ -305,9 +354,32 @@ class Lifecycle:
 
     # -- prefetch ----------------------------------------------------------------------------------
     def _prefetch(self, order: list[Unit], start: int, phase: str) -> None:
-        budget = self.prefetch_numel
+        """Gather ahead the units after `order[start - 1]`, within [Note: bounded gathering]."""
+        limits = self.limits
+        if limits.prefetch_numel <= 0:
+            return
+        ahead = 0  # elements gathered (or in flight) ahead of the unit being computed
         for unit in order[start:]:
-            if budget <= 0:
+            if ahead >= limits.prefetch_numel:
                 break
-            budget -= unit.numel
+            if unit.state is not UnitState.SHARDED:  # prefetched earlier, or kept for reuse
+                ahead += unit.numel
+                continue
+            fits = ahead == 0 or ahead + unit.numel <= limits.prefetch_numel
+            if not fits or not limits.live_allows(self.live.numel, unit.numel):
+                break
             unit.unshard(phase)
+            ahead += unit.numel
+
+
+def _reuse_offsets(forward: list[Unit], backward: list[Unit]) -> dict[int, tuple[int, int]]:
+    """id(unit) -> (its last position in the forward order, elements of the units before its first
+    use in the backward order, or None if it has none)."""
+    offsets: dict[int, tuple[int, int | None]] = {id(u): (i, None) for i, u in enumerate(forward)}
+    before = 0
+    for unit in backward:
+        last, seen = offsets.get(id(unit), (-1, None))
+        if seen is None:
+            offsets[id(unit)] = (last, before)
+        before += unit.numel
+    return offsets

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from zeroshard.core.comm import CollectiveError, Communicator
+from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.lifecycle import Lifecycle, Phase
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
 from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, refresh_parameters, repoint_optimizer
@@ -40,14 +41,18 @@ from zeroshard.core.unit import build_links
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PREFETCH_NUMEL = 50_000_000  # DeepSpeed's stage3_prefetch_bucket_size default
+# [Note: bounded gathering] in gathered.py: the next unit prefetched (any bound below one unit's size
+# means that), no element bound beyond it, only the root unit kept from forward to backward. DeepSpeed's
+# defaults (5e7, 1e9, 1e9) can gather a small model whole.
+DEFAULT_PREFETCH_NUMEL = GatherLimits().prefetch_numel
 
 
 def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: int | StagePolicy = 3,
           precision: PrecisionPolicy | None = None, placement: Placement | None = None,
           group=None, mesh=None, model_parallel: ModelParallel | None = None,
           wrap: list[str] | None = None, persistence_threshold: int = 0,
-          prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, overlap_comm: bool = True,
+          prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, max_live_numel: int | None = None,
+          reuse_distance: int = 1, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
           comm_timeout_s: float = 300.0, check_collectives: bool = True,
           comm_policy: CommPolicy | None = None) -> "Sharded":
@@ -57,7 +62,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     Adam, AdamW, ...); it is kept (class, hyper-parameters, param-group dicts) and re-pointed at this
     rank's fp32 master shards. `precision` sets the compute and reduce dtypes, `placement` the
     offload stores, `wrap` the module classes that become units (default: the blocks of the largest
-    ModuleList). Rank 0's parameter values are broadcast first, as DDP does. `optimizer=None`: for
+    ModuleList). At stage 3, `prefetch_numel`, `max_live_numel` and `reuse_distance` bound the gathered
+    parameters ([Note: bounded gathering] in core/gathered.py). Rank 0's parameter values are broadcast first, as DDP does. `optimizer=None`: for
     inference only (forward passes; `backward` and `step` raise).
 
     Inside 3D parallelism, `mesh` is a DeviceMesh with dimensions named 'dp' and 'tp' and/or 'pp':
@@ -74,7 +80,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     comm = Communicator(comm_timeout_s, check_collectives, group=group)
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
     return Sharded(model, optimizer, comm, policy, precision or PrecisionPolicy(), placement or Placement(),
-                   wrap=wrap, persistence_threshold=persistence_threshold, prefetch_numel=prefetch_numel,
+                   wrap=wrap, persistence_threshold=persistence_threshold,
+                   gather_limits=GatherLimits(prefetch_numel, max_live_numel, reuse_distance),
                    overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
                    model_parallel=model_parallel, comm_policy=comm_policy)
 
@@ -84,7 +91,7 @@ class Sharded:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
                  policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
-                 wrap: list[str] | None, persistence_threshold: int, prefetch_numel: int, overlap_comm: bool,
+                 wrap: list[str] | None, persistence_threshold: int, gather_limits: GatherLimits, overlap_comm: bool,
                  gradient_clipping: float, loss_scaler: DynamicLossScaler | None,
                  model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None):
         self.module = model
@@ -123,7 +130,7 @@ class Sharded:
         # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
         # reduction is waited for before backward goes on (none in flight).
         self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,
-                                   prefetch_numel=prefetch_numel, overlap_comm=overlap_comm,
+                                   limits=gather_limits, overlap_comm=overlap_comm,
                                    max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
         self._grads_lost: str | None = None  # [Note: failed steps]
@@ -214,6 +221,7 @@ class Sharded:
         """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""
         self._require_optimizer("step")
         self._check_usable("step")
+        self.lifecycle.release_retained()  # the shards change under them
         try:
             return self.optimizer.step()
         except BaseException as error:
@@ -239,6 +247,9 @@ class Sharded:
         """See [Note: failed steps]."""
         if isinstance(error, CollectiveError):
             self._broken = str(error)
+        links = [c for u in self.units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
+        for comm in {id(c): c for c in [self.comm, *self.norm_comms, *links]}.values():
+            comm.verify_before_launch = True  # peers may still be in this pass: see its comment in comm.py
         try:
             self.lifecycle.abort(wait=self._broken is None)
         except CollectiveError as drained:
@@ -320,6 +331,7 @@ class Sharded:
 
     def refresh_parameters(self) -> None:
         """After master weights changed outside a step: every rank's unsharded parameters follow."""
+        self.lifecycle.release_retained()  # gathered from the old shards
         refresh_parameters(self.groups, self.partition)
 
     # -- reports -------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ gradient reduction. Issues its collectives through the Communicator; states are 
 [Note: unit states]
     SHARDED --unshard()--> GATHERING --wait_unshard()--> UNSHARDED --reshard()--> SHARDED
 Units that never reshard (stages 0-2, parameters below the persistence threshold) stay UNSHARDED.
-A prefetch is an `unshard()` issued early; the consumer's `wait_unshard()` completes it.
+A prefetch is an `unshard()` issued early; the consumer's `wait_unshard()` completes it. Every
+transition into or out of SHARDED updates the shared LiveCount ([Note: bounded gathering], gathered.py).
 
 [Note: gathering in place at one rank]
 At one rank a stage-3 group's shard is its whole flat buffer (shard_numel == padded_numel), so the
@@ -58,6 +59,7 @@ from torch import nn
 
 from zeroshard.core import quantize
 from zeroshard.core.comm import Communicator, Handle
+from zeroshard.core.gathered import LiveCount
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import consecutive_groups, strided_groups
 from zeroshard.core.policy import CommPolicy, Reduction, StagePolicy
@@ -101,7 +103,7 @@ def build_links(comm: Communicator, policy: StagePolicy, comm_policy: CommPolicy
 
 class Unit:
     def __init__(self, name: str, module: nn.Module | None, groups: list[FlatGroup],
-                 comm: Communicator, reshards: bool, links: Links = Links()):
+                 comm: Communicator, reshards: bool, links: Links = Links(), live: LiveCount | None = None):
         self.name = name  # the module's qualified name; "<root>" for the model itself
         self.module = module
         self.groups = groups
@@ -112,14 +114,26 @@ class Unit:
                 group.gather_must_copy = True
         self._keep_secondary = False
         self.reshards = reshards
-        self.state = UnitState.SHARDED if reshards else UnitState.UNSHARDED
         self.numel = sum(g.layout.padded_numel for g in groups)
+        self.live = live if live is not None else LiveCount()  # shared by a model's units (Lifecycle)
+        self._state = UnitState.SHARDED if reshards else UnitState.UNSHARDED
         self.trainable_params = sum(len(g.params) for g in groups if g.trainable)
         self._gathers: list[Handle] = []
         self._reductions: list[tuple[Handle, FlatGroup, torch.Tensor | None]] = []
         self.grads_pending = self.trainable_params
         self.reduced_this_backward = False
         self.abandoned: list[torch.Tensor] = []  # see abort()
+
+    @property
+    def state(self) -> UnitState:
+        return self._state
+
+    @state.setter
+    def state(self, new: UnitState) -> None:
+        was_sharded, now_sharded = self._state is UnitState.SHARDED, new is UnitState.SHARDED
+        if self.reshards and was_sharded != now_sharded:
+            (self.live.add if was_sharded else self.live.remove)(self.numel)
+        self._state = new
 
     # -- parameters ---------------------------------------------------------------------------------
     def unshard(self, phase: str) -> None:

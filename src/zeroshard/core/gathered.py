@@ -1,0 +1,78 @@
+"""How much of the model is gathered at stage 3: the bounds a user sets, and the count they bound.
+
+[Note: bounded gathering]
+`live` elements are those of resharding units that are GATHERING or UNSHARDED ([Note: unit states]):
+the unit being computed, the units enclosing it (the root unit stays gathered while the blocks it
+calls run), prefetched units and units kept for reuse. Units that never reshard (stages 0-2, the
+persistent unit of small parameters) are model states, not counted. Three bounds, all in elements:
+
+  * `prefetch_numel` (DeepSpeed: stage3_prefetch_bucket_size): what is gathered *ahead* of the unit
+    being computed, in the recorded order. The next unit is always prefetched when this is above 0,
+    even if it alone is larger (so that its all-gather overlaps the current unit's compute, as
+    DeepSpeed's prefetch issues at least one); further units while the total fits. 0: no prefetch.
+  * `max_live_numel` (stage3_max_live_parameters): a prefetch or a reuse is only made while `live`
+    stays within it. A unit about to be computed is always gathered, even if that alone takes `live`
+    above the bound: computing it needs it (a bound below one unit means "no prefetch").
+    None: no bound beyond the prefetch's.
+  * `reuse_distance` (stage3_max_reuse_distance): a unit whose forward ends is kept gathered for its
+    backward when the units used in between (the rest of the forward, then the backward up to it, in
+    the recorded orders) hold fewer than this many elements (DeepSpeed's test), and the next unit to
+    run still fits within `max_live_numel` beside it. 0 frees every unit after its forward (the
+    paper's schedule: each gathered twice a step); 1 keeps only what is reused at once: the root unit,
+    whose backward begins where its forward ends (FSDP2 keeps its root unit gathered there too), or
+    the last block of a model without one. Reuse inside one forward or one backward is not looked for.
+
+zeroshard's defaults (`GatherLimits()`): the next unit prefetched, no element bound beyond it, reuse
+distance 1; so at most the enclosing units + the current unit + the next one are live, FSDP2's
+shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse) apply when a config gives them,
+and then a small model may be gathered whole.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherLimits:
+    prefetch_numel: int = 1  # below one unit's size: "the next unit only"
+    max_live_numel: int | None = None
+    reuse_distance: int = 1  # only a unit used again at once (the root) stays gathered
+
+    def __post_init__(self):
+        for name in ("prefetch_numel", "max_live_numel", "reuse_distance"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"{name} must be an integer >= 0 (elements){', or None' * (name == 'max_live_numel')}"
+                                 f", got {value!r}")
+
+    @classmethod
+    def from_section(cls, zero) -> "GatherLimits":
+        """From a parsed `zero_optimization` section (config/schema.py: ZeroConfig)."""
+        live = zero.stage3_max_live_parameters
+        return cls(int(zero.stage3_prefetch_bucket_size), None if live is None else int(live),
+                   int(zero.stage3_max_reuse_distance))
+
+    def live_allows(self, live: int, numel: int) -> bool:
+        """May `numel` more elements be gathered (or kept) beside `live`?"""
+        return self.max_live_numel is None or live + numel <= self.max_live_numel
+
+
+class LiveCount:
+    """Gathered elements now (`numel`) and the most since `reset_peak` (`peak`); the units update it
+    on every transition into or out of SHARDED, so the peak is seen during forward and backward."""
+
+    def __init__(self):
+        self.numel = 0
+        self.peak = 0
+
+    def add(self, numel: int) -> None:
+        self.numel += numel
+        if self.numel > self.peak:
+            self.peak = self.numel
+
+    def remove(self, numel: int) -> None:
+        self.numel -= numel
+        assert self.numel >= 0, self.numel
+
+    def reset_peak(self) -> None:
+        self.peak = self.numel
