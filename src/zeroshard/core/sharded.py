@@ -30,7 +30,8 @@ from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.lifecycle import Lifecycle, Phase
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
-from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, refresh_parameters, repoint_optimizer
+from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
+from zeroshard.core.param_gather import DeferredGather, refresh_parameters
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
@@ -55,7 +56,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
           reuse_distance: int = 1, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
           comm_timeout_s: float = 300.0, check_collectives: bool = True,
-          comm_policy: CommPolicy | None = None) -> "Sharded":
+          comm_policy: CommPolicy | None = None, overlap_param_gather: bool = False) -> "Sharded":
     """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
 
     `optimizer` must be a torch optimizer over `model`'s parameters with an elementwise update (SGD,
@@ -71,6 +72,9 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     `group` and `model_parallel` yourself, e.g. from `zeroshard.core.mesh.from_mpu`). See
     [Note: ZeRO over the data-parallel dimension] in core/mesh.py. `comm_policy`: ZeRO++ and MiCS at
     stage 3 ([Note: ZeRO++ and MiCS] in core/unit.py).
+
+    `overlap_param_gather` (stages 1/2): step() only issues the all-gather of updated parameters,
+    each unit waits for its own before its next forward ([Note: deferred parameter gather]).
     """
     if mesh is not None:
         if group is not None or model_parallel is not None:
@@ -83,7 +87,8 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
                    wrap=wrap, persistence_threshold=persistence_threshold,
                    gather_limits=GatherLimits(prefetch_numel, max_live_numel, reuse_distance),
                    overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                   model_parallel=model_parallel, comm_policy=comm_policy)
+                   model_parallel=model_parallel, comm_policy=comm_policy,
+                   overlap_param_gather=overlap_param_gather)
 
 
 class Sharded:
@@ -93,7 +98,8 @@ class Sharded:
                  policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
                  wrap: list[str] | None, persistence_threshold: int, gather_limits: GatherLimits, overlap_comm: bool,
                  gradient_clipping: float, loss_scaler: DynamicLossScaler | None,
-                 model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None):
+                 model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None,
+                 overlap_param_gather: bool = False):
         self.module = model
         self.model_parallel = model_parallel
         self.comm = comm
@@ -133,6 +139,13 @@ class Sharded:
                                    limits=gather_limits, overlap_comm=overlap_comm,
                                    max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
+        # Stages 1/2 only: stage 0 gathers nothing, stage 3 gathers before each use anyway.
+        self.deferred_gather: DeferredGather | None = None
+        if overlap_param_gather and self.optimizer is not None and policy.shard_optimizer \
+                and not policy.shard_parameters:
+            self.deferred_gather = DeferredGather(self.units)
+            self.deferred_gather.register(model)
+            self.optimizer.deferred_gather = self.deferred_gather
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
 
@@ -169,6 +182,8 @@ class Sharded:
         self.lifecycle.begin_forward()
         try:
             out = self.module(*args, **kwargs)
+            if self.deferred_gather is not None:  # units this forward did not run
+                self.deferred_gather.wait_all()
         except BaseException as error:
             self._abort(error)
             raise
@@ -250,12 +265,29 @@ class Sharded:
         links = [c for u in self.units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
         for comm in {id(c): c for c in [self.comm, *self.norm_comms, *links]}.values():
             comm.verify_before_launch = True  # peers may still be in this pass: see its comment in comm.py
+        for part in filter(None, (self.lifecycle, self.deferred_gather)):
+            try:
+                part.abort(wait=self._broken is None)
+            except CollectiveError as drained:
+                self._broken = str(drained)
+                if error is not None:
+                    error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+
+    def wait_parameters(self) -> None:
+        """Complete the all-gathers of updated parameters still in flight after a step, before
+        anything reads parameters or masters ([Note: deferred parameter gather]); a failure is
+        a failed collective ([Note: failed steps]): every later call refuses."""
+        if self.deferred_gather is None or not self.deferred_gather.pending:
+            return
+        if self._broken is not None:  # the gathers may never complete: drop them, refuse
+            self.deferred_gather.abort(wait=False)
+            self._check_usable("reading parameters")
         try:
-            self.lifecycle.abort(wait=self._broken is None)
-        except CollectiveError as drained:
-            self._broken = str(drained)
-            if error is not None:
-                error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+            self.deferred_gather.wait_all()
+        except CollectiveError as error:
+            self._broken = str(error)
+            self.deferred_gather.abort(wait=False)
+            raise
 
     def _finish_interrupted_backward(self) -> None:
         """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)
@@ -285,6 +317,7 @@ class Sharded:
         if unknown:
             raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters "
                              "of this model")
+        self.wait_parameters()
         wanted = {id(self._param_groups[id(p)][0]) for p in params}
         units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
         for unit in units:
@@ -311,12 +344,14 @@ class Sharded:
         optimizer state (`ZeroOptimizer.state_dict`). Loads back into the same layout with
         `load_state_dict`; to change world size or stage, use the checkpoint package, which re-slices
         by parameter."""
+        self.wait_parameters()
         return {"masters": [group.master.detach().clone() for group in self.groups],
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        self.wait_parameters()
         masters = state["masters"]
         if [m.numel() for m in masters] != [g.master.numel() for g in self.groups]:
             raise ValueError("state_dict() of another layout (world size, stage or model): "
@@ -331,6 +366,7 @@ class Sharded:
 
     def refresh_parameters(self) -> None:
         """After master weights changed outside a step: every rank's unsharded parameters follow."""
+        self.wait_parameters()
         self.lifecycle.release_retained()  # gathered from the old shards
         refresh_parameters(self.groups, self.partition)
 
@@ -348,6 +384,9 @@ class Sharded:
         report["optimizer"] = self.optimizer.state_bytes(stores) if self.optimizer is not None else 0
         report["total"] = sum(report.values())
         report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
+        # Not a model state: the copy a transactional step keeps ([Note: transactional step]).
+        buffers = self.optimizer.snapshot_buffers if self.optimizer is not None else None
+        report["step_snapshot"] = buffers.nbytes() if buffers is not None else 0
         return report
 
     def communicators(self) -> dict[str, Communicator]:
@@ -380,10 +419,14 @@ class Sharded:
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
         self.lifecycle.remove_hooks()
+        if self.deferred_gather is not None:
+            self.deferred_gather.abort(wait=self._broken is None)
+            self.deferred_gather.remove_hooks()
         for unit in self.units:
             unit.destroy()
         if self.optimizer is not None:
             self.optimizer.optimizer.state.clear()
+            self.optimizer.snapshot_buffers = None
             for param_group in self.optimizer.param_groups:
                 param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}
