@@ -10,7 +10,9 @@ i + 1 of every system), on the same batches, so that the machine's load drifts o
   * `local`: the bare model, no data parallelism: the compute floor of forward, backward and the step;
   * `ddp`: `DistributedDataParallel(gradient_as_bucket_view=True)`;
   * `stage 0/1/2`: `zeroshard.initialize` with the config `zeroshard bench` uses (overlap_comm on, the
-    cross-rank collective check on: the defaults a user gets otherwise).
+    cross-rank collective check on: the defaults a user gets otherwise);
+  * `stage 1/2 overlap` (not run unless named in --systems): the same with
+    `zeroshard.overlap_param_gather`.
 
 Each phase is timed as wall time and as the CPU time of the rank's main thread (`time.thread_time`;
 gloo's own threads are not in it), which the machine's load distorts much less than wall time. The
@@ -36,7 +38,8 @@ from collections import defaultdict
 from pathlib import Path
 
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
-SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2")
+SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap")
+DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
     ("forward", "forward"),
@@ -136,9 +139,11 @@ def _system(kind: str, args, make_model, make_optimizer):
                 lambda: opt.zero_grad(set_to_none=True))
     import zeroshard
 
-    stage = int(kind.split()[-1])
+    stage = int(kind.split()[1])
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": stage, "overlap_comm": True}, "bf16": {"enabled": False}}
+    if kind.endswith("overlap"):  # [Note: deferred parameter gather]
+        config["zeroshard"] = {"overlap_param_gather": True}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
     del torch
     return (lambda x, y: engine(x, y)[1], engine.backward, engine.step, lambda: None)
@@ -239,6 +244,44 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def compare(args, versions: list[tuple[str, str]]) -> str:
+    """Launch each version (a source tree on PYTHONPATH) in turn, `--rounds` times, A B A B: DDP runs in
+    every launch, so each version's ratio is taken against the DDP of its own launch."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in versions}
+    for _ in range(args.rounds):
+        for name, src in versions:
+            runs[name].append(summarise(_launch(args, {"PYTHONPATH": os.path.abspath(src)})))
+    kinds = [k for k in args.systems if k != "local"]
+    lines = ["| version | " + " | ".join(f"{k} s/step (x DDP)" for k in kinds) + " | main-thread CPU s/step, "
+             + ", ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
+    for name, _ in versions:
+        cells = []
+        for kind in kinds:
+            wall = statistics.median(r[kind]["step_wall_s"] for r in runs[name])
+            ratio = statistics.median(r[kind]["step_wall_s"] / r["ddp"]["step_wall_s"] for r in runs[name])
+            cells.append(f"{wall:.2f} ({ratio:.2f}x)")
+        cpu = ", ".join(f"{statistics.median(r[k]['step_cpu_s'] for r in runs[name]):.2f}" for k in kinds)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {cpu} |")
+    return "\n".join(lines)
+
+
+def _launch(args, env_extra: dict) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
+               "--rank", *_rank_args(args)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise SystemExit(f"the ranks failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _rank_args(args) -> list[str]:
+    return ["--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--seq-len",
+            str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup",
+            str(args.warmup), "--systems", ",".join(args.systems)]
+
+
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
@@ -252,9 +295,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
     parser.add_argument("--doc", type=Path, help="rewrite the table between the markers of this file")
     parser.add_argument("--json", type=Path, help="write the raw per-rank, per-step figures here")
+    parser.add_argument("--compare", help="NAME=SRC,NAME=SRC: source trees to launch in turn, A B A B "
+                        "(e.g. before=/path/to/main/src,after=src); prints a step-time table")
+    parser.add_argument("--rounds", type=int, default=2, help="with --compare: launches per version")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -265,15 +311,15 @@ def main() -> None:
         rank_main(args)
         return
     load_before = _load()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--rank", *sys.argv[1:]]
-    command = [c for c in command if c not in ("--doc", str(args.doc), "--json", str(args.json))]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise SystemExit(f"the ranks failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    per_rank = json.loads(lines[-1][len("RESULT "):])
+    if args.compare:
+        versions = [tuple(item.split("=", 1)) for item in args.compare.split(",")]
+        if any(len(v) != 2 or not Path(v[1]).is_dir() for v in versions):
+            parser.error(f"--compare {args.compare!r}: expected NAME=SRC_DIR,NAME=SRC_DIR with existing directories")
+        text = compare(args, versions)
+        print(text + f"\n\nload average before: {load_before}, after: {_load()}; {args.rounds} launches per version, "
+              f"A B A B; medians over launches of each launch's median step")
+        return
+    per_rank = _launch(args, {})
     summary = summarise(per_rank)
     text = table(summary)
     machine = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, "
