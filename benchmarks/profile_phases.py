@@ -37,6 +37,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
 SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
@@ -266,14 +267,34 @@ def compare(args, versions: list[tuple[str, str]]) -> str:
 
 
 def _launch(args, env_extra: dict) -> list[dict]:
+    if args.link_rate:
+        return _launch_on_netcluster(args, env_extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
                "--rank", *_rank_args(args)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    return _result(done.stdout, f"the ranks failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+
+def _result(output: str, failure: str) -> list[dict]:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     if not lines:
-        raise SystemExit(f"the ranks failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise SystemExit(failure)
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def _launch_on_netcluster(args, env_extra: dict) -> list[dict]:
+    """The two ranks on two "machines": network namespaces joined by a link of --link-rate
+    (scripts/netcluster.py, docs/multinode.md; needs root)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import netcluster
+
+    if problem := netcluster.capability_problem():
+        raise SystemExit(f"--link-rate needs network namespaces: {problem}")
+    with netcluster.NetCluster(2, rate_bps=netcluster.rate_argument(args.link_rate)) as cluster:
+        cluster.launch([__file__, "--rank", *_rank_args(args)], 1, cwd=str(REPO), env=env_extra)
+        results = cluster.wait(3600)
+    return _result(results[0].output, "a node failed:\n" + "\n".join(r.output[-3000:] for r in results))
 
 
 def _rank_args(args) -> list[str]:
@@ -301,6 +322,8 @@ def main() -> None:
     parser.add_argument("--compare", help="NAME=SRC,NAME=SRC: source trees to launch in turn, A B A B "
                         "(e.g. before=/path/to/main/src,after=src); prints a step-time table")
     parser.add_argument("--rounds", type=int, default=2, help="with --compare: launches per version")
+    parser.add_argument("--link-rate", help="run the ranks on two network namespaces joined by a link of this "
+                        "rate (e.g. 1gbit; scripts/netcluster.py, root only)")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -322,8 +345,10 @@ def main() -> None:
     per_rank = _launch(args, {})
     summary = summarise(per_rank)
     text = table(summary)
+    where = f"2 network namespaces joined by a {args.link_rate} link (tbf), one rank each" if args.link_rate \
+        else "2 ranks"
     machine = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, "
-               f"{os.cpu_count()} CPUs (shared with other jobs), torch gloo, 2 ranks x 1 thread; load average "
+               f"{os.cpu_count()} CPUs (shared with other jobs), torch gloo, {where} x 1 thread; load average "
                f"(1, 5, 15 min) before: {load_before}, after: {_load()}. Command: `python benchmarks/profile_phases.py "
                f"{' '.join(sys.argv[1:])}`. Model: GPT {args.layers} layers x {args.width}, vocabulary {args.vocab} "
                f"untied, seq {args.seq_len}, micro batch {args.batch}/rank, fp32, fused AdamW; {args.steps} timed "
