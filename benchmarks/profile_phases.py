@@ -30,6 +30,7 @@ import functools
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -350,7 +351,7 @@ def main() -> None:
     machine = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, "
                f"{os.cpu_count()} CPUs (shared with other jobs), torch gloo, {where} x 1 thread; load average "
                f"(1, 5, 15 min) before: {load_before}, after: {_load()}. Command: `python benchmarks/profile_phases.py "
-               f"{' '.join(sys.argv[1:])}`. Model: GPT {args.layers} layers x {args.width}, vocabulary {args.vocab} "
+               f"{shlex.join(sys.argv[1:])}`. Model: GPT {args.layers} layers x {args.width}, vocabulary {args.vocab} "
                f"untied, seq {args.seq_len}, micro batch {args.batch}/rank, fp32, fused AdamW; {args.steps} timed "
                f"steps after {args.warmup}, interleaved.")
     print(text + "\n\n" + machine)
