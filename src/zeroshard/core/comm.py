@@ -231,7 +231,6 @@ class Communicator:
         self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
-
         self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2  # [Note: reduce-scatter on gloo]
 
     def global_ranks(self) -> list[int]:

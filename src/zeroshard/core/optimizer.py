@@ -320,6 +320,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm.all_reduce(flag, "fp16 overflow check", op="max", kind="control")
         return bool(flag.item())
 
+    def snapshot_bytes(self) -> int:  # the copy a transactional step keeps ([Note: transactional step])
+        return self.snapshot_buffers.nbytes() if self.snapshot_buffers is not None else 0
+
     def refresh_parameters(self) -> None:
         refresh_parameters(self.groups, self.comm, self.deferred_gather)
 

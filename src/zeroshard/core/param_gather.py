@@ -28,7 +28,7 @@ import functools
 
 import torch
 
-from zeroshard.core.comm import Communicator
+from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.unit import Unit
 from zeroshard.core.wrap import ROOT
@@ -71,13 +71,24 @@ class DeferredGather:
         self._inflight: dict[int, list] = {}  # id(unit) -> handles, oldest first
         self._handles = []
 
-    def register(self, model: torch.nn.Module) -> None:
-        for unit in self.units:
+    @classmethod
+    def attach(cls, units: list[Unit], model: torch.nn.Module, optimizer, policy, enabled: bool):
+        """The deferred gather of a sharded model, hooked in, or None: only stages 1/2 gather after a
+        step (stage 0 gathers nothing, stage 3 before each use anyway)."""
+        if not enabled or optimizer is None or not policy.shard_optimizer or policy.shard_parameters:
+            return None
+        gather = cls(units)
+        for unit in gather.units:
             module = unit.module if unit.module is not None else model
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-        self._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait_all()))
+            gather._handles.append(module.register_forward_pre_hook(functools.partial(gather._pre_forward, unit)))
+        # After the model's forward: the units it did not run; and the module's own state_dict().
+        gather._handles.append(model.register_forward_hook(lambda *args: gather.wait_all()))
+        gather._handles.append(model.register_state_dict_pre_hook(lambda *args, **kwargs: gather.wait_all()))
+        optimizer.deferred_gather = gather
+        return gather
 
-    def remove_hooks(self) -> None:
+    def close(self, wait: bool) -> None:
+        self.abort(wait)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -131,3 +142,27 @@ class DeferredGather:
         finally:
             self._queue.clear()
             self._inflight.clear()
+
+
+class ReadersWait:
+    """What `Sharded` adds for a deferred gather: readers of parameters or masters wait first."""
+
+    deferred_gather: DeferredGather | None
+    _broken: str | None
+
+    def wait_parameters(self) -> None:
+        """Complete the all-gathers of updated parameters still in flight after a step, before
+        anything reads parameters or masters; a failure is a failed collective ([Note: failed
+        steps] in sharded.py): every later call refuses."""
+        gather = self.deferred_gather
+        if gather is None or not gather.pending:
+            return
+        if self._broken is not None:  # the gathers may never complete: drop them, refuse
+            gather.abort(wait=False)
+            self._check_usable("reading parameters")
+        try:
+            gather.wait_all()
+        except CollectiveError as error:
+            self._broken = str(error)
+            gather.abort(wait=False)
+            raise

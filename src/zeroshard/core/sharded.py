@@ -31,7 +31,7 @@ from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.lifecycle import Lifecycle, Phase
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
 from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
-from zeroshard.core.param_gather import DeferredGather, refresh_parameters
+from zeroshard.core.param_gather import DeferredGather, ReadersWait, refresh_parameters
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
@@ -72,9 +72,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     `group` and `model_parallel` yourself, e.g. from `zeroshard.core.mesh.from_mpu`). See
     [Note: ZeRO over the data-parallel dimension] in core/mesh.py. `comm_policy`: ZeRO++ and MiCS at
     stage 3 ([Note: ZeRO++ and MiCS] in core/unit.py).
-
-    `overlap_param_gather` (stages 1/2): step() only issues the all-gather of updated parameters,
-    each unit waits for its own before its next forward ([Note: deferred parameter gather]).
+    `overlap_param_gather`: stages 1/2, [Note: deferred parameter gather] in core/param_gather.py.
     """
     if mesh is not None:
         if group is not None or model_parallel is not None:
@@ -87,11 +85,10 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
                    wrap=wrap, persistence_threshold=persistence_threshold,
                    gather_limits=GatherLimits(prefetch_numel, max_live_numel, reuse_distance),
                    overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                   model_parallel=model_parallel, comm_policy=comm_policy,
-                   overlap_param_gather=overlap_param_gather)
+                   model_parallel=model_parallel, comm_policy=comm_policy, overlap_param_gather=overlap_param_gather)
 
 
-class Sharded:
+class Sharded(ReadersWait):
     """A model and its optimizer under ZeRO; build it with `shard()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
@@ -139,13 +136,7 @@ class Sharded:
                                    limits=gather_limits, overlap_comm=overlap_comm,
                                    max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
-        # Stages 1/2 only: stage 0 gathers nothing, stage 3 gathers before each use anyway.
-        self.deferred_gather: DeferredGather | None = None
-        if overlap_param_gather and self.optimizer is not None and policy.shard_optimizer \
-                and not policy.shard_parameters:
-            self.deferred_gather = DeferredGather(self.units)
-            self.deferred_gather.register(model)
-            self.optimizer.deferred_gather = self.deferred_gather
+        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather)
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
 
@@ -182,8 +173,6 @@ class Sharded:
         self.lifecycle.begin_forward()
         try:
             out = self.module(*args, **kwargs)
-            if self.deferred_gather is not None:  # units this forward did not run
-                self.deferred_gather.wait_all()
         except BaseException as error:
             self._abort(error)
             raise
@@ -272,22 +261,6 @@ class Sharded:
                 self._broken = str(drained)
                 if error is not None:
                     error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
-
-    def wait_parameters(self) -> None:
-        """Complete the all-gathers of updated parameters still in flight after a step, before
-        anything reads parameters or masters ([Note: deferred parameter gather]); a failure is
-        a failed collective ([Note: failed steps]): every later call refuses."""
-        if self.deferred_gather is None or not self.deferred_gather.pending:
-            return
-        if self._broken is not None:  # the gathers may never complete: drop them, refuse
-            self.deferred_gather.abort(wait=False)
-            self._check_usable("reading parameters")
-        try:
-            self.deferred_gather.wait_all()
-        except CollectiveError as error:
-            self._broken = str(error)
-            self.deferred_gather.abort(wait=False)
-            raise
 
     def _finish_interrupted_backward(self) -> None:
         """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)
@@ -384,9 +357,7 @@ class Sharded:
         report["optimizer"] = self.optimizer.state_bytes(stores) if self.optimizer is not None else 0
         report["total"] = sum(report.values())
         report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
-        # Not a model state: the copy a transactional step keeps ([Note: transactional step]).
-        buffers = self.optimizer.snapshot_buffers if self.optimizer is not None else None
-        report["step_snapshot"] = buffers.nbytes() if buffers is not None else 0
+        report["step_snapshot"] = self.optimizer.snapshot_bytes() if self.optimizer is not None else 0  # not a state
         return report
 
     def communicators(self) -> dict[str, Communicator]:
@@ -420,8 +391,7 @@ class Sharded:
         """Remove every hook and free every buffer; the module's parameters are released too."""
         self.lifecycle.remove_hooks()
         if self.deferred_gather is not None:
-            self.deferred_gather.abort(wait=self._broken is None)
-            self.deferred_gather.remove_hooks()
+            self.deferred_gather.close(wait=self._broken is None)
         for unit in self.units:
             unit.destroy()
         if self.optimizer is not None:
