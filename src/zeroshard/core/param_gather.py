@@ -24,12 +24,14 @@ that failed alone still pairs its collectives with its peers'.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
+from zeroshard.core.lifecycle import Phase
 from zeroshard.core.unit import Unit
 from zeroshard.core.wrap import ROOT
 
@@ -144,11 +146,39 @@ class DeferredGather:
             self._inflight.clear()
 
 
-class ReadersWait:
-    """What `Sharded` adds for a deferred gather: readers of parameters or masters wait first."""
+class ParameterReaders:
+    """`Sharded`'s access to parameters outside forward and backward: every reader waits for the
+    deferred gather first."""
 
     deferred_gather: DeferredGather | None
     _broken: str | None
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Full parameters inside the block (stage 3 keeps only shards otherwise). With
+        `modifier_rank`, that rank's changes are broadcast and re-partitioned on exit."""
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unknown = [p for p in params if id(p) not in self._param_groups]
+        if unknown:
+            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters "
+                             "of this model")
+        self.wait_parameters()
+        wanted = {id(self._param_groups[id(p)][0]) for p in params}
+        units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
+        for unit in units:
+            unit.unshard("gathered parameters")
+            unit.wait_unshard()
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                for unit in units:
+                    for group in unit.groups:
+                        self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
+                        group.copy_full_into_master()
+            if self.lifecycle.phase is Phase.IDLE:
+                for unit in units:
+                    unit.reshard(release=True)  # what the block took from them stays valid
 
     def wait_parameters(self) -> None:
         """Complete the all-gathers of updated parameters still in flight after a step, before

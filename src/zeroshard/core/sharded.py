@@ -31,7 +31,7 @@ from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.lifecycle import Lifecycle, Phase
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
 from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
-from zeroshard.core.param_gather import DeferredGather, ReadersWait, refresh_parameters
+from zeroshard.core.param_gather import DeferredGather, ParameterReaders, refresh_parameters
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
@@ -88,7 +88,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
                    model_parallel=model_parallel, comm_policy=comm_policy, overlap_param_gather=overlap_param_gather)
 
 
-class Sharded(ReadersWait):
+class Sharded(ParameterReaders):
     """A model and its optimizer under ZeRO; build it with `shard()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
@@ -280,34 +280,7 @@ class Sharded(ReadersWait):
             raise RuntimeError(f"rank {self.comm.rank}: {what}() refused: the last {self._grads_lost}; the "
                                "gradients accumulated since the last step are partial: call zero_grad() first")
 
-    # -- parameters outside forward ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def gathered_parameters(self, params, modifier_rank: int | None = None):
-        """Full parameters inside the block (stage 3 keeps only shards otherwise). With
-        `modifier_rank`, that rank's changes are broadcast and re-partitioned on exit."""
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        unknown = [p for p in params if id(p) not in self._param_groups]
-        if unknown:
-            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters "
-                             "of this model")
-        self.wait_parameters()
-        wanted = {id(self._param_groups[id(p)][0]) for p in params}
-        units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
-        for unit in units:
-            unit.unshard("gathered parameters")
-            unit.wait_unshard()
-        try:
-            yield
-        finally:
-            if modifier_rank is not None:
-                for unit in units:
-                    for group in unit.groups:
-                        self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
-                        group.copy_full_into_master()
-            if self.lifecycle.phase is Phase.IDLE:
-                for unit in units:
-                    unit.reshard(release=True)  # what the block took from them stays valid
-
+    # -- parameters outside forward: gathered_parameters() and wait_parameters() (ParameterReaders) --
     def owns(self, param) -> bool:
         return id(param) in self._param_groups
 
