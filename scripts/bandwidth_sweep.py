@@ -58,7 +58,8 @@ def table(sweep: dict) -> str:
     rows = sweep["rates"]
     runs = [r["run"] for r in rows[0]["runs"]]
     names = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
-             "3q": "stage 3 + qwZ + qgZ", "3pp": "stage 3 + hpZ + qwZ + qgZ"}
+             "3q": "stage 3 + qwZ + qgZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
+             "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather"}
     head = ["link (tbf)", "one TCP stream"] + [f"{names[r]} s/step" for r in runs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:

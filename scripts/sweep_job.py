@@ -30,7 +30,8 @@ from zeroshard.tools.bench.worker import bench_optimizer
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 LR = 1e-3
-RUNS = ("ddp", "0", "1", "2", "3", "3q", "3pp")
+# "1o"/"2o": stages 1/2 with zeroshard.overlap_param_gather ([Note: deferred parameter gather]).
+RUNS = ("ddp", "0", "1", "2", "3", "3q", "3pp", "1o", "2o")
 
 
 def _runs(text: str) -> list[str]:
@@ -50,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    parser.add_argument("--untied", action="store_true", help="separate input embedding and LM head "
+                        "(the 33.7M GPT of docs/performance.md: --n-layer 8 --n-embd 512 --n-head 8 --seq-len 128)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
@@ -68,7 +71,7 @@ def _config(run: str, batch: int) -> dict:
         zero["zero_hpz_partition_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": False}, "zero_optimization": zero,
-            "zeroshard": {"comm_timeout_s": 600}}
+            "zeroshard": {"comm_timeout_s": 600, **({"overlap_param_gather": True} if run.endswith("o") else {})}}
 
 
 def _link_tx_bytes() -> int:
@@ -115,7 +118,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     gpt = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd)
+                    n_head=args.n_head, n_embd=args.n_embd, tie_weights=not args.untied)
     results = [measure(run, args, gpt, rank) for run in args.runs]
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -61,7 +61,8 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             gather_limits=GatherLimits.from_section(zero), overlap_comm=bool(zero.overlap_comm),
             gradient_clipping=float(config.gradient_clipping or 0.0),
             loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None,
-            model_parallel=model_parallel, comm_policy=comm_policy(zero))
+            model_parallel=model_parallel, comm_policy=comm_policy(zero),
+            overlap_param_gather=extras.overlap_param_gather)
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
         if extras.transactional_step is not None and self.sharded.optimizer is not None:
             self.sharded.optimizer.transactional = extras.transactional_step
@@ -243,12 +244,14 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
         self._refuse_mics_checkpoint("save_checkpoint")
+        self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, **kwargs):
         self._refuse_mics_checkpoint("load_checkpoint")
+        self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
 
@@ -260,6 +263,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             raise ValueError("save_16bit_model under tensor/pipeline parallelism (mesh= or mpu=): save a "
                              "checkpoint (engine.save_checkpoint) and consolidate it (`zeroshard consolidate`), "
                              "which joins the tp slices and pipeline stages into the full model")
+        self.sharded.wait_parameters()
         return save_16bit_model(self, save_dir, save_filename)
 
     # -- reports --------------------------------------------------------------------------------------

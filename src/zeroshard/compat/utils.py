@@ -44,6 +44,7 @@ def _locate(param, what: str):
     if sharded is None:
         raise ValueError(f"{what}: the tensor {tuple(getattr(param, 'shape', ()))} is not a parameter of a "
                          "zeroshard engine (pass a parameter of the model given to initialize())")
+    sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
     _, group = sharded._param_groups[id(param)]
     index = next(i for i, p in enumerate(group.params) if p is param)
     return sharded, group, group.layout.slots[index]

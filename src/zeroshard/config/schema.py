@@ -371,6 +371,12 @@ class ZeroShardExtConfig(Section):
     """Seconds a collective may take before the process group reports a hang."""
     check_collectives: bool = True
     """Check across ranks that every rank issues the same collective (catches divergent code paths)."""
+    overlap_param_gather: bool = False
+    """Stages 1/2: step() only issues the all-gather of updated parameters, and each unit waits for
+    its own just before its next forward (Megatron's overlap_param_gather), hiding it behind
+    compute. Off by default: the script must not read parameters itself (an EMA update) between
+    step() and the next forward; zeroshard's own readers (state_dict, checkpoints,
+    GatheredParameters, module.state_dict()) wait first."""
     transactional_step: Optional[bool] = None
     """Copy masters and optimizer state before each optimizer step so that a step that raises is
     undone; None = on, except with optimizer states offloaded to NVMe (the copy would bring them back

@@ -147,6 +147,25 @@ class _Staging:
         self.kept.clear()
 
 
+class _PairwiseReduceScatter:
+    """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
+    ours, add. See [Note: reduce-scatter on gloo]."""
+
+    def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group):
+        shard = out.numel()
+        self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
+        self.theirs = torch.empty_like(self.mine)
+        splits = [0, shard] if rank == 0 else [shard, 0]  # nothing to ourselves, the peer's half to it
+        self.work = dist.all_to_all_single(self.theirs, full[(1 - rank) * shard:(2 - rank) * shard],
+                                           output_split_sizes=splits, input_split_sizes=splits,
+                                           group=group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        # g_mine + g_theirs: at two ranks the same sum, bit for bit, as an all-reduce's (a + b = b + a).
+        torch.add(self.mine, self.theirs, out=self.out)
+
+
 class Handle:
     """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, first
     verifies the cross-rank check issued with it, and last copies staged outputs back."""
@@ -212,6 +231,7 @@ class Communicator:
         self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
+        self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2  # [Note: reduce-scatter on gloo]
 
     def global_ranks(self) -> list[int]:
         return [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
@@ -249,13 +269,28 @@ class Communicator:
         return self._run("all_gather", out, what, async_op,
                          lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True), stage)
 
+    # [Note: reduce-scatter on gloo]
+    # gloo's reduce_scatter_tensor is an all-reduce followed by a copy of this rank's slice: it sends
+    # an all-reduce's bytes (docs/multinode.md: 1.5x DDP's at stages 1-2) and makes its input copy on
+    # the calling thread (docs/performance.md). Between two ranks a reduce-scatter is one exchange:
+    # each sends the other the half it owns and adds the half it receives, (N-1)/N of the buffer as
+    # a ring sends, and the sum a + b is the all-reduce's bit for bit. So a gloo group of two ranks
+    # takes that path (`pairwise`); other sizes and NCCL keep the backend's reduce-scatter. The
+    # exchange is an all-to-all, a collective, not isend/irecv: point-to-point messages take no
+    # place in gloo's sequence of collectives, so ranks that diverged (one failed mid-backward) met
+    # each other's next collectives with buffers of different sizes, which aborts the process from
+    # gloo's transport thread, instead of failing the consistency check (test_failures.py).
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
-        """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`."""
+        """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`.
+        `out` may be that slice of `full` itself."""
         assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
         stage = _Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
-        return self._run("reduce_scatter", full, what, async_op,
-                         lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True), stage)
+        if self.pairwise:
+            launch = lambda: _PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group)  # noqa: E731
+        else:
+            launch = lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True)  # noqa: E731
+        return self._run("reduce_scatter", full, what, async_op, launch, stage)
 
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D) <- chunk r of every rank's `full`, in rank order (r: this rank); equal chunks."""

@@ -308,7 +308,11 @@ class Lifecycle:
         if self.boundary:
             unit.reduce_grads(self.world_size)
             self._inflight.append(unit)
-            while len(self._inflight) > self.max_inflight:  # bound memory held by full gradients
+            # The bound is for memory held by full gradients, which stages 2/3 free once reduced;
+            # the full gradient buffers of stages 0/1 live across steps anyway, so there waiting
+            # early only stalls backward (docs/performance.md), unless overlap_comm is off (0).
+            persist = self.max_inflight and all(g.grads_persist_full for g in unit.groups)
+            while not persist and len(self._inflight) > self.max_inflight:
                 self._inflight.pop(0).finish_reduce()
         if not self.hold_gathered:
             unit.reshard()

@@ -19,11 +19,30 @@ from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
-from zeroshard.core.rollback import Snapshot
+from zeroshard.core.param_gather import refresh_parameters
+from zeroshard.core.rollback import Snapshot, SnapshotBuffers
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
 
-_NORM_CHUNK = 1 << 22  # fp64 squares are summed in chunks so the temporary stays small
+# fp64 squares are summed chunk by chunk through one scratch buffer of this many elements: 1 MiB
+# stays in cache, so the fp32 -> fp64 copy and the dot product that reads it back cost a pass over
+# the gradient each (profiled in docs/performance.md: 20x faster than `chunk.double().pow(2).sum()`
+# over 4M-element chunks, which allocated and wrote two fp64 temporaries per chunk).
+_NORM_CHUNK = 1 << 17
+
+
+def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
+    """sum(x ** 2) over a 1-D tensor, in fp64 (0-dim, on the tensor's device). Each fp32 square is
+    exact in fp64 (24-bit mantissas), so only the summation order differs from an fp64 reference."""
+    total = torch.zeros((), dtype=torch.float64, device=tensor.device)
+    if tensor.numel() == 0:
+        return total
+    scratch = torch.empty(min(_NORM_CHUNK, tensor.numel()), dtype=torch.float64, device=tensor.device)
+    for chunk in tensor.split(_NORM_CHUNK):
+        wide = scratch[: chunk.numel()]
+        wide.copy_(chunk)
+        total += torch.dot(wide, wide)
+    return total
 
 
 def repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
@@ -45,24 +64,6 @@ def optimizer_group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
                 raise ValueError("a parameter appears in two optimizer param groups")
             index[id(param)] = i
     return index
-
-
-@torch.no_grad()
-def refresh_parameters(groups: list[FlatGroup], comm: Communicator) -> None:
-    """Make every rank's unsharded parameters match the master shards (after a step, or after the
-    masters were loaded): copy this rank's master into its slice of the full buffer, then all-gather
-    the other ranks' slices where the master is sharded. Stage-3 groups are gathered from their
-    shard on next use; only a compute shard kept beside an offloaded master is refreshed."""
-    handles = []
-    for group in groups:
-        group.copy_master_into_params()
-        if group.reshards:
-            continue
-        if group.sharded_master:
-            what = f"all-gather of updated parameters ({group.names[0]}...)"
-            handles.append(comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True))
-    for handle in handles:
-        handle.wait()
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -102,6 +103,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.replica = replica
         self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
         self.transactional = True  # [Note: transactional step]
+        self.snapshot_buffers = None if policy.shard_parameters else SnapshotBuffers()
+        self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
 
     @property
     def name(self) -> str:
@@ -162,8 +165,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         total = torch.zeros(1 + len(flags), dtype=torch.float64, device=self.comm.device)
         for group, grad in zip(self.groups, grads):
             for piece in self.norm.counted(group, grad):
-                for chunk in piece.split(_NORM_CHUNK):
-                    total[:1] += chunk.double().pow(2).sum().to(total.device)
+                total[:1] += sum_of_squares(piece).to(total.device)
         if self.policy.shard_optimizer:  # shards are disjoint: sum them; stage 0 holds everything
             total[1:] = torch.tensor(flags, dtype=torch.float64)
             self.comm.all_reduce(total, "gradient norm and parameters with a gradient", kind="control")
@@ -187,6 +189,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def step(self) -> bool:
         """One optimizer step on this rank's shards; False when fp16 overflow skipped it."""
+        if self.deferred_gather is not None:  # the update writes the masters the gathers read
+            self.deferred_gather.wait_all()
         if self.loss_scaler is not None and self._overflow():
             for group in self.groups:
                 group.zero_grads()
@@ -302,7 +306,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group.master_store.check([group.master])
         if self.streamed is not None:
             self.streamed.check()
-        before = Snapshot(self.groups, self.optimizer, self.slot_states)
+        before = Snapshot(self.groups, self.optimizer, self.slot_states, self.snapshot_buffers)
         try:
             yield
         except BaseException:
@@ -316,8 +320,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.comm.all_reduce(flag, "fp16 overflow check", op="max", kind="control")
         return bool(flag.item())
 
+    def snapshot_bytes(self) -> int:  # the copy a transactional step keeps ([Note: transactional step])
+        return self.snapshot_buffers.nbytes() if self.snapshot_buffers is not None else 0
+
     def refresh_parameters(self) -> None:
-        refresh_parameters(self.groups, self.comm)
+        refresh_parameters(self.groups, self.comm, self.deferred_gather)
 
     def keeps_state(self) -> bool:
         """Does this optimizer keep per-parameter state after a step (Adam, SGD with momentum), as

@@ -30,7 +30,8 @@ from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.lifecycle import Lifecycle, Phase
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
-from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, refresh_parameters, repoint_optimizer
+from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
+from zeroshard.core.param_gather import DeferredGather, ParameterReaders, refresh_parameters
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
@@ -55,7 +56,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
           reuse_distance: int = 1, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
           comm_timeout_s: float = 300.0, check_collectives: bool = True,
-          comm_policy: CommPolicy | None = None) -> "Sharded":
+          comm_policy: CommPolicy | None = None, overlap_param_gather: bool = False) -> "Sharded":
     """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
 
     `optimizer` must be a torch optimizer over `model`'s parameters with an elementwise update (SGD,
@@ -71,6 +72,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
     `group` and `model_parallel` yourself, e.g. from `zeroshard.core.mesh.from_mpu`). See
     [Note: ZeRO over the data-parallel dimension] in core/mesh.py. `comm_policy`: ZeRO++ and MiCS at
     stage 3 ([Note: ZeRO++ and MiCS] in core/unit.py).
+    `overlap_param_gather`: stages 1/2, [Note: deferred parameter gather] in core/param_gather.py.
     """
     if mesh is not None:
         if group is not None or model_parallel is not None:
@@ -83,17 +85,18 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
                    wrap=wrap, persistence_threshold=persistence_threshold,
                    gather_limits=GatherLimits(prefetch_numel, max_live_numel, reuse_distance),
                    overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                   model_parallel=model_parallel, comm_policy=comm_policy)
+                   model_parallel=model_parallel, comm_policy=comm_policy, overlap_param_gather=overlap_param_gather)
 
 
-class Sharded:
+class Sharded(ParameterReaders):
     """A model and its optimizer under ZeRO; build it with `shard()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
                  policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
                  wrap: list[str] | None, persistence_threshold: int, gather_limits: GatherLimits, overlap_comm: bool,
                  gradient_clipping: float, loss_scaler: DynamicLossScaler | None,
-                 model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None):
+                 model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None,
+                 overlap_param_gather: bool = False):
         self.module = model
         self.model_parallel = model_parallel
         self.comm = comm
@@ -133,6 +136,7 @@ class Sharded:
                                    limits=gather_limits, overlap_comm=overlap_comm,
                                    max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
+        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather)
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
 
@@ -250,12 +254,13 @@ class Sharded:
         links = [c for u in self.units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
         for comm in {id(c): c for c in [self.comm, *self.norm_comms, *links]}.values():
             comm.verify_before_launch = True  # peers may still be in this pass: see its comment in comm.py
-        try:
-            self.lifecycle.abort(wait=self._broken is None)
-        except CollectiveError as drained:
-            self._broken = str(drained)
-            if error is not None:
-                error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+        for part in filter(None, (self.lifecycle, self.deferred_gather)):
+            try:
+                part.abort(wait=self._broken is None)
+            except CollectiveError as drained:
+                self._broken = str(drained)
+                if error is not None:
+                    error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
 
     def _finish_interrupted_backward(self) -> None:
         """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)
@@ -275,33 +280,7 @@ class Sharded:
             raise RuntimeError(f"rank {self.comm.rank}: {what}() refused: the last {self._grads_lost}; the "
                                "gradients accumulated since the last step are partial: call zero_grad() first")
 
-    # -- parameters outside forward ------------------------------------------------------------------
-    @contextlib.contextmanager
-    def gathered_parameters(self, params, modifier_rank: int | None = None):
-        """Full parameters inside the block (stage 3 keeps only shards otherwise). With
-        `modifier_rank`, that rank's changes are broadcast and re-partitioned on exit."""
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        unknown = [p for p in params if id(p) not in self._param_groups]
-        if unknown:
-            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters "
-                             "of this model")
-        wanted = {id(self._param_groups[id(p)][0]) for p in params}
-        units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
-        for unit in units:
-            unit.unshard("gathered parameters")
-            unit.wait_unshard()
-        try:
-            yield
-        finally:
-            if modifier_rank is not None:
-                for unit in units:
-                    for group in unit.groups:
-                        self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
-                        group.copy_full_into_master()
-            if self.lifecycle.phase is Phase.IDLE:
-                for unit in units:
-                    unit.reshard(release=True)  # what the block took from them stays valid
-
+    # -- parameters outside forward: gathered_parameters() and wait_parameters() (ParameterReaders) --
     def owns(self, param) -> bool:
         return id(param) in self._param_groups
 
@@ -311,12 +290,14 @@ class Sharded:
         optimizer state (`ZeroOptimizer.state_dict`). Loads back into the same layout with
         `load_state_dict`; to change world size or stage, use the checkpoint package, which re-slices
         by parameter."""
+        self.wait_parameters()
         return {"masters": [group.master.detach().clone() for group in self.groups],
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
                 "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
+        self.wait_parameters()
         masters = state["masters"]
         if [m.numel() for m in masters] != [g.master.numel() for g in self.groups]:
             raise ValueError("state_dict() of another layout (world size, stage or model): "
@@ -331,6 +312,7 @@ class Sharded:
 
     def refresh_parameters(self) -> None:
         """After master weights changed outside a step: every rank's unsharded parameters follow."""
+        self.wait_parameters()
         self.lifecycle.release_retained()  # gathered from the old shards
         refresh_parameters(self.groups, self.partition)
 
@@ -348,6 +330,7 @@ class Sharded:
         report["optimizer"] = self.optimizer.state_bytes(stores) if self.optimizer is not None else 0
         report["total"] = sum(report.values())
         report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
+        report["step_snapshot"] = self.optimizer.snapshot_bytes() if self.optimizer is not None else 0  # not a state
         return report
 
     def communicators(self) -> dict[str, Communicator]:
@@ -380,10 +363,13 @@ class Sharded:
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
         self.lifecycle.remove_hooks()
+        if self.deferred_gather is not None:
+            self.deferred_gather.close(wait=self._broken is None)
         for unit in self.units:
             unit.destroy()
         if self.optimizer is not None:
             self.optimizer.optimizer.state.clear()
+            self.optimizer.snapshot_buffers = None
             for param_group in self.optimizer.param_groups:
                 param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}

@@ -1,0 +1,143 @@
+"""`zeroshard.overlap_param_gather` (issue 15, item 0): the all-gather of updated parameters after a
+step overlaps the next forward ([Note: deferred parameter gather] in core/param_gather.py).
+
+Against DDP, bit for bit at 2 ranks (stages 1/2, with and without accumulation, gradient clipping,
+the parameters read between step and forward through every reader that must wait first); the
+gathers really are left in flight by step(); failures as in test_failures.py, where a rank that
+fails alone now names the error at the healthy rank's next forward, where it waits for its gather.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import tests.test_failures as failures
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_batches, gpt_loss, train_ddp
+from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config, train_engine
+from zeroshard.core.comm import CollectiveError
+from zeroshard.tools.models.gpt import tiny_gpt_config
+import zeroshard
+
+STEPS = 4
+BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
+
+
+def _config(stage: int, gas: int = 1, clip: float = 0.0, **zero) -> dict:
+    config = make_config(stage, gas, clip, **zero)
+    config["zeroshard"]["overlap_param_gather"] = True
+    return config
+
+
+def _parity_case(stage: int, gas: int, clip: float) -> None:
+    ref = train_ddp(gpt_model_fn(), BATCHES, optimizer_fn=adamw, steps=STEPS, grad_accum=gas, clip=clip,
+                    reduce_every_micro_step=stage >= 2, record_params=True)
+    # record_params reads the parameters after every step through gathered_parameters, which waits.
+    ours = train_engine(gpt_model_fn(), BATCHES, config=_config(stage, gas, clip), steps=STEPS, record_params=True)
+    assert_close(ours, ref, exact=True, what=f"stage {stage} gas {gas} clip {clip}")
+    reductions = gas if stage == 2 else 1  # stage 2 reduce-scatters every micro step
+    assert ours["comm_per_step"] == pytest.approx((reductions + 1) * ours["num_parameters"] * 4, rel=0.02)
+
+
+def _readers_case(stage: int) -> None:
+    """Each reader, called right after step() with the gathers in flight, sees the updated values:
+    those a run without the option has after its step."""
+    plain_config = make_config(stage)
+    runs = {}
+    for overlap in (False, True):
+        model = gpt_model_fn()()
+        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
+                                          config=_config(stage) if overlap else plain_config)
+        seen = []
+        for step in range(3):
+            engine.backward(gpt_loss(engine, *BATCHES(step, 0, engine.global_rank)))
+            engine.step()
+            if overlap:
+                assert engine.sharded.deferred_gather.pending, "step() waited for the gathers"
+            reader = step % 3
+            if reader == 0:
+                seen.append({k: v.clone() for k, v in engine.module.state_dict().items()})
+            elif reader == 1:
+                seen.append(full_params(engine))
+            else:
+                seen.append([m.clone() for m in engine.sharded.state_dict()["masters"]])
+                seen.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+            assert not (overlap and engine.sharded.deferred_gather.pending), f"reader {reader} did not wait"
+        runs[overlap] = seen
+        engine.destroy()
+    for a, b in zip(runs[False], runs[True]):
+        pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+        for x, y in pairs:
+            assert torch.equal(x, y)
+
+
+def _parity_worker(rank: int, world: int) -> None:
+    cases = [dict(stage=s, gas=g, clip=c) for s in (1, 2) for g, c in ((1, 0.0), (2, 0.05))]
+    subtests(cases, _parity_case)
+    subtests([dict(stage=s) for s in (1, 2)], _readers_case)
+
+
+def test_overlapped_gather_matches_ddp_bit_for_bit():
+    run_distributed(_parity_worker, 2, timeout=600)
+
+
+def _overlap_config(*args, **kwargs):
+    config = make_config(*args, **kwargs)
+    config["zeroshard"]["overlap_param_gather"] = True
+    return config
+
+
+def _failed_calls_worker(rank: int, world: int) -> None:
+    failures.make_config = _overlap_config  # test_failures' engines, with the option on
+    cases = [dict(stage=s, offload=None, gas=g, nvme="", kind=k) for s in (1, 2) for g in (1, 2)
+             for k in failures.KINDS]
+    cases += [dict(stage=2, offload="cpu", gas=1, nvme="", kind=k) for k in failures.KINDS]
+    subtests(cases, failures._all_ranks_case)
+
+
+def test_failed_calls_change_nothing_with_gathers_in_flight():
+    run_distributed(_failed_calls_worker, 2, timeout=900)
+
+
+def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
+    failures.make_config = _overlap_config
+    return failures._one_rank_worker(rank, world, kind=kind, stage=stage)
+
+
+def test_one_rank_failing_in_backward_names_an_error_on_every_rank():
+    healthy, failing = run_distributed(_one_rank_worker, 2, timeout=10 * failures.COMM_TIMEOUT_S,
+                                       kind="backward", stage=1)
+    assert failing["first"][0] == "Injected", failing
+    assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
+    assert healthy["second"][0] == "CollectiveError" and "refused" in healthy["second"][1], healthy
+
+
+def _optimizer_fails_on_one_rank(rank: int, world: int) -> dict:
+    """Rank 1's step raises: it issues no gathers. Rank 0's step returns with its gathers in flight;
+    its next forward waits for the first one and gets the CollectiveError, within comm_timeout_s."""
+    failures.make_config = _overlap_config
+    engine = failures._engine(2, None, 1, "", None)
+    failures._micro(engine, 0, 0)
+    failures.FlakyAdamW.armed = rank == 1
+    results, started = [], time.monotonic()
+    for step in (1, 2, 3):
+        try:
+            failures._micro(engine, step, 0)
+            results.append(("no error", "", time.monotonic() - started))
+        except Exception as error:  # noqa: BLE001 - what each rank got is the result
+            results.append((type(error).__name__, str(error), time.monotonic() - started))
+        failures.FlakyAdamW.armed = False
+        started = time.monotonic()
+    return {"results": results}
+
+
+def test_one_rank_failing_in_step_names_an_error_at_the_next_forward():
+    healthy, failing = run_distributed(_optimizer_fails_on_one_rank, 2, timeout=10 * failures.COMM_TIMEOUT_S)
+    assert failing["results"][0][0] == "Injected", failing
+    (first, _, _), (second, text, elapsed), (third, refused, third_elapsed) = healthy["results"]
+    assert first == "no error", healthy  # step() only issued the gathers
+    assert second == "CollectiveError" and "rank 0" in text and "updated parameters" in text, healthy
+    assert elapsed < 3 * failures.COMM_TIMEOUT_S, healthy
+    assert third == "CollectiveError" and "refused" in refused and third_elapsed < 1.0, healthy
