@@ -103,7 +103,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.replica = replica
         self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
         self.transactional = True  # [Note: transactional step]
-        self.snapshot_buffers = None if policy.shard_parameters else SnapshotBuffers()
+        self.snapshot_buffers = None if policy.shard_optimizer else SnapshotBuffers()  # stage 0 only
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
 
     @property

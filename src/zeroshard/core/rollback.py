@@ -8,11 +8,12 @@ masters and the optimizer state, which a user's optimizer, an out-of-memory erro
 interrupt half-way. A `Snapshot` of the masters, of the optimizer state and of the per-parameter
 scalar state ([Note: parameters without a gradient] in masked.py) is taken before and put back if
 the update raises, so the step leaves them as they were. The cost is one more copy of this rank's
-optimizer shard while the step runs (ZeroOptimizer.transactional = False saves it). At stages 0-2 that
+optimizer shard while the step runs (ZeroOptimizer.transactional = False saves it). At stage 0 that
 copy is kept between steps (`SnapshotBuffers`) and overwritten in place by the next one: a fresh
 copy of hundreds of MB is mostly page faults on a CPU (torch's CPU allocator caches nothing: 8x the
-time of copying into a kept buffer, docs/performance.md), and those stages hold the full parameters
-anyway; stage 3, chosen for memory, takes a fresh copy each step and frees it. With offloaded
+time of copying into a kept buffer, docs/performance.md), and stage 0 is chosen for speed; stages
+1-3 are chosen for memory, where a kept copy would sit on top of the activations through forward
+and backward, so they take a fresh copy each step and free it. With offloaded
 optimizer states no copy is taken (Sharded sets transactional = False): the copy would bring the
 states back into the memory they were offloaded from; the streamed step instead checks every swap
 file before it updates anything, so a damaged store still fails before any change. The gradients of
