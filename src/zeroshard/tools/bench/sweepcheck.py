@@ -1,0 +1,152 @@
+"""The advisor against a recorded bandwidth sweep (scripts/bandwidth_sweep.py, docs/multinode.md).
+
+Calibration and check are different runs: the compute time of each stage comes from the sweep's
+unlimited-rate row only (its step time less the communication the model says stays exposed at that
+row's measured link rate, `steptime.compute_from_step`); every rate-limited row is then predicted from
+those compute times, the row's measured link rate and the byte and overlap model, and compared with
+what was measured. The unlimited row itself matches by construction and is not a check of time.
+The bandwidth of a row is what its link carried: the tbf rate, or less where one TCP stream
+measured less (this box's CPU bounds its veth links at a few Gbit/s).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zeroshard.tools import estimator as est
+from zeroshard.tools.bench import advisor, steptime
+
+# sweep_job.py's runs as the advisor's candidates: (stage, communication variant)
+RUNS = {"ddp": (0, steptime.Comm()), "0": (0, steptime.Comm()), "1": (1, steptime.Comm()),
+        "2": (2, steptime.Comm()), "3": (3, steptime.Comm()),
+        "3q": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True)),
+        "3pp": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True, hierarchical=True))}
+STAGE_RUNS = ("0", "1", "2", "3")  # what the advisor chooses between
+RECIPE = est.recipe("fp32", "adamw")  # sweep_job: fp32, torch AdamW
+TIME_TOLERANCE = 0.25  # issue 15 item 3
+
+
+class SweepError(ValueError):
+    pass
+
+
+@dataclass
+class RowCheck:
+    rate: str
+    bandwidth: float  # bytes/s
+    calibration: bool
+    predicted_s: dict[str, float] = field(default_factory=dict)
+    measured_s: dict[str, float] = field(default_factory=dict)
+    predicted_sent: dict[str, float] = field(default_factory=dict)
+    measured_sent: dict[str, float] = field(default_factory=dict)
+
+    def error(self, run: str) -> float:
+        return self.predicted_s[run] / self.measured_s[run] - 1
+
+
+def load(path: Path) -> dict:
+    try:
+        sweep = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise SweepError(f"sweep {path}: cannot read it as JSON ({error})") from None
+    rows = sweep.get("rates") if isinstance(sweep, dict) else None
+    if not rows:
+        raise SweepError(f"sweep {path}: no 'rates' list (written by scripts/bandwidth_sweep.py)")
+    if not any(row.get("rate_bps") is None for row in rows):
+        raise SweepError(f"sweep {path}: no unlimited-rate row ('none') to measure compute time from; rates: "
+                         f"{', '.join(str(r.get('rate')) for r in rows)}")
+    for row in rows:
+        for key in ("rate", "probe_bps", "world", "gpt", "runs"):
+            if key not in row:
+                raise SweepError(f"sweep {path}: rate {row.get('rate')!r} has no {key!r}")
+        unknown = [r["run"] for r in row["runs"] if r["run"] not in RUNS]
+        if unknown:
+            raise SweepError(f"sweep {path}: runs {unknown} unknown; allowed: {', '.join(RUNS)}")
+    return sweep
+
+
+def last_unit_share(gpt: dict, params: int) -> float:
+    return steptime.gpt_root_share(gpt["vocab_size"], gpt["n_embd"], gpt["block_size"], gpt.get("tie_weights", True),
+                                   params)
+
+
+def network(row: dict) -> steptime.Network:
+    carried = row["probe_bps"] if row.get("rate_bps") is None else min(row["rate_bps"], row["probe_bps"])
+    # Recorded before sweep_job said which reduce-scatter it ran: gloo's own (an all-reduce's bytes).
+    return steptime.Network(carried / 8, "gloo", row.get("reduce_scatter", "allreduce"))
+
+
+def _shape(row: dict) -> tuple[int, int, steptime.Overlap]:
+    params = row["runs"][0]["params"]
+    return params, row["world"], steptime.Overlap(last_unit=last_unit_share(row["gpt"], params))
+
+
+def calibrate(sweep: dict) -> dict[str, float]:
+    """Compute seconds per run, from the unlimited-rate row."""
+    row = next(r for r in sweep["rates"] if r.get("rate_bps") is None)
+    params, world, overlap = _shape(row)
+    out = {}
+    for run in row["runs"]:
+        stage, comm = RUNS[run["run"]]
+        out[run["run"]] = steptime.compute_from_step(run["median_s"], stage, params, world, RECIPE.param_bytes,
+                                                     RECIPE.grad_bytes, network(row), overlap, comm)
+    return out
+
+
+def check(sweep: dict) -> list[RowCheck]:
+    compute = calibrate(sweep)
+    checks = []
+    for row in sweep["rates"]:
+        params, world, overlap = _shape(row)
+        net = network(row)
+        result = RowCheck(row["rate"], net.bandwidth, row.get("rate_bps") is None)
+        for run in row["runs"]:
+            stage, comm = RUNS[run["run"]]
+            p = steptime.predict(stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, compute[run["run"]],
+                                 net, overlap, comm)
+            result.predicted_s[run["run"]], result.measured_s[run["run"]] = p.time_s, run["median_s"]
+            result.predicted_sent[run["run"]] = p.sent_bytes
+            sent = run.get("link_tx_bytes_per_step", {})
+            result.measured_sent[run["run"]] = sum(sent.values()) / len(sent) if sent else 0.0
+        checks.append(result)
+    return checks
+
+
+def problem(sweep: dict, row: dict, memory: int) -> advisor.Problem:
+    """The advisor's problem for one row of the sweep: its model, ranks and link, compute per stage."""
+    compute = calibrate(sweep)
+    params, world, overlap = _shape(row)
+    net = network(row)
+    return advisor.Problem(params=params, ranks=world, memory=memory, bandwidth=net.bandwidth, recipe=RECIPE,
+                           backend=net.backend, reduce_scatter=net.reduce_scatter, overlap=overlap,
+                           compute_by_stage={int(r): compute[r] for r in STAGE_RUNS if r in compute})
+
+
+def memory_fitting(sweep: dict, stages: tuple[int, ...], reserve: float = 0.1) -> int:
+    """Device bytes per rank at which exactly `stages` (the most sharded ones) fit, by the advisor's
+    memory model (model states only: the sweep records no activation peak)."""
+    row = sweep["rates"][0]
+    params, world, _ = _shape(row)
+    need = {s: est.model_state_bytes(params, world, s, RECIPE).total for s in range(4)}
+    least = min(stages)
+    budget = int(need[least] / (1 - reserve)) + 1
+    if least > 0 and need[least - 1] <= budget * (1 - reserve):
+        raise SweepError(f"no budget fits stages {stages} alone: stage {least - 1} needs {need[least - 1]} bytes")
+    return budget
+
+
+def measured_fastest(row: dict, fitting: list[int]) -> int:
+    runs = {r["run"]: r["median_s"] for r in row["runs"]}
+    return min((s for s in fitting if str(s) in runs), key=lambda s: runs[str(s)])
+
+
+def picks(sweep: dict, memory: int) -> list[tuple[str, int | None, int, dict]]:
+    """(rate, the advisor's pick, the measured fastest stage that fits, measured s by stage) per row."""
+    out = []
+    for row in sweep["rates"]:
+        best, every = advisor.choose(problem(sweep, row, memory))
+        fitting = [c.stage for c in every if c.fits]
+        measured = {int(r["run"]): r["median_s"] for r in row["runs"] if r["run"] in STAGE_RUNS}
+        out.append((row["rate"], best.stage if best else None, measured_fastest(row, fitting), measured))
+    return out
