@@ -61,9 +61,15 @@ def test_bytes_model_matches_what_the_link_carried(sweep):
 @pytest.mark.parametrize("fit", [(0, 1, 2, 3), (2, 3)], ids=["all fit", "stages 2-3 fit"])
 def test_pick_is_the_measured_fastest_stage_that_fits(sweep, fit):
     memory = sweepcheck.memory_fitting(sweep, fit)
-    for rate, pick, fastest, measured in sweepcheck.picks(sweep, memory):
-        assert pick in fit and fastest in fit
-        assert pick == fastest, (rate, pick, fastest, measured)
+    for pick in sweepcheck.picks(sweep, memory):
+        assert pick.advised in fit and pick.fastest in fit
+        assert pick.agrees, pick
+
+
+def test_noise_is_overlapping_timed_steps():
+    row = {"runs": [{"run": "1", "times_s": [1.0, 1.2, 1.1]}, {"run": "2", "times_s": [1.15, 1.3, 1.4]},
+                    {"run": "3", "times_s": [1.3, 1.5, 1.6]}]}
+    assert sweepcheck.indistinguishable(row, 1, 2) and not sweepcheck.indistinguishable(row, 1, 3)
 
 
 def test_memory_budgets_are_the_advisors(sweep):

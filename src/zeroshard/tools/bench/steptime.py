@@ -21,11 +21,12 @@ each collective costs beyond what overlaps with compute:
     last (a GPT's root unit: the tied embedding's gradient is complete only at the end of backward),
     and the all-gather of updated parameters after the optimizer step at stages 1-2 (unless
     `overlap_param_gather` moves it under the next forward).
-  * how much overlaps: a phase costs max(0, its bytes / bandwidth - its share of C). The shares are an
+  * how much overlaps: a phase costs max(0, its bytes / bandwidth - its window). The windows are an
     assumption, not a fit: forward 0.3 and backward 0.6 of C, from backward's 2x the forward FLOPs
     (each matmul needs the gradients of both its inputs) with ~10% left for the optimizer step and the
-    loss. Communication overlaps compute fully inside those windows: on a bandwidth-limited link the
-    sender waits on the link, not on the CPU.
+    loss; for a built-in GPT only the blocks' FLOP share of them (`gpt_overlap`: the LM head computes
+    when no collective of a unit can be in flight). Communication overlaps compute fully inside those
+    windows: on a bandwidth-limited link the sender waits on the link, not on the CPU.
 
 With C = 0 every transfer is exposed and the model is the plain bytes / bandwidth upper bound.
 """
@@ -118,12 +119,19 @@ class Prediction:
         return self.compute_s + sum(self.exposed_s.values())
 
 
-def gpt_root_share(vocab: int, n_embd: int, block_size: int, tied: bool, params: int) -> float:
-    """A built-in GPT's root unit (token and position embeddings, final LayerNorm, and the head unless
-    tied to the token embedding) as a share of its parameters: the unit gathered first and reduced
-    last (the wrap policy makes each Block a unit; the root holds the rest)."""
-    root = vocab * n_embd * (1 if tied else 2) + block_size * n_embd + 2 * n_embd
-    return min(1.0, root / params)
+def gpt_overlap(vocab: int, n_layer: int, n_embd: int, block_size: int, tied: bool, params: int) -> Overlap:
+    """The overlap of a built-in GPT (each Block a unit, the root unit holds the rest): the root (token
+    and position embeddings, final LayerNorm, the head unless tied) is gathered first and reduced last;
+    and communication can hide only behind the blocks' compute, since the LM head runs after every
+    block in forward and its backward before any unit's gradient is complete. FLOPs per token (the
+    usual 2 per multiply-add): a block 24 d^2 (qkv, projection, 4x MLP) + 4 T d (attention), the head
+    2 d V."""
+    d = n_embd
+    root = vocab * d * (1 if tied else 2) + block_size * d + 2 * d
+    blocks = n_layer * (24 * d * d + 4 * block_size * d)
+    share = blocks / (blocks + 2 * d * vocab)
+    base = Overlap()
+    return Overlap(base.forward * share, base.backward * share, min(1.0, root / params))
 
 
 def _quantized(params: int) -> float:

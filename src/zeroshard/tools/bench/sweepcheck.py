@@ -1,16 +1,17 @@
 """The advisor against a recorded bandwidth sweep (scripts/bandwidth_sweep.py, docs/multinode.md).
 
 Calibration and check are different runs: the compute time of each stage comes from the sweep's
-unlimited-rate row only (its step time less the communication the model says stays exposed at that
+unlimited-rate row only (stages 0-2 pooled, see `calibrate`) (its step time less the communication the model says stays exposed at that
 row's measured link rate, `steptime.compute_from_step`); every rate-limited row is then predicted from
 those compute times, the row's measured link rate and the byte and overlap model, and compared with
-what was measured. The unlimited row itself matches by construction and is not a check of time.
+what was measured. The unlimited row itself is not a check of time (DDP's and stage 3's match it by construction).
 The bandwidth of a row is what its link carried: the tbf rate, or less where one TCP stream
 measured less (this box's CPU bounds its veth links at a few Gbit/s).
 """
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,31 +67,49 @@ def load(path: Path) -> dict:
     return sweep
 
 
-def last_unit_share(gpt: dict, params: int) -> float:
-    return steptime.gpt_root_share(gpt["vocab_size"], gpt["n_embd"], gpt["block_size"], gpt.get("tie_weights", True),
-                                   params)
+DDP_BUCKET = 25 * 2**20  # torch DDP's bucket_cap_mb: the bucket holding the first parameters is reduced last
+_WIRE_PAYLOAD = 1448 / 1514  # TCP payload of a full Ethernet frame (MTU 1500, timestamps): tbf counts frames
+
+
+def overlap(gpt: dict, params: int, run: str = "0") -> steptime.Overlap:
+    o = steptime.gpt_overlap(gpt["vocab_size"], gpt["n_layer"], gpt["n_embd"], gpt["block_size"],
+                             gpt.get("tie_weights", True), params)
+    if run == "ddp":  # its last bucket holds at least the embedding, up to DDP_BUCKET of gradients
+        o = steptime.Overlap(o.forward, o.backward, max(o.last_unit, min(1.0, DDP_BUCKET / (4 * params))))
+    return o
 
 
 def network(row: dict) -> steptime.Network:
-    carried = row["probe_bps"] if row.get("rate_bps") is None else min(row["rate_bps"], row["probe_bps"])
+    limit = row.get("rate_bps")
+    carried = row["probe_bps"] if limit is None else min(limit * _WIRE_PAYLOAD, row["probe_bps"])
     # Recorded before sweep_job said which reduce-scatter it ran: gloo's own (an all-reduce's bytes).
     return steptime.Network(carried / 8, "gloo", row.get("reduce_scatter", "allreduce"))
 
 
-def _shape(row: dict) -> tuple[int, int, steptime.Overlap]:
+def _shape(row: dict, run: str = "0") -> tuple[int, int, steptime.Overlap]:
     params = row["runs"][0]["params"]
-    return params, row["world"], steptime.Overlap(last_unit=last_unit_share(row["gpt"], params))
+    return params, row["world"], overlap(row["gpt"], params, run)
+
+
+SAME_COMPUTE = ("0", "1", "2")  # the same forward and backward; the optimizer steps Ψ or Ψ/N (a few % of C)
 
 
 def calibrate(sweep: dict) -> dict[str, float]:
-    """Compute seconds per run, from the unlimited-rate row."""
+    """Compute seconds per run, from the unlimited-rate row. Stages 0-2 share one value, the median of
+    theirs: they compute the same, and one run's median of a few steps on a shared box is noisier
+    than what their optimizer steps differ by. DDP and stage 3 (which also copies gathered
+    parameters in and out) keep their own."""
     row = next(r for r in sweep["rates"] if r.get("rate_bps") is None)
-    params, world, overlap = _shape(row)
     out = {}
     for run in row["runs"]:
         stage, comm = RUNS[run["run"]]
+        params, world, o = _shape(row, run["run"])
         out[run["run"]] = steptime.compute_from_step(run["median_s"], stage, params, world, RECIPE.param_bytes,
-                                                     RECIPE.grad_bytes, network(row), overlap, comm)
+                                                     RECIPE.grad_bytes, network(row), o, comm)
+    pooled = [out[r] for r in SAME_COMPUTE if r in out]
+    for run in SAME_COMPUTE:
+        if run in out:
+            out[run] = statistics.median(pooled)
     return out
 
 
@@ -98,13 +117,13 @@ def check(sweep: dict) -> list[RowCheck]:
     compute = calibrate(sweep)
     checks = []
     for row in sweep["rates"]:
-        params, world, overlap = _shape(row)
         net = network(row)
         result = RowCheck(row["rate"], net.bandwidth, row.get("rate_bps") is None)
         for run in row["runs"]:
             stage, comm = RUNS[run["run"]]
+            params, world, o = _shape(row, run["run"])
             p = steptime.predict(stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, compute[run["run"]],
-                                 net, overlap, comm)
+                                 net, o, comm)
             result.predicted_s[run["run"]], result.measured_s[run["run"]] = p.time_s, run["median_s"]
             result.predicted_sent[run["run"]] = p.sent_bytes
             sent = run.get("link_tx_bytes_per_step", {})
@@ -116,10 +135,10 @@ def check(sweep: dict) -> list[RowCheck]:
 def problem(sweep: dict, row: dict, memory: int) -> advisor.Problem:
     """The advisor's problem for one row of the sweep: its model, ranks and link, compute per stage."""
     compute = calibrate(sweep)
-    params, world, overlap = _shape(row)
+    params, world, o = _shape(row)
     net = network(row)
     return advisor.Problem(params=params, ranks=world, memory=memory, bandwidth=net.bandwidth, recipe=RECIPE,
-                           backend=net.backend, reduce_scatter=net.reduce_scatter, overlap=overlap,
+                           backend=net.backend, reduce_scatter=net.reduce_scatter, overlap=o,
                            compute_by_stage={int(r): compute[r] for r in STAGE_RUNS if r in compute})
 
 
@@ -141,12 +160,36 @@ def measured_fastest(row: dict, fitting: list[int]) -> int:
     return min((s for s in fitting if str(s) in runs), key=lambda s: runs[str(s)])
 
 
-def picks(sweep: dict, memory: int) -> list[tuple[str, int | None, int, dict]]:
-    """(rate, the advisor's pick, the measured fastest stage that fits, measured s by stage) per row."""
+def indistinguishable(row: dict, a: int, b: int) -> bool:
+    """Whether two stages' timed steps overlap ([min, max] of each): then which median is lower is
+    the box's noise, not a measurement that one stage is faster."""
+    times = {r["run"]: r["times_s"] for r in row["runs"]}
+    ta, tb = times[str(a)], times[str(b)]
+    return min(ta) <= max(tb) and min(tb) <= max(ta)
+
+
+@dataclass
+class Pick:
+    rate: str
+    advised: int | None
+    fastest: int  # the measured fastest stage that fits
+    within_noise: bool  # advised != fastest, but their timed steps overlap
+    measured_s: dict[int, float]
+
+    @property
+    def agrees(self) -> bool:
+        return self.advised == self.fastest or self.within_noise
+
+
+def picks(sweep: dict, memory: int) -> list[Pick]:
+    """The advisor's pick against the measured fastest stage that fits `memory`, per row."""
     out = []
     for row in sweep["rates"]:
         best, every = advisor.choose(problem(sweep, row, memory))
         fitting = [c.stage for c in every if c.fits]
+        fastest = measured_fastest(row, fitting)
+        advised = best.stage if best else None
+        noise = advised is not None and advised != fastest and indistinguishable(row, advised, fastest)
         measured = {int(r["run"]): r["median_s"] for r in row["runs"] if r["run"] in STAGE_RUNS}
-        out.append((row["rate"], best.stage if best else None, measured_fastest(row, fitting), measured))
+        out.append(Pick(row["rate"], advised, fastest, noise, measured))
     return out

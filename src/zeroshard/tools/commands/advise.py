@@ -19,7 +19,7 @@ per rank, and says why each other one was passed over. Time per step is compute 
 the communication compute does not hide: the bytes each stage's collectives send per rank on --backend
 (a ring: 2Ψ for stages 0-2, 3Ψ for stage 3, paper §7, times (N-1)/N; gloo's reduce-scatter sends an
 all-reduce's) at the given or measured bandwidth, overlapped with the forward (30%) or backward (60%)
-share of compute where the code overlaps them (and, with --offload, the host link). Without
+share of compute where the code overlaps them (of a built-in GPT: its blocks' share of those) (and, with --offload, the host link). Without
 --compute-time, or with --no-overlap, nothing overlaps and times are upper bounds. --sweep checks the
 model against a recorded bandwidth sweep (scripts/bandwidth_sweep.py): predicted against measured
 step time per stage and rate, and the pick against the measured fastest stage that fits --memory."""
@@ -151,8 +151,7 @@ def _overlap(args: argparse.Namespace, params: int) -> steptime.Overlap:
     spec = est.BUILTIN_MODELS.get(args.model) if args.model else None
     if spec is None or args.tp * args.pp > 1:  # the unit reduced last is known for a built-in GPT alone
         return steptime.Overlap()
-    return steptime.Overlap(last_unit=steptime.gpt_root_share(spec.vocab, spec.n_embd, spec.block_size, spec.tie,
-                                                              params))
+    return steptime.gpt_overlap(spec.vocab, spec.n_layer, spec.n_embd, spec.block_size, spec.tie, params)
 
 
 def run(args: argparse.Namespace) -> int:

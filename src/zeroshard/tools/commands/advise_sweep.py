@@ -40,8 +40,8 @@ def run_sweep(args: argparse.Namespace) -> int:
                                "predicted_s": c.predicted_s, "measured_s": c.measured_s,
                                "predicted_sent_bytes": c.predicted_sent, "measured_sent_bytes": c.measured_sent}
                               for c in checks],
-                    "picks": [{"rate": rate, "advised_stage": pick, "measured_fastest_stage": fastest}
-                              for rate, pick, fastest, _ in picks]}
+                    "picks": [{"rate": p.rate, "advised_stage": p.advised, "measured_fastest_stage": p.fastest,
+                               "within_noise": p.within_noise, "agrees": p.agrees} for p in picks]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return 0
     lines = [f"{args.sweep}: {est.format_count(first['runs'][0]['params'])} parameters, {first['world']} ranks, "
@@ -55,9 +55,10 @@ def run_sweep(args: argparse.Namespace) -> int:
             lines.append(f"| {c.rate}{note} | {c.bandwidth * 8 / 1e9:.2f} Gbit/s | {run} | {c.predicted_s[run]:.3f} | "
                          f"{c.measured_s[run]:.3f} | {c.error(run):+.0%} | {c.predicted_sent[run] / 1e6:.1f} | "
                          f"{c.measured_sent[run] / 1e6:.1f} |")
-    for rate, pick, fastest, _ in picks:
-        verdict = "agrees" if pick == fastest else "differs"
-        lines.append(f"{rate}: advise picks stage {pick} within {est.format_bytes(args.memory)} per rank; measured "
-                     f"fastest that fits: stage {fastest} ({verdict})")
+    for p in picks:
+        verdict = ("agrees" if p.advised == p.fastest else
+                   "differs within the noise: their timed steps overlap" if p.within_noise else "differs")
+        lines.append(f"{p.rate}: advise picks stage {p.advised} within {est.format_bytes(args.memory)} per rank; "
+                     f"measured fastest that fits: stage {p.fastest} ({verdict})")
     sys.stdout.write("\n".join(lines) + "\n")
     return 0
