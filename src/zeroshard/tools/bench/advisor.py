@@ -176,7 +176,18 @@ def explain(problem: Problem, best: Candidate | None, every: list[Candidate]) ->
         if c is best:
             continue
         lines.append(f"  {c.name}: {_verdict(p, best, c)}")
-    return lines
+    return lines + ["", "predicted step time per rank (compute + communication it does not hide, on "
+                    f"{p.backend}, reduce-scatter: {p.network.reduce_scatter}):"] + [f"  {_breakdown(p, c)}" for c in every]
+
+
+def _breakdown(p: Problem, c: Candidate) -> str:
+    pred = c.prediction
+    hidden = sum(pred.comm_s.values()) - sum(pred.exposed_s.values())
+    host = f" + {_seconds(c.host_bytes / p.host_bandwidth)} host link" if c.host_bytes else ""
+    return (f"{c.name}: {_seconds(c.time_s)} = compute {_seconds(pred.compute_s)} + "
+            f"{_seconds(sum(pred.exposed_s.values()))} exposed of {_seconds(sum(pred.comm_s.values()))} sending "
+            f"{est.format_bytes(c.wire_bytes)} ({_seconds(hidden)} hidden){host}"
+            + ("" if c.fits else " [does not fit]"))
 
 
 def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
@@ -184,9 +195,16 @@ def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
         return f"does not fit: {c.why_not}"
     if c.time_s > best.time_s * (1 + _TIE):
         extra = c.time_s - best.time_s
-        more_bytes = c.comm_bytes / best.comm_bytes - 1 if best.comm_bytes else 0
-        reason = f"moves {more_bytes:.0%} more bytes" if more_bytes > 0 else "moves state over the host link"
-        if c.host_bytes and more_bytes > 0:
+        more_bytes = c.wire_bytes / best.wire_bytes - 1 if best.wire_bytes else 0
+        if more_bytes > 0.005:
+            reason = f"moves {more_bytes:.0%} more bytes" + (f" on {p.backend}" if p.backend != "nccl" else "")
+        elif sum(c.prediction.exposed_s.values()) > sum(best.prediction.exposed_s.values()) * (1 + _TIE):
+            reason = "hides less of its communication behind compute"
+        elif c.host_bytes:
+            reason = "moves state over the host link"
+        else:
+            reason = "computes longer"
+        if c.host_bytes and more_bytes > 0.005:
             reason += " and state over the host link"
         return (f"not needed: {best.name} fits and is faster; this fits with {headroom(p, c):.0%} headroom but "
                 f"{reason} (+{_seconds(extra)} per step)")
