@@ -58,6 +58,18 @@ def test_bytes_model_matches_what_the_link_carried(sweep):
             assert predicted == pytest.approx(c.measured_sent[run], rel=0.1), (c.rate, run)
 
 
+def test_zeropp_bytes_match_the_recorded_zeropp_run():
+    """qwZ + qgZ (int8 blocks, one all-to-all for gradients) against docs/zeropp.md's 2 x 1 run at 1 Gbit/s."""
+    recorded = json.loads((SWEEP.parent / "zeropp_1gbit_2x1.json").read_text())
+    for row in recorded["rates"]:
+        for run in row["runs"]:
+            stage, comm = sweepcheck.RUNS[run["run"]]
+            params, world, overlap = sweepcheck.shape(row, run["run"])
+            sent = steptime.predict(stage, params, world, 4, 4, 0.0, sweepcheck.network(row), overlap, comm).sent_bytes
+            link = run["link_tx_bytes_per_step"]
+            assert sent == pytest.approx(sum(link.values()) / len(link), rel=0.1), run["run"]
+
+
 @pytest.mark.parametrize("fit", [(0, 1, 2, 3), (2, 3)], ids=["all fit", "stages 2-3 fit"])
 def test_pick_is_the_measured_fastest_stage_that_fits(sweep, fit):
     memory = sweepcheck.memory_fitting(sweep, fit)

@@ -86,7 +86,7 @@ def network(row: dict) -> steptime.Network:
     return steptime.Network(carried / 8, "gloo", row.get("reduce_scatter", "allreduce"))
 
 
-def _shape(row: dict, run: str = "0") -> tuple[int, int, steptime.Overlap]:
+def shape(row: dict, run: str = "0") -> tuple[int, int, steptime.Overlap]:
     params = row["runs"][0]["params"]
     return params, row["world"], overlap(row["gpt"], params, run)
 
@@ -103,7 +103,7 @@ def calibrate(sweep: dict) -> dict[str, float]:
     out = {}
     for run in row["runs"]:
         stage, comm = RUNS[run["run"]]
-        params, world, o = _shape(row, run["run"])
+        params, world, o = shape(row, run["run"])
         out[run["run"]] = steptime.compute_from_step(run["median_s"], stage, params, world, RECIPE.param_bytes,
                                                      RECIPE.grad_bytes, network(row), o, comm)
     pooled = [out[r] for r in SAME_COMPUTE if r in out]
@@ -121,7 +121,7 @@ def check(sweep: dict) -> list[RowCheck]:
         result = RowCheck(row["rate"], net.bandwidth, row.get("rate_bps") is None)
         for run in row["runs"]:
             stage, comm = RUNS[run["run"]]
-            params, world, o = _shape(row, run["run"])
+            params, world, o = shape(row, run["run"])
             p = steptime.predict(stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, compute[run["run"]],
                                  net, o, comm)
             result.predicted_s[run["run"]], result.measured_s[run["run"]] = p.time_s, run["median_s"]
@@ -135,7 +135,7 @@ def check(sweep: dict) -> list[RowCheck]:
 def problem(sweep: dict, row: dict, memory: int) -> advisor.Problem:
     """The advisor's problem for one row of the sweep: its model, ranks and link, compute per stage."""
     compute = calibrate(sweep)
-    params, world, o = _shape(row)
+    params, world, o = shape(row)
     net = network(row)
     return advisor.Problem(params=params, ranks=world, memory=memory, bandwidth=net.bandwidth, recipe=RECIPE,
                            backend=net.backend, reduce_scatter=net.reduce_scatter, overlap=o,
@@ -146,7 +146,7 @@ def memory_fitting(sweep: dict, stages: tuple[int, ...], reserve: float = 0.1) -
     """Device bytes per rank at which exactly `stages` (the most sharded ones) fit, by the advisor's
     memory model (model states only: the sweep records no activation peak)."""
     row = sweep["rates"][0]
-    params, world, _ = _shape(row)
+    params, world, _ = shape(row)
     need = {s: est.model_state_bytes(params, world, s, RECIPE).total for s in range(4)}
     least = min(stages)
     budget = int(need[least] / (1 - reserve)) + 1
