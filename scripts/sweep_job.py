@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.config.schema import ZeroConfig
 from zeroshard.tools.bench import peers
 from zeroshard.tools.bench.subject import zeroshard_subject
 from zeroshard.tools.bench.worker import bench_optimizer
@@ -138,6 +139,8 @@ def main(argv=None) -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"world": world, "gpt": vars(gpt), "batch": args.batch,
                                         "backend": dist.get_backend(), "reduce_scatter": reduce_scatter,
+                                        # > 0: stage 3 keeps the unit last in forward gathered for backward
+                                        "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance,
                                         "runs": results}, indent=1))
     dist.barrier()
     os._exit(0)  # torch 2.13 + gloo may abort at interpreter teardown (tests/harness.py)

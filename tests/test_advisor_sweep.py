@@ -63,7 +63,7 @@ def test_zeropp_bytes_match_the_recorded_zeropp_run():
     recorded = json.loads((SWEEP.parent / "zeropp_1gbit_2x1.json").read_text())
     for row in recorded["rates"]:
         for run in row["runs"]:
-            stage, comm = sweepcheck.RUNS[run["run"]]
+            stage, comm = sweepcheck.RUNS[run["run"]][0], sweepcheck.comm_of(row, run["run"])
             params, world, overlap = sweepcheck.shape(row, run["run"])
             sent = steptime.predict(stage, params, world, 4, 4, 0.0, sweepcheck.network(row), overlap, comm).sent_bytes
             link = run["link_tx_bytes_per_step"]

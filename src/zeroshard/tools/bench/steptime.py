@@ -17,7 +17,7 @@ each collective costs beyond what overlaps with compute:
   * when: each transfer belongs to a phase. `forward` transfers (stage 3's prefetched gathers) overlap
     the forward share of C, `backward` ones (each unit's gradient reduction as its backward ends,
     stage 3's prefetched re-gathers) the backward share, `exposed` ones overlap nothing: the first
-    unit's gather (nothing computes before it), the reduction of the unit whose gradients complete
+    unit's gather (nothing computes before it; it stays gathered into backward, `keep_last_unit`), the reduction of the unit whose gradients complete
     last (a GPT's root unit: the tied embedding's gradient is complete only at the end of backward),
     and the all-gather of updated parameters after the optimizer step at stages 1-2 (unless
     `overlap_param_gather` moves it under the next forward).
@@ -92,6 +92,9 @@ class Comm:
     quantized_gradients: bool = False  # qgZ
     hierarchical: bool = False  # hpZ: the backward all-gather stays inside a node
     overlap_param_gather: bool = False  # stages 1-2: the updated parameters' gather under the next forward
+    # Stage 3: the unit last in forward and first in backward (a GPT's root) stays gathered between
+    # them, as zeroshard does by default (stage3_max_reuse_distance 1: nothing runs in between).
+    keep_last_unit: bool = True
 
 
 @dataclass
@@ -157,8 +160,9 @@ def transfers(stage: int, params: int, world: int, param_bytes: int, grad_bytes:
     out = [Transfer("forward all-gather", "all_gather", gathered * rest, "forward"),
            Transfer("first unit's forward all-gather", "all_gather", gathered * last, "exposed")]
     if not comm.hierarchical:
-        out += [Transfer("backward all-gather", "all_gather", gathered * rest, "backward"),
-                Transfer("first unit's backward all-gather", "all_gather", gathered * last, "exposed")]
+        out.append(Transfer("backward all-gather", "all_gather", gathered * rest, "backward"))
+        if not comm.keep_last_unit:
+            out.append(Transfer("first unit's backward all-gather", "all_gather", gathered * last, "exposed"))
     if comm.quantized_gradients:  # one all-to-all of int8 blocks (docs/zeropp.md)
         reduced, kind = _quantized(params), "all_to_all"
     else:

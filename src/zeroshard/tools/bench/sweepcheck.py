@@ -10,6 +10,7 @@ measured less (this box's CPU bounds its veth links at a few Gbit/s).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from dataclasses import dataclass, field
@@ -95,6 +96,13 @@ def shape(row: dict, run: str = "0") -> tuple[int, int, steptime.Overlap]:
 SAME_COMPUTE = ("0", "1", "2")  # the same forward and backward; the optimizer steps Ψ or Ψ/N (a few % of C)
 
 
+def comm_of(row: dict, run: str) -> steptime.Comm:
+    """The run's communication variant; a sweep recorded before stage3_max_reuse_distance existed
+    (no such field) regathered every unit in backward."""
+    comm = RUNS[run][1]
+    return dataclasses.replace(comm, keep_last_unit=row.get("stage3_max_reuse_distance", 0) > 0)
+
+
 def calibrate(sweep: dict) -> dict[str, float]:
     """Compute seconds per run, from the unlimited-rate row. Stages 0-2 share one value, the median of
     theirs: they compute the same, and one run's median of a few steps on a shared box is noisier
@@ -103,7 +111,7 @@ def calibrate(sweep: dict) -> dict[str, float]:
     row = next(r for r in sweep["rates"] if r.get("rate_bps") is None)
     out = {}
     for run in row["runs"]:
-        stage, comm = RUNS[run["run"]]
+        stage, comm = RUNS[run["run"]][0], comm_of(row, run["run"])
         params, world, o = shape(row, run["run"])
         out[run["run"]] = steptime.compute_from_step(run["median_s"], stage, params, world, RECIPE.param_bytes,
                                                      RECIPE.grad_bytes, network(row), o, comm)
@@ -121,7 +129,7 @@ def check(sweep: dict) -> list[RowCheck]:
         net = network(row)
         result = RowCheck(row["rate"], net.bandwidth, row.get("rate_bps") is None)
         for run in row["runs"]:
-            stage, comm = RUNS[run["run"]]
+            stage, comm = RUNS[run["run"]][0], comm_of(row, run["run"])
             params, world, o = shape(row, run["run"])
             p = steptime.predict(stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, compute[run["run"]],
                                  net, o, comm)
