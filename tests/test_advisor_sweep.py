@@ -128,6 +128,18 @@ def test_overlap_hides_communication_inside_the_compute_windows():
     assert steptime.compute_from_step(p.time_s, 0, 10**6, 2, 4, 4, net, overlap) == pytest.approx(2.0)
 
 
+def test_overlap_efficiency_scales_the_windows():
+    net = steptime.Network(1e6, "nccl", "ring")
+    half = steptime.Overlap(forward=0.3, backward=0.6, last_unit=0.25, efficiency=0.5)
+    assert steptime.predict(0, 10**6, 2, 4, 4, 2.0, net, half).time_s == pytest.approx(2.0 + (3.0 - 0.6) + 1.0)
+
+
+def test_the_overlap_efficiency_is_fitted_on_its_row_only(sweep):
+    rows = [c for c in sweepcheck.check(sweep) if c.calibration]
+    assert {c.rate for c in rows} <= {sweepcheck.OVERLAP_RATE} | {r["rate"] for r in sweep["rates"] if r["rate_bps"] is None}
+    assert sweepcheck.efficiency(sweep) in sweepcheck.EFFICIENCIES
+
+
 def test_without_compute_time_the_advisor_is_the_old_upper_bound():
     problem = advisor.Problem(params=10**9, ranks=8, memory=10**12, bandwidth=1e10, recipe=est.MIXED_ADAM)
     for c in advisor.candidates(problem):

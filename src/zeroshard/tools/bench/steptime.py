@@ -79,9 +79,13 @@ class Overlap:
     forward: float = 0.3
     backward: float = 0.6
     last_unit: float = 0.0  # parameter share of the unit gathered first / reduced last (GPT: its root)
+    # Share of those windows communication really runs in: 1 where it does not need the compute's
+    # processor (a GPU with its copy engines; a NIC); on a CPU box whose ranks use every core, gloo's
+    # threads and the kernel's TCP work wait for it: the 2-core sweep measured 0 (docs/multinode.md).
+    efficiency: float = 1.0
 
 
-NO_OVERLAP = Overlap(0.0, 0.0, 1.0)
+NO_OVERLAP = Overlap(0.0, 0.0, 1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ def gpt_overlap(vocab: int, n_layer: int, n_embd: int, block_size: int, tied: bo
     blocks = n_layer * (24 * d * d + 4 * block_size * d)
     share = blocks / (blocks + 2 * d * vocab)
     base = Overlap()
-    return Overlap(base.forward * share, base.backward * share, min(1.0, root / params))
+    return Overlap(base.forward * share, base.backward * share, min(1.0, root / params), base.efficiency)
 
 
 def _quantized(params: int) -> float:
@@ -178,7 +182,8 @@ def predict(stage: int, params: int, world: int, param_bytes: int, grad_bytes: i
         t.sent_bytes = t.full_bytes * sent_per_byte(t.kind, world, network.reduce_scatter)
         if t.sent_bytes:
             prediction.transfers.append(t)
-    window = {"forward": overlap.forward * compute_s, "backward": overlap.backward * compute_s, "exposed": 0.0}
+    hide = overlap.efficiency * compute_s
+    window = {"forward": overlap.forward * hide, "backward": overlap.backward * hide, "exposed": 0.0}
     for phase in PHASES:
         seconds = sum(t.sent_bytes for t in prediction.transfers if t.phase == phase) / network.bandwidth
         prediction.comm_s[phase] = seconds

@@ -4,7 +4,8 @@ Calibration and check are different runs: the compute time of each stage comes f
 unlimited-rate row only (stages 0-2 pooled, see `calibrate`) (its step time less the communication the model says stays exposed at that
 row's measured link rate, `steptime.compute_from_step`); every rate-limited row is then predicted from
 those compute times, the row's measured link rate and the byte and overlap model, and compared with
-what was measured. The unlimited row itself is not a check of time (DDP's and stage 3's match it by construction).
+what was measured. The overlap efficiency (`steptime.Overlap.efficiency`) is fitted on one rate-limited row,
+OVERLAP_RATE. Those two rows are not checks of time (some runs match them by construction).
 The bandwidth of a row is what its link carried: the tbf rate, or less where one TCP stream
 measured less (this box's CPU bounds its veth links at a few Gbit/s).
 """
@@ -73,12 +74,17 @@ DDP_BUCKET = 25 * 2**20  # torch DDP's bucket_cap_mb: the bucket holding the fir
 _WIRE_PAYLOAD = 1448 / 1514  # TCP payload of a full Ethernet frame (MTU 1500, timestamps): tbf counts frames
 
 
-def overlap(gpt: dict, params: int, run: str = "0") -> steptime.Overlap:
+OVERLAP_RATE = "1gbit"  # the row the overlap efficiency is fitted on; it is then not a check of time
+EFFICIENCIES = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def overlap(gpt: dict, params: int, run: str = "0", efficiency: float = 1.0) -> steptime.Overlap:
     o = steptime.gpt_overlap(gpt["vocab_size"], gpt["n_layer"], gpt["n_embd"], gpt["block_size"],
                              gpt.get("tie_weights", True), params)
+    last = o.last_unit
     if run == "ddp":  # its last bucket holds at least the embedding, up to DDP_BUCKET of gradients
-        o = steptime.Overlap(o.forward, o.backward, max(o.last_unit, min(1.0, DDP_BUCKET / (4 * params))))
-    return o
+        last = max(last, min(1.0, DDP_BUCKET / (4 * params)))
+    return steptime.Overlap(o.forward, o.backward, last, efficiency)
 
 
 def network(row: dict) -> steptime.Network:
@@ -88,9 +94,9 @@ def network(row: dict) -> steptime.Network:
     return steptime.Network(carried / 8, "gloo", row.get("reduce_scatter", "allreduce"))
 
 
-def shape(row: dict, run: str = "0") -> tuple[int, int, steptime.Overlap]:
+def shape(row: dict, run: str = "0", efficiency: float = 1.0) -> tuple[int, int, steptime.Overlap]:
     params = row["runs"][0]["params"]
-    return params, row["world"], overlap(row["gpt"], params, run)
+    return params, row["world"], overlap(row["gpt"], params, run, efficiency)
 
 
 SAME_COMPUTE = ("0", "1", "2")  # the same forward and backward; the optimizer steps Ψ or Ψ/N (a few % of C)
@@ -103,7 +109,7 @@ def comm_of(row: dict, run: str) -> steptime.Comm:
     return dataclasses.replace(comm, keep_last_unit=row.get("stage3_max_reuse_distance", 0) > 0)
 
 
-def calibrate(sweep: dict) -> dict[str, float]:
+def calibrate(sweep: dict, efficiency: float = 1.0) -> dict[str, float]:
     """Compute seconds per run, from the unlimited-rate row. Stages 0-2 share one value, the median of
     theirs: they compute the same, and one run's median of a few steps on a shared box is noisier
     than what their optimizer steps differ by. DDP and stage 3 (which also copies gathered
@@ -112,7 +118,7 @@ def calibrate(sweep: dict) -> dict[str, float]:
     out = {}
     for run in row["runs"]:
         stage, comm = RUNS[run["run"]][0], comm_of(row, run["run"])
-        params, world, o = shape(row, run["run"])
+        params, world, o = shape(row, run["run"], efficiency)
         out[run["run"]] = steptime.compute_from_step(run["median_s"], stage, params, world, RECIPE.param_bytes,
                                                      RECIPE.grad_bytes, network(row), o, comm)
     pooled = [out[r] for r in SAME_COMPUTE if r in out]
@@ -122,15 +128,32 @@ def calibrate(sweep: dict) -> dict[str, float]:
     return out
 
 
+def efficiency(sweep: dict) -> float:
+    """The overlap efficiency (of EFFICIENCIES) that predicts the OVERLAP_RATE row best (the largest
+    error smallest); 1 if the sweep has no such row."""
+    if not any(row["rate"] == OVERLAP_RATE for row in sweep["rates"]):
+        return 1.0
+
+    def worst(eta: float) -> float:
+        row = next(c for c in _check(sweep, eta) if c.rate == OVERLAP_RATE)
+        return max(abs(row.error(run)) for run in row.predicted_s)
+    return min(EFFICIENCIES, key=worst)
+
+
 def check(sweep: dict) -> list[RowCheck]:
-    compute = calibrate(sweep)
+    """Every row predicted; `calibration` marks the rows fitted on (compute, overlap efficiency)."""
+    return _check(sweep, efficiency(sweep))
+
+
+def _check(sweep: dict, eta: float) -> list[RowCheck]:
+    compute = calibrate(sweep, eta)
     checks = []
     for row in sweep["rates"]:
         net = network(row)
-        result = RowCheck(row["rate"], net.bandwidth, row.get("rate_bps") is None)
+        result = RowCheck(row["rate"], net.bandwidth, row.get("rate_bps") is None or row["rate"] == OVERLAP_RATE)
         for run in row["runs"]:
             stage, comm = RUNS[run["run"]][0], comm_of(row, run["run"])
-            params, world, o = shape(row, run["run"])
+            params, world, o = shape(row, run["run"], eta)
             p = steptime.predict(stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, compute[run["run"]],
                                  net, o, comm)
             result.predicted_s[run["run"]], result.measured_s[run["run"]] = p.time_s, run["median_s"]
@@ -143,8 +166,9 @@ def check(sweep: dict) -> list[RowCheck]:
 
 def problem(sweep: dict, row: dict, memory: int) -> advisor.Problem:
     """The advisor's problem for one row of the sweep: its model, ranks and link, compute per stage."""
-    compute = calibrate(sweep)
-    params, world, o = shape(row)
+    eta = efficiency(sweep)
+    compute = calibrate(sweep, eta)
+    params, world, o = shape(row, efficiency=eta)
     net = network(row)
     return advisor.Problem(params=params, ranks=world, memory=memory, bandwidth=net.bandwidth, recipe=RECIPE,
                            backend=net.backend, reduce_scatter=net.reduce_scatter, overlap=o,

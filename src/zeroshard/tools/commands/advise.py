@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
@@ -81,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the reduce-scatter algorithm, if not the one zeroshard runs on --backend")
     parser.add_argument("--no-overlap", action="store_true",
                         help="assume no communication overlaps compute (an upper bound)")
+    parser.add_argument("--overlap-efficiency", type=float, default=1.0, metavar="SHARE",
+                        help="share of the overlap windows communication really runs in (default: 1; a CPU "
+                             "box whose ranks use every core measured 0, docs/multinode.md)")
     parser.add_argument("--overlap-param-gather", action="store_true",
                         help="stages 1-2 gather updated parameters under the next forward")
     parser.add_argument("--measure-ranks", type=bounded(int, 1, inclusive=False), default=2, metavar="N",
@@ -150,8 +154,10 @@ def _overlap(args: argparse.Namespace, params: int) -> steptime.Overlap:
         return steptime.NO_OVERLAP
     spec = est.BUILTIN_MODELS.get(args.model) if args.model else None
     if spec is None or args.tp * args.pp > 1:  # the unit reduced last is known for a built-in GPT alone
-        return steptime.Overlap()
-    return steptime.gpt_overlap(spec.vocab, spec.n_layer, spec.n_embd, spec.block_size, spec.tie, params)
+        o = steptime.Overlap()
+    else:
+        o = steptime.gpt_overlap(spec.vocab, spec.n_layer, spec.n_embd, spec.block_size, spec.tie, params)
+    return dataclasses.replace(o, efficiency=args.overlap_efficiency)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError("--memory is required: device memory per rank")
     if args.bandwidth is None and not args.measure_bandwidth:
         raise CommandError("one of --bandwidth or --measure-bandwidth is required (or --sweep)")
+    if not 0 <= args.overlap_efficiency <= 1:
+        raise CommandError(f"--overlap-efficiency must be in [0, 1], got {args.overlap_efficiency}")
     if args.compute_time < 0:
         raise CommandError(f"--compute-time must be at least 0 seconds, got {args.compute_time}")
     if args.ranks is not None and args.dp is not None and args.ranks != args.dp:

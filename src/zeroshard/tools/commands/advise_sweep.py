@@ -9,11 +9,12 @@ from zeroshard.tools import estimator as est
 from zeroshard.tools.commands import CommandError
 
 # Flags whose value the sweep itself fixes: giving one beside --sweep would be silently ignored.
-_FIXED_BY_SWEEP = ("params", "model", "ranks", "dp", "compute_time", "backend", "reduce_scatter", "offload")
+_FIXED_BY_SWEEP = ("params", "model", "ranks", "dp", "compute_time", "backend", "reduce_scatter", "offload",
+                   "overlap_efficiency")
 
 
 def _refuse_fixed(args: argparse.Namespace) -> None:
-    defaults = {"compute_time": 0.0, "backend": "nccl", "offload": False}
+    defaults = {"compute_time": 0.0, "backend": "nccl", "offload": False, "overlap_efficiency": 1.0}
     given = [name for name in _FIXED_BY_SWEEP if getattr(args, name, None) not in (None, defaults.get(name))]
     if args.tp != 1 or args.pp != 1:
         given.append("tp/pp")
@@ -34,7 +35,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise CommandError(f"--sweep: {error}") from None
     first = sweep["rates"][0]
     if args.json:
-        document = {"sweep": args.sweep, "params": first["runs"][0]["params"], "ranks": first["world"],
+        document = {"sweep": args.sweep, "overlap_efficiency": sweepcheck.efficiency(sweep), "params": first["runs"][0]["params"], "ranks": first["world"],
                     "memory_bytes": args.memory, "tolerance": sweepcheck.TIME_TOLERANCE,
                     "rates": [{"rate": c.rate, "bandwidth": c.bandwidth, "calibration": c.calibration,
                                "predicted_s": c.predicted_s, "measured_s": c.measured_s,
@@ -46,7 +47,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 0
     lines = [f"{args.sweep}: {est.format_count(first['runs'][0]['params'])} parameters, {first['world']} ranks, "
              f"{first.get('backend', 'gloo')} (reduce-scatter: {first.get('reduce_scatter', 'allreduce')}); compute "
-             "per stage from the unlimited-rate row, every other row predicted from it",
+             f"per stage from the unlimited-rate row, overlap efficiency {sweepcheck.efficiency(sweep):g} from the "
+             f"{sweepcheck.OVERLAP_RATE} row (both marked calibration), every other row predicted from them",
              "", "| link | bandwidth | run | predicted s/step | measured s/step | error | predicted MB sent | "
              "measured MB sent |", "|---|---|---|---|---|---|---|---|"]
     for c in checks:
