@@ -1,11 +1,11 @@
 """The advisor against a recorded bandwidth sweep (scripts/bandwidth_sweep.py, docs/multinode.md).
 
-Calibration and check are different runs: the compute time of each stage comes from the sweep's
-unlimited-rate row only (stages 0-2 pooled, see `calibrate`) (its step time less the communication the model says stays exposed at that
-row's measured link rate, `steptime.compute_from_step`); every rate-limited row is then predicted from
-those compute times, the row's measured link rate and the byte and overlap model, and compared with
-what was measured. The overlap efficiency (`steptime.Overlap.efficiency`) is fitted on one rate-limited row,
-OVERLAP_RATE. Those two rows are not checks of time (some runs match them by construction).
+Calibration and check are different rows. The compute time of each stage comes from the
+unlimited-rate row (its step time less the communication the model leaves exposed at that row's
+link rate, `steptime.compute_from_step`; stages 0-2 pooled, see `calibrate`); the overlap efficiency
+(`steptime.Overlap.efficiency`) from the OVERLAP_RATE row. Every other row is predicted from those,
+its link rate and the byte and overlap model, and compared with what was measured; the two
+calibration rows are not checks of time.
 The bandwidth of a row is what its link carried: the tbf rate, or less where one TCP stream
 measured less (this box's CPU bounds its veth links at a few Gbit/s).
 """
