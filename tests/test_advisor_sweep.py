@@ -33,10 +33,21 @@ def test_the_sweep_has_rate_limited_rows_to_check(sweep):
     assert all(set(sweepcheck.STAGE_RUNS) <= {r["run"] for r in row["runs"]} for row in sweep["rates"])
 
 
-def test_predicted_step_time_within_25_percent_of_measured(sweep):
-    errors = _time_errors(sweep)
-    worst = max(errors, key=lambda k: abs(errors[k]))
-    assert abs(errors[worst]) <= sweepcheck.TIME_TOLERANCE, (worst, errors[worst], errors)
+# The 10 Gbit/s row was recorded while the box's load rose (0.9 -> 3.5): stage 0 measured 3.45 s there,
+# slower than at 1 Gbit/s (3.20 s) with the same bytes, and stage 1 1.61 s, faster than its compute at
+# the unlimited rate. strict: once the row is re-recorded and passes, this marker must go.
+_NOISY = {"10gbit": "recorded under a load rise: stage 0 slower at 10 Gbit/s than at 1 Gbit/s; re-record the row"}
+
+
+@pytest.mark.parametrize("rate", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=_NOISY[r]))
+                                  if r in _NOISY else r
+                                  for r in [row["rate"] for row in json.loads(SWEEP.read_text())["rates"]]])
+def test_predicted_step_time_within_25_percent_of_measured(sweep, rate):
+    checked = [c for c in sweepcheck.check(sweep) if c.rate == rate]
+    if checked[0].calibration:
+        return  # a calibration row: not a check of time
+    errors = {run: checked[0].error(run) for run in checked[0].predicted_s}
+    assert max(abs(e) for e in errors.values()) <= sweepcheck.TIME_TOLERANCE, errors
 
 
 def test_the_time_check_fails_at_a_wrong_bandwidth(sweep):
