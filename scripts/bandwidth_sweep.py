@@ -93,6 +93,19 @@ def write_doc(doc: Path, text: str) -> None:
     doc.write_text(f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
 
 
+def _appended(path: Path, rows: list[dict], meta: dict) -> tuple[list[dict], dict]:
+    """The rows of `path` with `rows` put in (same label: replaced), slowest rate first, `none` last."""
+    old = json.loads(path.read_text())
+    if old["rates"][0]["gpt"] != rows[0]["gpt"] or old["rates"][0]["batch"] != rows[0]["batch"]:
+        raise SystemExit(f"--append: {path} is a sweep of another model or batch ({old['rates'][0]['gpt']}); "
+                         "write a new --json")
+    labels = {row["rate"] for row in rows}
+    merged = [row for row in old["rates"] if row["rate"] not in labels] + rows
+    merged.sort(key=lambda row: float("inf") if row["rate_bps"] is None else row["rate_bps"])
+    return merged, {**old["meta"], "argv_appended": old["meta"].get("argv_appended", []) + [meta["argv"]],
+                    "note": meta["note"]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--rates", type=_rates, default=_rates("0.1gbit,1gbit,10gbit,none"))
@@ -102,6 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "bench" / "multinode_sweep.json")
     parser.add_argument("--doc", type=Path, default=None, help="markdown file whose sweep table to replace")
     parser.add_argument("--from-json", action="store_true", help="only rewrite --doc from --json")
+    parser.add_argument("--append", action="store_true",
+                        help="add the measured rates to --json (replacing rows of the same label) instead of "
+                             "rewriting it: a slow rate recorded in a second invocation")
     parser.add_argument("--note", default="a shared 2-core machine, busy with other jobs: absolute "
                         "times are noisy, compare within a row")
     args, args.job_args = parser.parse_known_args(argv)  # the rest goes to sweep_job.py (--runs, --n-layer...)
@@ -119,6 +135,8 @@ def main(argv=None) -> int:
         meta = {"date": datetime.date.today().isoformat(), "note": args.note,
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                 "layout": f"{args.nodes} nodes × {args.nproc_per_node} rank(s)", "argv": argv or sys.argv[1:]}
+        if args.append:
+            rows, meta = _appended(args.json, rows, meta)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"meta": meta, "rates": rows}, indent=1))
     sweep = json.loads(args.json.read_text())

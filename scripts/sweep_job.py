@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.config.schema import ZeroConfig
 from zeroshard.tools.bench import peers
 from zeroshard.tools.bench.subject import zeroshard_subject
 from zeroshard.tools.bench.worker import bench_optimizer
@@ -106,10 +107,23 @@ def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
     states = subject.states()  # at rest, after a step (an hpZ secondary copy lives from forward to step)
     subject.close()
     return {"run": run, "params": subject.params, "median_s": statistics.median(times), "times_s": times,
-            "paper_bytes_per_step": sum(paper.values()),
+            "paper_bytes_per_step": sum(paper.values()), "paper_bytes_by_kind": paper,
             "link_tx_bytes_per_step": dict(sorted(node_tx)),  # node -> bytes (its ranks read one counter)
             "states_bytes": states.get("total"),
             }
+
+
+def _reduce_scatter_algorithm() -> str:
+    """What zeroshard's Communicator runs for a reduce-scatter here (it decides the bytes sent, see
+    [Note: the advisor's time model]): a gloo pair's exchange of halves where it has one, else the
+    backend's own (gloo's: an all-reduce's bytes; NCCL's: a ring)."""
+    from zeroshard.core.comm import Communicator
+
+    comm = Communicator(timeout_s=600)
+    backend = dist.get_backend()
+    algorithm = "pairwise" if getattr(comm, "pairwise", False) else ("allreduce" if backend == "gloo" else "ring")
+    comm.destroy()
+    return algorithm
 
 
 def main(argv=None) -> None:
@@ -119,10 +133,14 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     gpt = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, tie_weights=not args.untied)
+    reduce_scatter = _reduce_scatter_algorithm()
     results = [measure(run, args, gpt, rank) for run in args.runs]
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"world": world, "gpt": vars(gpt), "batch": args.batch,
+                                        "backend": dist.get_backend(), "reduce_scatter": reduce_scatter,
+                                        # > 0: stage 3 keeps the unit last in forward gathered for backward
+                                        "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance,
                                         "runs": results}, indent=1))
     dist.barrier()
     os._exit(0)  # torch 2.13 + gloo may abort at interpreter teardown (tests/harness.py)

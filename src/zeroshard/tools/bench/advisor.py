@@ -2,9 +2,12 @@
 
 Per candidate (stage 0-3, and with `offload` the ZeRO-Offload variants) the advisor predicts
   * memory per rank: model states (`estimate.model_state_bytes`, paper §5) + activations + a reserve;
-  * time per step beyond compute: communication = bytes a ring sends per rank (paper §7: 2Ψ for
-    stages 0-2, 3Ψ for stage 3, times (N-1)/N) / interconnect bus bandwidth, plus, with offload, the
-    bytes crossing the host link / host bandwidth. Nothing is assumed to overlap, so times are upper bounds.
+  * time per step: compute (per stage where measured) plus the communication compute does not hide,
+    `steptime.predict` ([Note: the advisor's time model]): the bytes each collective sends per rank on
+    the backend in use (a ring: the paper's 2Ψ for stages 0-2 and 3Ψ for stage 3, times (N-1)/N; gloo's
+    reduce-scatter sends an all-reduce's), overlapped with the forward or backward share of compute
+    where the code overlaps them; plus, with offload, the bytes crossing the host link / host
+    bandwidth. With no compute time given nothing overlaps and times are upper bounds.
 The fastest candidate that fits wins; between equally fast ones (stages 0-2 move the same bytes) the
 one that shards least, since sharding more buys only memory that is not needed; the explanation names
 the memory the others would free.
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from zeroshard.tools import estimator as est
+from zeroshard.tools.bench import steptime
 
 _TIE = 0.01  # candidates within 1% of the fastest predicted time count as equally fast
 
@@ -39,6 +43,21 @@ class Problem:
     tp: int = 1  # tensor-parallel ranks: `ranks` is then the dp degree of a dp x tp x pp mesh
     pp: int = 1  # pipeline stages
     replicated: int = 0  # parameters every tp rank holds whole (LayerNorms, row-parallel biases)
+    backend: str = "nccl"  # what the collectives run on: it decides the bytes of a reduce-scatter
+    reduce_scatter: str | None = None  # steptime.REDUCE_SCATTER_ALGORITHMS; None: what the backend runs
+    overlap: steptime.Overlap = steptime.Overlap()
+    compute_by_stage: dict[int, float] | None = None  # measured compute per stage; else compute_s for all
+    comm: steptime.Comm = steptime.Comm()  # ZeRO++ / overlapped parameter gather, for stage 3 / 1-2
+
+    @property
+    def network(self) -> steptime.Network:
+        algorithm = self.reduce_scatter or steptime.default_reduce_scatter(self.backend, self.ranks)
+        return steptime.Network(self.bandwidth, self.backend, algorithm)
+
+    def compute(self, stage: int) -> float:
+        if self.compute_by_stage is not None and stage in self.compute_by_stage:
+            return self.compute_by_stage[stage]
+        return self.compute_s
 
     @property
     def layout(self) -> est.Layout:
@@ -58,7 +77,8 @@ class Candidate:
     need: int = 0  # device bytes per rank
     states: est.StateBytes | None = None
     comm_bytes: int = 0  # paper convention, per step
-    wire_bytes: float = 0.0  # what a ring sends per rank
+    wire_bytes: float = 0.0  # what one rank sends per step on the backend's algorithms
+    prediction: steptime.Prediction | None = None
     host_bytes: int = 0  # offload traffic per step
     time_s: float = 0.0
     fits: bool = False
@@ -91,13 +111,15 @@ def _predict(p: Problem, c: Candidate) -> None:
     c.need = c.states.total + p.activations
     usable = int(p.memory * (1 - p.reserve))
     c.comm_bytes = est.comm_bytes_per_step(local, c.stage, p.recipe.param_bytes)
-    c.wire_bytes = est.ring_bytes_sent_per_rank(local, p.ranks, c.stage, p.recipe.param_bytes)
+    c.prediction = steptime.predict(c.stage, local, p.ranks, p.recipe.param_bytes, p.recipe.grad_bytes,
+                                    p.compute(c.stage), p.network, p.overlap, p.comm)
+    c.wire_bytes = c.prediction.sent_bytes
     shard = -(-local // p.ranks)
     if c.offload_optimizer:  # gradients down, updated parameters up (ZeRO-Offload, arXiv 2101.06840 §4)
         c.host_bytes += (p.recipe.grad_bytes + p.recipe.param_bytes) * shard
     if c.offload_param:  # the parameter shard comes up for the forward and again for the backward
         c.host_bytes += 2 * p.recipe.param_bytes * shard
-    c.time_s = p.compute_s + c.wire_bytes / p.bandwidth + c.host_bytes / p.host_bandwidth
+    c.time_s = c.prediction.time_s + c.host_bytes / p.host_bandwidth
     c.fits = c.need <= usable
     if not c.fits:
         c.why_not = (f"needs {est.format_bytes(c.need)} per rank, more than the {est.format_bytes(usable)} usable "
@@ -154,7 +176,18 @@ def explain(problem: Problem, best: Candidate | None, every: list[Candidate]) ->
         if c is best:
             continue
         lines.append(f"  {c.name}: {_verdict(p, best, c)}")
-    return lines
+    return lines + ["", "predicted step time per rank (compute + communication it does not hide, on "
+                    f"{p.backend}, reduce-scatter: {p.network.reduce_scatter}):"] + [f"  {_breakdown(p, c)}" for c in every]
+
+
+def _breakdown(p: Problem, c: Candidate) -> str:
+    pred = c.prediction
+    hidden = sum(pred.comm_s.values()) - sum(pred.exposed_s.values())
+    host = f" + {_seconds(c.host_bytes / p.host_bandwidth)} host link" if c.host_bytes else ""
+    return (f"{c.name}: {_seconds(c.time_s)} = compute {_seconds(pred.compute_s)} + "
+            f"{_seconds(sum(pred.exposed_s.values()))} exposed of {_seconds(sum(pred.comm_s.values()))} sending "
+            f"{est.format_bytes(c.wire_bytes)} ({_seconds(hidden)} hidden){host}"
+            + ("" if c.fits else " [does not fit]"))
 
 
 def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
@@ -162,9 +195,16 @@ def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
         return f"does not fit: {c.why_not}"
     if c.time_s > best.time_s * (1 + _TIE):
         extra = c.time_s - best.time_s
-        more_bytes = c.comm_bytes / best.comm_bytes - 1 if best.comm_bytes else 0
-        reason = f"moves {more_bytes:.0%} more bytes" if more_bytes > 0 else "moves state over the host link"
-        if c.host_bytes and more_bytes > 0:
+        more_bytes = c.wire_bytes / best.wire_bytes - 1 if best.wire_bytes else 0
+        if more_bytes > 0.005:
+            reason = f"moves {more_bytes:.0%} more bytes" + (f" on {p.backend}" if p.backend != "nccl" else "")
+        elif sum(c.prediction.exposed_s.values()) > sum(best.prediction.exposed_s.values()) * (1 + _TIE):
+            reason = "hides less of its communication behind compute"
+        elif c.host_bytes:
+            reason = "moves state over the host link"
+        else:
+            reason = "computes longer"
+        if c.host_bytes and more_bytes > 0.005:
             reason += " and state over the host link"
         return (f"not needed: {best.name} fits and is faster; this fits with {headroom(p, c):.0%} headroom but "
                 f"{reason} (+{_seconds(extra)} per step)")

@@ -2,22 +2,28 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import re
 import sys
 
 from zeroshard.tools import estimator as est
+from zeroshard.tools.bench import steptime
 from zeroshard.tools.commands import CommandError, add_command, bounded, params_from_args
 
 log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Recommends the fastest ZeRO configuration whose model states (paper §5) plus activations fit the memory
-per rank, and says why each other one was passed over. Time per step is compared through the bytes each
-stage moves (2Ψ for stages 0-2, 3Ψ for stage 3, paper §7) at the given or measured interconnect bus
-bandwidth (and, with --offload, the host link); compute is the same for every stage. Predictions assume
-no overlap of communication with compute, so they are upper bounds."""
+per rank, and says why each other one was passed over. Time per step is compute (--compute-time) plus
+the communication compute does not hide: the bytes each stage's collectives send per rank on --backend
+(a ring: 2Ψ for stages 0-2, 3Ψ for stage 3, paper §7, times (N-1)/N; gloo's reduce-scatter sends an
+all-reduce's) at the given or measured bandwidth, overlapped with the forward (30%) or backward (60%)
+share of compute where the code overlaps them (of a built-in GPT: its blocks' share of those) (and, with --offload, the host link). Without
+--compute-time, or with --no-overlap, nothing overlaps and times are upper bounds. --sweep checks the
+model against a recorded bandwidth sweep (scripts/bandwidth_sweep.py): predicted against measured
+step time per stage and rate, and the pick against the measured fastest stage that fits --memory."""
 
 EXAMPLES = [
     "zeroshard advise --model gpt2-xl --ranks 8 --memory 24GiB --bandwidth 25GB/s",
@@ -26,6 +32,8 @@ EXAMPLES = [
     "zeroshard advise --model config.json --ranks 16 --memory 80GB --bandwidth 200GB/s --batch 8 --seq-len 2048",
     "zeroshard advise --params 1.3B --ranks 4 --memory 16GiB --bandwidth 10GB/s --json",
     "zeroshard advise --model gpt-7.5b --dp 16 --tp 2 --pp 2 --memory 24GB --bandwidth 25GB/s   # 3D parallelism",
+    "zeroshard advise --model gpt-small --ranks 2 --memory 8GB --bandwidth 1gbit --backend gloo --compute-time 1.5",
+    "zeroshard advise --sweep docs/bench/multinode_sweep.json --memory 400MB   # predicted vs measured",
 ]
 
 _RATE = re.compile(r"^\s*(.+?)\s*(/s|ps)?\s*$", re.IGNORECASE)
@@ -48,7 +56,7 @@ def parse_rate(text: str) -> float:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "advise", summary="recommend a ZeRO stage for a model, ranks, memory, network",
                          description=DESCRIPTION, examples=EXAMPLES)
-    size = parser.add_mutually_exclusive_group(required=True)
+    size = parser.add_mutually_exclusive_group()
     size.add_argument("--params", type=bounded(est.parse_count, 0, inclusive=False), metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
     size.add_argument("--model", metavar="NAME_OR_JSON",
                       help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
@@ -59,13 +67,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tensor-parallel ranks: parameters split over tp before ZeRO (default: 1)")
     parser.add_argument("--pp", type=bounded(int, 0, inclusive=False), default=1, metavar="N",
                         help="pipeline stages: layers split over pp before ZeRO (default: 1)")
-    parser.add_argument("--memory", type=bounded(est.parse_bytes, 0, inclusive=False), required=True, metavar="SIZE",
-                        help="device memory per rank: 24GiB, 80GB")
-    net = parser.add_mutually_exclusive_group(required=True)
+    parser.add_argument("--memory", type=bounded(est.parse_bytes, 0, inclusive=False), metavar="SIZE",
+                        help="device memory per rank: 24GiB, 80GB (required, except with --sweep)")
+    net = parser.add_mutually_exclusive_group()
     net.add_argument("--bandwidth", type=parse_rate, metavar="RATE",
                      help="interconnect bus bandwidth per rank: 25GB/s, 100Gbit/s (nccl-tests' busbw)")
     net.add_argument("--measure-bandwidth", action="store_true",
                      help="measure all-reduce bus bandwidth between --measure-ranks local ranks first")
+    net.add_argument("--sweep", metavar="JSON", help="check the time model against a recorded bandwidth sweep "
+                     "(docs/bench/multinode_sweep.json): its model, ranks, link rates and compute times")
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                        help="what the collectives run on; it decides a reduce-scatter's bytes (default: nccl)")
+    parser.add_argument("--reduce-scatter", choices=steptime.REDUCE_SCATTER_ALGORITHMS,
+                        help="the reduce-scatter algorithm, if not the one zeroshard runs on --backend")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="assume no communication overlaps compute (an upper bound)")
+    parser.add_argument("--overlap-efficiency", type=float, default=1.0, metavar="SHARE",
+                        help="share of the overlap windows communication really runs in (default: 1; a CPU "
+                             "box whose ranks use every core measured 0, docs/multinode.md)")
+    parser.add_argument("--overlap-param-gather", action="store_true",
+                        help="stages 1-2 gather updated parameters under the next forward")
     parser.add_argument("--measure-ranks", type=bounded(int, 1, inclusive=False), default=2, metavar="N",
                         help="local ranks for --measure-bandwidth (default: 2)")
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16", help="default: bf16")
@@ -128,11 +149,36 @@ def measure_bandwidth(ranks: int) -> dict:
         return launch("zeroshard.tools.bench.bandwidth", spec, ranks, on_progress=lambda e: bar.update(1), timeout_s=600)
 
 
+def _overlap(args: argparse.Namespace, params: int) -> steptime.Overlap:
+    if args.no_overlap:
+        return steptime.NO_OVERLAP
+    spec = est.BUILTIN_MODELS.get(args.model) if args.model else None
+    if spec is None or args.tp * args.pp > 1:  # the unit reduced last is known for a built-in GPT alone
+        o = steptime.Overlap()
+    else:
+        o = steptime.gpt_overlap(spec.vocab, spec.n_layer, spec.n_embd, spec.block_size, spec.tie, params)
+    return dataclasses.replace(o, efficiency=args.overlap_efficiency)
+
+
 def run(args: argparse.Namespace) -> int:
     from zeroshard.tools.bench import advisor as advise
 
     if not 0 <= args.reserve < 1:
         raise CommandError(f"--reserve must be in [0, 1), got {args.reserve}")
+    if args.sweep:
+        from zeroshard.tools.commands.advise_sweep import run_sweep
+
+        return run_sweep(args)
+    if args.params is None and args.model is None:
+        raise CommandError("one of --params or --model is required (or --sweep)")
+    if args.memory is None:
+        raise CommandError("--memory is required: device memory per rank")
+    if args.bandwidth is None and not args.measure_bandwidth:
+        raise CommandError("one of --bandwidth or --measure-bandwidth is required (or --sweep)")
+    if not 0 <= args.overlap_efficiency <= 1:
+        raise CommandError(f"--overlap-efficiency must be in [0, 1], got {args.overlap_efficiency}")
+    if args.compute_time < 0:
+        raise CommandError(f"--compute-time must be at least 0 seconds, got {args.compute_time}")
     if args.ranks is not None and args.dp is not None and args.ranks != args.dp:
         raise CommandError(f"--ranks {args.ranks} and --dp {args.dp} both set the data-parallel ranks: give one")
     args.ranks = args.ranks or args.dp
@@ -154,7 +200,9 @@ def run(args: argparse.Namespace) -> int:
                              recipe=est.recipe(args.precision, args.optimizer), activations=activations,
                              reserve=args.reserve, compute_s=args.compute_time, offload=args.offload,
                              host_bandwidth=args.host_bandwidth, cpu_memory=args.cpu_memory,
-                             tp=args.tp, pp=args.pp, replicated=replicated)
+                             tp=args.tp, pp=args.pp, replicated=replicated, backend=args.backend,
+                             reduce_scatter=args.reduce_scatter, overlap=_overlap(args, params),
+                             comm=steptime.Comm(overlap_param_gather=args.overlap_param_gather))
     best, every = advise.choose(problem)
     lines = advise.explain(problem, best, every)
     if args.json:
@@ -166,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
                     "deepspeed_config": advise.ds_config(best) if best else None, "explanation": lines,
                     "candidates": [{"name": c.name, "stage": c.stage, "fits": c.fits, "need_bytes": c.need,
                                     "comm_bytes": c.comm_bytes, "wire_bytes": c.wire_bytes, "host_bytes": c.host_bytes,
-                                    "predicted_comm_s": c.time_s - args.compute_time} for c in every]}
+                                    "predicted_s": c.time_s,
+                                    "predicted_comm_s": c.time_s - problem.compute(c.stage)} for c in every]}
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return 0 if best else 1
     ranks = (f"{args.ranks} ranks" if args.tp * args.pp == 1 else
@@ -179,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
     tail = ["", "DeepSpeed / zeroshard config: " + json.dumps(advise.ds_config(best))] if best else []
     if best and args.compute_time:
         comm = best.time_s - args.compute_time
-        tail.append(f"communication is ~{comm / best.time_s:.0%} of a {best.time_s:.2f} s step without overlap")
+        tail.append(f"communication compute does not hide is ~{comm / best.time_s:.0%} of a predicted "
+                    f"{best.time_s:.2f} s step")
     sys.stdout.write("\n".join(head + lines + tail) + "\n")
     return 0 if best else 1
