@@ -165,6 +165,8 @@ def test_process_peak_during_forward_and_backward_is_bounded():
         # eight units (64 MiB; how many of those have landed at a moment depends on timing).
         assert default["forward_mib"] < 4 * UNIT_MIB, default
         assert unbounded["forward_mib"] > default["forward_mib"], (default, unbounded)
-        # Backward adds the full gradients of up to three units awaiting their reduce-scatter, the
-        # same with either prefetch; the unbounded prefetch's seven units ahead add ~4 units more.
-        assert unbounded["forward_backward_mib"] > default["forward_backward_mib"] + 3 * UNIT_MIB, (default, unbounded)
+        # Backward adds the full gradients of units awaiting their reduce-scatter (and, at two ranks,
+        # the halves the pairwise exchange sends and receives), the same with either prefetch; the
+        # unbounded prefetch's units ahead add more: measured 20-23 MiB above the default's after the
+        # pairwise reduce-scatter, ~0 on the code before the bounds (both gathered everything).
+        assert unbounded["forward_backward_mib"] > default["forward_backward_mib"] + 2 * UNIT_MIB, (default, unbounded)
