@@ -67,7 +67,7 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
 
         return load_deepspeed_checkpoint(engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
                                          load_module_only, load_module_strict)
-    found, error = attempt(_find, load_dir, tag)
+    found, error = attempt(find_checkpoint, load_dir, tag)
     if error is None and found is not None:
         found, error = attempt(_own_part, *found, engine, layout, verify)
     agree(grid, error, f"loading checkpoint from {load_dir}")
@@ -103,7 +103,8 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     return str(path), objects["client_state"]
 
 
-def _find(load_dir: Path, tag):
+def find_checkpoint(load_dir: Path, tag):
+    """(directory, manifest) of the checkpoint `tag` under `load_dir` (or `load_dir` itself); None without a tag."""
     if tag is None and (load_dir / MANIFEST).is_file():  # the directory of one checkpoint
         return load_dir, read_manifest(load_dir)
     tag = resolve_tag(load_dir, tag)

@@ -21,7 +21,8 @@ import torch
 from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.deepspeed import FP32, DeepSpeedCheckpoint
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
-from zeroshard.checkpoint.manifest import MANIFEST, check_files, checkpoint_path, read_manifest, resolve_tag
+from zeroshard.checkpoint.load import find_checkpoint
+from zeroshard.checkpoint.manifest import check_files
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.checkpoint.weights import load_full_weights
 
@@ -80,16 +81,6 @@ class _DeepSpeedSource:
         self.frozen, self.buffers = {}, {}
 
 
-def _zeroshard_dir(load_dir: Path, tag) -> tuple[Path, dict] | None:
-    if tag is None and (load_dir / MANIFEST).is_file():  # the directory of one checkpoint
-        return load_dir, read_manifest(load_dir)
-    tag = resolve_tag(load_dir, tag)
-    if tag is None:
-        return None
-    path = checkpoint_path(load_dir, tag)
-    return path, read_manifest(path)
-
-
 def _open(engine, load_dir: Path, tag, verify: bool):
     """The checkpoint at `load_dir` (`tag`, or the one `latest` names) as a weights source; every rank
     verifies a share of its files first. Collective."""
@@ -100,7 +91,7 @@ def _open(engine, load_dir: Path, tag, verify: bool):
         source, error = attempt(_DeepSpeedSource, deepspeed_dir)
         agree(comm, error, f"loading DeepSpeed checkpoint {deepspeed_dir}")
         return source
-    found, error = attempt(_zeroshard_dir, load_dir, tag)
+    found, error = attempt(find_checkpoint, load_dir, tag)
     agree(comm, error or (None if found is not None else f"{load_dir}: no 'latest' file and no tag given"),
           f"loading checkpoint from {load_dir}")
     path, manifest = found

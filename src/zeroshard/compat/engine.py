@@ -266,17 +266,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         self.sharded.wait_parameters()
         return save_16bit_model(self, save_dir, save_filename)
 
-    # -- reports --------------------------------------------------------------------------------------
-    def num_parameters(self) -> int:
-        return self.sharded.num_parameters()
-
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of model states this rank holds (counted from its tensors), by kind."""
-        return self.sharded.memory_report()
-
-    def comm_report(self) -> dict:
-        return self.sharded.comm_report()
-
+    # (num_parameters, memory_report, comm_report: compat/views.py)
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
         unregister_ds_metadata(self.sharded)

@@ -137,15 +137,6 @@ class InferenceEngine(ShardedViews, nn.Module):
         return self.sharded.gathered_parameters(params, modifier_rank)
 
     # -- reports --------------------------------------------------------------------------------------
-    def num_parameters(self) -> int:
-        return self.sharded.num_parameters()
-
-    def memory_report(self) -> dict[str, int]:
-        return self.sharded.memory_report()
-
-    def comm_report(self) -> dict:
-        return self.sharded.comm_report()
-
     def gathered_units(self) -> list[str]:
         """Names of resharding units that are not sharded now (empty between forwards)."""
         return [u.name for u in self.units if u.reshards and u.state is not UnitState.SHARDED]

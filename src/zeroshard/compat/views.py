@@ -36,3 +36,14 @@ class ShardedViews:
     @property
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", 0))
+
+    # -- reports ----------------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return self.sharded.num_parameters()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model states this rank holds (counted from its tensors), by kind."""
+        return self.sharded.memory_report()
+
+    def comm_report(self) -> dict:
+        return self.sharded.comm_report()
