@@ -97,7 +97,7 @@ SAVE_FAULTS = {  # phase -> (object, attribute, replacement, ranks it can run on
     "latest": (save_module, "write_atomic", _named("latest"), (0,)),
 }
 LOAD_FAULTS = {
-    "find": (load_module, "_find", _after(0, _raise), (0, 1)),
+    "find": (load_module, "find_checkpoint", _after(0, _raise), (0, 1)),
     "verify": (load_module, "check_files", _after(0, _raise), (0, 1)),
     "objects": (load_module, "_read_objects", _after(0, _raise), (0, 1)),
     "half-way through reading": (load_module.CheckpointReader, "read_param", _after(3, _raise), (0, 1)),
