@@ -3,6 +3,9 @@ on the bench's GPT family member (default k=16: 16 layers, width 1024, ~202M par
 `zero_optimization` settings and torch's FSDP2 side by side.
 
     python benchmarks/stage3_memory.py --out docs/bench/stage3_memory
+    python benchmarks/stage3_memory.py --stage 2 --variants default,default+no-snapshot
+
+`--stage 2` runs the zeroshard variants at stage 2 (the gradient shard's lifetime is the same code).
 
 Each setting runs in its own 2-rank gloo launch (1 torch thread per rank, fp32, torch's fused AdamW,
 random tokens of a 256-token vocabulary, micro-batch --batch x --seq-len): one warm-up step (records the
@@ -29,12 +32,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# name -> (zero_optimization keys, "zeroshard" keys, reductions in flight in backward or None for the
+# default): zeroshard at --stage, or None: FSDP2 (torch.distributed.fsdp.fully_shard on every block and
+# the root, as tools/bench/peers.py runs it). The in-flight count is a what-if of this script (the
+# engine's Lifecycle.max_inflight, 2 with overlap_comm), not a config key.
 VARIANTS = {
-    "default": ({}, {}),
+    "default": ({}, {}, None),
     "deepspeed-values": ({"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9,
-                          "stage3_max_reuse_distance": 10**9}, {}),
-    "default+no-snapshot": ({}, {"transactional_step": False}),
-    "fsdp2": None,  # torch.distributed.fsdp.fully_shard on every block and the root (tools/bench/peers.py)
+                          "stage3_max_reuse_distance": 10**9}, {}, None),
+    "default+no-snapshot": ({}, {"transactional_step": False}, None),
+    "default+1-in-flight": ({}, {}, 1),
+    "fsdp2": None,
 }
 VOCAB = 256
 
@@ -43,15 +51,18 @@ def _grad_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.untyped_storage().size())
 
 
-def _zeroshard(args: dict, model, optimizer, zero: dict, extras: dict):
-    """(forward, backward, step, grad bytes held, snapshot bytes, live count) of a zeroshard stage-3 engine."""
+def _zeroshard(args: dict, model, optimizer, zero: dict, extras: dict, inflight: int | None):
+    """(forward, backward, step, grad bytes held, snapshot bytes, live count, model states) of a
+    zeroshard engine at stage args["stage"]."""
     import zeroshard
 
     config = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 0,
-                                    **zero},
+              "zero_optimization": {"stage": args["stage"], "overlap_comm": True,
+                                    "stage3_param_persistence_threshold": 0, **zero},
               "zeroshard": extras}
     engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
+    if inflight is not None:
+        engine.sharded.lifecycle.max_inflight = inflight
     groups = engine.sharded.groups
 
     def grads() -> int:
@@ -169,6 +180,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", type=int, default=16, help="GPT family member k (default: 16)")
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank (default: 4)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default: 128)")
+    parser.add_argument("--stage", type=int, default=3, choices=(2, 3), help="zeroshard's stage (default: 3)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--port", type=int, default=29613)
@@ -181,7 +193,7 @@ def main(argv=None) -> None:
     if ns.size < 1 or ns.batch < 1 or ns.seq_len < 1:
         parser.error(f"--size, --batch and --seq-len must be >= 1, got {ns.size}, {ns.batch}, {ns.seq_len}")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    args = {"size": ns.size, "batch": ns.batch, "seq_len": ns.seq_len}
+    args = {"size": ns.size, "batch": ns.batch, "seq_len": ns.seq_len, "stage": ns.stage}
     results = {}
     for offset, name in enumerate(names):
         results[name] = run_variant(args, name, ns.port + offset)
