@@ -175,5 +175,5 @@ def test_one_step_per_group_only_where_it_is_the_same_update():
     params = [torch.nn.Parameter(torch.ones(2))]
     for optimizer in (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True), torch.optim.Adam(params),
                       torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.Adagrad(params), FailsAtCall(params)):
-        assert steps_apart_alike(optimizer), type(optimizer).__name__
-    assert not steps_apart_alike(CountsPerGroup(params, lr=0.1))
+        assert steps_apart_alike(optimizer, torch.device("cpu")), type(optimizer).__name__
+    assert not steps_apart_alike(CountsPerGroup(params, lr=0.1), torch.device("cpu"))

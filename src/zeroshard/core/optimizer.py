@@ -241,7 +241,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """One group at a time where that is the same update, each group's gradient freed once it
         is spent; else all groups in one optimizer step ([Note: one group at a time] in rollback.py)."""
         if self._per_group is None:
-            self._per_group = steps_apart_alike(self.optimizer)
+            self._per_group = bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
         indices = list(range(len(self.groups)))
         results = {}
         for batch in ([[i] for i in indices] if self._per_group else [indices]):
