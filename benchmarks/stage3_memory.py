@@ -1,17 +1,24 @@
-"""Where stage 3's peak memory per rank comes from: the high-water mark after forward, after backward
-and after the optimizer step, on the bench's GPT family member (default k=16: 16 layers, width 1024,
-~202M parameters), for several `zero_optimization` settings side by side.
+"""Where stage 3's peak memory per rank comes from, phase by phase (forward, backward, optimizer step),
+on the bench's GPT family member (default k=16: 16 layers, width 1024, ~202M parameters), for several
+`zero_optimization` settings and torch's FSDP2 side by side.
 
     python benchmarks/stage3_memory.py --out docs/bench/stage3_memory
+    python benchmarks/stage3_memory.py --stage 2 --variants default,default+no-snapshot
+
+`--stage 2` runs the zeroshard variants at stage 2 (the gradient shard's lifetime is the same code).
 
 Each setting runs in its own 2-rank gloo launch (1 torch thread per rank, fp32, torch's fused AdamW,
 random tokens of a 256-token vocabulary, micro-batch --batch x --seq-len): one warm-up step (records the
-unit orders), then one measured step. Memory is the kernel's RSS high-water mark (VmHWM, reset through
-/proc/self/clear_refs before the forward) with MALLOC_MMAP_THRESHOLD_=65536, as `zeroshard bench`
-measures it ([Note: measuring peak memory] in tools/bench/measure.py); each figure is cumulative from
-the reset, so "after step" is the step's peak, the bench's figure. `live` is the most parameter
-elements the units had gathered at once during that forward and backward ([Note: bounded gathering]
-in core/gathered.py). Memory does not depend on machine load: one measured step is enough.
+unit orders), then one measured step. Memory is the kernel's RSS high-water mark (VmHWM) with
+MALLOC_MMAP_THRESHOLD_=65536, as `zeroshard bench` measures it ([Note: measuring peak memory] in
+tools/bench/measure.py), reset through /proc/self/clear_refs at the start of each phase, so each
+phase's figure is its own peak; `peak` is the largest of them, the bench's figure. `rss` is the
+resident memory at the end of a phase, `grads` the bytes of gradients held at the start of the forward
+and at the end of the backward (zeroshard's flat gradient shards and full gradients; FSDP2's
+`param.grad`), `snapshot` the transactional step's copy ([Note: transactional step] in
+core/rollback.py). `live` is the most parameter elements the units had gathered at once during that
+forward and backward ([Note: bounded gathering] in core/gathered.py). Memory does not depend on
+machine load: one measured step is enough.
 """
 from __future__ import annotations
 
@@ -25,65 +32,124 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# name -> (zero_optimization keys, "zeroshard" keys, reductions in flight in backward or None for the
+# default): zeroshard at --stage, or None: FSDP2 (torch.distributed.fsdp.fully_shard on every block and
+# the root, as tools/bench/peers.py runs it). The in-flight count is a what-if of this script (the
+# engine's Lifecycle.max_inflight, 2 with overlap_comm), not a config key.
 VARIANTS = {
-    "default": ({}, {}),
+    "default": ({}, {}, None),
     "deepspeed-values": ({"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9,
-                          "stage3_max_reuse_distance": 10**9}, {}),
-    "default+no-snapshot": ({}, {"transactional_step": False}),
+                          "stage3_max_reuse_distance": 10**9}, {}, None),
+    "default+no-snapshot": ({}, {"transactional_step": False}, None),
+    "default+1-in-flight": ({}, {}, 1),
+    "fsdp2": None,
 }
 VOCAB = 256
 
 
-def _rank(rank: int, world: int, port: int, args: dict, zero: dict, extras: dict, queue) -> None:
+def _grad_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.untyped_storage().size())
+
+
+def _zeroshard(args: dict, model, optimizer, zero: dict, extras: dict, inflight: int | None):
+    """(forward, backward, step, grad bytes held, snapshot bytes, live count, model states) of a
+    zeroshard engine at stage args["stage"]."""
+    import zeroshard
+
+    config = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": args["stage"], "overlap_comm": True,
+                                    "stage3_param_persistence_threshold": 0, **zero},
+              "zeroshard": extras}
+    engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
+    if inflight is not None:
+        engine.sharded.lifecycle.max_inflight = inflight
+    groups = engine.sharded.groups
+
+    def grads() -> int:
+        return _grad_bytes([t for g in groups for t in (g.grad_shard, g.full_grad)])
+
+    return (engine, engine.backward, engine.step, grads, lambda: getattr(engine.optimizer, "snapshot_peak_bytes", None),
+            engine.sharded.lifecycle.live, lambda: engine.memory_report()["total"])
+
+
+def _fsdp2(model, optimizer_of):
+    """The same for torch's FSDP2, as `zeroshard bench --peers` runs it (tools/bench/peers.py)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from zeroshard.tools.bench import measure
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    optimizer = optimizer_of(model.parameters())
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def grads() -> int:
+        return measure.tensor_bytes(p.grad for p in model.parameters() if p.grad is not None)
+
+    def states() -> int:  # parameter shards, their gradient shards (allocated in backward), AdamW's state
+        return 2 * measure.tensor_bytes(model.parameters()) + measure.optimizer_state_bytes(optimizer)
+
+    return model, lambda loss: loss.backward(), step, grads, lambda: 0, None, states
+
+
+def _rank(rank: int, world: int, port: int, args: dict, name: str, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    import zeroshard
     from zeroshard.tools.bench import family, measure
     from zeroshard.tools.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**family.gpt_shape(args["size"], VOCAB, args["seq_len"])))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
-    config = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 0,
-                                    **zero},
-              "zeroshard": extras}
-    engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
-    del model
+
+    def optimizer_of(params):
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=True)
+
+    if VARIANTS[name] is None:
+        forward, backward, step, grads, snapshot, live, states = _fsdp2(model, optimizer_of)
+    else:
+        forward, backward, step, grads, snapshot, live, states = _zeroshard(
+            args, model, optimizer_of(model.parameters()), *VARIANTS[name])
+        del model
     generator = torch.Generator().manual_seed(rank)
     meter = measure.PeakMemory(torch.device("cpu"))
 
     def loss():
         tokens = torch.randint(VOCAB, (args["batch"], args["seq_len"] + 1), generator=generator)
-        logits = engine(tokens[:, :-1])
+        logits = forward(tokens[:, :-1])
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
-    engine.backward(loss())
-    engine.step()
+    backward(loss())
+    step()
     measure.trim()
-    live = engine.sharded.lifecycle.live
-    live.reset_peak()
-    start = meter.current()
+    if live is not None:
+        live.reset_peak()
+    report = {"rank": rank, "start": meter.current(), "grads_at_forward": grads(), "method": meter.method}
     meter.reset()
     out = loss()
-    after_forward = meter.peak()
-    engine.backward(out)
-    after_backward, live_peak = meter.peak(), live.peak
-    engine.step()
-    after_step = meter.peak()
-    states = engine.memory_report()["total"]
-    queue.put({"rank": rank, "start": start, "after_forward": after_forward, "after_backward": after_backward,
-               "after_step": after_step, "live_peak_numel": live_peak, "model_states": states,
-               "method": meter.method})
+    report.update(forward_peak=meter.peak(), forward_rss=meter.current())
+    meter.reset()
+    backward(out)
+    del out
+    report.update(backward_peak=meter.peak(), backward_rss=meter.current(), grads_after_backward=grads())
+    meter.reset()
+    step()
+    report.update(step_peak=meter.peak(), step_rss=meter.current(), snapshot=snapshot(),
+                  live_peak_numel=live.peak if live is not None else 0, model_states=states())
+    report["peak"] = max(report["forward_peak"], report["backward_peak"], report["step_peak"])
+    queue.put(report)
     dist.barrier()
     os._exit(0)  # see tests/harness.py: gloo may abort at interpreter teardown
 
 
-def run_variant(args: dict, zero: dict, extras: dict, port: int) -> list[dict]:
+def run_variant(args: dict, name: str, port: int) -> list[dict]:
     context = mp.get_context("spawn")
     queue = context.Queue()
-    procs = [context.Process(target=_rank, args=(r, 2, port, args, zero, extras, queue)) for r in range(2)]
+    procs = [context.Process(target=_rank, args=(r, 2, port, args, name, queue)) for r in range(2)]
     for p in procs:
         p.start()
     reports = sorted((queue.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
@@ -92,16 +158,21 @@ def run_variant(args: dict, zero: dict, extras: dict, port: int) -> list[dict]:
     return reports
 
 
+COLUMNS = [("start", "start"), ("grads_at_forward", "grads@fwd"), ("forward_peak", "fwd peak"),
+           ("forward_rss", "fwd rss"), ("backward_peak", "bwd peak"), ("backward_rss", "bwd rss"),
+           ("grads_after_backward", "grads@bwd"), ("step_peak", "step peak"), ("snapshot", "snapshot"),
+           ("model_states", "states"), ("peak", "PEAK")]
+
+
 def table(results: dict) -> str:
+    """MB per rank (1e6 bytes), the rank with the larger peak."""
     mb = 1e6
-    lines = ["setting                            live peak (elements)  model states  start  after fwd  "
-             "after bwd  after step   (MB per rank, the larger rank)"]
+    lines = [f"{'setting':22s} {'live (elements)':>16s} " + " ".join(f"{label:>10s}" for _, label in COLUMNS)]
     for name, reports in results.items():
-        worst = max(reports, key=lambda r: r["after_step"])
-        lines.append(f"{name:34s} {worst['live_peak_numel']:>20,d} {worst['model_states'] / mb:>13.0f} "
-                     f"{worst['start'] / mb:>6.0f} {worst['after_forward'] / mb:>10.0f} "
-                     f"{worst['after_backward'] / mb:>10.0f} {worst['after_step'] / mb:>11.0f}")
-    return "\n".join(lines)
+        worst = max(reports, key=lambda r: r["peak"])
+        cells = " ".join("         -" if worst[key] is None else f"{worst[key] / mb:>10.0f}" for key, _ in COLUMNS)
+        lines.append(f"{name:22s} {worst['live_peak_numel']:>16,d} {cells}")
+    return "\n".join(lines) + "\n(MB per rank, the rank with the larger peak; each phase's peak is its own, reset at its start)"
 
 
 def main(argv=None) -> None:
@@ -109,6 +180,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", type=int, default=16, help="GPT family member k (default: 16)")
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank (default: 4)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default: 128)")
+    parser.add_argument("--stage", type=int, default=3, choices=(2, 3), help="zeroshard's stage (default: 3)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--port", type=int, default=29613)
@@ -121,11 +193,10 @@ def main(argv=None) -> None:
     if ns.size < 1 or ns.batch < 1 or ns.seq_len < 1:
         parser.error(f"--size, --batch and --seq-len must be >= 1, got {ns.size}, {ns.batch}, {ns.seq_len}")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    args = {"size": ns.size, "batch": ns.batch, "seq_len": ns.seq_len}
+    args = {"size": ns.size, "batch": ns.batch, "seq_len": ns.seq_len, "stage": ns.stage}
     results = {}
     for offset, name in enumerate(names):
-        zero, extras = VARIANTS[name]
-        results[name] = run_variant(args, zero, extras, ns.port + offset)
+        results[name] = run_variant(args, name, ns.port + offset)
         print(f"done: {name}", file=sys.stderr, flush=True)
     text = f"$ python benchmarks/stage3_memory.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n"
     text += table(results) + "\n"

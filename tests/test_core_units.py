@@ -48,7 +48,9 @@ def test_group_master_and_gradient_storage_follow_the_policy(stage):
     assert group.reduction is STAGES[stage].reduction
     expected_master = group.layout.padded_numel if stage == 0 else group.layout.shard_numel
     assert group.master.numel() == expected_master
-    assert (group.full_grad is not None) == (stage <= 1) and (group.grad_shard is not None) == (stage >= 2)
+    # Stages 2/3: no gradient shard until the first reduction ([Note: gradient shard lifetime]).
+    assert (group.full_grad is not None) == (stage <= 1) and group.grad_shard is None
+    assert group.grad().numel() == (group.layout.padded_numel if stage <= 1 else group.layout.shard_numel)
     if stage < 3:
         assert group.master_is_view_of_full(), "fp32 masters are the parameter buffer at stages 0-2 (no copy)"
         assert params[0].data_ptr() == group.full.data_ptr()

@@ -341,10 +341,10 @@ def _check_state_not_lost(reader: CheckpointReader, optimizer) -> None:
 
 
 def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> list:
-    grad = group.grad()
     file = reader.file(rank_file(rank))
-    if grad is None or grad_key(index) not in file:
+    if not group.trainable or grad_key(index) not in file:
         return []
+    grad = group.grad()  # a stage-2/3 shard freed since the last step is made again (zeros) here
     value = torch.empty(grad.numel(), dtype=grad.dtype)  # 1-D, as the flat gradient shard
     file.read_into(grad_key(index), 0, grad.numel(), value)
     return [(grad, value)]

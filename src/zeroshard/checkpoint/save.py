@@ -112,8 +112,8 @@ def rank_tensors(engine, states: list[dict]) -> dict[str, torch.Tensor]:
         for key, value in state.items():
             if is_elementwise(value, group.master):
                 tensors[state_key(index, key)] = value[lo:hi]
-        grad = group.grad() if group.trainable else None
-        if with_grads and grad is not None:
+        grad = group.grad() if group.trainable and with_grads else None  # no zeros made for nothing
+        if grad is not None:
             tensors[grad_key(index)] = grad
     return tensors
 

@@ -98,9 +98,10 @@ class FlatGroup:
         self.secondary_valid = False
         self._init_storage(full, compute_shard)
         # Gradients: full flat buffer kept across micro steps (stages 0/1), or built per backward and
-        # reduce-scattered into `grad_shard` (stages 2/3).
+        # reduce-scattered into `grad_shard` (stages 2/3), which lives only from the first reduction
+        # of a window to its step ([Note: gradient shard lifetime]).
         self.full_grad: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None  # grad_dtype, 1-D, numel = shard_numel
         self.reduced_slice: torch.Tensor | None = None  # see [Note: a second reduction before the step]
         self.holds_reduced_slice = False
         # Which parameters got a gradient on this rank since the last step ([Note: parameters
@@ -111,8 +112,6 @@ class FlatGroup:
                 self.full_grad = self.zeros_full_grad()
             elif grad_store is not None:
                 self.grad_shard = grad_store.tensor(f"{names[0]}.grad", self.layout.shard_numel, self.grad_dtype)
-            else:
-                self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=device)
 
     @property
     def keep_full(self) -> bool:
@@ -129,9 +128,18 @@ class FlatGroup:
         """Does `master` hold only this rank's shard (stages 1-3), not the whole buffer (stage 0)?"""
         return self.policy.shard_optimizer
 
+    @property
+    def grad_shard_is_transient(self) -> bool:
+        """Is the gradient shard freed after each step ([Note: gradient shard lifetime])? Stages 2/3
+        with the shard in compute memory; a store's shard stays where the store put it."""
+        return self.trainable and not self.grads_persist_full and self.grad_store is None
+
     def grad(self) -> torch.Tensor | None:
-        """The gradient this rank accumulates: the full buffer (stages 0/1) or its shard (2/3)."""
-        return self.full_grad if self.grads_persist_full else self.grad_shard
+        """The gradient this rank accumulates: the full buffer (stages 0/1) or its shard (2/3),
+        zeros where nothing was reduced since the last step."""
+        if self.grads_persist_full:
+            return self.full_grad
+        return self._own_grad_shard() if self.trainable else None
 
     def _init_storage(self, full_fp32: torch.Tensor | None, compute_shard: bool) -> None:
         """`full_fp32` None: deferred values ([Note: deferred values]); buffers start zero filled."""
@@ -321,10 +329,41 @@ class FlatGroup:
             if lo < hi and bool(grad[lo - start: hi - start].any()):
                 self.grad_seen[index] = True
 
+    # [Note: gradient shard lifetime]
+    # At stages 2/3 the reduced gradient shard (this rank's 1/N of the gradients, 4Ψ/N bytes in fp32)
+    # is needed only from the window's first reduction to its step. Kept allocated between steps and
+    # zeroed, as a persistent buffer would be, it sits under the next forward's activations, the
+    # largest thing a training step allocates: so it is freed by the step and by zero_grads (what
+    # torch's zero_grad(set_to_none=True) does for FSDP2's sharded gradients), and the first
+    # reduce-scatter of the next backward lands in a tensor that becomes the shard (`add_reduced`),
+    # while the activations of the units already done are being freed. Later micro-steps of the
+    # window add into it. Bit for bit the same as adding into zeros, except that a -0.0 stays -0.0
+    # (DDP keeps it too; no update it feeds differs). Whoever reads or writes the gradient outside
+    # a backward (checkpoint, safe_*_grad, a step with no backward) gets zeros made on demand.
+    # Shards in an offload store keep the store's tensor for good (the store's memory is elsewhere).
+    def add_reduced(self, out: torch.Tensor) -> None:
+        """Stages 2/3: take one reduction's output (1-D, numel = shard_numel) into the shard."""
+        if self.grad_shard is None and self.grad_shard_is_transient and out.dtype == self.grad_dtype \
+                and out.device == self.device:
+            self.grad_shard = out
+        else:
+            shard = self._own_grad_shard()
+            shard.add_(out.to(shard.device))  # accumulate; offload: to host
+
+    def _own_grad_shard(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+        return self.grad_shard
+
+    def free_grad_shard(self) -> None:
+        """The step no longer needs this group's gradient ([Note: gradient shard lifetime])."""
+        if self.grad_shard_is_transient:
+            self.grad_shard = None
+
     def grad_for_optimizer(self) -> torch.Tensor:
         """The reduced gradient matching `master`, in grad_dtype."""
-        if self.grad_shard is not None:
-            return self.grad_shard
+        if not self.grads_persist_full:
+            return self._own_grad_shard()
         start, end = self.opt_range
         return self.full_grad[start:end]
 
@@ -335,7 +374,9 @@ class FlatGroup:
             self.full_grad.zero_()
         elif not self.grads_persist_full:
             self.full_grad = None
-        if self.grad_shard is not None:
+        if self.grad_shard_is_transient:
+            self.grad_shard = None  # [Note: gradient shard lifetime]
+        elif self.grad_shard is not None:
             self.grad_shard.zero_()
         self.reduced_slice = None
         self.holds_reduced_slice = False
@@ -381,7 +422,12 @@ class FlatGroup:
             params = in_memory(self.master) if self.param_dtype == torch.float32 else 0
         params += nbytes(self.secondary) + nbytes(self.secondary_scales) if self.secondary_valid else 0  # hpZ
         master = 0 if self.master_is_parameter_storage() else in_memory(self.master)
-        grads = nbytes(self.full_grad) if self.grads_persist_full else in_memory(self.grad_shard)
+        if self.grads_persist_full:
+            grads = nbytes(self.full_grad)
+        elif self.grad_shard_is_transient:  # at its size, also between steps, when it is freed
+            grads = self.layout.shard_numel * self.grad_dtype.itemsize
+        else:
+            grads = in_memory(self.grad_shard)
         return {"params": params, "master": master, "grads": grads}
 
     def destroy(self) -> None:

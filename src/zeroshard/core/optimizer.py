@@ -20,7 +20,7 @@ from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.param_gather import refresh_parameters
-from zeroshard.core.rollback import Snapshot, SnapshotBuffers
+from zeroshard.core.rollback import Snapshot, SnapshotBuffers, steps_apart_alike
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
 
@@ -104,6 +104,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
         self.transactional = True  # [Note: transactional step]
         self.snapshot_buffers = None if policy.shard_optimizer else SnapshotBuffers()  # stage 0 only
+        self.snapshot_peak_bytes = 0  # what the last transactional step copied ([Note: one group at a time])
+        self._per_group: bool | None = None  # steps_apart_alike(optimizer), asked at the first step
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
 
     @property
@@ -206,11 +208,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = 1.0 / scale  # unscale and clip in one pass, as DeepSpeed does
         if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
             coef *= self.clip / (norm + 1e-6)
-        with self._transaction():
-            for grad in grads:
-                if coef != 1.0:
-                    grad.mul_(coef)
-            self._apply(grads, seen)
+        with self._transaction() as snapshot:
+            for i in range(len(grads)) if coef != 1.0 else ():  # no loop variable left holding a gradient
+                grads[i].mul_(coef)
+            self._apply(grads, seen, snapshot)
         self.last_grad_norm = norm
         self.refresh_parameters()
         for group in self.groups:
@@ -219,36 +220,50 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.loss_scaler.update(overflow=False)
         return True
 
-    def _apply(self, grads: list[torch.Tensor], seen: dict[int, list[bool]]) -> None:
+    def _apply(self, grads: list[torch.Tensor], seen: dict[int, list[bool]], snapshot: Snapshot | None) -> None:
         """The update; groups with parameters that got no gradient step in runs ([Note: parameters
         without a gradient] in masked.py)."""
         uniform = {id(g): self._uniform_state(g) for g in self.groups}
         plans = {id(g): self.slot_states.plan(g, seen[id(g)], uniform[id(g)]) for g in self.groups}
         if self.streamed is not None:
+            for group in self.groups if snapshot is not None else ():
+                snapshot.keep(group, self._stepping_params(group))
             results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)},
                                         plans)
         else:
-            results = self._apply_in_memory(grads, plans)
+            results = self._apply_in_memory(grads, plans, snapshot)
         advanced: dict = {}
         for group in self.groups:
             if plans[id(group)] is not None and any(seen[id(group)]):
                 self._settle(group, uniform[id(group)], seen[id(group)], results.get(id(group), []), advanced)
 
-    def _apply_in_memory(self, grads, plans) -> dict[int, list]:
-        for group, grad in zip(self.groups, grads):
-            group.master.grad = grad if plans[id(group)] is None else None  # torch skips grad None
-        try:
-            if any(plans[id(g)] is None for g in self.groups):
-                self.optimizer.step()
-        finally:
-            for group in self.groups:
-                group.master.grad = None
+    def _apply_in_memory(self, grads: list, plans, snapshot: Snapshot | None) -> dict[int, list]:
+        """One group at a time where that is the same update, each group's gradient freed once it
+        is spent; else all groups in one optimizer step ([Note: one group at a time] in rollback.py)."""
+        if self._per_group is None:
+            self._per_group = bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
+        indices = list(range(len(self.groups)))
         results = {}
-        for group, grad in zip(self.groups, grads):
-            if plans[id(group)]:
-                results[id(group)] = step_runs(self.optimizer, group.optimizer_group, group.master, grad,
-                                               plans[id(group)],
-                                               lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype))
+        for batch in ([[i] for i in indices] if self._per_group else [indices]):
+            batch_groups = [self.groups[i] for i in batch]
+            for group in batch_groups if snapshot is not None else ():
+                snapshot.keep(group, [group.master])
+            for group, i in zip(batch_groups, batch):
+                group.master.grad = grads[i] if plans[id(group)] is None else None  # torch skips grad None
+            try:
+                if any(plans[id(g)] is None for g in batch_groups):
+                    self.optimizer.step()
+            finally:
+                for group in batch_groups:
+                    group.master.grad = None
+            for group, i in zip(batch_groups, batch):
+                if plans[id(group)]:
+                    results[id(group)] = step_runs(self.optimizer, group.optimizer_group, group.master, grads[i],
+                                                   plans[id(group)],
+                                                   lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype))
+                if self._per_group:  # [Note: gradient shard lifetime] in group.py
+                    grads[i] = None
+                    group.free_grad_shard()
         return results
 
     def _advance(self, group: FlatGroup, status: dict | None) -> dict:
@@ -299,19 +314,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _transaction(self):
         """The update is all or nothing: [Note: transactional step] in rollback.py."""
         if not self.transactional:
-            yield
+            yield None
             return
         for group in self.groups:  # a damaged swap file fails here, before it is read
             if group.master_store is not None:
                 group.master_store.check([group.master])
         if self.streamed is not None:
             self.streamed.check()
-        before = Snapshot(self.groups, self.optimizer, self.slot_states, self.snapshot_buffers)
+        before = Snapshot(self.optimizer, self.slot_states, self.snapshot_buffers)
         try:
-            yield
+            yield before
         except BaseException:
             before.restore()
             raise
+        finally:
+            self.snapshot_peak_bytes = before.nbytes
 
     def _overflow(self) -> bool:
         """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""

@@ -242,7 +242,7 @@ class Unit:
         if group.grads_persist_full:  # stages 0/1: [Note: a second reduction before the step]
             group.restore_reduced_slice()
         if out is not None:
-            group.grad_shard.add_(out.to(group.grad_shard.device))  # accumulate; offload: to host
+            group.add_reduced(out)  # [Note: gradient shard lifetime] in group.py
             group.full_grad = None  # stages 2/3: the full gradient lives only until reduced
 
     def abort(self, wait: bool) -> None:
