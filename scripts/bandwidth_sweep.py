@@ -35,7 +35,17 @@ def _rates(text: str) -> list[tuple[str, int | None]]:
     return rates
 
 
+def _load() -> str:
+    """`uptime`'s load averages (1, 5, 15 min): the row's timings are only as good as the box was idle."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC")
+
+
 def sweep_rate(label: str, rate: int | None, args) -> dict:
+    started, load_before = _now(), _load()
     with tempfile.TemporaryDirectory(prefix="zeroshard-sweep-") as tmp, \
             netcluster.NetCluster(args.nodes, rate_bps=rate) as cluster:
         probe = cluster.throughput(0, 1, _PROBE_BYTES) * 8
@@ -47,7 +57,8 @@ def sweep_rate(label: str, rate: int | None, args) -> dict:
         if failed:
             raise SystemExit(f"sweep at {label}: node {failed[0].node} failed "
                              f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
-        return {"rate": label, "rate_bps": rate, "probe_bps": probe, **json.loads(out.read_text())}
+        return {"rate": label, "rate_bps": rate, "probe_bps": probe, **json.loads(out.read_text()),
+                "started": started, "load_before": load_before, "ended": _now(), "load_after": _load()}
 
 
 def _mb(n: float) -> str:
@@ -58,9 +69,10 @@ def table(sweep: dict) -> str:
     rows = sweep["rates"]
     runs = [r["run"] for r in rows[0]["runs"]]
     names = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
-             "3q": "stage 3 + qwZ + qgZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
+             "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
              "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather"}
-    head = ["link (tbf)", "one TCP stream"] + [f"{names[r]} s/step" for r in runs]
+    loads = any("load_before" in row for row in rows)
+    head = ["link (tbf)", "one TCP stream"] + [f"{names[r]} s/step" for r in runs] + ["load before → after"] * loads
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         by_run = {r["run"]: r for r in row["runs"]}
@@ -69,6 +81,8 @@ def table(sweep: dict) -> str:
         for run in runs:
             t = by_run[run]["median_s"]
             cells.append(f"{t:.3f}" + (f" ({t / ddp:.2f}×)" if ddp and run != "ddp" else ""))
+        if loads:
+            cells.append(f"{row.get('started', '?')}: {row.get('load_before', '?')} → {row.get('load_after', '?')}")
         lines.append("| " + " | ".join(cells) + " |")
     bytes_head = ["run", "issued per rank (paper convention), MB/step", "sent by node 0's interface, MB/step"]
     lines += ["", "| " + " | ".join(bytes_head) + " |", "|---|---|---|"]
@@ -80,7 +94,9 @@ def table(sweep: dict) -> str:
     lines += ["", f"Measured {meta['date']} on {meta['machine']}: {meta['note']}. Model: GPT "
               f"{rows[0]['gpt']['n_layer']} layers × {rows[0]['gpt']['n_embd']}, {first[runs[0]]['params']:,} "
               f"parameters, fp32, AdamW, micro batch {rows[0]['batch']} × {rows[0]['gpt']['block_size']} tokens "
-              f"per rank; {meta['layout']}. Step time: median of the slowest rank over the timed steps. Bytes "
+              f"per rank; {meta['layout']}. Step time: median of the slowest rank over the timed steps"
+              f"{' (the runs interleaved step by step)' if rows[0].get('interleaved') else ''}. Load: `uptime`'s "
+              f"1, 5, 15-minute averages at the start and end of each row. Bytes "
               f"from the {rows[0]['rate']} run (they do not depend on the rate)."]
     return "\n".join(lines)
 
