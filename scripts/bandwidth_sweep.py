@@ -61,8 +61,44 @@ def sweep_rate(label: str, rate: int | None, args) -> dict:
                 "started": started, "load_before": load_before, "ended": _now(), "load_after": _load()}
 
 
+def sweep_in_turn(rates: list[tuple[str, int | None]], args) -> list[dict]:
+    """Every rate in one cluster and one job: each round of timed steps takes the rates in turn
+    (sweep_job.py --link-rates changes the links' tbf in between), so that the box's load, which
+    drifts over minutes here, weighs on every rate alike and rows can be compared with each other."""
+    started, load_before = _now(), _load()
+    with tempfile.TemporaryDirectory(prefix="zeroshard-sweep-") as tmp, \
+            netcluster.NetCluster(2, rate_bps=None) as cluster:
+        probes = {}
+        for label, rate in rates:
+            cluster.set_rate(rate)
+            probes[label] = cluster.throughput(0, 1, _PROBE_BYTES) * 8
+        cluster.set_rate(None)  # the job starts unlimited and changes the rate itself
+        out = Path(tmp) / "result.json"
+        job = [str(REPO / "scripts" / "sweep_job.py"), "--out", str(out), *args.job_args,
+               "--link-rates", ",".join(label for label, _ in rates)]
+        cluster.launch(job, args.nproc_per_node, cwd=str(REPO))
+        results = cluster.wait(args.timeout)
+        failed = [r for r in results if r.returncode != 0]
+        if failed:
+            raise SystemExit(f"sweep in turn: node {failed[0].node} failed "
+                             f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
+        document = json.loads(out.read_text())
+    rows, common = document.pop("rows"), document
+    when = {"started": started, "load_before": load_before, "ended": _now(), "load_after": _load(),
+            "rates_in_turn": [label for label, _ in rates]}
+    return [{"rate": row["rate"], "rate_bps": rate, "probe_bps": probes[row["rate"]], **common,
+             "runs": row["runs"], **when} for row, (_, rate) in zip(rows, rates)]
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f}"
+
+
+def _interleaving(row: dict) -> str:
+    if row.get("rates_in_turn"):
+        return (" (one job: every round of timed steps takes the rates in turn, "
+                f"{', '.join(row['rates_in_turn'])}, and at each rate the runs in turn)")
+    return " (the runs interleaved step by step)" if row.get("interleaved") else ""
 
 
 def table(sweep: dict) -> str:
@@ -95,8 +131,8 @@ def table(sweep: dict) -> str:
               f"{rows[0]['gpt']['n_layer']} layers × {rows[0]['gpt']['n_embd']}, {first[runs[0]]['params']:,} "
               f"parameters, fp32, AdamW, micro batch {rows[0]['batch']} × {rows[0]['gpt']['block_size']} tokens "
               f"per rank; {meta['layout']}. Step time: median of the slowest rank over the timed steps"
-              f"{' (the runs interleaved step by step)' if rows[0].get('interleaved') else ''}. Load: `uptime`'s "
-              f"1, 5, 15-minute averages at the start and end of each row. Bytes "
+              f"{_interleaving(rows[0])}. Load: `uptime`'s 1, 5, 15-minute averages at the start and end of "
+              f"each row{' (of the whole sweep, with the rates in turn)' if rows[0].get('rates_in_turn') else ''}. Bytes "
               f"from the {rows[0]['rate']} run (they do not depend on the rate)."]
     return "\n".join(lines)
 
@@ -127,13 +163,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rates", type=_rates, default=_rates("0.1gbit,1gbit,10gbit,none"))
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate (per sweep with "
+                        "--rates-in-turn)")
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "bench" / "multinode_sweep.json")
     parser.add_argument("--doc", type=Path, default=None, help="markdown file whose sweep table to replace")
     parser.add_argument("--from-json", action="store_true", help="only rewrite --doc from --json")
     parser.add_argument("--append", action="store_true",
                         help="add the measured rates to --json (replacing rows of the same label) instead of "
                              "rewriting it: a slow rate recorded in a second invocation")
+    parser.add_argument("--rates-in-turn", action="store_true",
+                        help="one cluster and one job for every rate, each round of timed steps taking the rates "
+                             "in turn (implies --interleave; 2 nodes): rows comparable under a drifting load")
     parser.add_argument("--note", default="a shared 2-core machine, busy with other jobs: absolute "
                         "times are noisy, compare within a row")
     args, args.job_args = parser.parse_known_args(argv)  # the rest goes to sweep_job.py (--runs, --n-layer...)
@@ -143,11 +183,14 @@ def main(argv=None) -> int:
         if problem := netcluster.capability_problem():
             print(f"bandwidth_sweep: cannot build namespaces: {problem}", file=sys.stderr)
             return 2
-        rows = []
-        for label, rate in args.rates:
-            rows.append(sweep_rate(label, rate, args))
-            print(f"{label}: " + ", ".join(f"{r['run']} {r['median_s']:.3f}s" for r in rows[-1]["runs"]),
-                  flush=True)
+        if args.rates_in_turn:
+            if args.nodes != 2:
+                parser.error(f"--rates-in-turn changes one veth pair's rate: --nodes 2, not {args.nodes}")
+            rows = sweep_in_turn(args.rates, args)
+        else:
+            rows = [sweep_rate(label, rate, args) for label, rate in args.rates]
+        for row in rows:
+            print(f"{row['rate']}: " + ", ".join(f"{r['run']} {r['median_s']:.3f}s" for r in row["runs"]), flush=True)
         meta = {"date": datetime.date.today().isoformat(), "note": args.note,
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                 "layout": f"{args.nodes} nodes × {args.nproc_per_node} rank(s)", "argv": argv or sys.argv[1:]}
