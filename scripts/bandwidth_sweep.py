@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Step time per ZeRO stage at several inter-node link rates, on a netcluster of network namespaces.
 
-    sudo python scripts/bandwidth_sweep.py --rates 0.1gbit,1gbit,10gbit,none --doc docs/multinode.md
+    sudo python scripts/bandwidth_sweep.py --rates 0.1gbit,1gbit,10gbit,none --rates-in-turn --doc docs/multinode.md
 
-For each rate: one cluster (scripts/netcluster.py, `--nodes` x `--nproc-per-node`), first a TCP probe of
+With --rates-in-turn (2 nodes): one cluster and one job for every rate, each round of timed steps taking
+the rates in turn, so that a load drifting over minutes weighs on every row alike (docs/multinode.md).
+Otherwise, for each rate: one cluster (scripts/netcluster.py, `--nodes` x `--nproc-per-node`), first a TCP probe of
 what the link really carries (one Python stream, node 0 -> node 1: `none` gives the box's veth ceiling),
 then scripts/sweep_job.py, which times DDP and zeroshard's stages side by side on the same model and
 counts bytes per step (issued, in the paper's convention; and sent through the node's interface, as the
