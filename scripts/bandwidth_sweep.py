@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Step time per ZeRO stage at several inter-node link rates, on a netcluster of network namespaces.
 
-    sudo python scripts/bandwidth_sweep.py --rates 0.1gbit,1gbit,10gbit,none --doc docs/multinode.md
+    sudo python scripts/bandwidth_sweep.py --rates 0.1gbit,1gbit,10gbit,none --rates-in-turn --doc docs/multinode.md
 
-For each rate: one cluster (scripts/netcluster.py, `--nodes` x `--nproc-per-node`), first a TCP probe of
+With --rates-in-turn (2 nodes): one cluster and one job for every rate, each round of timed steps taking
+the rates in turn, so that a load drifting over minutes weighs on every row alike (docs/multinode.md).
+Otherwise, for each rate: one cluster (scripts/netcluster.py, `--nodes` x `--nproc-per-node`), first a TCP probe of
 what the link really carries (one Python stream, node 0 -> node 1: `none` gives the box's veth ceiling),
 then scripts/sweep_job.py, which times DDP and zeroshard's stages side by side on the same model and
 counts bytes per step (issued, in the paper's convention; and sent through the node's interface, as the
@@ -35,7 +37,17 @@ def _rates(text: str) -> list[tuple[str, int | None]]:
     return rates
 
 
+def _load() -> str:
+    """`uptime`'s load averages (1, 5, 15 min): the row's timings are only as good as the box was idle."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%H:%M:%S UTC")
+
+
 def sweep_rate(label: str, rate: int | None, args) -> dict:
+    started, load_before = _now(), _load()
     with tempfile.TemporaryDirectory(prefix="zeroshard-sweep-") as tmp, \
             netcluster.NetCluster(args.nodes, rate_bps=rate) as cluster:
         probe = cluster.throughput(0, 1, _PROBE_BYTES) * 8
@@ -47,20 +59,58 @@ def sweep_rate(label: str, rate: int | None, args) -> dict:
         if failed:
             raise SystemExit(f"sweep at {label}: node {failed[0].node} failed "
                              f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
-        return {"rate": label, "rate_bps": rate, "probe_bps": probe, **json.loads(out.read_text())}
+        return {"rate": label, "rate_bps": rate, "probe_bps": probe, **json.loads(out.read_text()),
+                "started": started, "load_before": load_before, "ended": _now(), "load_after": _load()}
+
+
+def sweep_in_turn(rates: list[tuple[str, int | None]], args) -> list[dict]:
+    """Every rate in one cluster and one job: each round of timed steps takes the rates in turn
+    (sweep_job.py --link-rates changes the links' tbf in between), so that the box's load, which
+    drifts over minutes here, weighs on every rate alike and rows can be compared with each other."""
+    started, load_before = _now(), _load()
+    with tempfile.TemporaryDirectory(prefix="zeroshard-sweep-") as tmp, \
+            netcluster.NetCluster(2, rate_bps=None) as cluster:
+        probes = {}
+        for label, rate in rates:
+            cluster.set_rate(rate)
+            probes[label] = cluster.throughput(0, 1, _PROBE_BYTES) * 8
+        cluster.set_rate(None)  # the job starts unlimited and changes the rate itself
+        out = Path(tmp) / "result.json"
+        job = [str(REPO / "scripts" / "sweep_job.py"), "--out", str(out), *args.job_args,
+               "--link-rates", ",".join(label for label, _ in rates)]
+        cluster.launch(job, args.nproc_per_node, cwd=str(REPO))
+        results = cluster.wait(args.timeout)
+        failed = [r for r in results if r.returncode != 0]
+        if failed:
+            raise SystemExit(f"sweep in turn: node {failed[0].node} failed "
+                             f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
+        document = json.loads(out.read_text())
+    rows, common = document.pop("rows"), document
+    when = {"started": started, "load_before": load_before, "ended": _now(), "load_after": _load(),
+            "rates_in_turn": [label for label, _ in rates]}
+    return [{"rate": row["rate"], "rate_bps": rate, "probe_bps": probes[row["rate"]], **common,
+             "runs": row["runs"], **when} for row, (_, rate) in zip(rows, rates)]
 
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:.1f}"
 
 
+def _interleaving(row: dict) -> str:
+    if row.get("rates_in_turn"):
+        return (" (one job: every round of timed steps takes the rates in turn, "
+                f"{', '.join(row['rates_in_turn'])}, and at each rate the runs in turn)")
+    return " (the runs interleaved step by step)" if row.get("interleaved") else ""
+
+
 def table(sweep: dict) -> str:
     rows = sweep["rates"]
     runs = [r["run"] for r in rows[0]["runs"]]
     names = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
-             "3q": "stage 3 + qwZ + qgZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
+             "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
              "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather"}
-    head = ["link (tbf)", "one TCP stream"] + [f"{names[r]} s/step" for r in runs]
+    loads = any("load_before" in row for row in rows)
+    head = ["link (tbf)", "one TCP stream"] + [f"{names[r]} s/step" for r in runs] + ["load before → after"] * loads
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         by_run = {r["run"]: r for r in row["runs"]}
@@ -69,6 +119,8 @@ def table(sweep: dict) -> str:
         for run in runs:
             t = by_run[run]["median_s"]
             cells.append(f"{t:.3f}" + (f" ({t / ddp:.2f}×)" if ddp and run != "ddp" else ""))
+        if loads:
+            cells.append(f"{row.get('started', '?')}: {row.get('load_before', '?')} → {row.get('load_after', '?')}")
         lines.append("| " + " | ".join(cells) + " |")
     bytes_head = ["run", "issued per rank (paper convention), MB/step", "sent by node 0's interface, MB/step"]
     lines += ["", "| " + " | ".join(bytes_head) + " |", "|---|---|---|"]
@@ -80,7 +132,9 @@ def table(sweep: dict) -> str:
     lines += ["", f"Measured {meta['date']} on {meta['machine']}: {meta['note']}. Model: GPT "
               f"{rows[0]['gpt']['n_layer']} layers × {rows[0]['gpt']['n_embd']}, {first[runs[0]]['params']:,} "
               f"parameters, fp32, AdamW, micro batch {rows[0]['batch']} × {rows[0]['gpt']['block_size']} tokens "
-              f"per rank; {meta['layout']}. Step time: median of the slowest rank over the timed steps. Bytes "
+              f"per rank; {meta['layout']}. Step time: median of the slowest rank over the timed steps"
+              f"{_interleaving(rows[0])}. Load: `uptime`'s 1, 5, 15-minute averages at the start and end of "
+              f"each row{' (of the whole sweep, with the rates in turn)' if rows[0].get('rates_in_turn') else ''}. Bytes "
               f"from the {rows[0]['rate']} run (they do not depend on the rate)."]
     return "\n".join(lines)
 
@@ -111,13 +165,17 @@ def main(argv=None) -> int:
     parser.add_argument("--rates", type=_rates, default=_rates("0.1gbit,1gbit,10gbit,none"))
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per rate (per sweep with "
+                        "--rates-in-turn)")
     parser.add_argument("--json", type=Path, default=REPO / "docs" / "bench" / "multinode_sweep.json")
     parser.add_argument("--doc", type=Path, default=None, help="markdown file whose sweep table to replace")
     parser.add_argument("--from-json", action="store_true", help="only rewrite --doc from --json")
     parser.add_argument("--append", action="store_true",
                         help="add the measured rates to --json (replacing rows of the same label) instead of "
                              "rewriting it: a slow rate recorded in a second invocation")
+    parser.add_argument("--rates-in-turn", action="store_true",
+                        help="one cluster and one job for every rate, each round of timed steps taking the rates "
+                             "in turn (implies --interleave; 2 nodes): rows comparable under a drifting load")
     parser.add_argument("--note", default="a shared 2-core machine, busy with other jobs: absolute "
                         "times are noisy, compare within a row")
     args, args.job_args = parser.parse_known_args(argv)  # the rest goes to sweep_job.py (--runs, --n-layer...)
@@ -127,11 +185,14 @@ def main(argv=None) -> int:
         if problem := netcluster.capability_problem():
             print(f"bandwidth_sweep: cannot build namespaces: {problem}", file=sys.stderr)
             return 2
-        rows = []
-        for label, rate in args.rates:
-            rows.append(sweep_rate(label, rate, args))
-            print(f"{label}: " + ", ".join(f"{r['run']} {r['median_s']:.3f}s" for r in rows[-1]["runs"]),
-                  flush=True)
+        if args.rates_in_turn:
+            if args.nodes != 2:
+                parser.error(f"--rates-in-turn changes one veth pair's rate: --nodes 2, not {args.nodes}")
+            rows = sweep_in_turn(args.rates, args)
+        else:
+            rows = [sweep_rate(label, rate, args) for label, rate in args.rates]
+        for row in rows:
+            print(f"{row['rate']}: " + ", ".join(f"{r['run']} {r['median_s']:.3f}s" for r in row["runs"]), flush=True)
         meta = {"date": datetime.date.today().isoformat(), "note": args.note,
                 "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                 "layout": f"{args.nodes} nodes × {args.nproc_per_node} rank(s)", "argv": argv or sys.argv[1:]}

@@ -46,11 +46,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns, beside this file
 from netns import (IFNAME, PREFIX, ClusterError, IP_TIMEOUT_S, run_ip, capability_problem,  # noqa: E402
-                   clean_stale, kill_namespace, list_namespaces, namespace_pids, our_namespaces, parse_rate)
+                   clean_stale, kill_namespace, list_namespaces, namespace_pids, our_namespaces, parse_rate,
+                   tbf_argv)
 
 SUBNET = "10.213.0"  # a private /24 that exists only inside our namespaces
 RDZV_PORT = 29400  # on node 0's address, inside its namespace: cannot collide with the host's ports
-_MIN_BURST_BYTES = 64 * 1024  # >= one GSO super-packet, so tbf never has to drop one whole
 _counter = itertools.count()
 
 
@@ -163,11 +163,20 @@ class NetCluster:
             self._limit(ns, IFNAME)
 
     def _limit(self, ns: str, dev: str) -> None:
-        if self.rate_bps is None:
+        if self.rate_bps is not None:
+            run_ip("ip", "netns", "exec", ns, *tbf_argv(dev, self.rate_bps, self.latency_ms, self.burst_bytes))
+
+    def set_rate(self, rate_bps: int | None) -> None:
+        """Change every link's limit (None: none) on a running cluster of two nodes; a bridge's
+        switch ports are limited only at start."""
+        if self.nodes != 2:
+            raise ValueError(f"set_rate on {self.nodes} nodes: only two nodes (one veth pair) change rate")
+        if rate_bps == self.rate_bps:
             return
-        burst = self.burst_bytes or max(_MIN_BURST_BYTES, self.rate_bps // 8 // 250)
-        run_ip("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-             "rate", f"{self.rate_bps}bit", "burst", str(burst), "latency", f"{self.latency_ms:g}ms")
+        for i in range(self.nodes):
+            run_ip("ip", "netns", "exec", self.namespace(i), *tbf_argv(IFNAME, rate_bps, self.latency_ms,
+                                                                       self.burst_bytes))
+        self.rate_bps = rate_bps
 
     def qdiscs(self, node: int) -> str:
         """`tc qdisc show` inside a node, to check the limit is in place."""

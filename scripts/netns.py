@@ -41,6 +41,19 @@ def parse_rate(text: str) -> int | None:
     return int(bits)
 
 
+MIN_BURST_BYTES = 64 * 1024  # >= one GSO super-packet, so tbf never has to drop one whole
+
+
+def tbf_argv(dev: str, rate_bps: int | None, latency_ms: float = 50.0, burst_bytes: int | None = None) -> list[str]:
+    """`tc` arguments that put (`replace`) a token bucket of `rate_bps` on `dev`'s egress, or, for
+    None, take it off (`del`; fails if there is none). Burst: 4 ms of the rate, at least MIN_BURST_BYTES."""
+    if rate_bps is None:
+        return ["tc", "qdisc", "del", "dev", dev, "root"]
+    burst = burst_bytes or max(MIN_BURST_BYTES, rate_bps // 8 // 250)
+    return ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bps}bit", "burst", str(burst),
+            "latency", f"{latency_ms:g}ms"]
+
+
 def run_ip(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_TIMEOUT_S)

@@ -17,6 +17,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,9 +32,12 @@ from zeroshard.tools.bench.subject import zeroshard_subject
 from zeroshard.tools.bench.worker import bench_optimizer
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns, beside this file
+import netns  # noqa: E402
+
 LR = 1e-3
 # "1o"/"2o": stages 1/2 with zeroshard.overlap_param_gather ([Note: deferred parameter gather]).
-RUNS = ("ddp", "0", "1", "2", "3", "3q", "3pp", "1o", "2o")
+RUNS = ("ddp", "0", "1", "2", "3", "3q", "3h", "3pp", "1o", "2o")
 
 
 def _runs(text: str) -> list[str]:
@@ -40,6 +45,16 @@ def _runs(text: str) -> list[str]:
     if not runs or any(r not in RUNS for r in runs):
         raise argparse.ArgumentTypeError(f"--runs {text!r}: a comma-separated list of {', '.join(RUNS)}")
     return runs
+
+
+def _link_rates(text: str) -> list[tuple[str, int | None]]:
+    try:
+        rates = [(r.strip(), netns.parse_rate(r)) for r in text.split(",") if r.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not rates:
+        raise argparse.ArgumentTypeError(f"--link-rates {text!r}: a comma-separated list such as 1gbit,none")
+    return rates
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -56,6 +71,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(the 33.7M GPT of docs/performance.md: --n-layer 8 --n-embd 512 --n-head 8 --seq-len 128)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--interleave", action="store_true",
+                        help="build every run at once and take their timed steps in turn (more memory: "
+                             "every run's model states at once), instead of one run after the other")
+    parser.add_argument("--link-rates", type=_link_rates, default=None,
+                        help="comma-separated link rates (as netcluster's --rate, 'none' included) to take in "
+                             "turn in every round, changing this node's tbf in between (two nodes, run as root "
+                             "in netcluster's namespaces); implies --interleave")
     args = parser.parse_args(argv)
     for key in ("n_layer", "n_embd", "n_head", "vocab", "seq_len", "batch", "steps"):
         if getattr(args, key) < 1:
@@ -68,11 +90,19 @@ def _config(run: str, batch: int) -> dict:
     zero = {"stage": int(run[0]), "overlap_comm": True}
     if run in ("3q", "3pp"):  # ZeRO++ (docs/zeropp.md): hpZ over the ranks of a node (off at one per node)
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
-    if run == "3pp":
+    if run in ("3h", "3pp"):  # "3h": hpZ alone (its secondary copy in fp32)
         zero["zero_hpz_partition_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": False}, "zero_optimization": zero,
             "zeroshard": {"comm_timeout_s": 600, **({"overlap_param_gather": True} if run.endswith("o") else {})}}
+
+
+def _vmhwm_bytes() -> int:
+    """This process's peak resident memory so far (VmHWM): per run only with one run per invocation."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def _link_tx_bytes() -> int:
@@ -88,29 +118,101 @@ def _subject(run: str, model, device, batch: int):
     return zeroshard_subject(model, _config(run, batch), device, make_optimizer)
 
 
-def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
-    torch.manual_seed(0)
-    subject = _subject(run, GPT(gpt), torch.device("cpu"), args.batch)
+def _batch(args, gpt: GPTConfig, rank: int):
     gen = torch.Generator().manual_seed(1000 + rank)
     tokens = torch.randint(0, gpt.vocab_size, (args.batch, gpt.block_size + 1), generator=gen)
-    x, y = tokens[:, :-1], tokens[:, 1:]  # (B, T), (B, T)
+    return tokens[:, :-1], tokens[:, 1:]  # (B, T), (B, T)
+
+
+def _build(run: str, args, gpt: GPTConfig, rank: int):
+    torch.manual_seed(0)
+    subject = _subject(run, GPT(gpt), torch.device("cpu"), args.batch)
+    x, y = _batch(args, gpt, rank)
     for _ in range(args.warmup):
         subject.step(x, y)
     paper = subject.count_comm(lambda: subject.step(x, y))  # one step, counted
+    return subject, paper
+
+
+def _result(run: str, subject, paper: dict, times: list[float], tx_per_step: float) -> dict:
+    node_tx = subject.gather((os.environ.get("NETCLUSTER_NODE", "0"), tx_per_step))
+    subject.settle()
+    states = subject.states()  # at rest, after a step (an hpZ secondary copy lives from forward to step)
+    return {"run": run, "params": subject.params, "median_s": statistics.median(times), "times_s": times,
+            "paper_bytes_per_step": sum(paper.values()), "paper_bytes_by_kind": paper,
+            "link_tx_bytes_per_step": dict(sorted(node_tx)),  # node -> bytes (its ranks read one counter)
+            "states_bytes": states.get("total"),
+            "vmhwm_bytes_by_rank": subject.gather(_vmhwm_bytes()),  # the process's peak so far
+            }
+
+
+def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
+    """One run's timed steps back to back (then the next run)."""
+    subject, paper = _build(run, args, gpt, rank)
+    x, y = _batch(args, gpt, rank)
     tx_before, times = _link_tx_bytes(), []
     for _ in range(args.steps):
         started = time.perf_counter()
         subject.step(x, y)
         times.append(subject.slowest(time.perf_counter() - started))
-    tx_per_step = (_link_tx_bytes() - tx_before) / args.steps
-    node_tx = subject.gather((os.environ.get("NETCLUSTER_NODE", "0"), tx_per_step))
-    states = subject.states()  # at rest, after a step (an hpZ secondary copy lives from forward to step)
+    result = _result(run, subject, paper, times, (_link_tx_bytes() - tx_before) / args.steps)
     subject.close()
-    return {"run": run, "params": subject.params, "median_s": statistics.median(times), "times_s": times,
-            "paper_bytes_per_step": sum(paper.values()), "paper_bytes_by_kind": paper,
-            "link_tx_bytes_per_step": dict(sorted(node_tx)),  # node -> bytes (its ranks read one counter)
-            "states_bytes": states.get("total"),
-            }
+    return result
+
+
+class _Link:
+    """This node's egress limit, changed between rounds (`--link-rates`): the node's first rank runs
+    `tc` in the node's namespace (root there), then every rank waits for every node's change."""
+
+    def __init__(self):
+        self.rate_bps: int | None = None  # the launcher leaves the links unlimited (bandwidth_sweep.py)
+        self.leader = os.environ.get("LOCAL_RANK", "0") == "0"
+
+    def set(self, rate_bps: int | None) -> None:
+        if rate_bps != self.rate_bps and self.leader:
+            subprocess.run(netns.tbf_argv(os.environ["GLOO_SOCKET_IFNAME"], rate_bps), check=True, timeout=20,
+                           capture_output=True)
+        self.rate_bps = rate_bps
+        dist.barrier()
+
+
+def measure_interleaved(runs: list[str], args, gpt: GPTConfig, rank: int,
+                        rates: list[tuple[str, int | None]] | None = None) -> dict[str | None, list[dict]]:
+    """Every run built at once, then round after round one timed step of each in turn, so that the
+    box's load drifts over all of them alike (DESIGN.md: side by side in the same invocation); with
+    `rates` (label, bits/s) each round takes them in turn too, the link limit changed in between.
+    A run that leaves its parameter all-gather in flight past step() (overlap_param_gather,
+    "1o"/"2o") takes an untimed step first in each turn, so that its timed step's forward overlaps a
+    gather as in a run of consecutive steps, and is settled afterwards (outside the timing), so that
+    the gather does not share the link with the next run's step. Bytes: a turn's, per step of it
+    (nothing is in flight before or after a turn). Results by rate label (None without `rates`)."""
+    x, y = _batch(args, gpt, rank)
+    built = {run: _build(run, args, gpt, rank) for run in runs}  # warm-up and counted step: unlimited
+    for subject, _ in built.values():
+        subject.settle()
+    rates, link = rates or [(None, None)], _Link()
+    times = {(label, run): [] for label, _ in rates for run in runs}
+    tx = {(label, run): 0.0 for label, _ in rates for run in runs}
+    for _ in range(args.steps):
+        for label, rate_bps in rates:
+            if label is not None:
+                link.set(rate_bps)
+            for run, (subject, _) in built.items():
+                tx_before = _link_tx_bytes()
+                primed = run.endswith("o")
+                if primed:
+                    subject.step(x, y)
+                started = time.perf_counter()
+                subject.step(x, y)
+                times[label, run].append(subject.slowest(time.perf_counter() - started))
+                subject.settle()
+                tx[label, run] += (_link_tx_bytes() - tx_before) / (2 if primed else 1)
+    link.set(None)
+    results = {label: [_result(run, subject, paper, times[label, run], tx[label, run] / args.steps)
+                       for run, (subject, paper) in built.items()] for label, _ in rates}
+    for subject, _ in built.values():
+        subject.close()
+    return results
 
 
 def _reduce_scatter_algorithm() -> str:
@@ -134,14 +236,20 @@ def main(argv=None) -> None:
     gpt = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
                     n_head=args.n_head, n_embd=args.n_embd, tie_weights=not args.untied)
     reduce_scatter = _reduce_scatter_algorithm()
-    results = [measure(run, args, gpt, rank) for run in args.runs]
+    common = {"world": world, "gpt": vars(gpt), "batch": args.batch, "backend": dist.get_backend(),
+              "reduce_scatter": reduce_scatter, "interleaved": bool(args.interleave or args.link_rates),
+              # > 0: stage 3 keeps the unit last in forward gathered for backward
+              "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance}
+    if args.link_rates:  # one row per rate, every rate in every round
+        by_rate = measure_interleaved(args.runs, args, gpt, rank, args.link_rates)
+        document = {**common, "rows": [{"rate": label, "runs": by_rate[label]} for label, _ in args.link_rates]}
+    elif args.interleave:
+        document = {**common, "runs": measure_interleaved(args.runs, args, gpt, rank)[None]}
+    else:
+        document = {**common, "runs": [measure(run, args, gpt, rank) for run in args.runs]}
     if rank == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"world": world, "gpt": vars(gpt), "batch": args.batch,
-                                        "backend": dist.get_backend(), "reduce_scatter": reduce_scatter,
-                                        # > 0: stage 3 keeps the unit last in forward gathered for backward
-                                        "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance,
-                                        "runs": results}, indent=1))
+        args.out.write_text(json.dumps(document, indent=1))
     dist.barrier()
     os._exit(0)  # torch 2.13 + gloo may abort at interpreter teardown (tests/harness.py)
 

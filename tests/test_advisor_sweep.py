@@ -31,17 +31,13 @@ def test_the_sweep_has_rate_limited_rows_to_check(sweep):
     limited = [row["rate"] for row in sweep["rates"] if row.get("rate_bps") is not None]
     assert len(limited) >= 2, limited
     assert all(set(sweepcheck.STAGE_RUNS) <= {r["run"] for r in row["runs"]} for row in sweep["rates"])
+    # Recorded on the code it checks: the two-rank exchange of halves, every rate in the same job.
+    assert all(row["reduce_scatter"] == "pairwise" and row.get("rates_in_turn") for row in sweep["rates"])
 
 
-# The 10 Gbit/s row was recorded while the box's load rose (0.9 -> 3.5): stage 0 measured 3.45 s there,
-# slower than at 1 Gbit/s (3.20 s) with the same bytes, and stage 1 1.61 s, faster than its compute at
-# the unlimited rate. strict: once the row is re-recorded and passes, this marker must go.
-_NOISY = {"10gbit": "recorded under a load rise: stage 0 slower at 10 Gbit/s than at 1 Gbit/s; re-record the row"}
-
-
-@pytest.mark.parametrize("rate", [pytest.param(r, marks=pytest.mark.xfail(strict=True, reason=_NOISY[r]))
-                                  if r in _NOISY else r
-                                  for r in [row["rate"] for row in json.loads(SWEEP.read_text())["rates"]]])
+# Every rate of the sweep, recorded in one job with the rates in turn (scripts/bandwidth_sweep.py
+# --rates-in-turn), so that the box's drifting load weighs on every row alike.
+@pytest.mark.parametrize("rate", [row["rate"] for row in json.loads(SWEEP.read_text())["rates"]])
 def test_predicted_step_time_within_25_percent_of_measured(sweep, rate):
     checked = [c for c in sweepcheck.check(sweep) if c.rate == rate]
     if checked[0].calibration:

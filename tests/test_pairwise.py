@@ -7,19 +7,19 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_distributed
-from zeroshard.core.comm import Communicator
+from zeroshard.core.comm import PAIRWISE_PIECE_BYTES, Communicator
 
 
-def _worker(rank: int, world: int) -> dict:
+def _worker(rank: int, world: int, numel: int = 1000) -> dict:
     comm = Communicator(timeout_s=30)
     generator = torch.Generator().manual_seed(rank)
-    full = torch.randn(world * 1000, generator=generator) * 1e3  # large values: rounding shows
-    expected = torch.empty(1000)
+    full = torch.randn(world * numel, generator=generator) * 1e3  # large values: rounding shows
+    expected = torch.empty(numel)
     dist.reduce_scatter_tensor(expected, full.clone())
-    separate = torch.empty(1000)
+    separate = torch.empty(numel)
     handles = [comm.reduce_scatter(separate, full, "separate", async_op=True)]
     in_place_full = full.clone()
-    own = in_place_full[rank * 1000:(rank + 1) * 1000]
+    own = in_place_full[rank * numel:(rank + 1) * numel]
     handles.append(comm.reduce_scatter(own, in_place_full, "in place", async_op=True))
     for handle in handles:  # two in flight at once: their messages must not cross
         handle.wait()
@@ -31,6 +31,14 @@ def test_pairwise_reduce_scatter_is_the_collective_bit_for_bit():
     reports = run_distributed(_worker, 2)
     assert all(r["pairwise"] for r in reports)
     assert reports[0]["reduce_scatter_bytes"] == 2 * 2000 * 4  # the paper's convention: counted as before
+
+
+def test_pairwise_exchange_in_pieces_is_the_collective_bit_for_bit():
+    """A half larger than PAIRWISE_PIECE_BYTES goes in several pieces (here 3, the last one short)."""
+    numel = 2 * PAIRWISE_PIECE_BYTES // 4 + 1000
+    reports = run_distributed(_worker, 2, numel=numel)
+    assert all(r["pairwise"] for r in reports)
+    assert reports[0]["reduce_scatter_bytes"] == 2 * 2 * numel * 4
 
 
 def test_four_ranks_keep_the_backend_reduce_scatter():

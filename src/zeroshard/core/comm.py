@@ -147,6 +147,15 @@ class _Staging:
         self.kept.clear()
 
 
+# The pairwise exchange goes in pieces of at most this many bytes, all in flight at once: one
+# message of a whole unit's half (6-17 MB for the 33.7M GPT) ran at half the link rate or less over
+# a tbf-limited veth at 0.1 Gbit/s when both ranks sent at once (16 MB tensor: 1.26-1.40 s against
+# 0.70 s for its bytes), and stages 1-3 were 1.5-1.9x DDP there with the same bytes; pieces of
+# 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which pipelines
+# chunks, does (docs/multinode.md).
+PAIRWISE_PIECE_BYTES = 512 * 1024
+
+
 class _PairwiseReduceScatter:
     """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
     ours, add. See [Note: reduce-scatter on gloo]."""
@@ -155,13 +164,19 @@ class _PairwiseReduceScatter:
         shard = out.numel()
         self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
         self.theirs = torch.empty_like(self.mine)
-        splits = [0, shard] if rank == 0 else [shard, 0]  # nothing to ourselves, the peer's half to it
-        self.work = dist.all_to_all_single(self.theirs, full[(1 - rank) * shard:(2 - rank) * shard],
-                                           output_split_sizes=splits, input_split_sizes=splits,
-                                           group=group, async_op=True)
+        send = full[(1 - rank) * shard:(2 - rank) * shard]
+        piece = max(1, PAIRWISE_PIECE_BYTES // full.element_size())
+        self.works = []
+        for start in range(0, shard, piece):
+            n = min(piece, shard - start)
+            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
+            self.works.append(dist.all_to_all_single(self.theirs[start:start + n], send[start:start + n],
+                                                     output_split_sizes=splits, input_split_sizes=splits,
+                                                     group=group, async_op=True))
 
     def wait(self) -> None:
-        self.work.wait()
+        for work in self.works:
+            work.wait()
         # g_mine + g_theirs: at two ranks the same sum, bit for bit, as an all-reduce's (a + b = b + a).
         torch.add(self.mine, self.theirs, out=self.out)
 

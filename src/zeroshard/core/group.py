@@ -91,8 +91,8 @@ class FlatGroup:
         self.full: torch.Tensor | None = None  # param_dtype, 1-D, numel = padded_numel
         self.master: torch.Tensor  # fp32, 1-D, numel = end - start
         self.compute_shard: torch.Tensor | None = None  # param_dtype, 1-D, numel = shard_numel, on device
-        # hpZ's secondary copy: param_dtype, 1-D, numel = padded_numel / secondary group size
-        # ([Note: ZeRO++ and MiCS] in unit.py); valid from a gather until the parameters change.
+        # hpZ's secondary copy: param_dtype, (shards, shard_numel), the node piece's shards other than
+        # this rank's own ([Note: ZeRO++ and MiCS] in unit.py); valid from a gather until the parameters change.
         self.secondary: torch.Tensor | None = None
         self.secondary_scales: torch.Tensor | None = None  # with qwZ the copy is int8 blocks + scales
         self.secondary_valid = False
@@ -284,19 +284,18 @@ class FlatGroup:
         if self.compute_shard is not None:
             self.compute_shard.copy_(self.master)
 
-    def keep_secondary(self, index: int, size: int) -> None:
-        """hpZ: keep piece `index` of `size` of the gathered parameters."""
-        numel = self.layout.padded_numel // size  # padded_numel is a multiple of the partition size
-        self.secondary = self.full[index * numel:(index + 1) * numel].clone()  # 1-D, param_dtype
+    def keep_secondary(self, shards: list[int]) -> None:
+        """hpZ: keep the gathered parameters' shards `shards` (partition-group shard indices), one row each."""
+        self.secondary = self.full.view(-1, self.layout.shard_numel)[shards].clone()  # (len, shard_numel)
         self.secondary_valid = True
 
-    def keep_secondary_encoded(self, q_all: torch.Tensor, scales_all: torch.Tensor, *, index: int,
-                               size: int) -> None:
-        """hpZ with qwZ: keep piece `index` of `size` of what the quantized gather received (int8
-        blocks and their scales, rank-major), ~1 byte per element instead of the dequantized values;
-        gathering and dequantizing it again gives the forward's values bit for bit."""
-        self.secondary = q_all.view(size, -1)[index].clone()  # int8, 1-D
-        self.secondary_scales = scales_all.view(size, -1)[index].clone()  # fp32, 1-D
+    def keep_secondary_encoded(self, q_all: torch.Tensor, scales_all: torch.Tensor, *, shards: list[int]) -> None:
+        """hpZ with qwZ: keep shards `shards` of what the quantized gather received (int8 blocks and
+        their scales, rank-major), ~1 byte per element instead of the dequantized values;
+        gathering and dequantizing them again gives the forward's values bit for bit."""
+        world = self.layout.padded_numel // self.layout.shard_numel  # the partition group
+        self.secondary = q_all.view(world, -1)[shards].clone()  # int8, (len, blocks x block)
+        self.secondary_scales = scales_all.view(world, -1)[shards].clone()  # fp32, (len, blocks)
         self.secondary_valid = True
 
     def drop_secondary(self) -> None:

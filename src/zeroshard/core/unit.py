@@ -36,7 +36,13 @@ communicators they need, built by sharded.py from core/mesh.py's rank groups.
     node group from the copies (ZeRO++ §3.2). The values are the gathered ones, bit for bit, so
     the math is plain stage 3's. Any change of the parameters (a step, a load, a modified
     GatheredParameters) drops the copies (FlatGroup.drop_secondary); the next forward's gather
-    refreshes them. Cost: padded numel / h of parameter memory per unit between forward and step.
+    refreshes them. The piece of the rank at place j of its node is *strided*: the partition
+    shards j, j + h, j + 2h, ... (N/h of them), which include the rank's own primary shard (a
+    node's ranks are consecutive, and h divides N, so partition rank p = j mod h); that one is not
+    copied, the backward reads it from the shard the rank holds anyway. The backward gathers the
+    piece as N/h node all-gathers, the m-th of shards mh .. mh + h - 1, each into its contiguous
+    slice of the gathered buffer. Cost: padded numel x (1/h - 1/N) per unit between forward and
+    step, half of a contiguous piece's 1/h at two nodes (issue 15 item 5: its memory budget).
   * qwZ (`zero_quantized_weights`): primary gathers send int8 blocks and scales
     (`quantize.all_gather`), dequantized into the gathered buffer; masters stay exact
     fp32, so the quantization error does not accumulate across steps (ZeRO++ §3.1). The backward
@@ -149,15 +155,11 @@ class Unit:
                 group.gather_in_place()
                 continue
             what = f"all-gather of unit '{self.name}' parameters ({phase})"
-            if from_secondary and group.secondary_scales is not None:  # hpZ with qwZ: int8 copies
-                handle = quantize.all_gather_encoded(node, group.new_full(), group.secondary, group.secondary_scales,
-                                                     f"{what} from secondary copies", self.comm.world_size,
-                                                     self.links.block, async_op=True)
-            elif from_secondary:  # hpZ: inside the node group, from the copies the forward kept
-                handle = node.all_gather(group.new_full(), group.secondary, f"{what} from secondary copies",
-                                         async_op=True)
-            elif self.links.quantize_weights:  # qwZ
-                keep = functools.partial(group.keep_secondary_encoded, index=node.rank, size=node.world_size) \
+            if from_secondary:  # hpZ: inside the node group, from the copies the forward kept
+                self._gathers += self._gather_from_secondary(group, f"{what} from secondary copies")
+                continue
+            if self.links.quantize_weights:  # qwZ
+                keep = functools.partial(group.keep_secondary_encoded, shards=self._secondary_shards()[1]) \
                     if keep_secondary else None
                 handle = quantize.all_gather(self.comm, group.new_full(), group.gather_input(), what,
                                              self.links.block, async_op=True, keep=keep)
@@ -178,9 +180,38 @@ class Unit:
                 if not group.gathers_in_place:  # in place, the master is in use until free_full
                     group.release_master()
                 if self._keep_secondary:
-                    group.keep_secondary(self.links.secondary.rank, self.links.secondary.world_size)
+                    group.keep_secondary(self._secondary_shards()[1])
             self.state = UnitState.UNSHARDED
         assert self.state is UnitState.UNSHARDED, (self.name, self.state)
+
+    def _secondary_shards(self) -> tuple[list[int], list[int]]:
+        """hpZ: (the partition shards of this rank's strided piece, those of them it copies: all but
+        its own primary shard); see [Note: ZeRO++ and MiCS]."""
+        node = self.links.secondary
+        piece = list(range(node.rank, self.comm.world_size, node.world_size))
+        assert self.comm.rank in piece, (self.comm.rank, piece)  # consecutive nodes, h divides N
+        return piece, [shard for shard in piece if shard != self.comm.rank]
+
+    def _gather_from_secondary(self, group: FlatGroup, what: str) -> list:
+        """hpZ's backward gather: one node all-gather per shard of the piece (the m-th fills the
+        gathered buffer's shards mh .. mh + h - 1), the own shard read from the primary shard,
+        quantized again with qwZ (the same values as the forward's: quantization is deterministic)."""
+        node, full = self.links.secondary, group.new_full()
+        numel, h = group.layout.shard_numel, node.world_size
+        quantized = group.secondary_scales is not None
+        own = quantize.quantize(group.gather_input(), self.links.block) if quantized else (group.gather_input(),)
+        copies = iter(zip(group.secondary, group.secondary_scales) if quantized else
+                      ((row,) for row in group.secondary))
+        handles = []
+        for m, shard in enumerate(self._secondary_shards()[0]):
+            out = full[m * h * numel:(m + 1) * h * numel]  # 1-D, numel = h x shard_numel
+            mine = own if shard == self.comm.rank else next(copies)
+            if quantized:
+                handles.append(quantize.all_gather_encoded(node, out, *mine, f"{what} ({m})", h,
+                                                           self.links.block, async_op=True))
+            else:
+                handles.append(node.all_gather(out, mine[0], f"{what} ({m})", async_op=True))
+        return handles
 
     def reshard(self, release: bool = False) -> None:
         """Free the gathered parameters (stage 3); see [Note: parameter storage] in group.py

@@ -18,6 +18,9 @@ class Subject:
     gather: Callable[[object], list]  # every rank's object, on every rank
     params: int
     close: Callable[[], None]
+    # Complete what a step left in flight (zeroshard.overlap_param_gather's all-gathers): a bench that
+    # interleaves systems settles one before stepping another, so that its traffic stays its own.
+    settle: Callable[[], None] = lambda: None
 
 
 def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device, make_optimizer) -> Subject:
@@ -44,4 +47,4 @@ def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device
 
     return Subject(step, engine.memory_report, count_comm, slowest,
                    lambda obj: engine.comm.all_gather_objects(obj, "bench: per-rank figures"),
-                   engine.num_parameters(), engine.destroy)
+                   engine.num_parameters(), engine.destroy, engine.sharded.wait_parameters)

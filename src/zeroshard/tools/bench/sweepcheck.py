@@ -25,6 +25,7 @@ RUNS = {"ddp": (0, steptime.Comm()), "0": (0, steptime.Comm()), "1": (1, steptim
         "2": (2, steptime.Comm()), "3": (3, steptime.Comm()),
         "1o": (1, steptime.Comm(overlap_param_gather=True)), "2o": (2, steptime.Comm(overlap_param_gather=True)),
         "3q": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True)),
+        "3h": (3, steptime.Comm(hierarchical=True)),
         "3pp": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True, hierarchical=True))}
 STAGE_RUNS = ("0", "1", "2", "3")  # what the advisor chooses between
 RECIPE = est.recipe("fp32", "adamw")  # sweep_job: fp32, torch AdamW
