@@ -7,6 +7,14 @@ Reports, per rank: peak RSS (sampled; anonymous and file-backed), step time spli
 communication wait / optimizer step (whose I/O wait is measured separately), bytes read and written
 per step (/proc/self/io, block layer), and the achieved disk throughput against what `dd` with
 O_DIRECT measures on the same path in the same run.
+
+I/O on its own (the store's IOClock, offload/blockio.py): the bytes the NVMe store's aligned direct
+requests moved, and the time they were in flight (union over requests), per step and for the
+optimizer's sub-group stream alone; throughput while busy = bytes / busy time, as a fraction of
+dd's (read against dd's read, write against dd's write, both against dd's time for the same
+bytes); hidden = the share of that busy time the training thread did not wait for
+(1 - store wait / busy time). The NVMe store's I/O path (O_DIRECT, or buffered where the file
+system refuses it) is printed.
 """
 from __future__ import annotations
 
@@ -53,6 +61,25 @@ class RSSSampler(threading.Thread):
             rss = psutil.Process().memory_info().rss
             self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
             time.sleep(self.period)
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {key: after[key] - before[key] for key in after}
+
+
+def io_summary(io: dict, wait_s: float, dd: dict) -> dict:
+    """Throughput of the store's requests while they were in flight, against dd; share hidden."""
+    read, write, busy = io["read_bytes"], io["write_bytes"], io["busy_s"]
+    dd_time = read / 1e9 / dd["read"] + write / 1e9 / dd["write"]  # dd's seconds for the same bytes
+    out = dict(read_gb=read / 1e9, written_gb=write / 1e9, busy_s=busy, wait_s=wait_s,
+               hidden=max(0.0, 1 - wait_s / busy) if busy else None,
+               gb_per_s=(read + write) / busy / 1e9 if busy else None,
+               of_dd=dd_time / busy if busy else None,
+               read_gb_per_s=read / io["read_busy_s"] / 1e9 if io["read_busy_s"] else None,
+               write_gb_per_s=write / io["write_busy_s"] / 1e9 if io["write_busy_s"] else None)
+    out["read_of_dd"] = out["read_gb_per_s"] / dd["read"] if out["read_gb_per_s"] else None
+    out["write_of_dd"] = out["write_gb_per_s"] / dd["write"] if out["write_gb_per_s"] else None
+    return out
 
 
 def io_bytes() -> tuple[int, int]:
@@ -105,17 +132,23 @@ def main() -> None:
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step * world + rank))
         read0, write0 = io_bytes()
         comm0, io_wait0 = engine.comm.counter.wait_s, store.counters.wait_s
+        clock0 = store.io.clock.snapshot()
         t0 = time.monotonic()
         _, loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         t1 = time.monotonic()
+        clock1, io_wait1, opt_read0, opt_write0 = store.io.clock.snapshot(), store.counters.wait_s, *io_bytes()
         engine.step()
         t2 = time.monotonic()
         read1, write1 = io_bytes()
+        clock2 = store.io.clock.snapshot()
         comm = engine.comm.counter.wait_s - comm0
         steps.append(dict(step=step, loss=loss.item(), total_s=t2 - t0, forward_backward_s=t1 - t0,
                           optimizer_s=t2 - t1, comm_wait_s=comm, io_wait_s=store.counters.wait_s - io_wait0,
-                          compute_s=(t1 - t0) - comm, read_bytes=read1 - read0, written_bytes=write1 - write0))
+                          optimizer_io_wait_s=store.counters.wait_s - io_wait1,
+                          compute_s=(t1 - t0) - comm, read_bytes=read1 - read0, written_bytes=write1 - write0,
+                          optimizer_read_bytes=read1 - opt_read0, optimizer_written_bytes=write1 - opt_write0,
+                          store_io=delta(clock2, clock0), optimizer_store_io=delta(clock2, clock1)))
     sampler.stop = True
     report = dict(rank=rank, params=params, model_state_bytes_fp32_adam=16 * params, build_s=build_s,
                   peak_rss=sampler.peak, peak_rss_anon=sampler.peak_anon, peak_rss_after_build=peak_after_build,
@@ -125,7 +158,27 @@ def main() -> None:
     if rank == 0:
         disk = sum(s["read_bytes"] + s["written_bytes"] for r in reports for s in r["steps"][1:])
         seconds = sum(s["total_s"] for s in reports[0]["steps"][1:])
+        later = [(r, s) for r in reports for s in r["steps"][1:]]  # after the first step (states created)
+        opt_disk = sum(s["optimizer_read_bytes"] + s["optimizer_written_bytes"] for _, s in later)
+        opt_seconds = sum(s["optimizer_s"] for s in reports[0]["steps"][1:])
+        per_rank_steps = max(1, len(reports[0]["steps"]) - 1)
+        io = {"all": {}, "optimizer": {}}
+        for phase, key, wait in (("all", "store_io", "io_wait_s"), ("optimizer", "optimizer_store_io",
+                                                                     "optimizer_io_wait_s")):
+            total = {k: sum(s[key][k] for _, s in later) for k in later[0][1][key]} if later else {}
+            # Busy time is per rank and the ranks' disks are one: the ranks' busy times overlap, so
+            # the throughput of the disk is the ranks' bytes over one rank's busy time (the longest).
+            busiest = max((sum(s[key]["busy_s"] for s in r["steps"][1:]) for r in reports), default=0.0)
+            for k in ("busy_s", "read_busy_s", "write_busy_s"):
+                total[k] = max((sum(s[key][k] for s in r["steps"][1:]) for r in reports), default=0.0)
+            total["busy_s"] = busiest
+            io[phase] = io_summary(total, max((sum(s[wait] for s in r["steps"][1:]) for r in reports),
+                                              default=0.0), dd) if later else {}
+            io[phase]["per_step_busy_s"] = busiest / per_rank_steps
         summary = dict(dd_gb_per_s=dd, ranks=reports, achieved_gb_per_s=disk / seconds / 1e9 if seconds else None,
+                       achieved_of_dd=disk / seconds / 1e9 / ((dd["read"] + dd["write"]) / 2) if seconds else None,
+                       optimizer_phase_gb_per_s=opt_disk / opt_seconds / 1e9 if opt_seconds else None,
+                       store_io=io, io_mode=store.io_mode,
                        command="torchrun --nproc_per_node %d benchmarks/offload_nvme.py %s" % (
                            world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())))
         with open(args.out, "w") as handle:

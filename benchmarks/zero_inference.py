@@ -151,14 +151,19 @@ def load(system: str, args):
         # the embedding (131 MB each here) are gathered only while they compute, not for the whole pass.
         # Prefetch: about three decoder layers (12.8M elements each) ahead, read by the store's two readers.
         offload = {"device": "nvme", "nvme_path": str(args.nvme)}
-        if system == "zeroshard-resident":  # accelerate's CPU budget, in fp32 elements
-            offload["max_in_cpu"] = cpu_budget_mb(args) * 2**20 // 4
-            print(f"zeroshard: max_in_cpu {offload['max_in_cpu']} elements ({cpu_budget_mb(args)} MiB)",
-                  file=sys.stderr)
+        if system == "zeroshard-resident":  # accelerate's CPU budget, in fp32 elements, less the window
+            # The units read ahead are anonymous buffers, which the cap counts ([Note: where a swap
+            # file's tensor lies] in offload/swapfile.py): the budget holds them too.
+            window_mb = args.prefetch * 4 // 2**20
+            resident_mb = max(0, cpu_budget_mb(args) - window_mb)
+            offload["max_in_cpu"] = resident_mb * 2**20 // 4
+            print(f"zeroshard: max_in_cpu {offload['max_in_cpu']} elements ({resident_mb} MiB: the "
+                  f"{cpu_budget_mb(args)} MiB budget less the {window_mb} MiB prefetch window)", file=sys.stderr)
         config = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch,
                                         "offload_param": offload},
                   "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"]}}
-        return from_pretrained(args.model_dir, config).module
+        engine = from_pretrained(args.model_dir, config)
+        return engine.module, engine.placement.param_store
     budget = cpu_budget_mb(args)
     offload = tempfile.mkdtemp(dir=args.nvme)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -168,7 +173,14 @@ def load(system: str, args):
     on_disk = sum(1 for v in device_map.values() if v == "disk")
     print(f"accelerate: {budget} MiB CPU budget, {on_disk} of {len(device_map)} device-map entries on disk",
           file=sys.stderr)
-    return model.eval()
+    return model.eval(), None
+
+
+def _store_io(store) -> dict:
+    """The NVMe store's own count of the bytes it read and wrote and of the time its requests were
+    in flight (offload/blockio.py IOClock); empty for accelerate."""
+    nvme = getattr(store, "nvme", store)  # ResidentFirstStore streams through its NVMe store
+    return nvme.io.clock.snapshot() if nvme is not None else {}
 
 
 def child(system: str, args) -> None:
@@ -176,7 +188,8 @@ def child(system: str, args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = load(system, args)
+    model, store = load(system, args)
+    io_mode = getattr(getattr(store, "nvme", store), "io_mode", None)
     files = sorted(args.model_dir.glob("*.safetensors"))
     drop = DropPageCache(files)
     drop.put(None)
@@ -187,14 +200,18 @@ def child(system: str, args) -> None:
         drop.put(None)
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")  # resets VmHWM to the current RSS
+        io_before = _store_io(store)
         read_before, started = _read_bytes(), time.perf_counter()
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, streamer=drop,
                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         seconds = time.perf_counter() - started
         read = _read_bytes() - read_before
+        io = {k: v - io_before[k] for k, v in _store_io(store).items()}
         print(json.dumps({"system": system, "batch": batch, "seconds": seconds,
                           "tokens_per_s": batch * args.new_tokens / seconds, "read_bytes": read,
                           "read_gb_s": read / seconds / 1e9, "peak_rss": _status("VmHWM"),
+                          "store_io": io, "io_mode": io_mode,
+                          "store_read_gb_s": io["read_bytes"] / io["read_busy_s"] / 1e9 if io.get("read_busy_s") else None,
                           "tokens": tokens.tolist()}), flush=True)
 
 
@@ -237,17 +254,25 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
              f"({args.cap / weights:.2f} x the weights)",
              f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; {args.threads} threads; "
              f"dd O_DIRECT read: {dd:.2f} GB/s",
+             "disk GB/s: bytes the block layer read per second of generate; busy GB/s: the NVMe store's bytes "
+             "per second its reads were in flight",
              "", f"{'system':<20} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
-             f"{'peak RSS GB':>11} {'tokens = unsharded':>18} {'load':>9}"]
+             f"{'busy GB/s':>9} {'of dd':>6} {'peak RSS GB':>11} {'< cap':>5} {'tokens = unsharded':>18} {'load':>9}"]
     for row in rows:
         name = row["system"] + ("" if row.get("capped", True) else " uncapped")
         if "error" in row:
             lines.append(f"{name} failed: {row['error'].splitlines()[-1]}")
             continue
         same = row["tokens"] == reference[row["batch"]]
+        busy = row.get("store_read_gb_s")
+        busy_text = f"{busy:>9.2f} {busy / dd:>6.0%}" if busy else f"{'-':>9} {'-':>6}"
         lines.append(f"{name:<20} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
-                     f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {row['peak_rss'] / 1e9:>11.2f} "
+                     f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {busy_text} "
+                     f"{row['peak_rss'] / 1e9:>11.2f} {'yes' if row['peak_rss'] < args.cap else 'NO':>5} "
                      f"{'yes' if same else 'NO':>18} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}")
+    modes = sorted({f"{r['system']}: {r['io_mode']}" for r in rows if r.get("io_mode")})
+    lines += [f"NVMe store I/O path: {', '.join(modes)} (direct = O_DIRECT; buffered = the file system refused it)"] \
+        if modes else []
     for system in ("zeroshard", "zeroshard-resident"):
         speedups = []
         for batch in args.batches:

@@ -177,11 +177,19 @@ class DirectFile:
 
     def read_into(self, address: int, nbytes: int) -> None:
         """Bytes [0, round_up(nbytes)) of the file into memory at `address` (page aligned, that long)."""
-        self._transfer("read", address, round_up(nbytes))
+        self.read_into_at(address, nbytes, 0)
 
     def write_from(self, address: int, nbytes: int) -> None:
         """Memory at `address` into bytes [0, round_up(nbytes)) of the file, on the disk when it returns."""
-        self._transfer("write", address, round_up(nbytes))
+        self.write_from_at(address, nbytes, 0)
+
+    def read_into_at(self, address: int, nbytes: int, offset: int) -> None:
+        """`read_into` of the file's bytes from `offset` (a multiple of ALIGN)."""
+        self._transfer("read", address, round_up(nbytes), offset)
+
+    def write_from_at(self, address: int, nbytes: int, offset: int) -> None:
+        """`write_from` into the file's bytes from `offset` (a multiple of ALIGN)."""
+        self._transfer("write", address, round_up(nbytes), offset)
         if self.mode == "buffered":  # O_DIRECT bypassed the cache; here the pages must reach the disk
             try:  # and leave the cache, as the mapping's write-back does (memory is free again)
                 os.fdatasync(self.fd)
@@ -189,12 +197,14 @@ class DirectFile:
             except OSError as error:
                 raise BlockIOError(f"cannot write {self.path} back: {error}") from error
 
-    def _transfer(self, kind: str, address: int, length: int) -> None:
-        if address % ALIGN:
-            raise BlockIOError(f"{kind} of {self.path}: buffer address {address:#x} is not {ALIGN}-byte aligned")
+    def _transfer(self, kind: str, address: int, length: int, start: int) -> None:
+        if address % ALIGN or start % ALIGN:
+            raise BlockIOError(f"{kind} of {self.path}: buffer address {address:#x} or file offset {start} "
+                               f"is not {ALIGN}-byte aligned")
         requests = [(offset, min(self.pool.block_bytes, length - offset))
                     for offset in range(0, length, self.pool.block_bytes)]
-        futures = [self.pool.submit(self._request, kind, address, offset, size) for offset, size in requests]
+        futures = [self.pool.submit(self._request, kind, address - start, start + offset, size)
+                   for offset, size in requests]
         errors = [f.exception() for f in futures]  # waits for every one: none still writes the buffer
         failed = [e for e in errors if e is not None]
         if failed:
