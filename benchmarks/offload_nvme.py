@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.offload.blockio import union_s
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 
@@ -126,13 +127,14 @@ def main() -> None:
     engine, *_ = zeroshard.initialize(model=model, config=config)
     build_s = time.monotonic() - started
     peak_after_build = sampler.peak
-    store = engine.offload.optimizer_store
+    store = engine.placement.optimizer_store
+    store.io.clock.keep_spans = True
     steps = []
     for step in range(args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step * world + rank))
         read0, write0 = io_bytes()
         comm0, io_wait0 = engine.comm.counter.wait_s, store.counters.wait_s
-        clock0 = store.io.clock.snapshot()
+        clock0, first_span = store.io.clock.snapshot(), len(store.io.clock.spans)
         t0 = time.monotonic()
         _, loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
@@ -148,7 +150,9 @@ def main() -> None:
                           optimizer_io_wait_s=store.counters.wait_s - io_wait1,
                           compute_s=(t1 - t0) - comm, read_bytes=read1 - read0, written_bytes=write1 - write0,
                           optimizer_read_bytes=read1 - opt_read0, optimizer_written_bytes=write1 - opt_write0,
-                          store_io=delta(clock2, clock0), optimizer_store_io=delta(clock2, clock1)))
+                          store_io=delta(clock2, clock0), optimizer_store_io=delta(clock2, clock1),
+                          step_window=(t0, t2), optimizer_window=(t1, t2),
+                          spans=store.io.clock.spans[first_span:]))
     sampler.stop = True
     report = dict(rank=rank, params=params, model_state_bytes_fp32_adam=16 * params, build_s=build_s,
                   peak_rss=sampler.peak, peak_rss_anon=sampler.peak_anon, peak_rss_after_build=peak_after_build,
@@ -161,20 +165,30 @@ def main() -> None:
         later = [(r, s) for r in reports for s in r["steps"][1:]]  # after the first step (states created)
         opt_disk = sum(s["optimizer_read_bytes"] + s["optimizer_written_bytes"] for _, s in later)
         opt_seconds = sum(s["optimizer_s"] for s in reports[0]["steps"][1:])
-        per_rank_steps = max(1, len(reports[0]["steps"]) - 1)
-        io = {"all": {}, "optimizer": {}}
-        for phase, key, wait in (("all", "store_io", "io_wait_s"), ("optimizer", "optimizer_store_io",
-                                                                     "optimizer_io_wait_s")):
-            total = {k: sum(s[key][k] for _, s in later) for k in later[0][1][key]} if later else {}
-            # Busy time is per rank and the ranks' disks are one: the ranks' busy times overlap, so
-            # the throughput of the disk is the ranks' bytes over one rank's busy time (the longest).
-            busiest = max((sum(s[key]["busy_s"] for s in r["steps"][1:]) for r in reports), default=0.0)
-            for k in ("busy_s", "read_busy_s", "write_busy_s"):
-                total[k] = max((sum(s[key][k] for s in r["steps"][1:]) for r in reports), default=0.0)
-            total["busy_s"] = busiest
-            io[phase] = io_summary(total, max((sum(s[wait] for s in r["steps"][1:]) for r in reports),
-                                              default=0.0), dd) if later else {}
-            io[phase]["per_step_busy_s"] = busiest / per_rank_steps
+        io = {}
+        for phase, key, wait, window in (("all", "store_io", "io_wait_s", "step_window"),
+                                         ("optimizer", "optimizer_store_io", "optimizer_io_wait_s", "optimizer_window")):
+            if not later:
+                continue
+            total = {k: sum(s[key][k] for _, s in later) for k in ("read_bytes", "write_bytes")}
+            # The ranks share one disk: its busy time is the union of every rank's busy intervals
+            # (one monotonic clock for the machine), per step, within that step's window.
+            for name, kind in (("busy_s", None), ("read_busy_s", "read"), ("write_busy_s", "write")):
+                total[name] = 0.0
+                for i in range(1, len(reports[0]["steps"])):
+                    start = min(r["steps"][i][window][0] for r in reports)
+                    end = max(r["steps"][i][window][1] for r in reports)
+                    spans = [span for r in reports for span in r["steps"][i]["spans"]]
+                    if kind is None:
+                        total[name] += union_s(spans, start, end)
+                    else:  # one kind alone: the rank's own per-kind figure, the slowest rank's
+                        total[name] = max(sum(s[key][name] for s in r["steps"][1:]) for r in reports)
+            waited = max(sum(s[wait] for s in r["steps"][1:]) for r in reports)
+            io[phase] = io_summary(total, waited, dd)
+            io[phase]["per_step_busy_s"] = total["busy_s"] / (len(reports[0]["steps"]) - 1)
+        for report in reports:
+            for step in report["steps"]:
+                del step["spans"]  # thousands of intervals: joined above, not kept in the JSON
         summary = dict(dd_gb_per_s=dd, ranks=reports, achieved_gb_per_s=disk / seconds / 1e9 if seconds else None,
                        achieved_of_dd=disk / seconds / 1e9 / ((dd["read"] + dd["write"]) / 2) if seconds else None,
                        optimizer_phase_gb_per_s=opt_disk / opt_seconds / 1e9 if opt_seconds else None,

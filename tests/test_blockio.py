@@ -23,7 +23,7 @@ import torch
 
 from zeroshard.offload import NVMeStore, StoreError
 from zeroshard.offload import blockio
-from zeroshard.offload.blockio import ALIGN, BlockIOError, IOClock, IOPool
+from zeroshard.offload.blockio import ALIGN, BlockIOError, IOClock, IOPool, union_s
 from zeroshard.offload.swapfile import Home
 
 NUMEL = 3 * 2**20 // 4 + 3  # 3 MiB and 12 bytes of fp32: several requests and a partial last block
@@ -249,7 +249,7 @@ def test_bad_arguments_are_named(tmp_path):
 
 
 def test_clock_counts_overlapping_requests_once():
-    clock = IOClock()
+    clock = IOClock(keep_spans=True)
 
     def request():
         with clock.request("read", 10):
@@ -263,3 +263,6 @@ def test_clock_counts_overlapping_requests_once():
     snapshot = clock.snapshot()
     assert snapshot["read_bytes"] == 40
     assert 0.2 <= snapshot["read_busy_s"] < 0.6 and snapshot["busy_s"] == snapshot["read_busy_s"]
+    assert len(clock.spans) == 1 and abs(union_s(clock.spans) - snapshot["busy_s"]) < 1e-9
+    assert union_s([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
+    assert union_s([(0, 2), (1, 3), (5, 6)], start=1.5, end=5.5) == 2

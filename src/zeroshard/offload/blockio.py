@@ -70,9 +70,13 @@ def _errno_error(what: str) -> OSError:
 class IOClock:
     """Bytes moved and the time the disk was busy with them: the union of the intervals in which at
     least one request of a kind was in flight, so eight requests in parallel count their shared
-    second once. `busy_s` is the union over both kinds."""
+    second once. `busy_s` is the union over both kinds. With `keep_spans`, the busy intervals
+    themselves are kept (time.perf_counter: CLOCK_MONOTONIC, one clock for every process of a
+    machine), so that a benchmark can join the busy time of several ranks sharing a disk."""
 
-    def __init__(self):
+    def __init__(self, keep_spans: bool = False):
+        self.keep_spans = keep_spans
+        self.spans: list[tuple[float, float]] = []
         self._lock = threading.Lock()
         self.bytes = {"read": 0, "write": 0}
         self.busy = {"read": 0.0, "write": 0.0, "any": 0.0}
@@ -103,11 +107,26 @@ class IOClock:
                 self._active[key] -= 1
                 if self._active[key] == 0:
                     self.busy[key] += now - self._since[key]
+                    if key == "any" and self.keep_spans:
+                        self.spans.append((self._since[key], now))
 
     def snapshot(self) -> dict:
         with self._lock:
             return {"read_bytes": self.bytes["read"], "write_bytes": self.bytes["write"],
                     "read_busy_s": self.busy["read"], "write_busy_s": self.busy["write"], "busy_s": self.busy["any"]}
+
+
+def union_s(spans, start: float = float("-inf"), end: float = float("inf")) -> float:
+    """Seconds covered by the union of `spans` ((start, end) pairs), clipped to [start, end]."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted((max(a, start), min(b, end)) for a, b in spans):
+        if b <= a:
+            continue
+        if a > reach:
+            total, reach = total + b - a, b
+        elif b > reach:
+            total, reach = total + b - reach, b
+    return total
 
 
 class Buffer:

@@ -135,9 +135,11 @@ class NVMeStore:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroshard-nvme")
         self._pending: list[tuple[Future, int]] = []  # write-backs and their bytes
         # Reads ahead run on their own threads, so that a read is never queued behind write-backs;
-        # two reads in flight keep the disk busier than one (40 files of 51 MB read while a thread
-        # summed them, here: 1.0-1.2 GB/s with one reader, 1.3-1.5 with two; dd O_DIRECT 1.2).
-        self._readers = ThreadPoolExecutor(max_workers=max(2, threads), thread_name_prefix="zeroshard-nvme-read")
+        # two reads in flight kept the mapping's disk busier than one (40 files of 51 MB read while
+        # a thread summed them, here: 1.0-1.2 GB/s with one reader, 1.3-1.5 with two; dd O_DIRECT
+        # 1.2). Four: ZeRO-Inference's units are 4-12 MB (one Linear each), one to three aligned
+        # requests, so four tensors in flight keep the I/O pool's eight requests busy.
+        self._readers = ThreadPoolExecutor(max_workers=max(4, threads), thread_name_prefix="zeroshard-nvme-read")
         # Files go away on destroy(), at normal interpreter exit and on SIGTERM, whichever comes
         # first; after SIGKILL the next store on the same path reclaims them ([Note: swap files
         # of dead processes] in offload/cleanup.py).
