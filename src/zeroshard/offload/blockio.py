@@ -26,7 +26,8 @@ import logging
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -262,6 +263,47 @@ class DirectFile:
         os.close(self.fd)
 
 
+class Workers:
+    """`count` threads running submitted calls in order, each returning a Future. Their stacks are
+    small (STACK_BYTES) and made at once: RLIMIT_DATA counts a thread's stack (glibc's default 8 MiB
+    each), and a store's dozen I/O threads would otherwise take ~100 MB of a capped process's
+    budget (tests/test_inference.py's capped run)."""
+
+    STACK_BYTES = 512 * 1024  # a pread through ctypes and a Python frame or two
+
+    def __init__(self, count: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        previous = threading.stack_size(self.STACK_BYTES)
+        try:
+            self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                             for i in range(count)]
+            for thread in self._threads:
+                thread.start()
+        finally:
+            threading.stack_size(previous)
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+
+
 class IOPool:
     """The threads that issue a store's requests (`depth` in flight) and the clock they report to."""
 
@@ -274,10 +316,10 @@ class IOPool:
                              f"got {block_bytes!r}")
         self.depth, self.block_bytes = depth, block_bytes
         self.clock = IOClock()
-        self._threads = ThreadPoolExecutor(max_workers=depth, thread_name_prefix="zeroshard-nvme-io")
+        self._threads = Workers(depth, "zeroshard-nvme-io")
 
     def submit(self, fn, *args):
         return self._threads.submit(fn, *args)
 
     def shutdown(self) -> None:
-        self._threads.shutdown(wait=True)
+        self._threads.shutdown()

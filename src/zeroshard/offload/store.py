@@ -32,14 +32,14 @@ import os
 import shutil
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from zeroshard.offload.blockio import ALIGN, DirectFile, IOPool, round_up
+from zeroshard.offload.blockio import ALIGN, DirectFile, IOPool, Workers, round_up
 from zeroshard.offload.cleanup import (create_locked_dir, describe_others, keep_on_sigterm, reclaim_dead, release_root,
                                        remove_on_sigterm)
 from zeroshard.offload.errors import StoreError
@@ -132,14 +132,14 @@ class NVMeStore:
         self.counters = IOCounters()
         self.bytes_held = 0
         self._files: dict[int, SwapFile] = {}  # id(tensor) -> its swap file
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroshard-nvme")
+        self._pool = Workers(threads, "zeroshard-nvme")
         self._pending: list[tuple[Future, int]] = []  # write-backs and their bytes
         # Reads ahead run on their own threads, so that a read is never queued behind write-backs;
         # two reads in flight kept the mapping's disk busier than one (40 files of 51 MB read while
         # a thread summed them, here: 1.0-1.2 GB/s with one reader, 1.3-1.5 with two; dd O_DIRECT
         # 1.2). Four: ZeRO-Inference's units are 4-12 MB (one Linear each), one to three aligned
         # requests, so four tensors in flight keep the I/O pool's eight requests busy.
-        self._readers = ThreadPoolExecutor(max_workers=max(4, threads), thread_name_prefix="zeroshard-nvme-read")
+        self._readers = Workers(max(4, threads), "zeroshard-nvme-read")
         # Files go away on destroy(), at normal interpreter exit and on SIGTERM, whichever comes
         # first; after SIGKILL the next store on the same path reclaims them ([Note: swap files
         # of dead processes] in offload/cleanup.py).
@@ -280,8 +280,8 @@ class NVMeStore:
 
     def destroy(self) -> None:
         self.wait()
-        self._pool.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
+        self._pool.shutdown()
+        self._readers.shutdown()
         self.io.shutdown()
         for item in self._files.values():
             item.close()
