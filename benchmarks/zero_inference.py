@@ -11,7 +11,10 @@ segment + anonymous memory, set before Python starts) is --cap (default: half th
   * zeroshard: `from_pretrained` straight into the NVMe store (`offload_param.device = nvme`), stage 3,
     prefetch of the next layer; `engine.module.generate`. Every weight streams from the disk.
   * zeroshard-resident: the same, with `offload_param.max_in_cpu` = the CPU budget accelerate gets
-    (below), in elements: the first layers stay in memory, the rest stream.
+    (below) less the prefetch window (the units read ahead are anonymous buffers, which the cap
+    counts), in elements: the first layers stay in memory, the rest stream.
+  * zeroshard-resident-buffered: the same with `zeroshard.nvme_io`
+    "buffered": the store's aligned reads go through the page cache instead of O_DIRECT.
   * accelerate: transformers `from_pretrained(device_map="auto", max_memory={"cpu": ...},
     offload_folder=...)`: what fits in the CPU budget stays resident, the rest is read from the
     checkpoint's safetensors files at each forward (accelerate's disk offload).
@@ -144,14 +147,14 @@ def load(system: str, args):
     import torch
     import transformers
 
-    if system in ("zeroshard", "zeroshard-resident"):
+    if system.startswith("zeroshard"):
         from zeroshard.compat.pretrained import from_pretrained
 
         # Units: every decoder layer, and inside it every Linear, and the embedding: so the LM head and
         # the embedding (131 MB each here) are gathered only while they compute, not for the whole pass.
         # Prefetch: about three decoder layers (12.8M elements each) ahead, read by the store's two readers.
         offload = {"device": "nvme", "nvme_path": str(args.nvme)}
-        if system == "zeroshard-resident":  # accelerate's CPU budget, in fp32 elements, less the window
+        if system.startswith("zeroshard-resident"):  # accelerate's CPU budget, in fp32 elements, less the window
             # The units read ahead are anonymous buffers, which the cap counts ([Note: where a swap
             # file's tensor lies] in offload/swapfile.py): the budget holds them too.
             window_mb = args.prefetch * 4 // 2**20
@@ -161,7 +164,8 @@ def load(system: str, args):
                   f"{cpu_budget_mb(args)} MiB budget less the {window_mb} MiB prefetch window)", file=sys.stderr)
         config = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch,
                                         "offload_param": offload},
-                  "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"]}}
+                  "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"],
+                                "nvme_io": "buffered" if system.endswith("-buffered") else "direct"}}
         engine = from_pretrained(args.model_dir, config)
         return engine.module, engine.placement.param_store
     budget = cpu_budget_mb(args)
@@ -256,7 +260,7 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
              f"dd O_DIRECT read: {dd:.2f} GB/s",
              "disk GB/s: bytes the block layer read per second of generate; busy GB/s: the NVMe store's bytes "
              "per second its reads were in flight",
-             "", f"{'system':<20} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
+             "", f"{'system':<27} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
              f"{'busy GB/s':>9} {'of dd':>6} {'peak RSS GB':>11} {'< cap':>5} {'tokens = unsharded':>18} {'load':>9}"]
     for row in rows:
         name = row["system"] + ("" if row.get("capped", True) else " uncapped")
@@ -266,14 +270,14 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
         same = row["tokens"] == reference[row["batch"]]
         busy = row.get("store_read_gb_s")
         busy_text = f"{busy:>9.2f} {busy / dd:>6.0%}" if busy else f"{'-':>9} {'-':>6}"
-        lines.append(f"{name:<20} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
+        lines.append(f"{name:<27} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
                      f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {busy_text} "
                      f"{row['peak_rss'] / 1e9:>11.2f} {'yes' if row['peak_rss'] < args.cap else 'NO':>5} "
                      f"{'yes' if same else 'NO':>18} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}")
     modes = sorted({f"{r['system']}: {r['io_mode']}" for r in rows if r.get("io_mode")})
-    lines += [f"NVMe store I/O path: {', '.join(modes)} (direct = O_DIRECT; buffered = the file system refused it)"] \
+    lines += [f"NVMe store I/O path: {', '.join(modes)} (direct = O_DIRECT; buffered = through the page cache: zeroshard.nvme_io, or the file system refused O_DIRECT)"] \
         if modes else []
-    for system in ("zeroshard", "zeroshard-resident"):
+    for system in dict.fromkeys(r["system"] for r in rows if r["system"].startswith("zeroshard")):
         speedups = []
         for batch in args.batches:
             ours = [r for r in rows if r.get("batch") == batch and r["system"] == system and "error" not in r]
@@ -294,7 +298,8 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib is not installed (pip install 'zeroshard[plot]'): no chart", file=sys.stderr)
         return
     figure, axis = plt.subplots(figsize=(6, 4))
-    for system, marker in (("zeroshard", "o"), ("zeroshard-resident", "^"), ("accelerate", "s")):
+    for system, marker in (("zeroshard", "o"), ("zeroshard-resident", "^"), ("zeroshard-resident-buffered", "v"),
+                           ("accelerate", "s")):
         ok = [r for r in rows if r.get("system") == system and "error" not in r]
         points = sorted((r["batch"], r["tokens_per_s"]) for r in ok)
         if points:
@@ -328,7 +333,7 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=None, help="RLIMIT_DATA bytes (default: half the weights)")
     parser.add_argument("--accelerate-cpu-mb", type=int, default=None,
                         help="accelerate's max_memory for the CPU (default: what the cap leaves, less 300 MiB)")
-    parser.add_argument("--systems", default="zeroshard,zeroshard-resident,accelerate")
+    parser.add_argument("--systems", default="zeroshard,zeroshard-resident,zeroshard-resident-buffered,accelerate")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=Path("zero_inference"))
     parser.add_argument("--child", help=argparse.SUPPRESS)

@@ -64,7 +64,8 @@ class InferenceEngine(ShardedViews, nn.Module):
                         "(inference), so there are no optimizer states to offload")
         comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         numel = sum(p.numel() for p in model.parameters())
-        placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size)
+        placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size,
+                                    nvme_io=extras.nvme_io)
         self.sharded = Sharded(
             model, None, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),

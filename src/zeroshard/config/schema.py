@@ -383,6 +383,10 @@ class ZeroShardExtConfig(Section):
     into memory; the step then checks every swap file before it changes anything)."""
     wrap_modules: Optional[list[str]] = None
     """Module class names that become sharding units; None = chosen automatically."""
+    nvme_io: Literal["direct", "buffered"] = "direct"
+    """How the NVMe store's aligned requests reach its files: "direct" (O_DIRECT, past the page
+    cache; a file system that refuses it falls back to buffered) or "buffered" (through the page
+    cache, whose read-ahead some virtual disks serve faster than O_DIRECT); offload/blockio.py."""
     activation_checkpointing_units: bool = False
     """Checkpoint the activations of every unit but the root (see zeroshard.checkpointing), without
     editing the model; the ``activation_checkpointing`` section's options apply to them."""

@@ -175,9 +175,14 @@ def map_file_at(address: int, nbytes: int, fd: int) -> None:
         raise _errno_error("mmap")
 
 
-def open_direct(path: Path) -> tuple[int, str]:
+MODES = ("direct", "buffered")
+
+
+def open_direct(path: Path, mode: str = "direct") -> tuple[int, str]:
     """A descriptor of `path` for aligned requests and the path taken: O_DIRECT, or "buffered" where
-    the file system refuses it (tmpfs). Other errors are raised."""
+    the file system refuses it (tmpfs) or `mode` asks for it. Other errors are raised."""
+    if mode == "buffered":
+        return os.open(path, os.O_RDWR), "buffered"
     try:
         return os.open(path, os.O_RDWR | os.O_DIRECT), "direct"
     except OSError as error:
@@ -192,7 +197,7 @@ class DirectFile:
     def __init__(self, path: Path, pool: "IOPool"):
         self.path = path
         self.pool = pool
-        self.fd, self.mode = open_direct(path)
+        self.fd, self.mode = open_direct(path, pool.mode)
         self._mode_lock = threading.Lock()
 
     def read_into(self, address: int, nbytes: int) -> None:
@@ -206,6 +211,8 @@ class DirectFile:
     def read_into_at(self, address: int, nbytes: int, offset: int) -> None:
         """`read_into` of the file's bytes from `offset` (a multiple of ALIGN)."""
         self._transfer("read", address, round_up(nbytes), offset)
+        if self.mode == "buffered":  # the bytes are in the buffer now: the cache's copy goes
+            os.posix_fadvise(self.fd, offset, round_up(nbytes), os.POSIX_FADV_DONTNEED)
 
     def write_from_at(self, address: int, nbytes: int, offset: int) -> None:
         """`write_from` into the file's bytes from `offset` (a multiple of ALIGN)."""
@@ -307,14 +314,16 @@ class Workers:
 class IOPool:
     """The threads that issue a store's requests (`depth` in flight) and the clock they report to."""
 
-    def __init__(self, depth: int = DEPTH, block_bytes: int = BLOCK_BYTES):
+    def __init__(self, depth: int = DEPTH, block_bytes: int = BLOCK_BYTES, mode: str = "direct"):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise StoreError(f"NVMe store: I/O depth must be a positive integer, got {depth!r}")
         if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < ALIGN \
                 or block_bytes % ALIGN:
             raise StoreError(f"NVMe store: I/O block size must be a positive multiple of {ALIGN} bytes, "
                              f"got {block_bytes!r}")
-        self.depth, self.block_bytes = depth, block_bytes
+        if mode not in MODES:
+            raise StoreError(f"NVMe store: zeroshard.nvme_io must be one of {list(MODES)}, got {mode!r}")
+        self.depth, self.block_bytes, self.mode = depth, block_bytes, mode
         self.clock = IOClock()
         self._threads = Workers(depth, "zeroshard-nvme-io")
 
