@@ -266,3 +266,29 @@ def test_clock_counts_overlapping_requests_once():
     assert len(clock.spans) == 1 and abs(union_s(clock.spans) - snapshot["busy_s"]) < 1e-9
     assert union_s([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == 4
     assert union_s([(0, 2), (1, 3), (5, 6)], start=1.5, end=5.5) == 2
+
+
+def test_nvme_io_setting(tmp_path):
+    """`zeroshard.nvme_io` chooses the path; a bad value names the key, the value and the choices."""
+    from zeroshard.config.parse import ConfigError, load_config
+    from zeroshard.offload import build_placement
+
+    with pytest.raises(ConfigError, match="nvme_io") as info:
+        load_config({"zeroshard": {"nvme_io": "fast"}}, 1)
+    assert "'fast'" in str(info.value) and "direct" in str(info.value) and "buffered" in str(info.value)
+    with pytest.raises(StoreError, match=r"zeroshard.nvme_io must be one of \['direct', 'buffered'\], got 'fast'"):
+        IOPool(mode="fast")
+    config = load_config({"zero_optimization": {"stage": 3, "offload_param": {
+        "device": "nvme", "nvme_path": str(tmp_path)}}, "zeroshard": {"nvme_io": "buffered"}}, 1)
+    plan = build_placement(config.zero_optimization, config.aio, None, 1000, 0, 1, nvme_io=config.zeroshard.nvme_io)
+    try:
+        tensor = _filled(plan.param_store)
+        assert plan.param_store.io_mode == "buffered"
+        plan.param_store.stage([tensor])
+        plan.param_store.ready([tensor])
+        tensor.neg_()
+        plan.param_store.release([tensor])
+        plan.param_store.wait()
+        assert torch.equal(tensor, -torch.arange(NUMEL, dtype=torch.float32))
+    finally:
+        plan.destroy()

@@ -289,6 +289,10 @@ class Workers:
         finally:
             threading.stack_size(previous)
 
+    @property
+    def count(self) -> int:
+        return len(self._threads)
+
     def submit(self, fn, *args) -> Future:
         future: Future = Future()
         self._queue.put((future, fn, args))
