@@ -32,7 +32,11 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.offload.blockio import union_s
+try:
+    from zeroshard.offload.blockio import union_s
+except ImportError:  # an older zeroshard (before/after runs): it has no clock, so no spans to join
+    def union_s(spans, start=None, end=None) -> float:
+        return 0.0
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 
@@ -64,6 +68,17 @@ class RSSSampler(threading.Thread):
             time.sleep(self.period)
 
 
+class NoClock:
+    """Stands in for the store's IOClock when the benchmark runs an older zeroshard (PYTHONPATH), for
+    a before/after of the figures both can report."""
+
+    spans: list = []
+    keep_spans = False
+
+    def snapshot(self) -> dict:
+        return dict.fromkeys(("read_bytes", "write_bytes", "read_busy_s", "write_busy_s", "busy_s"), 0)
+
+
 def delta(after: dict, before: dict) -> dict:
     return {key: after[key] - before[key] for key in after}
 
@@ -81,6 +96,23 @@ def io_summary(io: dict, wait_s: float, dd: dict) -> dict:
     out["read_of_dd"] = out["read_gb_per_s"] / dd["read"] if out["read_gb_per_s"] else None
     out["write_of_dd"] = out["write_gb_per_s"] / dd["write"] if out["write_gb_per_s"] else None
     return out
+
+
+def headline(summary: dict) -> str:
+    """The figures of the run in a few lines (steps after the first)."""
+    dd = summary["dd_gb_per_s"]
+    lines = [f"dd O_DIRECT in this run: read {dd['read']:.2f} GB/s, write {dd['write']:.2f} GB/s; "
+             f"NVMe store I/O path: {summary['io_mode']}",
+             f"whole step (block-layer bytes of both ranks / step time): {summary['achieved_gb_per_s']:.2f} GB/s = "
+             f"{summary['achieved_of_dd']:.0%} of dd's mean of read and write; optimizer phase alone "
+             f"{summary['optimizer_phase_gb_per_s']:.2f} GB/s"]
+    for phase, io in summary["store_io"].items():
+        if io.get("gb_per_s"):
+            lines.append(f"store I/O while busy ({phase}): {io['read_gb']:.1f} GB read + {io['written_gb']:.1f} GB "
+                         f"written in {io['busy_s']:.1f} s busy = {io['gb_per_s']:.2f} GB/s = {io['of_dd']:.0%} of dd "
+                         f"(read {io['read_of_dd'] or 0:.0%}, write {io['write_of_dd'] or 0:.0%}); "
+                         f"hidden {io['hidden']:.0%} (waited {io['wait_s']:.1f} s)")
+    return "\n".join(lines)
 
 
 def io_bytes() -> tuple[int, int]:
@@ -128,22 +160,23 @@ def main() -> None:
     build_s = time.monotonic() - started
     peak_after_build = sampler.peak
     store = engine.placement.optimizer_store
-    store.io.clock.keep_spans = True
+    clock = store.io.clock if hasattr(store, "io") else NoClock()  # a store before the aligned path: no clock
+    clock.keep_spans = True
     steps = []
     for step in range(args.steps):
         tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step * world + rank))
         read0, write0 = io_bytes()
         comm0, io_wait0 = engine.comm.counter.wait_s, store.counters.wait_s
-        clock0, first_span = store.io.clock.snapshot(), len(store.io.clock.spans)
+        clock0, first_span = clock.snapshot(), len(clock.spans)
         t0 = time.monotonic()
         _, loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         t1 = time.monotonic()
-        clock1, io_wait1, opt_read0, opt_write0 = store.io.clock.snapshot(), store.counters.wait_s, *io_bytes()
+        clock1, io_wait1, opt_read0, opt_write0 = clock.snapshot(), store.counters.wait_s, *io_bytes()
         engine.step()
         t2 = time.monotonic()
         read1, write1 = io_bytes()
-        clock2 = store.io.clock.snapshot()
+        clock2 = clock.snapshot()
         comm = engine.comm.counter.wait_s - comm0
         steps.append(dict(step=step, loss=loss.item(), total_s=t2 - t0, forward_backward_s=t1 - t0,
                           optimizer_s=t2 - t1, comm_wait_s=comm, io_wait_s=store.counters.wait_s - io_wait0,
@@ -152,7 +185,7 @@ def main() -> None:
                           optimizer_read_bytes=read1 - opt_read0, optimizer_written_bytes=write1 - opt_write0,
                           store_io=delta(clock2, clock0), optimizer_store_io=delta(clock2, clock1),
                           step_window=(t0, t2), optimizer_window=(t1, t2),
-                          spans=store.io.clock.spans[first_span:]))
+                          spans=clock.spans[first_span:]))
     sampler.stop = True
     report = dict(rank=rank, params=params, model_state_bytes_fp32_adam=16 * params, build_s=build_s,
                   peak_rss=sampler.peak, peak_rss_anon=sampler.peak_anon, peak_rss_after_build=peak_after_build,
@@ -192,12 +225,13 @@ def main() -> None:
         summary = dict(dd_gb_per_s=dd, ranks=reports, achieved_gb_per_s=disk / seconds / 1e9 if seconds else None,
                        achieved_of_dd=disk / seconds / 1e9 / ((dd["read"] + dd["write"]) / 2) if seconds else None,
                        optimizer_phase_gb_per_s=opt_disk / opt_seconds / 1e9 if opt_seconds else None,
-                       store_io=io, io_mode=store.io_mode,
+                       store_io=io, io_mode=getattr(store, "io_mode", "memory-mapped (no aligned path)"),
                        command="torchrun --nproc_per_node %d benchmarks/offload_nvme.py %s" % (
                            world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())))
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=2)
         print(json.dumps(summary, indent=2))
+        print(headline(summary))
     engine.destroy()
     dist.destroy_process_group()
 
