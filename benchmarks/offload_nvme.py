@@ -138,6 +138,7 @@ def main() -> None:
     torch.set_num_threads(max(1, os.cpu_count() // world))
     sampler = RSSSampler()
     sampler.start()
+    os.makedirs(args.nvme, exist_ok=True)  # dd writes its probe there before the store exists
     dd = dd_throughput(args.nvme) if rank == 0 else None
     dist.barrier()
 
