@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="offload_nvme.json")
+    parser.add_argument("--nvme-io", choices=["direct", "buffered", "mapped"], default=None,
+                        help="zeroshard.nvme_io (default: unset, training's default, 'mapped')")
     args = parser.parse_args()
 
     zeroshard.init_distributed()
@@ -157,6 +159,8 @@ def main() -> None:
             "offload_param": {"device": "nvme", "nvme_path": args.nvme},
         },
     }
+    if args.nvme_io is not None:
+        config["zeroshard"] = {"nvme_io": args.nvme_io}
     engine, *_ = zeroshard.initialize(model=model, config=config)
     build_s = time.monotonic() - started
     peak_after_build = sampler.peak
@@ -228,7 +232,7 @@ def main() -> None:
                        optimizer_phase_gb_per_s=opt_disk / opt_seconds / 1e9 if opt_seconds else None,
                        store_io=io, io_mode=getattr(store, "io_mode", "memory-mapped (no aligned path)"),
                        command="torchrun --nproc_per_node %d benchmarks/offload_nvme.py %s" % (
-                           world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items())))
+                           world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)))
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=2)
         print(json.dumps(summary, indent=2))

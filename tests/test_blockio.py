@@ -276,7 +276,7 @@ def test_nvme_io_setting(tmp_path):
     with pytest.raises(ConfigError, match="nvme_io") as info:
         load_config({"zeroshard": {"nvme_io": "fast"}}, 1)
     assert "'fast'" in str(info.value) and "direct" in str(info.value) and "buffered" in str(info.value)
-    with pytest.raises(StoreError, match=r"zeroshard.nvme_io must be one of \['direct', 'buffered'\], got 'fast'"):
+    with pytest.raises(StoreError, match=r"zeroshard.nvme_io must be one of \['direct', 'buffered', 'mapped'\], got 'fast'"):
         IOPool(mode="fast")
     config = load_config({"zero_optimization": {"stage": 3, "offload_param": {
         "device": "nvme", "nvme_path": str(tmp_path)}}, "zeroshard": {"nvme_io": "buffered"}}, 1)
@@ -292,3 +292,25 @@ def test_nvme_io_setting(tmp_path):
         assert torch.equal(tensor, -torch.arange(NUMEL, dtype=torch.float32))
     finally:
         plan.destroy()
+
+
+def test_mapped_setting_keeps_the_mapping(tmp_path):
+    """nvme_io "mapped" (training's default): stage and frozen prefetch read through the mapping."""
+    store = NVMeStore(tmp_path, 0, 10 * 2**20, io=IOPool(mode="mapped"))
+    try:
+        tensor = _filled(store)
+        store.stage([tensor])
+        store.ready([tensor])
+        assert _item(store, tensor).home is Home.MAPPING and store.io_mode == "mapped"
+        tensor.add_(3)
+        store.release([tensor])
+        store.freeze([tensor])
+        store.prefetch([tensor])
+        store.ready([tensor])
+        assert _item(store, tensor).home is Home.MAPPING
+        store.release([tensor])
+        store.wait()
+        assert torch.equal(tensor, torch.arange(NUMEL, dtype=torch.float32) + 3)
+        assert store.io.clock.snapshot()["read_bytes"] > 0  # the mapping's read-ahead is timed too
+    finally:
+        store.destroy()

@@ -32,7 +32,7 @@ from zeroshard.core.comm import CollectiveError
 from zeroshard.checkpoint import load as load_module
 from zeroshard.checkpoint import save as save_module
 from zeroshard.offload import StoreError
-from zeroshard.offload import blockio
+from zeroshard.offload import store as store_module
 
 BOUND_S = 15.0  # the process group's timeout is 30 s (checkpoint_helpers): a hang would exceed this
 
@@ -237,9 +237,8 @@ def _write_back_worker(rank: int, world: int, *, nvme: str, on_rank: int) -> dic
     batches = tiny_batches()
     train_micro_steps(engine, batches, 0, 1)
     before = _snapshot(engine)
-    # the aligned write of a write-back fails as a full thin-provisioned disk would (this rank only;
-    # the streamed step stages its sub-groups, so their write-back is DirectFile.write_from)
-    with _patched(blockio.DirectFile, "write_from", _after(0, _full_disk), rank == on_rank):
+    # the last system call of a write-back fails as a full thin-provisioned disk would (this rank only)
+    with _patched(store_module.os, "posix_fadvise", _after(0, _full_disk), rank == on_rank):
         raised = _raised(train_micro_steps, engine, batches, 1, 1)
     kind, message, elapsed = raised
     report = {"kind": kind, "message": message.splitlines()[0], "elapsed": elapsed,

@@ -55,7 +55,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         placement = build_placement(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
                                     comm.rank, comm.world_size,
                                     model_parallel.coordinate if model_parallel is not None else None,
-                                    nvme_io=extras.nvme_io)
+                                    nvme_io=extras.nvme_io or "mapped")
         self.sharded = Sharded(
             model, optimizer, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),

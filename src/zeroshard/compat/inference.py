@@ -65,7 +65,7 @@ class InferenceEngine(ShardedViews, nn.Module):
         comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         numel = sum(p.numel() for p in model.parameters())
         placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size,
-                                    nvme_io=extras.nvme_io)
+                                    nvme_io=extras.nvme_io or "direct")
         self.sharded = Sharded(
             model, None, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),

@@ -22,7 +22,7 @@ def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
     return 8
 
 
-def _store(section, rank: int, bytes_needed: int, aio, coordinate: dict | None = None, nvme_io: str = "direct"):
+def _store(section, rank: int, bytes_needed: int, aio, coordinate: dict | None = None, nvme_io: str = "mapped"):
     if section is None or section.device == "none":
         return None
     if section.device == "cpu":
@@ -34,7 +34,7 @@ def _store(section, rank: int, bytes_needed: int, aio, coordinate: dict | None =
 
 
 def build_placement(zero, aio, optimizer: torch.optim.Optimizer | None, model_numel: int, rank: int,
-               world_size: int, coordinate: dict | None = None, nvme_io: str = "direct") -> Placement:
+               world_size: int, coordinate: dict | None = None, nvme_io: str = "mapped") -> Placement:
     """`optimizer` None (inference): there are no optimizer states, so no optimizer store. `rank`,
     `world_size`: of the data-parallel group; `coordinate`: this rank's tp/pp ranks under model
     parallelism, which NVMe swap directories name (offload/store.py `store_stem`); `nvme_io`: the

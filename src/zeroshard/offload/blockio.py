@@ -175,13 +175,13 @@ def map_file_at(address: int, nbytes: int, fd: int) -> None:
         raise _errno_error("mmap")
 
 
-MODES = ("direct", "buffered")
+MODES = ("direct", "buffered", "mapped")  # "mapped": the store reads through its mapping (swapfile.py)
 
 
 def open_direct(path: Path, mode: str = "direct") -> tuple[int, str]:
     """A descriptor of `path` for aligned requests and the path taken: O_DIRECT, or "buffered" where
     the file system refuses it (tmpfs) or `mode` asks for it. Other errors are raised."""
-    if mode == "buffered":
+    if mode != "direct":
         return os.open(path, os.O_RDWR), "buffered"
     try:
         return os.open(path, os.O_RDWR | os.O_DIRECT), "direct"

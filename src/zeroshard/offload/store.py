@@ -183,8 +183,11 @@ class NVMeStore:
 
     @property
     def io_mode(self) -> str:
-        """How aligned requests reach the files: "direct" (O_DIRECT), "buffered" (the file system
+        """How the store's reads for a known use reach the files: "mapped" (zeroshard.nvme_io), or
+        its aligned requests' path: "direct" (O_DIRECT), "buffered" (asked for, or the file system
         refuses O_DIRECT: tmpfs), "mixed" or "none" (no files yet)."""
+        if self.io.mode == "mapped":
+            return "mapped"
         modes = {item.direct.mode for item in self._files.values()}
         return modes.pop() if len(modes) == 1 else ("mixed" if modes else "none")
 
@@ -219,7 +222,7 @@ class NVMeStore:
         for item in mapped:
             if item.home is Home.BUFFER or (item.reading is not None and not item.reading.done()):
                 continue  # there already, or on its way
-            if buffered or (buffered is None and item.frozen):
+            if self.io.mode != "mapped" and (buffered or (buffered is None and item.frozen)):
                 item.reading = self._readers.submit(read_into_buffer, item, item.releasing, item.releases)
             else:
                 self._readers.submit(read_ahead, item, item.releasing, item.releases, self.io.clock)
