@@ -11,7 +11,10 @@ segment + anonymous memory, set before Python starts) is --cap (default: half th
   * zeroshard: `from_pretrained` straight into the NVMe store (`offload_param.device = nvme`), stage 3,
     prefetch of the next layer; `engine.module.generate`. Every weight streams from the disk.
   * zeroshard-resident: the same, with `offload_param.max_in_cpu` = the CPU budget accelerate gets
-    (below), in elements: the first layers stay in memory, the rest stream.
+    (below) less the prefetch window (the units read ahead are anonymous buffers, which the cap
+    counts), in elements: the first layers stay in memory, the rest stream.
+  * zeroshard-resident-buffered: the same with `zeroshard.nvme_io`
+    "buffered": the store's aligned reads go through the page cache instead of O_DIRECT.
   * accelerate: transformers `from_pretrained(device_map="auto", max_memory={"cpu": ...},
     offload_folder=...)`: what fits in the CPU budget stays resident, the rest is read from the
     checkpoint's safetensors files at each forward (accelerate's disk offload).
@@ -144,21 +147,27 @@ def load(system: str, args):
     import torch
     import transformers
 
-    if system in ("zeroshard", "zeroshard-resident"):
+    if system.startswith("zeroshard"):
         from zeroshard.compat.pretrained import from_pretrained
 
         # Units: every decoder layer, and inside it every Linear, and the embedding: so the LM head and
         # the embedding (131 MB each here) are gathered only while they compute, not for the whole pass.
         # Prefetch: about three decoder layers (12.8M elements each) ahead, read by the store's two readers.
         offload = {"device": "nvme", "nvme_path": str(args.nvme)}
-        if system == "zeroshard-resident":  # accelerate's CPU budget, in fp32 elements
-            offload["max_in_cpu"] = cpu_budget_mb(args) * 2**20 // 4
-            print(f"zeroshard: max_in_cpu {offload['max_in_cpu']} elements ({cpu_budget_mb(args)} MiB)",
-                  file=sys.stderr)
+        if system.startswith("zeroshard-resident"):  # accelerate's CPU budget, in fp32 elements, less the window
+            # The units read ahead are anonymous buffers, which the cap counts ([Note: where a swap
+            # file's tensor lies] in offload/swapfile.py): the budget holds them too.
+            window_mb = args.prefetch * 4 // 2**20
+            resident_mb = max(0, cpu_budget_mb(args) - window_mb)
+            offload["max_in_cpu"] = resident_mb * 2**20 // 4
+            print(f"zeroshard: max_in_cpu {offload['max_in_cpu']} elements ({resident_mb} MiB: the "
+                  f"{cpu_budget_mb(args)} MiB budget less the {window_mb} MiB prefetch window)", file=sys.stderr)
         config = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch,
                                         "offload_param": offload},
-                  "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"]}}
-        return from_pretrained(args.model_dir, config).module
+                  "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"],
+                                "nvme_io": "buffered" if system.endswith("-buffered") else "direct"}}
+        engine = from_pretrained(args.model_dir, config)
+        return engine.module, engine.placement.param_store
     budget = cpu_budget_mb(args)
     offload = tempfile.mkdtemp(dir=args.nvme)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -168,7 +177,14 @@ def load(system: str, args):
     on_disk = sum(1 for v in device_map.values() if v == "disk")
     print(f"accelerate: {budget} MiB CPU budget, {on_disk} of {len(device_map)} device-map entries on disk",
           file=sys.stderr)
-    return model.eval()
+    return model.eval(), None
+
+
+def _store_io(store) -> dict:
+    """The NVMe store's own count of the bytes it read and wrote and of the time its requests were
+    in flight (offload/blockio.py IOClock); empty for accelerate."""
+    nvme = getattr(store, "nvme", store)  # ResidentFirstStore streams through its NVMe store
+    return nvme.io.clock.snapshot() if nvme is not None else {}
 
 
 def child(system: str, args) -> None:
@@ -176,7 +192,8 @@ def child(system: str, args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = load(system, args)
+    model, store = load(system, args)
+    io_mode = getattr(getattr(store, "nvme", store), "io_mode", None)
     files = sorted(args.model_dir.glob("*.safetensors"))
     drop = DropPageCache(files)
     drop.put(None)
@@ -187,14 +204,18 @@ def child(system: str, args) -> None:
         drop.put(None)
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")  # resets VmHWM to the current RSS
+        io_before = _store_io(store)
         read_before, started = _read_bytes(), time.perf_counter()
         tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, streamer=drop,
                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
         seconds = time.perf_counter() - started
         read = _read_bytes() - read_before
+        io = {k: v - io_before[k] for k, v in _store_io(store).items()}
         print(json.dumps({"system": system, "batch": batch, "seconds": seconds,
                           "tokens_per_s": batch * args.new_tokens / seconds, "read_bytes": read,
                           "read_gb_s": read / seconds / 1e9, "peak_rss": _status("VmHWM"),
+                          "store_io": io, "io_mode": io_mode,
+                          "store_read_gb_s": io["read_bytes"] / io["read_busy_s"] / 1e9 if io.get("read_busy_s") else None,
                           "tokens": tokens.tolist()}), flush=True)
 
 
@@ -237,18 +258,26 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
              f"({args.cap / weights:.2f} x the weights)",
              f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; {args.threads} threads; "
              f"dd O_DIRECT read: {dd:.2f} GB/s",
-             "", f"{'system':<20} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
-             f"{'peak RSS GB':>11} {'tokens = unsharded':>18} {'load':>9}"]
+             "disk GB/s: bytes the block layer read per second of generate; busy GB/s: the NVMe store's bytes "
+             "per second its reads were in flight",
+             "", f"{'system':<27} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
+             f"{'busy GB/s':>9} {'of dd':>6} {'peak RSS GB':>11} {'< cap':>5} {'tokens = unsharded':>18} {'load':>9}"]
     for row in rows:
         name = row["system"] + ("" if row.get("capped", True) else " uncapped")
         if "error" in row:
             lines.append(f"{name} failed: {row['error'].splitlines()[-1]}")
             continue
         same = row["tokens"] == reference[row["batch"]]
-        lines.append(f"{name:<20} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
-                     f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {row['peak_rss'] / 1e9:>11.2f} "
+        busy = row.get("store_read_gb_s")
+        busy_text = f"{busy:>9.2f} {busy / dd:>6.0%}" if busy else f"{'-':>9} {'-':>6}"
+        lines.append(f"{name:<27} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
+                     f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {busy_text} "
+                     f"{row['peak_rss'] / 1e9:>11.2f} {'yes' if row['peak_rss'] < args.cap else 'NO':>5} "
                      f"{'yes' if same else 'NO':>18} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}")
-    for system in ("zeroshard", "zeroshard-resident"):
+    modes = sorted({f"{r['system']}: {r['io_mode']}" for r in rows if r.get("io_mode")})
+    lines += [f"NVMe store I/O path: {', '.join(modes)} (direct = O_DIRECT; buffered = through the page cache: zeroshard.nvme_io, or the file system refused O_DIRECT)"] \
+        if modes else []
+    for system in dict.fromkeys(r["system"] for r in rows if r["system"].startswith("zeroshard")):
         speedups = []
         for batch in args.batches:
             ours = [r for r in rows if r.get("batch") == batch and r["system"] == system and "error" not in r]
@@ -269,7 +298,8 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib is not installed (pip install 'zeroshard[plot]'): no chart", file=sys.stderr)
         return
     figure, axis = plt.subplots(figsize=(6, 4))
-    for system, marker in (("zeroshard", "o"), ("zeroshard-resident", "^"), ("accelerate", "s")):
+    for system, marker in (("zeroshard", "o"), ("zeroshard-resident", "^"), ("zeroshard-resident-buffered", "v"),
+                           ("accelerate", "s")):
         ok = [r for r in rows if r.get("system") == system and "error" not in r]
         points = sorted((r["batch"], r["tokens_per_s"]) for r in ok)
         if points:
@@ -303,7 +333,7 @@ def main() -> None:
     parser.add_argument("--cap", type=int, default=None, help="RLIMIT_DATA bytes (default: half the weights)")
     parser.add_argument("--accelerate-cpu-mb", type=int, default=None,
                         help="accelerate's max_memory for the CPU (default: what the cap leaves, less 300 MiB)")
-    parser.add_argument("--systems", default="zeroshard,zeroshard-resident,accelerate")
+    parser.add_argument("--systems", default="zeroshard,zeroshard-resident,zeroshard-resident-buffered,accelerate")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=Path("zero_inference"))
     parser.add_argument("--child", help=argparse.SUPPRESS)

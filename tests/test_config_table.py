@@ -374,7 +374,7 @@ def test_aio_thread_count_is_the_number_of_write_back_threads(tmp_path):
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(10))])
         store = build_placement(cfg.zero_optimization, cfg.aio, optimizer, 10, 0, 1).optimizer_store
         try:
-            assert store.threads == threads and store._pool._max_workers == threads
+            assert store.threads == threads and store._pool.count == threads
         finally:
             store.destroy()
 

@@ -24,8 +24,11 @@ STEPS = 10
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
 
 
-def _offload_config(stage, optimizer_device, param_device, nvme_path, sub_group_size=None, precision=None):
+def _offload_config(stage, optimizer_device, param_device, nvme_path, sub_group_size=None, precision=None,
+                    nvme_io=None):
     config = make_config(stage)
+    if nvme_io:  # the NVMe store's path for the optimizer stream (offload/blockio.py); default "mapped"
+        config.setdefault("zeroshard", {})["nvme_io"] = nvme_io
     zero = config["zero_optimization"]
     if optimizer_device:
         zero["offload_optimizer"] = {"device": optimizer_device, "nvme_path": nvme_path}
@@ -38,14 +41,15 @@ def _offload_config(stage, optimizer_device, param_device, nvme_path, sub_group_
     return config
 
 
-def _parity(stage, optimizer_device, param_device, tmp, sub_group_size=None, precision=None):
-    nvme = os.path.join(tmp, f"nvme-{stage}-{optimizer_device}-{param_device}-{sub_group_size}")
+def _parity(stage, optimizer_device, param_device, tmp, sub_group_size=None, precision=None, nvme_io=None):
+    nvme = os.path.join(tmp, f"nvme-{stage}-{optimizer_device}-{param_device}-{sub_group_size}-{nvme_io}")
     plain = train_engine(gpt_model_fn(), BATCHES, config=_offload_config(stage, None, None, nvme, None, precision),
                          steps=STEPS, record_params=True)
     offloaded = train_engine(gpt_model_fn(), BATCHES, steps=STEPS, record_params=True,
                              config=_offload_config(stage, optimizer_device, param_device, nvme,
-                                                    sub_group_size, precision))
-    what = f"stage {stage} optimizer->{optimizer_device} params->{param_device} sub-group {sub_group_size}"
+                                                    sub_group_size, precision, nvme_io))
+    what = (f"stage {stage} optimizer->{optimizer_device} params->{param_device} sub-group {sub_group_size} "
+            f"nvme_io {nvme_io}")
     assert_close(offloaded, plain, exact=True, what=what)
     leftovers = list(Path(nvme).glob("zeroshard-*")) if os.path.isdir(nvme) else []
     assert not leftovers, f"swap files left after destroy(): {leftovers}"
@@ -116,7 +120,11 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
              dict(stage=3, optimizer_device="nvme", param_device="nvme"),
              dict(stage=3, optimizer_device="nvme", param_device="nvme", sub_group_size=1000),
              dict(stage=2, optimizer_device="nvme", param_device=None, precision="bf16"),
-             dict(stage=3, optimizer_device="nvme", param_device="nvme", precision="bf16")]
+             dict(stage=3, optimizer_device="nvme", param_device="nvme", precision="bf16"),
+             # the aligned paths of the optimizer stream (staged sub-groups), bit-exact too
+             dict(stage=2, optimizer_device="nvme", param_device=None, nvme_io="direct"),
+             dict(stage=3, optimizer_device="nvme", param_device="nvme", sub_group_size=1000, nvme_io="direct"),
+             dict(stage=3, optimizer_device="nvme", param_device="nvme", nvme_io="buffered")]
     subtests([dict(c, tmp=tmp) for c in cases], _parity)
     damage = subtests([dict(kind=k, tmp=tmp) for k in ("truncated", "missing")], _damage)
     paths = subtests([dict(kind=k, tmp=tmp) for k in ("unwritable", "full disk")], _bad_path)

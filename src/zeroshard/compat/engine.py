@@ -54,7 +54,8 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             zero = zero.model_copy(update={"offload_optimizer": None})
         placement = build_placement(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
                                     comm.rank, comm.world_size,
-                                    model_parallel.coordinate if model_parallel is not None else None)
+                                    model_parallel.coordinate if model_parallel is not None else None,
+                                    nvme_io=extras.nvme_io or "mapped")
         self.sharded = Sharded(
             model, optimizer, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),

@@ -19,6 +19,7 @@ without ever materialising it, see `zeroshard.compat.pretrained.from_pretrained`
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -63,7 +64,8 @@ class InferenceEngine(ShardedViews, nn.Module):
                         "(inference), so there are no optimizer states to offload")
         comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
         numel = sum(p.numel() for p in model.parameters())
-        placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size)
+        placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size,
+                                    nvme_io=extras.nvme_io or "direct")
         self.sharded = Sharded(
             model, None, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
             wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
@@ -71,6 +73,7 @@ class InferenceEngine(ShardedViews, nn.Module):
             gradient_clipping=0.0, loss_scaler=None,
             comm_policy=comm_policy(zero))  # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
         model.eval()
+        self._freeze(True)
         log.info("zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",
                  zero.stage, comm.world_size, len(self.units), self.num_parameters() / 1e6,
                  type(placement.param_store).__name__ if placement.param_store is not None else "compute memory")
@@ -78,6 +81,25 @@ class InferenceEngine(ShardedViews, nn.Module):
     # -- the core's parts, read-only (ShardedViews has the rest): no optimizer, no scheduler ----------
     optimizer = property(lambda self: None)
     lr_scheduler = property(lambda self: None)
+
+    # -- frozen weights -------------------------------------------------------------------------------
+    # [Note: frozen inference weights]
+    # Nothing writes the weights between loads, so the NVMe store reads them for each use into
+    # read-only buffers and drops them after it with no write-back ([Note: where a swap file's
+    # tensor lies] in offload/swapfile.py). The engine's own writers (loading weights, a checkpoint,
+    # GatheredParameters with a modifier) unfreeze them for the duration.
+    def _freeze(self, frozen: bool) -> None:
+        for group in self.sharded.groups:
+            if group.master_store is not None:
+                group.master_store.freeze([group.master], frozen)
+
+    @contextlib.contextmanager
+    def _writable(self):
+        self._freeze(False)
+        try:
+            yield
+        finally:
+            self._freeze(True)
 
     # -- inference ------------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -113,7 +135,8 @@ class InferenceEngine(ShardedViews, nn.Module):
         file, a directory of them (a sharded Hugging Face checkpoint), a state dict. Collective."""
         from zeroshard.checkpoint.weights import load_full_weights
 
-        load_full_weights(self, source, strict=strict)
+        with self._writable():
+            load_full_weights(self, source, strict=strict)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, verify: bool = True, **ignored):
         """The module weights of a training checkpoint (zeroshard's or DeepSpeed's, any world size
@@ -128,13 +151,16 @@ class InferenceEngine(ShardedViews, nn.Module):
         unknown = sorted(set(ignored) - {"load_optimizer_states", "load_lr_scheduler_states", "load_module_only"})
         if unknown:
             raise TypeError(f"load_checkpoint() got unexpected keyword argument(s) {unknown}")
-        return load_module_weights(self, load_dir, tag, strict=load_module_strict, verify=verify), {}
+        with self._writable():
+            return load_module_weights(self, load_dir, tag, strict=load_module_strict, verify=verify), {}
 
     def refresh_parameters(self) -> None:
         self.sharded.refresh_parameters()
 
+    @contextlib.contextmanager
     def gathered_parameters(self, params, modifier_rank: int | None = None):
-        return self.sharded.gathered_parameters(params, modifier_rank)
+        with self._writable(), self.sharded.gathered_parameters(params, modifier_rank) as value:
+            yield value
 
     # -- reports --------------------------------------------------------------------------------------
     def gathered_units(self) -> list[str]:

@@ -123,10 +123,12 @@ TABLE: dict[str, Rule] = {
     **_parsed("max_in_cpu acts with device 'nvme'; with device 'cpu' every parameter shard is in CPU memory",
               "zero_optimization.offload_param.max_in_cpu",
               when=lambda cfg: _param_offload(cfg) and cfg.zero_optimization.offload_param.device == "cpu"),
-    # [Note: why memory-mapped files] in offload/store.py: the kernel sizes, queues and submits the
-    # I/O of a mapping, so DeepSpeed's libaio request knobs have nothing to set. `aio.thread_count`
-    # is acted on (threads of the write-back pool).
-    **_parsed("the NVMe store is memory-mapped: the kernel sizes, queues and submits its I/O requests",
+    # [Note: aligned direct I/O] in offload/blockio.py: the store's own aligned requests have a
+    # measured size and depth (4 MiB, eight in flight) and the mapping's I/O is the kernel's, so
+    # DeepSpeed's libaio request knobs have nothing to set. `aio.thread_count` is acted on
+    # (threads of the write-back pool).
+    **_parsed("the NVMe store sizes its own aligned requests (4 MiB, eight in flight) and the kernel "
+              "the mapping's",
               *(f"aio.{key}" for key in ("block_size", "queue_depth", "single_submit", "overlap_events"))),
 }
 

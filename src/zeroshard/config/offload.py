@@ -63,10 +63,11 @@ class AioConfig(Section):
     section_path: ClassVar[str] = "aio"
 
     block_size: PosInt = 1_048_576
-    """Bytes per I/O request (accepted, not acted on: the memory-mapped NVMe store leaves request
-    sizes to the kernel)."""
+    """Bytes per I/O request (accepted, not acted on: the NVMe store's aligned requests are 4 MiB,
+    offload/blockio.py)."""
     queue_depth: PosInt = 8
-    """I/O requests in flight (accepted, not acted on: the kernel queues the mapping's I/O)."""
+    """I/O requests in flight (accepted, not acted on: the NVMe store keeps eight aligned requests in
+    flight, offload/blockio.py)."""
     thread_count: PosInt = Field(1, validation_alias=AliasChoices("thread_count", "intra_op_parallelism"))
     """Threads that write released tensors back to the NVMe files (newer DeepSpeed calls it
     ``intra_op_parallelism``)."""

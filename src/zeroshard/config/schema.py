@@ -383,6 +383,13 @@ class ZeroShardExtConfig(Section):
     into memory; the step then checks every swap file before it changes anything)."""
     wrap_modules: Optional[list[str]] = None
     """Module class names that become sharding units; None = chosen automatically."""
+    nvme_io: Optional[Literal["direct", "buffered", "mapped"]] = None
+    """How the NVMe store reads and writes the tensors it is told of ahead of time (the optimizer's
+    sub-group stream, ZeRO-Inference's weights): "direct" (aligned O_DIRECT requests into buffers,
+    past the page cache; a file system that refuses it falls back to buffered), "buffered" (the
+    same requests through the page cache) or "mapped" (the swap files' memory mapping and its
+    read-ahead). None: "mapped" for training, "direct" for inference (measured in
+    docs/offload_nvme.md and docs/inference.md); offload/blockio.py."""
     activation_checkpointing_units: bool = False
     """Checkpoint the activations of every unit but the root (see zeroshard.checkpointing), without
     editing the model; the ``activation_checkpointing`` section's options apply to them."""

@@ -230,8 +230,9 @@ class FlatGroup:
         assert self.master.numel() == self.layout.shard_numel
         if self.compute_shard is not None:
             return self.compute_shard
-        if self.master_store is not None:
+        if self.master_store is not None:  # the all-gather reads it at once: a read into a buffer lands first
             self.master_store.prefetch([self.master])
+            self.master_store.ready([self.master])
         if self.master.dtype == self.param_dtype and self.master.device == self.device:
             return self.master
         return self.master.to(device=self.device, dtype=self.param_dtype)

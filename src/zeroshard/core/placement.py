@@ -38,6 +38,18 @@ class Store(Protocol):
     def prefetch(self, tensors) -> None:
         """Start bringing these tensors in ahead of use."""
 
+    def stage(self, tensors) -> None:
+        """Start bringing these tensors in for a use that may write them; `ready` before the use,
+        `release` after it."""
+
+    def ready(self, tensors) -> None:
+        """Block until the bringing-in that `prefetch` or `stage` started for these tensors is done
+        (raise if it failed)."""
+
+    def freeze(self, tensors, frozen: bool = True) -> None:
+        """These tensors will not be written until unfrozen (ZeRO-Inference's weights): a store may
+        skip writing them back."""
+
     def release(self, tensors) -> None:
         """These tensors are not needed until their next prefetch: write them back, free memory."""
 

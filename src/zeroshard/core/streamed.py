@@ -3,7 +3,9 @@
 ZeRO-Offload (arXiv 2101.06840 §4) and ZeRO-Infinity (arXiv 2104.07857 §5): the optimizer states of
 a rank's shard do not all need to be in memory at once. The shard is cut into sub-groups of
 `sub_group_size` elements; while the optimizer updates sub-group k, the store already reads
-sub-group k+1 and writes sub-group k-1 back. The update itself is the user's torch optimizer run on
+sub-group k+1 and writes sub-group k-1 back: `stage` starts the read of k+1 (for the NVMe store an
+aligned direct read into a buffer, [Note: where a swap file's tensor lies] in offload/swapfile.py),
+`ready` waits for k's before its update, `release` writes k back behind it. The update itself is the user's torch optimizer run on
 one sub-group at a time — for the elementwise optimizers zeroshard accepts, the result is bit-for-bit
 the result of one step over the whole shard.
 """
@@ -112,6 +114,7 @@ class StreamedStep:
             for k, sub in enumerate(subs):
                 if k + 1 < len(subs):
                     self._prefetch(subs[k + 1])  # double buffering: read k+1 while k computes
+                self._ready(sub)
                 plan = plans.get(id(sub.group))
                 grad = grads[id(sub.group)][sub.start: sub.end]
                 if plan is None:
@@ -186,9 +189,14 @@ class StreamedStep:
         return self.store.holds(tensor)
 
     def _prefetch(self, sub: SubGroup) -> None:
-        self.store.prefetch(self.state_tensors(sub))
+        self.store.stage(self.state_tensors(sub))
         if sub.group.master_store is not None and sub.start == 0:  # once per group, not per sub-group
-            sub.group.master_store.prefetch([sub.group.master])
+            sub.group.master_store.stage([sub.group.master])
+
+    def _ready(self, sub: SubGroup) -> None:
+        self.store.ready(self.state_tensors(sub))
+        if sub.group.master_store is not None and sub.start == 0:
+            sub.group.master_store.ready([sub.group.master])
 
     def _release(self, sub: SubGroup) -> None:
         self.store.release(self.state_tensors(sub))

@@ -176,6 +176,8 @@ class Unit:
                 handle.wait()
             self._gathers.clear()
             for group in self.groups:
+                if group.gathers_in_place and group.master_store is not None:
+                    group.master_store.ready([group.master])  # its read (gather_in_place) has landed
                 group.point_params_at_full()
                 if not group.gathers_in_place:  # in place, the master is in use until free_full
                     group.release_master()

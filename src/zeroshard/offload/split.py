@@ -68,6 +68,15 @@ class ResidentFirstStore:
     def prefetch(self, tensors) -> None:
         self.nvme.prefetch(tensors)
 
+    def stage(self, tensors) -> None:
+        self.nvme.stage(tensors)
+
+    def ready(self, tensors) -> None:
+        self.nvme.ready(tensors)
+
+    def freeze(self, tensors, frozen: bool = True) -> None:
+        self.nvme.freeze(tensors, frozen)
+
     def release(self, tensors) -> None:
         self.nvme.release(tensors)
 

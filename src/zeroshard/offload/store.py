@@ -5,17 +5,20 @@ One interface, two homes (DESIGN.md, "Offload stores"):
   * `NVMeStore` — one preallocated file per tensor under the user's `nvme_path`, memory-mapped. The
     tensor the engine holds *is* the mapping, so every consumer (optimizer, all-gather, checkpoint)
     reads and writes it like any tensor, while the kernel moves the bytes. zeroshard steers that
-    movement explicitly: `prefetch` reads the next tensors' pages ahead of use on reader threads
-    (MADV_POPULATE_READ: read and mapped, so their use takes no page faults), `release` writes dirty
-    pages back and drops them from memory (msync + MADV_DONTNEED + POSIX_FADV_DONTNEED) on a thread
-    pool, so that I/O of sub-group k+1 overlaps the math on sub-group k and resident memory stays
-    bounded by the tensors in use.
+    movement explicitly: `stage` (a use that may write) and `prefetch` of frozen tensors read the
+    next tensors with aligned direct reads into buffers moved in place of the mapping, any other
+    `prefetch` reads the mapping's pages ahead (MADV_POPULATE_READ); `ready` waits for a tensor's
+    read; `release` writes back and drops the pages from memory, on a thread pool, so that I/O of
+    sub-group k+1 overlaps the math on sub-group k and resident memory stays bounded by the
+    tensors in use.
 
 [Note: why memory-mapped files]
 benchmarks/offload_io.py moved 2.1 GB in 64 MiB tensors here (docs/bench/offload_io.txt): explicit
-pwrite/pread on a 2-thread pool wrote 0.40 GB/s and read 2.61 GB/s; the mapping wrote 1.34 GB/s and
-read 1.87 GB/s. The optimizer step writes as much as it reads, so the mapping is faster overall;
-it also needs no staging buffer or copy per tensor, and every consumer keeps using plain tensors. Files are preallocated with
+buffered pwrite/pread on a 2-thread pool wrote 0.40 GB/s and read 2.61 GB/s; the mapping wrote 1.34 GB/s and
+read 1.87 GB/s. The tensor stays the mapping: every consumer (optimizer, all-gather, checkpoint) keeps
+using plain tensors at any moment, and writes to it need no staging buffer. Uses the store is told of
+ahead of time read and write with aligned direct I/O instead ([Note: where a swap file's tensor
+lies] in offload/swapfile.py). Files are preallocated with
 posix_fallocate, so a full disk is an error before training starts rather than SIGBUS in a step;
 each use first checks that the file still exists with its full size, so a deleted or truncated
 swap file is reported instead of crashing the process.
@@ -23,42 +26,28 @@ swap file is reported instead of crashing the process.
 from __future__ import annotations
 
 import atexit
-import ctypes
-import errno
 import logging
 import mmap
 import os
 import shutil
-import threading
 import time
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from zeroshard.offload.blockio import ALIGN, DirectFile, IOPool, Workers, round_up
 from zeroshard.offload.cleanup import (create_locked_dir, describe_others, keep_on_sigterm, reclaim_dead, release_root,
                                        remove_on_sigterm)
+from zeroshard.offload.errors import StoreError
+from zeroshard.offload.swapfile import Home, SwapFile, make_writable, read_ahead, read_into_buffer, write_back
 
 log = logging.getLogger(__name__)
 
-# [Note: system calls off the GIL]
-# Python's mmap.madvise and mmap.flush keep the GIL for the whole system call, and a read-ahead
-# (MADV_POPULATE_READ) or a write-back blocks on the disk: on a store thread, that stalled the
-# thread computing, and made its every Python step wait (a ZeRO-Inference token from this store
-# spent a quarter of its time so: in madvise, and in cheap calls waiting for the GIL). ctypes releases the GIL around a foreign call, so the store calls libc itself.
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_LIBC.msync.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_MADV_POPULATE_READ = 22  # Linux >= 5.14: read the pages and map them, so their use takes no page faults
-_MS_SYNC = 4  # Linux's value (the mmap module does not export it)
 WRITE_BEHIND_BYTES = 32 * 2**20  # released bytes that may wait for their write-back (see NVMeStore.release)
-
-
-class StoreError(RuntimeError):
-    """The store cannot hold or return a tensor (unwritable path, full disk, damaged swap file)."""
 
 
 @dataclass
@@ -101,6 +90,15 @@ class CPUStore:
     def prefetch(self, tensors) -> None:
         pass
 
+    def stage(self, tensors) -> None:
+        pass
+
+    def ready(self, tensors) -> None:
+        pass
+
+    def freeze(self, tensors, frozen: bool = True) -> None:
+        pass
+
     def release(self, tensors) -> None:
         pass
 
@@ -115,26 +113,6 @@ class CPUStore:
         self.bytes_held = 0
 
 
-@dataclass
-class _Mapped:
-    path: Path
-    nbytes: int
-    inode: int
-    buffer: mmap.mmap
-    tensor: torch.Tensor
-    fd: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    releasing: Future | None = None  # its last write-back: a read-ahead waits for it (no drop after the read)
-    releases: int = 0  # how many times it was released: a read-ahead asked for before the last one is moot
-
-    def syscall(self, name: str, *args) -> None:
-        """libc `name`(start of the mapping, its length, *args); OSError on failure (see [Note:
-        system calls off the GIL]). An empty tensor has no pages: nothing to do."""
-        if self.nbytes and getattr(_LIBC, name)(self.tensor.data_ptr(), self.nbytes, *args) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code))
-
-
 class NVMeStore:
     """Memory-mapped swap files under `nvme_path` (zeroshard.core.placement.Store)."""
 
@@ -142,22 +120,26 @@ class NVMeStore:
     in_memory = False
 
     def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2,
-                 coordinate: dict | None = None):
+                 coordinate: dict | None = None, io: IOPool | None = None):
         """`rank`: the data-parallel rank; `coordinate`: under tensor/pipeline parallelism this rank's
-        {"tp": t, "pp": p} too, named in the directory (see `store_stem`)."""
+        {"tp": t, "pp": p} too, named in the directory (see `store_stem`); `io`: the threads and
+        request size of aligned reads and writes (default: offload/blockio.py's)."""
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise StoreError(f"NVMe store: threads must be a positive integer (aio.thread_count), got {threads!r}")
         self.threads = threads
+        self.io = io if io is not None else IOPool()
         self.root, lock = make_root(Path(nvme_path), store_stem(rank, coordinate), bytes_needed)
         self.counters = IOCounters()
         self.bytes_held = 0
-        self._files: dict[int, _Mapped] = {}  # id(tensor) -> mapping
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="zeroshard-nvme")
+        self._files: dict[int, SwapFile] = {}  # id(tensor) -> its swap file
+        self._pool = Workers(threads, "zeroshard-nvme")
         self._pending: list[tuple[Future, int]] = []  # write-backs and their bytes
         # Reads ahead run on their own threads, so that a read is never queued behind write-backs;
-        # two reads in flight keep the disk busier than one (40 files of 51 MB read while a thread
-        # summed them, here: 1.0-1.2 GB/s with one reader, 1.3-1.5 with two; dd O_DIRECT 1.2).
-        self._readers = ThreadPoolExecutor(max_workers=max(2, threads), thread_name_prefix="zeroshard-nvme-read")
+        # two reads in flight kept the mapping's disk busier than one (40 files of 51 MB read while
+        # a thread summed them, here: 1.0-1.2 GB/s with one reader, 1.3-1.5 with two; dd O_DIRECT
+        # 1.2). Four: ZeRO-Inference's units are 4-12 MB (one Linear each), one to three aligned
+        # requests, so four tensors in flight keep the I/O pool's eight requests busy.
+        self._readers = Workers(max(4, threads), "zeroshard-nvme-read")
         # Files go away on destroy(), at normal interpreter exit and on SIGTERM, whichever comes
         # first; after SIGKILL the next store on the same path reclaims them ([Note: swap files
         # of dead processes] in offload/cleanup.py).
@@ -171,15 +153,18 @@ class NVMeStore:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
-                os.posix_fallocate(fd, 0, max(nbytes, 1))  # reserve the blocks now: ENOSPC here, not later
+                # Whole aligned blocks ([Note: aligned direct I/O]); the blocks are reserved now, so
+                # a full disk is ENOSPC here, not later.
+                os.posix_fallocate(fd, 0, round_up(max(nbytes, 1), ALIGN))
                 buffer = mmap.mmap(fd, max(nbytes, 1))
+                direct = DirectFile(path, self.io)
             except OSError:
                 os.close(fd)
                 raise
         except OSError as error:
             raise StoreError(f"NVMe store cannot create {path} ({nbytes} bytes): {error}") from error
         tensor = torch.frombuffer(buffer, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-        self._files[id(tensor)] = _Mapped(path, nbytes, path.stat().st_ino, buffer, tensor, fd)
+        self._files[id(tensor)] = SwapFile(path, nbytes, path.stat().st_ino, buffer, tensor, fd, direct)
         self.bytes_held += nbytes
         return tensor
 
@@ -196,7 +181,17 @@ class NVMeStore:
     def offloaded_bytes(self) -> int:
         return self.bytes_held
 
-    def _mapped(self, tensors) -> list[_Mapped]:
+    @property
+    def io_mode(self) -> str:
+        """How the store's reads for a known use reach the files: "mapped" (zeroshard.nvme_io), or
+        its aligned requests' path: "direct" (O_DIRECT), "buffered" (asked for, or the file system
+        refuses O_DIRECT: tmpfs), "mixed" or "none" (no files yet)."""
+        if self.io.mode == "mapped":
+            return "mapped"
+        modes = {item.direct.mode for item in self._files.values()}
+        return modes.pop() if len(modes) == 1 else ("mixed" if modes else "none")
+
+    def _mapped(self, tensors) -> list[SwapFile]:
         return [self._files[id(t)] for t in tensors if id(t) in self._files]
 
     def check(self, tensors) -> None:
@@ -211,22 +206,65 @@ class NVMeStore:
                                  f"bytes on disk, {mapped.nbytes} expected")
 
     def prefetch(self, tensors) -> None:
-        """Start reading these tensors' pages, on the reader threads: the caller goes on computing."""
+        """Start reading these tensors, on the reader threads: the caller goes on computing. Frozen
+        tensors are read into buffers (call `ready` before their use), others through the mapping
+        ([Note: where a swap file's tensor lies] in offload/swapfile.py)."""
+        self._read(tensors, buffered=None)
+
+    def stage(self, tensors) -> None:
+        """Start reading these tensors into buffers for a use that may write them: call `ready`
+        before it, and `release` after it (which writes them back with aligned direct writes)."""
+        self._read(tensors, buffered=True)
+
+    def _read(self, tensors, buffered: bool | None) -> None:
         mapped = self._mapped(tensors)
         self.check(tensors)
         for item in mapped:
-            self._readers.submit(_read_ahead, item, item.releasing, item.releases)
+            if item.home is Home.BUFFER or (item.reading is not None and not item.reading.done()):
+                continue  # there already, or on its way
+            if self.io.mode != "mapped" and (buffered or (buffered is None and item.frozen)):
+                item.reading = self._readers.submit(read_into_buffer, item, item.releasing, item.releases)
+            else:
+                self._readers.submit(read_ahead, item, item.releasing, item.releases, self.io.clock)
             self.counters.prefetched_bytes += item.nbytes
+
+    def ready(self, tensors) -> None:
+        """Until the reads `prefetch`/`stage` started for these tensors are done; a failed read is
+        raised here (StoreError naming the file), before anything used a tensor half read."""
+        started = time.perf_counter()
+        try:
+            for item in self._mapped(tensors):
+                reading, item.reading = item.reading, None
+                if reading is not None and reading.exception() is not None:  # exception() waits
+                    raise reading.exception()
+        finally:
+            self.counters.wait_s += time.perf_counter() - started
+
+    def freeze(self, tensors, frozen: bool = True) -> None:
+        """These tensors are not written until `freeze(tensors, False)`: their reads go into buffers
+        that are read-only (a write faults, it is never lost) and released without a write-back.
+        Unfreezing waits for their reads and makes a buffer in place writable, written back at its
+        release."""
+        for item in self._mapped(tensors):
+            if not frozen and item.frozen:
+                self.ready([item.tensor])
+                if item.releasing is not None:  # a write landing between its write and its remap is lost
+                    wait_for([item.releasing])
+                with item.lock:
+                    if item.home is Home.BUFFER:
+                        make_writable(item)
+            item.frozen = frozen
 
     def release(self, tensors) -> None:
         """Write these tensors back and drop their pages from memory, off the training thread; waits
         while more than WRITE_BEHIND_BYTES of earlier releases are not written back yet (a caller
         that writes faster than the disk would otherwise keep every dirty page resident: loading a
-        2.1 GB model peaked at 2.5 GB of RSS so)."""
+        2.1 GB model peaked at 2.5 GB of RSS so). A frozen tensor's buffer writes nothing: it is only
+        unmapped."""
         for item in self._mapped(tensors):
             self.counters.released_bytes += item.nbytes
             item.releases += 1
-            item.releasing = self._pool.submit(_write_back, item)
+            item.releasing = self._pool.submit(write_back, item, self.io.clock)
             self._pending.append((item.releasing, item.nbytes))
         self._pending = [(f, n) for f, n in self._pending if not f.done() or f.exception()]
         behind = [(f, n) for f, n in self._pending if not f.done()]
@@ -245,50 +283,15 @@ class NVMeStore:
 
     def destroy(self) -> None:
         self.wait()
-        self._pool.shutdown(wait=True)
-        self._readers.shutdown(wait=True)
+        self._pool.shutdown()
+        self._readers.shutdown()
+        self.io.shutdown()
         for item in self._files.values():
-            os.close(item.fd)
+            item.close()
         self._files.clear()  # the tensors keep their mappings alive until they are dropped
         self._finalizer()
         keep_on_sigterm(self.root)
         self.bytes_held = 0
-
-
-def _read_ahead(item: _Mapped, releasing: Future | None, releases: int) -> None:
-    """Read a tensor's pages and map them into the process (a use then takes no page faults). Only
-    a hint: if it fails, the use faults the pages in itself, and `check` names a damaged file.
-    `releasing`, `releases`: the tensor's last write-back and release count when this was asked for.
-    The write-back runs first (so it cannot drop the pages just read); if the tensor was released
-    again since (its use is over: the read came too late), nothing is read, since the pages would
-    then stay resident until its next release."""
-    if releasing is not None:
-        wait_for([releasing])  # a failure is wait()'s to raise
-    with item.lock:
-        if item.releases != releases:
-            return
-        try:
-            item.syscall("madvise", _MADV_POPULATE_READ)
-        except OSError as error:
-            if error.errno != errno.EINVAL:
-                log.debug("NVMe store: read-ahead of %s failed: %s", item.path, error)
-                return
-            try:  # a kernel before 5.14: an asynchronous read into the page cache
-                item.syscall("madvise", mmap.MADV_WILLNEED)
-            except OSError as again:
-                log.debug("NVMe store: read-ahead of %s failed: %s", item.path, again)
-
-
-def _write_back(item: _Mapped) -> None:
-    """Dirty pages to disk, then out of this process and out of the page cache: the memory a
-    released tensor used is free again, and its next use reads from the disk."""
-    with item.lock:
-        try:
-            item.syscall("msync", _MS_SYNC)
-            item.syscall("madvise", mmap.MADV_DONTNEED)
-            os.posix_fadvise(item.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError as error:  # e.g. ENOSPC on a thin-provisioned or copy-on-write file system
-            raise StoreError(f"NVMe store cannot write {item.path} back ({item.nbytes} bytes): {error}") from error
 
 
 def store_stem(rank: int, coordinate: dict | None = None) -> str:
