@@ -18,53 +18,12 @@ from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
+from zeroshard.core.norm import sum_of_squares
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.param_gather import refresh_parameters
 from zeroshard.core.rollback import Snapshot, SnapshotBuffers, steps_apart_alike
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
-
-# fp64 squares are summed chunk by chunk through one scratch buffer of this many elements: 1 MiB
-# stays in cache, so the fp32 -> fp64 copy and the dot product that reads it back cost a pass over
-# the gradient each (profiled in docs/performance.md: 20x faster than `chunk.double().pow(2).sum()`
-# over 4M-element chunks, which allocated and wrote two fp64 temporaries per chunk).
-_NORM_CHUNK = 1 << 17
-
-
-def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
-    """sum(x ** 2) over a 1-D tensor, in fp64 (0-dim, on the tensor's device). Each fp32 square is
-    exact in fp64 (24-bit mantissas), so only the summation order differs from an fp64 reference."""
-    total = torch.zeros((), dtype=torch.float64, device=tensor.device)
-    if tensor.numel() == 0:
-        return total
-    scratch = torch.empty(min(_NORM_CHUNK, tensor.numel()), dtype=torch.float64, device=tensor.device)
-    for chunk in tensor.split(_NORM_CHUNK):
-        wide = scratch[: chunk.numel()]
-        wide.copy_(chunk)
-        total += torch.dot(wide, wide)
-    return total
-
-
-def repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup]) -> None:
-    for index, param_group in enumerate(optimizer.param_groups):
-        param_group["params"] = [g.master for g in groups if g.optimizer_group == index]
-    # Some optimizers (Adagrad) create state in their constructor: build a throwaway twin over the
-    # shards to get that initial state, keeping the user's object and param-group dicts.
-    twin = type(optimizer)([dict(g) for g in optimizer.param_groups])
-    optimizer.state.clear()
-    optimizer.state.update(twin.state)
-
-
-def optimizer_group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
-    """id(param) -> index of the param group holding it."""
-    index = {}
-    for i, param_group in enumerate(optimizer.param_groups):
-        for param in param_group["params"]:
-            if id(param) in index:
-                raise ValueError("a parameter appears in two optimizer param groups")
-            index[id(param)] = i
-    return index
-
 
 class ZeroOptimizer(torch.optim.Optimizer):
     """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards.

@@ -30,7 +30,8 @@ from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.lifecycle import Lifecycle, Phase
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
-from zeroshard.core.optimizer import ZeroOptimizer, optimizer_group_index, repoint_optimizer
+from zeroshard.core.optimizer import ZeroOptimizer
+from zeroshard.core.optimizer_groups import optimizer_group_index, repoint_optimizer
 from zeroshard.core.param_gather import DeferredGather, ParameterReaders, refresh_parameters
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
