@@ -55,6 +55,7 @@ ROWS = [
     ("step: gradient norm (+ flags all-reduce)", "step/norm"),
     ("step: transactional snapshot", "step/snapshot"),
     ("step: optimizer (fused AdamW)", "step/optimizer"),
+    ("step: transactional snapshot, group by group", "step/optimizer/snapshot"),
     ("step: parameter all-gather (issue, copy)", "step/gather"),
     ("step: parameter all-gather waits", "step/gather/wait"),
     ("step: zero gradients", "step/zero_grad"),
@@ -130,6 +131,7 @@ def instrument() -> None:
     _timed(comm.Handle, "wait", "wait")
     _timed(optimizer.ZeroOptimizer, "_norm_and_seen", "norm")
     _timed(rollback.Snapshot, "__init__", "snapshot")
+    _timed(rollback.Snapshot, "keep", "snapshot")  # group by group, inside the update
     _timed(optimizer.ZeroOptimizer, "_apply", "optimizer")
     _timed(optimizer.ZeroOptimizer, "refresh_parameters", "gather")
     _timed(group.FlatGroup, "zero_grads", "zero_grad")
