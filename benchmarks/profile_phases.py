@@ -40,7 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
-SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap")
+SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -55,9 +55,23 @@ ROWS = [
     ("step: gradient norm (+ flags all-reduce)", "step/norm"),
     ("step: transactional snapshot", "step/snapshot"),
     ("step: optimizer (fused AdamW)", "step/optimizer"),
+    ("step: transactional snapshot, group by group", "step/optimizer/snapshot"),
     ("step: parameter all-gather (issue, copy)", "step/gather"),
     ("step: parameter all-gather waits", "step/gather/wait"),
     ("step: zero gradients", "step/zero_grad"),
+    ("stage 3 forward: pre-forward hook", "forward/pre_forward"),
+    ("stage 3 forward: all-gather issue", "forward/pre_forward/unshard"),
+    ("stage 3 forward: prefetch issue", "forward/pre_forward/prefetch/unshard"),
+    ("stage 3 forward: all-gather wait + point params", "forward/pre_forward/wait_unshard"),
+    ("stage 3 forward: all-gather waits", "forward/pre_forward/wait_unshard/wait"),
+    ("stage 3 forward: post-forward hook", "forward/post_forward"),
+    ("stage 3 forward: free gathered", "forward/post_forward/reshard"),
+    ("stage 3 backward: pre-backward hook", "backward/pre_backward"),
+    ("stage 3 backward: all-gather issue", "backward/pre_backward/unshard"),
+    ("stage 3 backward: prefetch issue", "backward/pre_backward/prefetch/unshard"),
+    ("stage 3 backward: all-gather wait + point params", "backward/pre_backward/wait_unshard"),
+    ("stage 3 backward: all-gather waits", "backward/pre_backward/wait_unshard/wait"),
+    ("stage 3 backward: free gathered", "backward/hook/reshard"),
     ("step: rest", "step"),
     ("zero_grad (torch)", "zero_grad"),
 ]
@@ -117,9 +131,18 @@ def instrument() -> None:
     _timed(comm.Handle, "wait", "wait")
     _timed(optimizer.ZeroOptimizer, "_norm_and_seen", "norm")
     _timed(rollback.Snapshot, "__init__", "snapshot")
+    _timed(rollback.Snapshot, "keep", "snapshot")  # group by group, inside the update
     _timed(optimizer.ZeroOptimizer, "_apply", "optimizer")
     _timed(optimizer.ZeroOptimizer, "refresh_parameters", "gather")
     _timed(group.FlatGroup, "zero_grads", "zero_grad")
+    # Stage 3's gather path ([Note: unit states]).
+    _timed(lifecycle.Lifecycle, "_pre_forward", "pre_forward")
+    _timed(lifecycle.Lifecycle, "_post_forward", "post_forward")
+    _timed(lifecycle.Lifecycle, "_pre_backward", "pre_backward")
+    _timed(lifecycle.Lifecycle, "_prefetch", "prefetch")
+    _timed(unit.Unit, "unshard", "unshard")
+    _timed(unit.Unit, "wait_unshard", "wait_unshard")
+    _timed(unit.Unit, "reshard", "reshard")
 
 
 # -- the ranks ------------------------------------------------------------------------------------------
@@ -139,11 +162,23 @@ def _system(kind: str, args, make_model, make_optimizer):
         opt = make_optimizer(ddp.parameters())
         return (lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(), opt.step,
                 lambda: opt.zero_grad(set_to_none=True))
+    if kind == "fsdp2":  # torch's stage 3, as `zeroshard bench --peers` builds it
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        opt = make_optimizer(model.parameters())
+        return (lambda x, y: model(x, y)[1], lambda loss: loss.backward(), opt.step,
+                lambda: opt.zero_grad(set_to_none=True))
     import zeroshard
 
     stage = int(kind.split()[1])
+    zero = {"stage": stage, "overlap_comm": True}
+    if stage == 3:  # as `zeroshard bench`: every parameter sharded (the paper's 3 Psi)
+        zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": stage, "overlap_comm": True}, "bf16": {"enabled": False}}
+              "zero_optimization": zero, "bf16": {"enabled": False}}
     if kind.endswith("overlap"):  # [Note: deferred parameter gather]
         config["zeroshard"] = {"overlap_param_gather": True}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
@@ -246,6 +281,19 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def tree(per_rank: list[dict]) -> str:
+    """Every timed path (not only ROWS), exclusive ms wall / CPU, median over steps, mean over ranks."""
+    lines = []
+    for kind in per_rank[0]:
+        paths = sorted({p for r in per_rank for s in r[kind] for p in s["spans"]})
+        lines.append(f"{kind}:")
+        for path in paths:
+            cells = [statistics.mean(statistics.median(_exclusive(s["spans"], path, which) for s in r[kind])
+                                     for r in per_rank) for which in (0, 1)]
+            lines.append(f"  {path:60s} {cells[0] * 1e3:8.0f} / {cells[1] * 1e3:6.0f}")
+    return "\n".join(lines)
+
+
 def compare(args, versions: list[tuple[str, str]]) -> str:
     """Launch each version (a source tree on PYTHONPATH) in turn, `--rounds` times, A B A B: DDP runs in
     every launch, so each version's ratio is taken against the DDP of its own launch."""
@@ -319,6 +367,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
     parser.add_argument("--doc", type=Path, help="rewrite the table between the markers of this file")
+    parser.add_argument("--tree", action="store_true", help="also print every timed path's exclusive time")
     parser.add_argument("--json", type=Path, help="write the raw per-rank, per-step figures here")
     parser.add_argument("--compare", help="NAME=SRC,NAME=SRC: source trees to launch in turn, A B A B "
                         "(e.g. before=/path/to/main/src,after=src); prints a step-time table")
@@ -355,6 +404,8 @@ def main() -> None:
                f"untied, seq {args.seq_len}, micro batch {args.batch}/rank, fp32, fused AdamW; {args.steps} timed "
                f"steps after {args.warmup}, interleaved.")
     print(text + "\n\n" + machine)
+    if args.tree:
+        print(tree(per_rank))
     if args.json:
         args.json.write_text(json.dumps({"summary": summary, "per_rank": per_rank}, indent=1))
     if args.doc:

@@ -181,6 +181,31 @@ class _PairwiseReduceScatter:
         torch.add(self.mine, self.theirs, out=self.out)
 
 
+class _PairwiseAllGather:
+    """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
+    straight into their half of `out`. See [Note: all-gather on gloo]."""
+
+    def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group):
+        shard, numel = shard.reshape(-1), shard.numel()
+        out = out.view(-1)  # 1-D, numel = 2 * shard numel
+        theirs = out[(1 - rank) * numel:(2 - rank) * numel]
+        piece = max(1, PAIRWISE_PIECE_BYTES // shard.element_size())  # in pieces, as the reduce-scatter
+        self.works = []
+        for start in range(0, numel, piece):
+            n = min(piece, numel - start)
+            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
+            self.works.append(dist.all_to_all_single(theirs[start:start + n], shard[start:start + n],
+                                                     output_split_sizes=splits, input_split_sizes=splits,
+                                                     group=group, async_op=True))
+        mine = out[rank * numel:(rank + 1) * numel]
+        if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
+            mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 class Handle:
     """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, first
     verifies the cross-rank check issued with it, and last copies staged outputs back."""
@@ -246,7 +271,8 @@ class Communicator:
         self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
-        self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2  # [Note: reduce-scatter on gloo]
+        # [Note: reduce-scatter on gloo], [Note: all-gather on gloo]
+        self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2
 
     def global_ranks(self) -> list[int]:
         return [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
@@ -276,13 +302,31 @@ class Communicator:
         return sub
 
     # -- collectives --------------------------------------------------------------------------------
+    # [Note: all-gather on gloo]
+    # gloo's all_gather_into_tensor is its list all-gather: it allocates a flat buffer of the whole
+    # output, gathers into it (copying this rank's shard in), then copies the buffer into the output's
+    # chunks, all on its worker thread: per stage-3 gather of a 50 MB unit, 50 MB of fresh pages and
+    # 75 MB of copies more than the bytes it receives (benchmarks/profile_phases.py; docs/performance.md,
+    # stage 3: 59 ms of process CPU against 34 ms for the exchange below, on a 2-core machine where
+    # that thread takes its time from the compute). Between two ranks an all-gather is one exchange,
+    # as the reduce-scatter is ([Note: reduce-scatter on gloo]): send the peer our shard, receive
+    # theirs into their half of the output, and copy ours into our half (nothing when it is already
+    # there, as at a stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and
+    # an all-to-all, so a collective in gloo's sequence like every other; sent in the reduce-scatter's
+    # pieces (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate), which at
+    # loopback costs 45-52 ms of process CPU per 50 MB against one message's 33 and gloo's 56.
+    # Other sizes and NCCL keep the backend's all-gather.
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
-        """out (1-D, numel = world * shard.numel) <- every rank's `shard`."""
+        """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
+        slice of `out` itself."""
         assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
         stage = _Staging(self)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
-        return self._run("all_gather", out, what, async_op,
-                         lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True), stage)
+        if self.pairwise:
+            launch = lambda: _PairwiseAllGather(staged_out, staged_shard, self.rank, self.group)  # noqa: E731
+        else:
+            launch = lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True)  # noqa: E731
+        return self._run("all_gather", out, what, async_op, launch, stage)
 
     # [Note: reduce-scatter on gloo]
     # gloo's reduce_scatter_tensor is an all-reduce followed by a copy of this rank's slice: it sends

@@ -150,10 +150,13 @@ class Lifecycle:
             self.release_retained()  # kept by a training forward that no backward followed
             self._follow_inference_order(unit)
         unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
-        unit.wait_unshard()
         if self._training_forward() and self.forward_order is not None:
+            # Issued before this unit's wait: see [Note: prefetch before the wait].
             self._prefetch(self.forward_order, self._position, "forward")
-        elif inference and self._inference_next is not None:
+            unit.wait_unshard()
+            return
+        unit.wait_unshard()
+        if inference and self._inference_next is not None:
             self._prefetch(self.inference_order, self._inference_next, "forward")
 
     def _follow_inference_order(self, unit: Unit) -> None:
@@ -274,13 +277,13 @@ class Lifecycle:
             return None
         self._seen_in_backward.add(id(unit))
         unit.unshard("backward")
-        unit.wait_unshard()
         if self.backward_order is None:
             self._recording.append(unit)
         else:
             position = self.backward_order.index(unit) + 1 if unit in self.backward_order else 0
             if position:
-                self._prefetch(self.backward_order, position, "backward")
+                self._prefetch(self.backward_order, position, "backward")  # [Note: prefetch before the wait]
+        unit.wait_unshard()
         return None
 
     def _on_grad(self, unit: Unit, group, index: int, param) -> None:
@@ -357,6 +360,16 @@ class Lifecycle:
             raise first
 
     # -- prefetch ----------------------------------------------------------------------------------
+    # [Note: prefetch before the wait]
+    # A training pass issues the prefetch of the units after the current one before it waits for
+    # the current one's own gather, not after: otherwise, where the current unit was not prefetched
+    # (the first unit of a forward, whose gather cannot start before the step that changes it, and
+    # the first unit of a backward after a unit it did not keep), its gather and the next one's ran
+    # one after the other with the link idle in between, and the next unit's compute waited for
+    # both. What is gathered at any moment is the same (the current unit counts as live from its
+    # `unshard`, [Note: bounded gathering]); only the moment the next gather starts moves earlier.
+    # A pass without autograd keeps the old order ([Note: inference prefetch]): there the store's
+    # reads ahead ([Note: gathering in place at one rank]) decide the order of I/O.
     def _prefetch(self, order: list[Unit], start: int, phase: str) -> None:
         """Gather ahead the units after `order[start - 1]`, within [Note: bounded gathering]."""
         limits = self.limits

@@ -238,6 +238,7 @@ class Unit:
                 continue
             if group.full_grad is None:  # no parameter of this group got a gradient: reduce zeros
                 group.full_grad = group.zeros_full_grad()
+            group.complete_full_grad()  # [Note: a fresh full gradient] in group.py
             group.full_grad.mul_(1.0 / average_over)
             self._reductions.append(self._reduce_group(group))
         self.reduced_this_backward = True
