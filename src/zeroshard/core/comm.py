@@ -1,4 +1,5 @@
-"""The communication layer: the only module that calls torch.distributed collectives.
+"""The communication layer: with comm_pairwise.py (the two-rank exchanges), the only code that calls
+torch.distributed collectives.
 
 Every collective goes through a `Communicator`, which
   * counts bytes per collective kind, in the ZeRO paper's convention (§7: an all-reduce of Ψ elements
@@ -43,6 +44,11 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.core import consistency
+# The exchanges two gloo ranks use instead of gloo's own collectives (the leading underscores are
+# the names the step-time model looks for, tools/bench/steptime.py).
+from zeroshard.core.comm_pairwise import PAIRWISE_PIECE_BYTES  # noqa: F401 - tests size pieces by it
+from zeroshard.core.comm_pairwise import PairwiseAllGather as _PairwiseAllGather
+from zeroshard.core.comm_pairwise import PairwiseReduceScatter as _PairwiseReduceScatter
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -147,65 +153,6 @@ class _Staging:
         self.kept.clear()
 
 
-# The pairwise exchange goes in pieces of at most this many bytes, all in flight at once: one
-# message of a whole unit's half (6-17 MB for the 33.7M GPT) ran at half the link rate or less over
-# a tbf-limited veth at 0.1 Gbit/s when both ranks sent at once (16 MB tensor: 1.26-1.40 s against
-# 0.70 s for its bytes), and stages 1-3 were 1.5-1.9x DDP there with the same bytes; pieces of
-# 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which pipelines
-# chunks, does (docs/multinode.md).
-PAIRWISE_PIECE_BYTES = 512 * 1024
-
-
-class _PairwiseReduceScatter:
-    """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
-    ours, add. See [Note: reduce-scatter on gloo]."""
-
-    def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group):
-        shard = out.numel()
-        self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
-        self.theirs = torch.empty_like(self.mine)
-        send = full[(1 - rank) * shard:(2 - rank) * shard]
-        piece = max(1, PAIRWISE_PIECE_BYTES // full.element_size())
-        self.works = []
-        for start in range(0, shard, piece):
-            n = min(piece, shard - start)
-            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
-            self.works.append(dist.all_to_all_single(self.theirs[start:start + n], send[start:start + n],
-                                                     output_split_sizes=splits, input_split_sizes=splits,
-                                                     group=group, async_op=True))
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        # g_mine + g_theirs: at two ranks the same sum, bit for bit, as an all-reduce's (a + b = b + a).
-        torch.add(self.mine, self.theirs, out=self.out)
-
-
-class _PairwiseAllGather:
-    """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
-    straight into their half of `out`. See [Note: all-gather on gloo]."""
-
-    def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group):
-        shard, numel = shard.reshape(-1), shard.numel()
-        out = out.view(-1)  # 1-D, numel = 2 * shard numel
-        theirs = out[(1 - rank) * numel:(2 - rank) * numel]
-        piece = max(1, PAIRWISE_PIECE_BYTES // shard.element_size())  # in pieces, as the reduce-scatter
-        self.works = []
-        for start in range(0, numel, piece):
-            n = min(piece, numel - start)
-            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
-            self.works.append(dist.all_to_all_single(theirs[start:start + n], shard[start:start + n],
-                                                     output_split_sizes=splits, input_split_sizes=splits,
-                                                     group=group, async_op=True))
-        mine = out[rank * numel:(rank + 1) * numel]
-        if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
-            mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
 class Handle:
     """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, first
     verifies the cross-rank check issued with it, and last copies staged outputs back."""
@@ -271,7 +218,7 @@ class Communicator:
         self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
-        # [Note: reduce-scatter on gloo], [Note: all-gather on gloo]
+        # [Note: reduce-scatter on gloo], [Note: all-gather on gloo] in comm_pairwise.py
         self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2
 
     def global_ranks(self) -> list[int]:
@@ -302,20 +249,7 @@ class Communicator:
         return sub
 
     # -- collectives --------------------------------------------------------------------------------
-    # [Note: all-gather on gloo]
-    # gloo's all_gather_into_tensor is its list all-gather: it allocates a flat buffer of the whole
-    # output, gathers into it (copying this rank's shard in), then copies the buffer into the output's
-    # chunks, all on its worker thread: per stage-3 gather of a 50 MB unit, 50 MB of fresh pages and
-    # 75 MB of copies more than the bytes it receives (benchmarks/profile_phases.py; docs/performance.md,
-    # stage 3: 59 ms of process CPU against 34 ms for the exchange below, on a 2-core machine where
-    # that thread takes its time from the compute). Between two ranks an all-gather is one exchange,
-    # as the reduce-scatter is ([Note: reduce-scatter on gloo]): send the peer our shard, receive
-    # theirs into their half of the output, and copy ours into our half (nothing when it is already
-    # there, as at a stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and
-    # an all-to-all, so a collective in gloo's sequence like every other; sent in the reduce-scatter's
-    # pieces (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate), which at
-    # loopback costs 45-52 ms of process CPU per 50 MB against one message's 33 and gloo's 56.
-    # Other sizes and NCCL keep the backend's all-gather.
+    # [Note: all-gather on gloo] in comm_pairwise.py
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
         slice of `out` itself."""
@@ -328,17 +262,7 @@ class Communicator:
             launch = lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True)  # noqa: E731
         return self._run("all_gather", out, what, async_op, launch, stage)
 
-    # [Note: reduce-scatter on gloo]
-    # gloo's reduce_scatter_tensor is an all-reduce followed by a copy of this rank's slice: it sends
-    # an all-reduce's bytes (docs/multinode.md: 1.5x DDP's at stages 1-2) and makes its input copy on
-    # the calling thread (docs/performance.md). Between two ranks a reduce-scatter is one exchange:
-    # each sends the other the half it owns and adds the half it receives, (N-1)/N of the buffer as
-    # a ring sends, and the sum a + b is the all-reduce's bit for bit. So a gloo group of two ranks
-    # takes that path (`pairwise`); other sizes and NCCL keep the backend's reduce-scatter. The
-    # exchange is an all-to-all, a collective, not isend/irecv: point-to-point messages take no
-    # place in gloo's sequence of collectives, so ranks that diverged (one failed mid-backward) met
-    # each other's next collectives with buffers of different sizes, which aborts the process from
-    # gloo's transport thread, instead of failing the consistency check (test_failures.py).
+    # [Note: reduce-scatter on gloo] in comm_pairwise.py
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`.
         `out` may be that slice of `full` itself."""
