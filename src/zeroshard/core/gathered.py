@@ -76,3 +76,16 @@ class LiveCount:
 
     def reset_peak(self) -> None:
         self.peak = self.numel
+
+
+def reuse_offsets(forward: list, backward: list) -> dict[int, tuple[int, int]]:
+    """For `reuse_distance`: id(unit) -> (its last position in the forward order, elements of the
+    units before its first use in the backward order, or None if it has none)."""
+    offsets: dict[int, tuple[int, int | None]] = {id(u): (i, None) for i, u in enumerate(forward)}
+    before = 0
+    for unit in backward:
+        last, seen = offsets.get(id(unit), (-1, None))
+        if seen is None:
+            offsets[id(unit)] = (last, before)
+        before += unit.numel
+    return offsets

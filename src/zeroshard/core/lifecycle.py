@@ -31,7 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.comm import CollectiveError
-from zeroshard.core.gathered import GatherLimits, LiveCount
+from zeroshard.core.gathered import GatherLimits, LiveCount, reuse_offsets
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import Unit, UnitState
 
@@ -94,7 +94,7 @@ class Lifecycle:
         self._inference_recording: list[Unit] = []
         self._inference_next: int | None = None  # index in inference_order of the unit expected next
         self._retained: list[Unit] = []  # kept gathered from forward for backward (reuse distance)
-        self._reuse: dict[int, tuple[int, int | None]] | None = None  # see _reuse_offsets
+        self._reuse: dict[int, tuple[int, int | None]] | None = None  # see reuse_offsets (gathered.py)
         self._forward_suffix: list[int] = []  # [i]: elements of forward_order[i:]
 
     # -- registration ------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ class Lifecycle:
                 or self.forward_order is None:
             return False
         if self._reuse is None:
-            self._reuse = _reuse_offsets(self.forward_order, self.backward_order)
+            self._reuse = reuse_offsets(self.forward_order, self.backward_order)
             self._forward_suffix = [0] * (len(self.forward_order) + 1)
             for i in range(len(self.forward_order) - 1, -1, -1):
                 self._forward_suffix[i] = self._forward_suffix[i + 1] + self.forward_order[i].numel
@@ -387,16 +387,3 @@ class Lifecycle:
                 break
             unit.unshard(phase)
             ahead += unit.numel
-
-
-def _reuse_offsets(forward: list[Unit], backward: list[Unit]) -> dict[int, tuple[int, int]]:
-    """id(unit) -> (its last position in the forward order, elements of the units before its first
-    use in the backward order, or None if it has none)."""
-    offsets: dict[int, tuple[int, int | None]] = {id(u): (i, None) for i, u in enumerate(forward)}
-    before = 0
-    for unit in backward:
-        last, seen = offsets.get(id(unit), (-1, None))
-        if seen is None:
-            offsets[id(unit)] = (last, before)
-        before += unit.numel
-    return offsets

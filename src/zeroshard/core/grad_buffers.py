@@ -1,0 +1,160 @@
+"""A flat group's gradients: the full buffer a unit's backward fills, the reduced shard the step
+reads, and the slice set aside between two reductions ([Note: a fresh full gradient], [Note: gradient
+shard lifetime], [Note: a second reduction before the step (stages 0/1)]).
+
+`GradientBuffers` is the gradient half of `FlatGroup` (group.py), which sets what it reads: `policy`,
+`layout`, `grad_dtype`, `device`, `rank`, `trainable`, `grad_store`, `tp_specs`, `opt_range`, and the
+state it keeps: `full_grad`, `grad_shard`, `reduced_slice`, `holds_reduced_slice`, `grad_seen`. This
+module holds state and does arithmetic; the reductions are issued by unit.py through comm.py.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class GradientBuffers:
+    """Mixed into FlatGroup: every gradient buffer of one flat group and how it changes."""
+
+    @property
+    def grads_persist_full(self) -> bool:
+        """Stages 0/1: the full gradient buffer lives across micro steps."""
+        return not self.policy.shard_gradients
+
+    @property
+    def grad_shard_is_transient(self) -> bool:
+        """Is the gradient shard freed after each step ([Note: gradient shard lifetime])? Stages 2/3
+        with the shard in compute memory; a store's shard stays where the store put it."""
+        return self.trainable and not self.grads_persist_full and self.grad_store is None
+
+    def grad(self) -> torch.Tensor | None:
+        """The gradient this rank accumulates: the full buffer (stages 0/1) or its shard (2/3),
+        zeros where nothing was reduced since the last step."""
+        if self.grads_persist_full:
+            return self.full_grad
+        return self._own_grad_shard() if self.trainable else None
+
+    def zeros_full_grad(self) -> torch.Tensor:
+        return torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+
+    # [Note: a fresh full gradient]
+    # At stages 2/3 a unit's full gradient buffer is made by its first gradient of each backward and
+    # freed once reduced. Zero filling it and adding each gradient to the zeros wrote and read the
+    # whole buffer once more per unit (the 202M GPT: 0.45 s of main-thread CPU per step in
+    # add_grad, docs/performance.md): so it is allocated empty, a slot's first gradient is copied
+    # in, later ones (a tied or reused parameter) are added, and `complete_full_grad` zeroes what
+    # no gradient wrote (slots without one, the padding) before the reduction reads the buffer.
+    # Bit for bit 0 + g, except that a -0.0 stays -0.0 (DDP keeps it too; no update it feeds differs).
+    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+        if self.full_grad is None:
+            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self._unwritten = [True] * len(self.layout.slots)
+        slot = self.layout.slots[index]
+        if self.tp_specs[index] is not None:
+            grad = self.tp_specs[index].local_grad(grad)
+        target = self.full_grad[slot.offset: slot.offset + slot.numel]
+        if self._unwritten is not None and self._unwritten[index]:
+            target.copy_(grad.reshape(-1))
+            self._unwritten[index] = False
+        else:
+            target.add_(grad.reshape(-1))
+        self.grad_seen[index] = True
+
+    def complete_full_grad(self) -> None:
+        """Zero what no gradient wrote in a fresh full gradient ([Note: a fresh full gradient]); no-op
+        for a buffer made by zeros."""
+        if self.full_grad is None or self._unwritten is None:
+            return
+        for slot, unwritten in zip(self.layout.slots, self._unwritten):
+            if unwritten:
+                self.full_grad[slot.offset: slot.offset + slot.numel].zero_()
+        self.full_grad[self.layout.numel:].zero_()  # the padding
+        self._unwritten = None
+
+    def note_loaded_grads(self) -> None:
+        """Gradients accumulated before a checkpoint (saved mid-window) were loaded: a slot counts
+        as having had a gradient where the part held here is non-zero (the checkpoint does not say
+        which had one; the step's all-reduce of these flags joins every rank's part)."""
+        grad = self.grad()
+        start = 0 if self.grads_persist_full else self.layout.shard_range(self.rank)[0]
+        end = start + grad.numel()
+        for index, slot in enumerate(self.layout.slots):
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi and bool(grad[lo - start: hi - start].any()):
+                self.grad_seen[index] = True
+
+    # [Note: gradient shard lifetime]
+    # At stages 2/3 the reduced gradient shard (this rank's 1/N of the gradients, 4Ψ/N bytes in fp32)
+    # is needed only from the window's first reduction to its step. Kept allocated between steps and
+    # zeroed, as a persistent buffer would be, it sits under the next forward's activations, the
+    # largest thing a training step allocates: so it is freed by the step and by zero_grads (what
+    # torch's zero_grad(set_to_none=True) does for FSDP2's sharded gradients), and the first
+    # reduce-scatter of the next backward lands in a tensor that becomes the shard (`add_reduced`),
+    # while the activations of the units already done are being freed. Later micro-steps of the
+    # window add into it. Bit for bit the same as adding into zeros, except that a -0.0 stays -0.0
+    # (DDP keeps it too; no update it feeds differs). Whoever reads or writes the gradient outside
+    # a backward (checkpoint, safe_*_grad, a step with no backward) gets zeros made on demand.
+    # Shards in an offload store keep the store's tensor for good (the store's memory is elsewhere).
+    def add_reduced(self, out: torch.Tensor) -> None:
+        """Stages 2/3: take one reduction's output (1-D, numel = shard_numel) into the shard."""
+        if self.grad_shard is None and self.grad_shard_is_transient and out.dtype == self.grad_dtype \
+                and out.device == self.device:
+            self.grad_shard = out
+        else:
+            shard = self._own_grad_shard()
+            shard.add_(out.to(shard.device))  # accumulate; offload: to host
+
+    def _own_grad_shard(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+        return self.grad_shard
+
+    def free_grad_shard(self) -> None:
+        """The step no longer needs this group's gradient ([Note: gradient shard lifetime])."""
+        if self.grad_shard_is_transient:
+            self.grad_shard = None
+
+    def grad_for_optimizer(self) -> torch.Tensor:
+        """The reduced gradient matching `master`, in grad_dtype."""
+        if not self.grads_persist_full:
+            return self._own_grad_shard()
+        start, end = self.opt_range
+        return self.full_grad[start:end]
+
+    def zero_grads(self) -> None:
+        """Discard every gradient since the last step: accumulated, reduced, set aside, and (stages
+        2/3) a full gradient a failed backward left unreduced."""
+        if self.grads_persist_full and self.full_grad is not None:
+            self.full_grad.zero_()
+        elif not self.grads_persist_full:
+            self.full_grad = None
+        if self.grad_shard_is_transient:
+            self.grad_shard = None  # [Note: gradient shard lifetime]
+        elif self.grad_shard is not None:
+            self.grad_shard.zero_()
+        self.reduced_slice = None
+        self.holds_reduced_slice = False
+        self.grad_seen = [False] * len(self.layout.slots)
+
+    # [Note: a second reduction before the step (stages 0/1)]
+    # Stages 0/1 reduce the full gradient buffer in place (stage 1 reduce-scatters it): afterwards this
+    # rank's slice (stage 0: the whole buffer) holds the reduced gradient and, at stage 1, the rest of
+    # the buffer only stale local values. A script may run another
+    # backward before the step (a GAN's discriminator: one backward on real, one on fake data). Adding
+    # its local gradients to that buffer and reducing again would mix reduced and local values, so the
+    # reduced slice is set aside and the buffer zeroed when the next backward begins, and the slice is
+    # added back once that backward's reduction is done: reduced(g1) + reduced(g2), what stages 2/3 do
+    # by reducing into a separate grad_shard. Stage 0 could re-reduce reduced(g1) + g2 as DDP does, but
+    # that rounds differently from the other stages; one meaning at every stage is the simpler contract.
+    def set_aside_reduced_slice(self) -> None:
+        if not self.holds_reduced_slice:
+            return
+        own = self.grad_for_optimizer()
+        self.reduced_slice = own.clone() if self.reduced_slice is None else self.reduced_slice.add_(own)
+        self.full_grad.zero_()
+        self.holds_reduced_slice = False
+
+    def restore_reduced_slice(self) -> None:
+        if self.reduced_slice is not None:
+            self.grad_for_optimizer().add_(self.reduced_slice)
+            self.reduced_slice = None
+        self.holds_reduced_slice = True
