@@ -220,7 +220,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     results[id(group)] = step_runs(self.optimizer, group.optimizer_group, group.master, grads[i],
                                                    plans[id(group)],
                                                    lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype))
-                if self._per_group:  # [Note: gradient shard lifetime] in group.py
+                if self._per_group:  # [Note: gradient shard lifetime] in grad_buffers.py
                     grads[i] = None
                     group.free_grad_shard()
         return results

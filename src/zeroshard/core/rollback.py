@@ -29,13 +29,15 @@ Where one optimizer.step() per flat group is the same update as one step() over 
 (`steps_apart_alike`: torch's optimizers, which keep every state per tensor), ZeroOptimizer steps the
 groups one after the other: it copies a group's master and state just before that group's update,
 and frees the group's gradient shard as soon as the update has read it ([Note: gradient shard
-lifetime] in group.py). So the copies of the groups already stepped take the memory their gradients
+lifetime] in grad_buffers.py). So the copies of the groups already stepped take the memory their gradients
 leave: at the step's peak a rank holds its masters, optimizer state and their copy, and no gradient
 (on the 202M GPT at stage 3: 403 MB less than copying everything before one step() over all,
 docs/stage3_memory.md). An optimizer that counts steps per param group (apex's and DeepSpeed's
 FusedAdam) would count one step per group: it gets one step() over all groups, and the copy of
 everything before it. A failing group's update is undone with every group before it (all were
-copied); the gradients are spent either way ([Note: failed steps] in sharded.py).
+copied); the gradients are spent either way ([Note: failed steps] in sharded.py). A hook registered
+on the inner torch optimizer (`register_step_pre_hook` / `post_hook`) therefore runs once per flat
+group per step.
 """
 from __future__ import annotations
 
