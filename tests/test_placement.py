@@ -190,7 +190,7 @@ def _staging_worker(rank: int, world: int) -> dict:
         seen.update((out.data_ptr(), shard.data_ptr()))
         return real_pairwise(out, shard, *args)
 
-    # ours, not torch's: the names comm.py calls ([Note: all-gather on gloo] in comm_pairwise.py)
+    # ours, not torch's: the names comm.py calls ([Note: all-gather on gloo])
     comm_module._all_gather, comm_module._PairwiseAllGather = recording, recording_pairwise
     try:
         comm = Communicator(60, check_collectives=True)

@@ -2,7 +2,7 @@
 DeepSpeed's config keys, against plain stage 3 and DDP on the same model, data and seed.
 
 Ranks 0-1 and 2-3 play two "nodes" of two ranks (LOCAL_WORLD_SIZE=2), so that the communicators
-count bytes over the slow link ([Note: bytes over the slow link] in core/comm.py)."""
+count bytes over the slow link ([Note: bytes over the slow link] in core/comm_bytes.py)."""
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,4 @@
-"""The communication layer: with comm_pairwise.py (the two-rank exchanges), the only code that calls
-torch.distributed collectives.
+"""The communication layer: the only module that calls torch.distributed collectives.
 
 Every collective goes through a `Communicator`, which
   * counts bytes per collective kind, in the ZeRO paper's convention (§7: an all-reduce of Ψ elements
@@ -12,6 +11,7 @@ Every collective goes through a `Communicator`, which
   * runs on its own process group with a bounded timeout, and turns every failure into a
     `CollectiveError` naming the rank, the collective and what it was for;
   * moves every tensor on the backend's device ([Note: staging host tensors]).
+What it counts, and how, is comm_bytes.py's ([Note: bytes over the slow link]).
 
 [Note: staging host tensors]
 NCCL moves only CUDA tensors and gloo is only sure to move CPU ones, while callers hold tensors
@@ -21,34 +21,19 @@ argument whose device is not `self.device` is staged through a temporary on `sel
 copied in before the collective, outputs copied back when it completes (at `wait()` for an async
 one) — and the bytes copied are counted (`ByteCounter.staged`), so a run shows when it pays for
 this. Callers never think about devices.
-
-[Note: bytes over the slow link]
-Nodes (machines) are runs of `ranks_per_node` consecutive global ranks (torchrun's
-LOCAL_WORLD_SIZE by default). For a collective over a group of N ranks of which m sit on this
-rank's node, at least (N - m)/N of the paper-convention volume must cross this node's boundary
-whatever the algorithm (that share of an all-gather's output comes from other nodes; that share of
-an all-to-all's or reduce-scatter's input goes to them), so `ByteCounter.inter_node` counts that,
-per kind: zero for a group inside one node (hpZ's secondary group, a MiCS shard group that fits a
-node), everything for one rank per node.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from zeroshard.core import consistency
-# The exchanges two gloo ranks use instead of gloo's own collectives (the leading underscores are
-# the names the step-time model looks for, tools/bench/steptime.py).
-from zeroshard.core.comm_pairwise import PAIRWISE_PIECE_BYTES  # noqa: F401 - tests size pieces by it
-from zeroshard.core.comm_pairwise import PairwiseAllGather as _PairwiseAllGather
-from zeroshard.core.comm_pairwise import PairwiseReduceScatter as _PairwiseReduceScatter
+from zeroshard.core.comm_bytes import KIND_ID, KINDS, ByteCounter
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -57,50 +42,9 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # Reductions by name, so that callers never import torch.distributed for an op.
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
-KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "control", "all_to_all")
-_KIND_ID = {k: i for i, k in enumerate(KINDS)}
-# Paper convention (ZeRO §7.1): all-reduce = reduce-scatter + all-gather = 2Ψ.
-_PAPER_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "control": 1,
-                 "all_to_all": 1}
-
 
 class CollectiveError(RuntimeError):
     """A collective failed, timed out, or ranks disagreed about which collective comes next."""
-
-
-@dataclass
-class ByteCounter:
-    """Bytes per collective kind, as seen by this rank."""
-
-    world_size: int
-    paper: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    wire: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    wait_s: float = 0.0  # time the calling thread spent blocked on collectives
-    staged: int = 0  # bytes copied to and from the communicator's device ([Note: staging host tensors])
-    off_node: float = 0.0  # (N - m)/N of [Note: bytes over the slow link]
-    inter_node: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-
-    def add(self, kind: str, nbytes: int) -> None:
-        """`nbytes`: the size of the full (unsharded) tensor the collective is about."""
-        self.paper[kind] += _PAPER_FACTOR[kind] * nbytes
-        ring = (self.world_size - 1) / self.world_size
-        self.wire[kind] += _PAPER_FACTOR[kind] * nbytes * ring
-        self.inter_node[kind] += _PAPER_FACTOR[kind] * nbytes * self.off_node
-        self.calls[kind] += 1
-
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        return {
-            "paper_bytes": dict(self.paper),
-            "wire_bytes": dict(self.wire),
-            "inter_node_bytes": dict(self.inter_node),
-            "calls": dict(self.calls),
-            "staged_bytes": self.staged,
-        }
-
-    def data_bytes(self) -> int:
-        """Paper-convention bytes of the collectives that move model states (not control)."""
-        return sum(v for k, v in self.paper.items() if k != "control")
 
 
 class _Check:
@@ -151,6 +95,65 @@ class _Staging:
             self.comm.counter.staged += tensor.numel() * tensor.element_size()
         self.copy_back.clear()
         self.kept.clear()
+
+
+# The pairwise exchange goes in pieces of at most this many bytes, all in flight at once: one
+# message of a whole unit's half (6-17 MB for the 33.7M GPT) ran at half the link rate or less over
+# a tbf-limited veth at 0.1 Gbit/s when both ranks sent at once (16 MB tensor: 1.26-1.40 s against
+# 0.70 s for its bytes), and stages 1-3 were 1.5-1.9x DDP there with the same bytes; pieces of
+# 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which pipelines
+# chunks, does (docs/multinode.md).
+PAIRWISE_PIECE_BYTES = 512 * 1024
+
+
+class _PairwiseReduceScatter:
+    """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
+    ours, add. See [Note: reduce-scatter on gloo]."""
+
+    def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group):
+        shard = out.numel()
+        self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
+        self.theirs = torch.empty_like(self.mine)
+        send = full[(1 - rank) * shard:(2 - rank) * shard]
+        piece = max(1, PAIRWISE_PIECE_BYTES // full.element_size())
+        self.works = []
+        for start in range(0, shard, piece):
+            n = min(piece, shard - start)
+            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
+            self.works.append(dist.all_to_all_single(self.theirs[start:start + n], send[start:start + n],
+                                                     output_split_sizes=splits, input_split_sizes=splits,
+                                                     group=group, async_op=True))
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        # g_mine + g_theirs: at two ranks the same sum, bit for bit, as an all-reduce's (a + b = b + a).
+        torch.add(self.mine, self.theirs, out=self.out)
+
+
+class _PairwiseAllGather:
+    """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
+    straight into their half of `out`. See [Note: all-gather on gloo]."""
+
+    def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group):
+        shard, numel = shard.reshape(-1), shard.numel()
+        out = out.view(-1)  # 1-D, numel = 2 * shard numel
+        theirs = out[(1 - rank) * numel:(2 - rank) * numel]
+        piece = max(1, PAIRWISE_PIECE_BYTES // shard.element_size())  # in pieces, as the reduce-scatter
+        self.works = []
+        for start in range(0, numel, piece):
+            n = min(piece, numel - start)
+            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
+            self.works.append(dist.all_to_all_single(theirs[start:start + n], shard[start:start + n],
+                                                     output_split_sizes=splits, input_split_sizes=splits,
+                                                     group=group, async_op=True))
+        mine = out[rank * numel:(rank + 1) * numel]
+        if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
+            mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 class Handle:
@@ -218,7 +221,7 @@ class Communicator:
         self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
-        # [Note: reduce-scatter on gloo], [Note: all-gather on gloo] in comm_pairwise.py
+        # [Note: reduce-scatter on gloo], [Note: all-gather on gloo]
         self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2
 
     def global_ranks(self) -> list[int]:
@@ -249,7 +252,20 @@ class Communicator:
         return sub
 
     # -- collectives --------------------------------------------------------------------------------
-    # [Note: all-gather on gloo] in comm_pairwise.py
+    # [Note: all-gather on gloo]
+    # gloo's all_gather_into_tensor is its list all-gather: it allocates a flat buffer of the whole
+    # output, gathers into it (copying this rank's shard in), then copies the buffer into the output's
+    # chunks, all on its worker thread: per stage-3 gather of a 50 MB unit, 50 MB of fresh pages and
+    # 75 MB of copies more than the bytes it receives (benchmarks/profile_phases.py; docs/performance.md,
+    # stage 3: 59 ms of process CPU against 34 ms for the exchange below, on a 2-core machine where
+    # that thread takes its time from the compute). Between two ranks an all-gather is one exchange,
+    # as the reduce-scatter is ([Note: reduce-scatter on gloo]): send the peer our shard, receive
+    # theirs into their half of the output, and copy ours into our half (nothing when it is already
+    # there, as at a stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and
+    # an all-to-all, so a collective in gloo's sequence like every other; sent in the reduce-scatter's
+    # pieces (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate), which at
+    # loopback costs 45-52 ms of process CPU per 50 MB against one message's 33 and gloo's 56.
+    # Other sizes and NCCL keep the backend's all-gather.
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
         slice of `out` itself."""
@@ -262,7 +278,17 @@ class Communicator:
             launch = lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True)  # noqa: E731
         return self._run("all_gather", out, what, async_op, launch, stage)
 
-    # [Note: reduce-scatter on gloo] in comm_pairwise.py
+    # [Note: reduce-scatter on gloo]
+    # gloo's reduce_scatter_tensor is an all-reduce followed by a copy of this rank's slice: it sends
+    # an all-reduce's bytes (docs/multinode.md: 1.5x DDP's at stages 1-2) and makes its input copy on
+    # the calling thread (docs/performance.md). Between two ranks a reduce-scatter is one exchange:
+    # each sends the other the half it owns and adds the half it receives, (N-1)/N of the buffer as
+    # a ring sends, and the sum a + b is the all-reduce's bit for bit. So a gloo group of two ranks
+    # takes that path (`pairwise`); other sizes and NCCL keep the backend's reduce-scatter. The
+    # exchange is an all-to-all, a collective, not isend/irecv: point-to-point messages take no
+    # place in gloo's sequence of collectives, so ranks that diverged (one failed mid-backward) met
+    # each other's next collectives with buffers of different sizes, which aborts the process from
+    # gloo's transport thread, instead of failing the consistency check (test_failures.py).
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`.
         `out` may be that slice of `full` itself."""
@@ -342,7 +368,7 @@ class Communicator:
         [Note: asynchronous collective check] in consistency.py)."""
         if not self.check_collectives or self.world_size == 1:
             return None
-        tag = consistency.encode(_KIND_ID[kind], nbytes, what, self.device)
+        tag = consistency.encode(KIND_ID[kind], nbytes, what, self.device)
         tags = torch.empty(self.world_size * tag.numel(), dtype=tag.dtype, device=self.device)
         started = time.monotonic()
         try:
