@@ -51,16 +51,21 @@ def sweep_rate(label: str, rate: int | None, args) -> dict:
     with tempfile.TemporaryDirectory(prefix="zeroshard-sweep-") as tmp, \
             netcluster.NetCluster(args.nodes, rate_bps=rate) as cluster:
         probe = cluster.throughput(0, 1, _PROBE_BYTES) * 8
-        out = Path(tmp) / "result.json"
-        job = [str(REPO / "scripts" / "sweep_job.py"), "--out", str(out), *args.job_args]
-        cluster.launch(job, args.nproc_per_node, cwd=str(REPO))
-        results = cluster.wait(args.timeout)
-        failed = [r for r in results if r.returncode != 0]
-        if failed:
-            raise SystemExit(f"sweep at {label}: node {failed[0].node} failed "
-                             f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
-        return {"rate": label, "rate_bps": rate, "probe_bps": probe, **json.loads(out.read_text()),
+        result = _run_job(cluster, Path(tmp), args, [], f"sweep at {label}")
+        return {"rate": label, "rate_bps": rate, "probe_bps": probe, **result,
                 "started": started, "load_before": load_before, "ended": _now(), "load_after": _load()}
+
+
+def _run_job(cluster, tmp: Path, args, extra: list[str], what: str) -> dict:
+    """sweep_job.py on every node of `cluster`; its result JSON, or SystemExit naming the node that failed."""
+    out = tmp / "result.json"
+    job = [str(REPO / "scripts" / "sweep_job.py"), "--out", str(out), *args.job_args, *extra]
+    cluster.launch(job, args.nproc_per_node, cwd=str(REPO))
+    failed = [r for r in cluster.wait(args.timeout) if r.returncode != 0]
+    if failed:
+        raise SystemExit(f"{what}: node {failed[0].node} failed "
+                         f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def sweep_in_turn(rates: list[tuple[str, int | None]], args) -> list[dict]:
@@ -75,16 +80,8 @@ def sweep_in_turn(rates: list[tuple[str, int | None]], args) -> list[dict]:
             cluster.set_rate(rate)
             probes[label] = cluster.throughput(0, 1, _PROBE_BYTES) * 8
         cluster.set_rate(None)  # the job starts unlimited and changes the rate itself
-        out = Path(tmp) / "result.json"
-        job = [str(REPO / "scripts" / "sweep_job.py"), "--out", str(out), *args.job_args,
-               "--link-rates", ",".join(label for label, _ in rates)]
-        cluster.launch(job, args.nproc_per_node, cwd=str(REPO))
-        results = cluster.wait(args.timeout)
-        failed = [r for r in results if r.returncode != 0]
-        if failed:
-            raise SystemExit(f"sweep in turn: node {failed[0].node} failed "
-                             f"({failed[0].why or failed[0].returncode}):\n{failed[0].output[-3000:]}")
-        document = json.loads(out.read_text())
+        document = _run_job(cluster, Path(tmp), args, ["--link-rates", ",".join(label for label, _ in rates)],
+                            "sweep in turn")
     rows, common = document.pop("rows"), document
     when = {"started": started, "load_before": load_before, "ended": _now(), "load_after": _load(),
             "rates_in_turn": [label for label, _ in rates]}
