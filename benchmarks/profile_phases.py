@@ -12,7 +12,9 @@ i + 1 of every system), on the same batches, so that the machine's load drifts o
   * `stage 0/1/2`: `zeroshard.initialize` with the config `zeroshard bench` uses (overlap_comm on, the
     cross-rank collective check on: the defaults a user gets otherwise);
   * `stage 1/2 overlap` (not run unless named in --systems): the same with
-    `zeroshard.overlap_param_gather`.
+    `zeroshard.overlap_param_gather`;
+  * `stage 0-3 no-tx` (not run unless named): the same with `zeroshard.transactional_step: false`,
+    to price the copy a transactional step takes.
 
 Each phase is timed as wall time and as the CPU time of the rank's main thread (`time.thread_time`;
 gloo's own threads are not in it), which the machine's load distorts much less than wall time. The
@@ -40,7 +42,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
-SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2")
+SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
+           "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -181,6 +184,8 @@ def _system(kind: str, args, make_model, make_optimizer):
               "zero_optimization": zero, "bf16": {"enabled": False}}
     if kind.endswith("overlap"):  # [Note: deferred parameter gather]
         config["zeroshard"] = {"overlap_param_gather": True}
+    if kind.endswith("no-tx"):  # what the transactional step's copy costs ([Note: transactional step])
+        config["zeroshard"] = {"transactional_step": False}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
     del torch
     return (lambda x, y: engine(x, y)[1], engine.backward, engine.step, lambda: None)
