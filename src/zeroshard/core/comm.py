@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeroshard.core import consistency, pages
+from zeroshard.core import consistency
 from zeroshard.core.comm_bytes import KIND_ID, KINDS, ByteCounter
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
@@ -113,7 +113,7 @@ class _PairwiseReduceScatter:
     def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group):
         shard = out.numel()
         self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
-        self.theirs = pages.empty_like(self.mine)
+        self.theirs = torch.empty_like(self.mine)
         send = full[(1 - rank) * shard:(2 - rank) * shard]
         piece = max(1, PAIRWISE_PIECE_BYTES // full.element_size())
         self.works = []

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.core import pages
-
 
 class GradientBuffers:
     """Mixed into FlatGroup: every gradient buffer of one flat group and how it changes."""
@@ -36,7 +34,7 @@ class GradientBuffers:
         return self._own_grad_shard() if self.trainable else None
 
     def zeros_full_grad(self) -> torch.Tensor:
-        return pages.zeros(self.layout.padded_numel, self.grad_dtype, self.device)
+        return torch.zeros(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
 
     # [Note: a fresh full gradient]
     # At stages 2/3 a unit's full gradient buffer is made by its first gradient of each backward and
@@ -48,7 +46,7 @@ class GradientBuffers:
     # Bit for bit 0 + g, except that a -0.0 stays -0.0 (DDP keeps it too; no update it feeds differs).
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.full_grad is None:
-            self.full_grad = pages.empty(self.layout.padded_numel, self.grad_dtype, self.device)
+            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
             self._unwritten = [True] * len(self.layout.slots)
         slot = self.layout.slots[index]
         if self.tp_specs[index] is not None:
@@ -107,7 +105,7 @@ class GradientBuffers:
 
     def _own_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = pages.zeros(self.layout.shard_numel, self.grad_dtype, self.device)
+            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
         return self.grad_shard
 
     def free_grad_shard(self) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zeroshard.core import pages
 from zeroshard.core.flat import FlatLayout
 from zeroshard.core.grad_buffers import GradientBuffers
 from zeroshard.core.mesh import TensorParallelSpec, local_tensor
@@ -190,9 +189,9 @@ class FlatGroup(GradientBuffers):
     def new_full(self) -> torch.Tensor:
         """The full buffer to gather into: the *same* storage every time, grown back to size."""
         if self.full is None:
-            self.full = pages.empty(self.layout.padded_numel, self.param_dtype, self.device)
+            self.full = torch.empty(self.layout.padded_numel, dtype=self.param_dtype, device=self.device)
         else:
-            pages.regrow(self.full, self.layout.padded_numel * self.full.element_size())
+            self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
         return self.full
 
     @property

@@ -12,12 +12,12 @@ masters and optimizer state while the step runs (ZeroOptimizer.transactional = F
 less, at stages 2/3, the gradient shards the step frees as it goes ([Note: one group at a time]).
 No cheaper copy keeps the guarantee: when the last group's update fails, every earlier group has
 its new values and must get its old ones back, so both are in memory then, unless the update could
-be undone exactly, which floating-point arithmetic does not allow. At stage 0, chosen for speed,
-that copy is kept between steps (`SnapshotBuffers`) and overwritten in place by the next one. Stages
-1-3 are chosen for memory, where a kept copy would sit on top of the activations through forward and
-backward: they copy into fresh memory each step and free it, on huge pages ([Note: huge pages] in
-pages.py), since on 4 KiB pages a fresh copy of hundreds of MB is mostly page faults (torch's CPU
-allocator caches nothing: 3x the time of the advised copy, 4x a kept buffer's). With offloaded
+be undone exactly, which floating-point arithmetic does not allow. At stage 0 that
+copy is kept between steps (`SnapshotBuffers`) and overwritten in place by the next one: a fresh
+copy of hundreds of MB is mostly page faults on a CPU (torch's CPU allocator caches nothing: 8x the
+time of copying into a kept buffer, docs/performance.md), and stage 0 is chosen for speed; stages
+1-3 are chosen for memory, where a kept copy would sit on top of the activations through forward
+and backward, so they take a fresh copy each step and free it. With offloaded
 optimizer states no copy is taken (Sharded sets transactional = False): the copy would bring the
 states back into the memory they were offloaded from; the streamed step instead checks every swap
 file before it updates anything, so a damaged store still fails before any change. The gradients of
@@ -44,8 +44,6 @@ from __future__ import annotations
 import copy
 
 import torch
-
-from zeroshard.core import pages
 
 
 def _copy(value):
@@ -88,7 +86,7 @@ class Snapshot:
         if not isinstance(value, torch.Tensor):
             return copy.deepcopy(value)
         self.nbytes += value.numel() * value.element_size()
-        return pages.clone(value) if self.buffers is None else self.buffers.copy(key, value)
+        return value.clone() if self.buffers is None else self.buffers.copy(key, value)
 
     def keep(self, group, params) -> None:
         """Copy `group`'s master and the optimizer state of `params`, the tensors the optimizer keys

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zeroshard.core import pages, quantize
+from zeroshard.core import quantize
 from zeroshard.core.comm import Communicator, Handle
 from zeroshard.core.gathered import LiveCount
 from zeroshard.core.group import FlatGroup
@@ -251,7 +251,7 @@ class Unit:
             # Stage 1: this rank's slice of full_grad becomes its reduced gradient.
             out = group.full_grad[slice(*group.layout.shard_range(group.rank))]
             return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, None
-        out = pages.empty(group.layout.shard_numel, group.grad_dtype, group.device)  # 2/3
+        out = torch.empty(group.layout.shard_numel, dtype=group.grad_dtype, device=group.device)  # 2/3
         if self.links.quantize_gradients:  # qgZ
             return quantize.reduce_scatter(self.comm, out, group.full_grad, what, self.links.block,
                                            async_op=True), group, out
