@@ -26,7 +26,9 @@ consolidation to one file, and full weights in and out of a live engine.
 Readers re-slice by parameter and element range ([Note: resharding by element ranges] in
 reader.py), so a checkpoint written at N ranks and stage s loads at M ranks and stage t.
 Under tensor/pipeline parallelism a checkpoint holds one such directory per (tp, pp) part under a
-manifest of the mesh ([Note: checkpoints across layouts] in layout.py).
+manifest of the mesh ([Note: checkpoints across layouts] in layout.py). Under MiCS the k ranks of
+one partition group write the shards, as a k-rank checkpoint ([Note: checkpoints of replicated
+shards] in save.py).
 Publication is atomic ([Note: atomic publication] in save.py). The manifest is checked against its
 schema on every read ([Note: manifest schema] in manifest.py).
 """

@@ -39,6 +39,17 @@ def attempt(fn, *args, **kwargs) -> tuple[object, str | None]:
         return None, f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=4)}"
 
 
+def partition_of(engine):
+    """The communicator the flat groups are sliced over: a MiCS partition group, else `comm`."""
+    return getattr(engine, "partition", None) or engine.comm
+
+
+def replica_of(engine):
+    """MiCS: the communicator over the ranks holding this rank's shard in the other partition
+    groups; None when every rank holds a shard of its own."""
+    return getattr(engine, "replica", None)
+
+
 def compute_dtype(engine) -> torch.dtype:
     """The dtype the module's parameters have (bf16/fp16 with mixed precision, else fp32)."""
     return engine.groups[0].param_dtype

@@ -2,9 +2,10 @@
 
 `Checkpointable` is satisfied by the DeepSpeed engine (compat/engine.py); anything else that offers
 the same can be checkpointed too. Checkpoint code reads and writes model states only through these
-names: the core's flat groups and units, the sharded optimizer's per-group state
-(`group_state` / `load_group_state`, which hide how an offloaded step cuts a group into
-sub-groups), the loss scaler, the scheduler, and a `Counters` view of the step counters.
+names: the communicators (`comm`, and under MiCS `partition` and `replica`), the core's flat groups
+and units, the sharded optimizer's per-group state (`group_state` / `load_group_state`, which hide
+how an offloaded step cuts a group into sub-groups), the loss scaler, the scheduler, and a
+`Counters` view of the step counters.
 """
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ class Counters:
 
 
 class Checkpointable(Protocol):
-    comm: Any  # zeroshard.core.comm.Communicator
+    comm: Any  # zeroshard.core.comm.Communicator: every rank the model states are spread over
+    # The flat groups' layouts are sliced over `partition` (their `rank` is a partition rank), and
+    # `replica` joins the ranks that hold the same shard in the other partition groups: MiCS
+    # ([Note: ZeRO++ and MiCS] in core/unit.py). Without MiCS, `partition` is `comm` and `replica`
+    # None; a Checkpointable that lacks them is read that way (common.partition_of / replica_of).
+    partition: Any
+    replica: Any
     groups: list  # zeroshard.core.group.FlatGroup, in unit order
     units: list  # zeroshard.core.unit.Unit
     module: Any  # the wrapped nn.Module
@@ -64,9 +71,14 @@ class CheckpointableSharded:
         self.lr_scheduler = lr_scheduler
 
     def __getattr__(self, name: str):
-        if name in ("comm", "groups", "units", "module", "policy", "optimizer", "loss_scaler", "model_parallel"):
+        if name in ("comm", "partition", "groups", "units", "module", "policy", "optimizer", "loss_scaler",
+                    "model_parallel"):
             return getattr(self.sharded, name)
         raise AttributeError(name)
+
+    @property
+    def replica(self):
+        return self.sharded.links.replica
 
     @property
     def model_parallel_comms(self) -> list:

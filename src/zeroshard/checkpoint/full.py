@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint.common import agree, attempt, compute_dtype
+from zeroshard.checkpoint.common import agree, attempt, compute_dtype, partition_of
 from zeroshard.checkpoint.manifest import model_aliases, persistent_buffers, state_dict_order
 from zeroshard.checkpoint.output import FullModelWriter, format_for
 
@@ -25,9 +25,10 @@ def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None
             visit(group, group.master)
             continue
         # Next to the master: host memory under CPU offload, which NCCL cannot move; the communicator
-        # stages it through its device ([Note: staging host tensors] in core/comm.py).
+        # stages it through its device ([Note: staging host tensors] in core/comm.py). Gathered over
+        # the group the layout is sliced over: under MiCS one partition group holds every shard.
         full = torch.empty(padded, dtype=torch.float32, device=group.master.device)
-        engine.comm.all_gather(full, group.master, f"gather of master weights ({group.names[0]}...)")
+        partition_of(engine).all_gather(full, group.master, f"gather of master weights ({group.names[0]}...)")
         visit(group, full)
         del full
 

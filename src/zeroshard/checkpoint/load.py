@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint.common import agree, attempt
+from zeroshard.checkpoint.common import agree, attempt, partition_of
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.files import CheckpointError
@@ -187,7 +187,7 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
                 if state is not None:
                     loaded.states.append((group, state))
             if with_grads and group.trainable:
-                copies = _load_grads(reader, index, group, engine.comm.rank)
+                copies = _load_grads(reader, index, group, partition_of(engine).rank)
                 loaded.copies += copies
                 loaded.grads += [group] if copies else []
         loaded.copies += _load_buffers(engine.module, reader.buffers(), path, strict)
@@ -228,18 +228,26 @@ def _check_optimizer(path: Path, manifest: dict, objects: dict, optimizer) -> No
 
 def _check_same_partition(path: Path, manifest: dict, engine) -> None:
     """Gradients accumulated so far are rank-local (unreduced at stages 0/1): they only fit the same
-    world size, stage, accumulation steps and grouping."""
-    same = (manifest["world_size"] == engine.comm.world_size and manifest["stage"] == engine.policy.stage
+    world size, stage, accumulation steps and grouping -- and under MiCS the same partition size
+    (the manifest's world size, [Note: checkpoints of replicated shards] in save.py)."""
+    shards, replicas = partition_of(engine).world_size, engine.comm.world_size // partition_of(engine).world_size
+    same = (manifest["world_size"] == shards and manifest.get("replicas", 1) == replicas
+            and manifest["stage"] == engine.policy.stage
             and manifest["gradient_accumulation_steps"] == engine.counters().gradient_accumulation_steps
             and [[p["name"] for p in g["params"]] for g in manifest["groups"]] == [g.names for g in engine.groups])
     if not same:
         raise CheckpointError(
             f"{path / MANIFEST}: saved in the middle of gradient accumulation (micro step "
             f"{manifest['micro_steps']}, {manifest['gradient_accumulation_steps']} per step) at "
-            f"{manifest['world_size']} ranks and stage {manifest['stage']}; its accumulated gradients load "
-            f"only into the same setup, not {engine.comm.world_size} ranks, stage {engine.policy.stage}, "
-            f"{engine.counters().gradient_accumulation_steps} micro steps. Save at an accumulation boundary to "
-            "change the world size or stage, or pass load_module_only=True")
+            f"{_ranks(manifest['world_size'], manifest.get('replicas', 1))} and stage {manifest['stage']}; its "
+            f"accumulated gradients load only into the same setup, not {_ranks(shards, replicas)}, stage "
+            f"{engine.policy.stage}, {engine.counters().gradient_accumulation_steps} micro steps. Save at an "
+            "accumulation boundary to change the world size, MiCS size or stage, or pass load_module_only=True")
+
+
+def _ranks(shards: int, replicas: int) -> str:
+    """'4 ranks', or under MiCS '4 ranks (mics_shard_size 2)'."""
+    return f"{shards} ranks" if replicas == 1 else f"{shards * replicas} ranks (mics_shard_size {shards})"
 
 
 def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimizer) -> dict | None:

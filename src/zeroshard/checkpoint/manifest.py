@@ -175,7 +175,10 @@ _MANIFEST_FIELDS = {
 }
 _MANIFEST_OPTIONAL = {"library_version": str, "created": str, "skipped_steps": int, "config": _JSON,
                       # a part of a tp/pp checkpoint ([Note: checkpoints across layouts] in layout.py)
-                      "mesh": dict, "shards": dict}
+                      "mesh": dict, "shards": dict,
+                      # MiCS: how many partition groups held the `world_size` shards ([Note:
+                      # checkpoints of replicated shards] in save.py); absent means 1
+                      "replicas": int}
 # The top manifest of a tp/pp checkpoint: its parts, and the (dp, tp, pp) of every rank file.
 _LAYOUT_FIELDS = {"format": str, "format_version": int, "tag": str, "mesh": dict, "parts": list, "shards": dict,
                   "files": dict, "global_steps": int}

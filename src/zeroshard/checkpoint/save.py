@@ -18,6 +18,17 @@ part is written, adds the top manifest, last, and does steps 3 and 4 for the who
 A crash at any moment therefore leaves `latest` naming a complete checkpoint. Leftover `.tmp-*`
 directories of crashed saves are removed by the next save. Every rank must see the same `save_dir`
 (a shared file system when ranks run on several machines).
+
+[Note: checkpoints of replicated shards]
+Under MiCS ([Note: ZeRO++ and MiCS] in core/unit.py) the flat groups are sliced over a partition
+group of k ranks, and each of the N/k partition groups holds the same shards: the replica
+all-reduce after every backward keeps even the gradients accumulated mid-window alike. One copy
+is therefore the whole state. The ranks of replica rank 0 (the first partition group, world rank
+0 among them) write `rank_<p>.safetensors` for their partition rank p; the other ranks write no
+shard but still join every agreement of step 1, so a failure on any rank, writer or not, fails
+the save everywhere. The manifest says `world_size` k and `replicas` N/k: the files are those of
+a plain stage-3 checkpoint at k ranks, and load as one at any world size, stage or MiCS size
+([Note: resharding by element ranges] in reader.py). Without MiCS k = N and every rank writes.
 """
 from __future__ import annotations
 
@@ -30,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint.common import agree, attempt, compute_dtype, optimizer_states, own_range_in_master
+from zeroshard.checkpoint.common import (agree, attempt, compute_dtype, optimizer_states, own_range_in_master,
+                                         partition_of, replica_of)
 from zeroshard.checkpoint.files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
 from zeroshard.checkpoint.layout import LAYOUT_FORMAT_VERSION, Layout, layout_of, tp_split_dim
 from zeroshard.checkpoint.objects import objects_bytes
@@ -77,11 +89,15 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     if error is None and grid.rank == 0:
         _, error = attempt(_prepare, save_dir, staging)
     agree(grid, error, what)
-    record, error = attempt(_write_rank_file, engine, states, part_dir, layout)
+    if writes_shards(engine):
+        record, error = attempt(_write_rank_file, engine, states, part_dir, layout)
+    else:  # [Note: checkpoints of replicated shards]: a replica of shards another rank writes
+        record, error = _REPLICA, None
     records = comm.all_gather_objects(record, f"{what}: shard checksums")
     part = None  # on dp rank 0: the part's files, once all of them are written
     if comm.rank == 0 and error is None and all(r is not None for r in records):
-        part, error = attempt(_write_part, engine, states, part_dir, tag, records, objects, layout)
+        written = [r for r in records if r != _REPLICA]
+        part, error = attempt(_write_part, engine, states, part_dir, tag, written, objects, layout)
     parts = grid.all_gather_objects(part, f"{what}: parts") if layout is not None else [part]
     if grid.rank == 0:
         written = [p for p in parts if p is not None]  # one per part whose dp rank 0 wrote it whole
@@ -98,12 +114,23 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
 
 
 # -- every rank ---------------------------------------------------------------------------------------
+_REPLICA = "replica"  # what a rank that writes no shard reports instead of its file's checksum
+
+
+def writes_shards(engine) -> bool:
+    """Does this rank write its shards? All do, except MiCS replicas beyond the first ([Note:
+    checkpoints of replicated shards])."""
+    replica = replica_of(engine)
+    return replica is None or replica.rank == 0
+
+
 def rank_tensors(engine, states: list[dict]) -> dict[str, torch.Tensor]:
     """This rank's part of the model states: for each group, elements [r*S, (r+1)*S) of its fp32
-    master weights and of each elementwise optimizer state; at stage 0, where every rank holds the
-    whole buffer, each rank writes that same slice of it, so the files look alike at every stage.
-    In the middle of gradient accumulation also the gradients accumulated so far (rank-local)."""
-    rank = engine.comm.rank
+    master weights and of each elementwise optimizer state (r: the partition rank, the world rank
+    without MiCS); at stage 0, where every rank holds the whole buffer, each rank writes that same
+    slice of it, so the files look alike at every stage. In the middle of gradient accumulation
+    also the gradients accumulated so far (rank-local)."""
+    rank = partition_of(engine).rank
     with_grads = engine.counters().mid_accumulation
     tensors = {}
     for index, (group, state) in enumerate(zip(engine.groups, states)):
@@ -120,8 +147,9 @@ def rank_tensors(engine, states: list[dict]) -> dict[str, torch.Tensor]:
 
 def _write_rank_file(engine, states: list[dict], part_dir: Path, layout: Layout | None) -> tuple[str, dict]:
     part_dir.mkdir(parents=True, exist_ok=True)
-    name = rank_file(engine.comm.rank)
-    metadata = {"format": FORMAT, "rank": str(engine.comm.rank), "world_size": str(engine.comm.world_size)}
+    partition = partition_of(engine)
+    name = rank_file(partition.rank)
+    metadata = {"format": FORMAT, "rank": str(partition.rank), "world_size": str(partition.world_size)}
     if layout is not None:
         metadata.update({f"{d}_rank": str(layout.coordinate[d]) for d in MESH_DIMS})
     return name, write_safetensors(part_dir / name, rank_tensors(engine, states), metadata)
@@ -165,7 +193,7 @@ def _write_part(engine, states: list[dict], part_dir: Path, tag: str, records, o
     manifest = build_manifest(engine, states, tag, files, list(buffers))
     shards = {}
     if layout is not None:
-        shards = {rank_file(r): {**layout.coordinate, "dp": r} for r in range(engine.comm.world_size)}
+        shards = {rank_file(r): {**layout.coordinate, "dp": r} for r in range(partition_of(engine).world_size)}
         manifest.update(format_version=LAYOUT_FORMAT_VERSION, mesh=dict(layout.sizes), shards=shards)
         if layout.sizes["tp"] > 1:
             _record_tp_splits(engine, manifest["groups"])
@@ -239,10 +267,12 @@ def build_manifest(engine, states: list[dict], tag: str, files: dict, buffers: l
     from zeroshard.version import __version__
 
     counters = engine.counters()
+    shards = partition_of(engine).world_size  # the rank files: [Note: checkpoints of replicated shards]
+    replicas = {"replicas": engine.comm.world_size // shards} if shards < engine.comm.world_size else {}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
         "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "world_size": engine.comm.world_size, "stage": engine.policy.stage,
+        "world_size": shards, **replicas, "stage": engine.policy.stage,
         "param_dtype": dtype_name(compute_dtype(engine)),
         "global_steps": counters.global_steps, "micro_steps": counters.micro_steps,
         "skipped_steps": counters.skipped_steps,

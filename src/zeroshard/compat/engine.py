@@ -236,22 +236,23 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         """Communicators over the model-parallel groups of size > 1 (tp, then pp)."""
         return self.sharded.norm_comms
 
-    def _refuse_mics_checkpoint(self, what: str) -> None:
-        # Shards are named by rank and laid out over the world; MiCS lays them out over a shard group.
-        if self.sharded.partition is not self.comm:
-            raise ValueError(f"{what} with zero_optimization.mics_shard_size={self.sharded.comm_policy.shard_size} "
-                             "is not supported yet: the sharded checkpoint layout partitions over every rank; "
-                             "see docs/zeropp.md")
+    @property
+    def partition(self):
+        """The communicator the flat groups are sliced over: a MiCS partition group, else `comm`."""
+        return self.sharded.partition
+
+    @property
+    def replica(self):
+        """MiCS: the ranks holding this rank's shards in the other partition groups; else None."""
+        return self.sharded.links.replica
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
-        self._refuse_mics_checkpoint("save_checkpoint")
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
         return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
                                save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, **kwargs):
-        self._refuse_mics_checkpoint("load_checkpoint")
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
         return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
                                load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
