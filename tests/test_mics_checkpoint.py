@@ -7,7 +7,8 @@ group ([Note: checkpoints of replicated shards] in checkpoint/save.py).
 it (tests/test_checkpoint_reshard.py's data): trained 2 steps, saved, trained 3 more (the
 continuous run). Then
   * a fresh MiCS engine that loads it trains on bit for bit as the continuous run (AdamW and SGD
-    with momentum; also from the middle of gradient accumulation);
+    with momentum; also from the middle of gradient accumulation, whose gradients plain stage 3
+    refuses, naming both layouts);
   * the checkpoint has two shard files, written by ranks 0 and 1 only, and says world_size 2,
     replicas 2: no byte is written twice;
   * plain stage 3 at 4 ranks, plain stage 3 and stage 1 at 2 ranks, and MiCS k = 2 at 2 ranks load
@@ -142,6 +143,15 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
         engine.load_checkpoint(f"{root}/mics-mid")
         _exactly(micro_steps(engine, 3, 3), reference, "MiCS resume mid-accumulation")
         engine.destroy()
+        # Its gradients were reduced over 4 ranks in partitions of 2: plain stage 3 refuses them.
+        engine = _engine("adamw", world, gas=2)
+        try:
+            engine.load_checkpoint(f"{root}/mics-mid")
+            raised = None
+        except CheckpointError as error:
+            raised = str(error)
+        engine.destroy()
+        assert raised is not None and "4 ranks (mics_shard_size 2)" in raised and "not 4 ranks," in raised, raised
 
     def save_fails(failing_rank):
         engine = _engine("sgd", world, mics=K)
