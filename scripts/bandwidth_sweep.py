@@ -173,6 +173,11 @@ def main(argv=None) -> int:
     parser.add_argument("--rates-in-turn", action="store_true",
                         help="one cluster and one job for every rate, each round of timed steps taking the rates "
                              "in turn (implies --interleave; 2 nodes): rows comparable under a drifting load")
+    parser.add_argument("--chart", type=Path, default=None,
+                        help="also draw step time against link rate into this PNG: --json's sweep, and beside "
+                             "it every --chart-also sweep")
+    parser.add_argument("--chart-also", type=Path, action="append", default=[],
+                        help="another sweep JSON drawn beside --json's in --chart")
     parser.add_argument("--note", default="a shared 2-core machine, busy with other jobs: absolute "
                         "times are noisy, compare within a row")
     args, args.job_args = parser.parse_known_args(argv)  # the rest goes to sweep_job.py (--runs, --n-layer...)
@@ -201,7 +206,18 @@ def main(argv=None) -> int:
     print(table(sweep))
     if args.doc:
         write_doc(args.doc, table(sweep))
+    if args.chart:
+        from zeroshard.tools.bench.plot import write_sweep_chart
+
+        sweeps = [args.json, *args.chart_also]
+        print(f"chart: {write_sweep_chart([(_title(json.loads(p.read_text())), json.loads(p.read_text())) for p in sweeps], args.chart)}")
     return 0
+
+
+def _title(sweep: dict) -> str:
+    gpt, runs = sweep["rates"][0]["gpt"], sweep["rates"][0]["runs"]
+    return (f"GPT {gpt['n_layer']} layers x {gpt['n_embd']} ({runs[0]['params'] / 1e6:.1f}M parameters), "
+            f"{sweep['meta']['layout']}, {sweep['meta']['date']}")
 
 
 if __name__ == "__main__":

@@ -110,3 +110,56 @@ def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+SWEEP_NAMES = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
+               "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
+               "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather"}
+
+
+def sweep_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:
+    """Per run of a bandwidth sweep (scripts/bandwidth_sweep.py): (link Gbit/s as one TCP stream
+    measured it, median s/step, limited?), slowest link first; the unlimited row (loopback through
+    the veth) sits at the rate it measured."""
+    rows = sorted(sweep["rates"], key=lambda row: row["probe_bps"])
+    series: dict[str, list[tuple[float, float, bool]]] = {}
+    for row in rows:
+        for run in row["runs"]:
+            series.setdefault(run["run"], []).append((row["probe_bps"] / 1e9, run["median_s"],
+                                                      row.get("rate_bps") is not None))
+    return series
+
+
+def write_sweep_chart(sweeps: list[tuple[str, dict]], path: Path) -> Path:
+    """Step time against link rate, one line per run, and the same as a multiple of DDP's step:
+    one column per (title, sweep)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(2, len(sweeps), figsize=(6.5 * len(sweeps), 8), squeeze=False)
+    for column, (title, sweep) in enumerate(sweeps):
+        series = sweep_series(sweep)
+        ddp = {rate: t for rate, t, _ in series.get("ddp", [])}
+        top, bottom = axes[0][column], axes[1][column]
+        for index, (run, points) in enumerate(series.items()):
+            color = f"C{list(SWEEP_NAMES).index(run) if run in SWEEP_NAMES else index}"  # one colour per run
+            panels = [(top, [t for _, t, _ in points])]
+            if ddp and run != "ddp":
+                panels.append((bottom, [t / ddp[rate] for rate, t, _ in points]))
+            for ax, values in panels:
+                ax.plot([p[0] for p in points], values, color=color, label=SWEEP_NAMES.get(run, run))
+                for (rate, _, limited), value in zip(points, values):  # hollow: the row without a limit
+                    ax.plot(rate, value, "o", color=color, markerfacecolor=color if limited else "white")
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_xlabel("inter-node link, Gbit/s as one TCP stream measured it (hollow: no tbf limit)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        top.set_yscale("log")
+        top.set_ylabel("s/step (median of the slowest rank)")
+        top.set_title(title, fontsize=9)
+        bottom.axhline(1.0, color="black", linewidth=0.8)
+        bottom.set_ylabel("step time / DDP's")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
