@@ -207,10 +207,11 @@ def main(argv=None) -> int:
     if args.doc:
         write_doc(args.doc, table(sweep))
     if args.chart:
-        from zeroshard.tools.bench.plot import write_sweep_chart
+        from zeroshard.tools.bench.plot import write_bandwidth_chart
 
         sweeps = [args.json, *args.chart_also]
-        print(f"chart: {write_sweep_chart([(_title(json.loads(p.read_text())), json.loads(p.read_text())) for p in sweeps], args.chart)}")
+        loaded = [json.loads(path.read_text()) for path in sweeps]
+        print(f"chart: {write_bandwidth_chart([(_title(sweep), sweep) for sweep in loaded], args.chart)}")
     return 0
 
 

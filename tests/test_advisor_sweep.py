@@ -212,15 +212,15 @@ def test_the_200m_sweep_is_predicted_too():
 def test_the_sweep_chart_draws_what_was_recorded(tmp_path):
     """docs/bench/multinode_sweep.png (scripts/bandwidth_sweep.py --chart): each run's line is its
     median step per link rate, slowest link first, the unlimited row marked."""
-    from zeroshard.tools.bench.plot import sweep_series, write_sweep_chart
+    from zeroshard.tools.bench.plot import bandwidth_series, write_bandwidth_chart
 
     sweep = json.loads(SWEEP.read_text())
-    series = sweep_series(sweep)
+    series = bandwidth_series(sweep)
     assert set(series) == {r["run"] for r in sweep["rates"][0]["runs"]}
     by_rate = {row["probe_bps"] / 1e9: {r["run"]: r["median_s"] for r in row["runs"]} for row in sweep["rates"]}
     for run, points in series.items():
         assert [p[0] for p in points] == sorted(by_rate), run
         assert all(by_rate[rate][run] == t for rate, t, _ in points), run
         assert [limited for *_, limited in points].count(False) == 1, "one unlimited row"
-    path = write_sweep_chart([("33.7M", sweep), ("200M", json.loads(SWEEP_200M.read_text()))], tmp_path / "s.png")
+    path = write_bandwidth_chart([("33.7M", sweep), ("200M", json.loads(SWEEP_200M.read_text()))], tmp_path / "s.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000

@@ -89,3 +89,20 @@ def test_the_checker_resolves_relative_and_lazy_imports(tmp_path):
     found = sorted(_imports(probe, "zeroshard.core.probe"))
     assert found == [(1, "zeroshard.tools"), (3, "zeroshard.compat.engine")]
     assert [_layer(m) for _, m in found] == ["tools", "compat"]
+
+
+def _redefined(source: str) -> list[str]:
+    """Top-level functions and classes a module defines twice: the second silently replaces the first."""
+    seen, twice = set(), []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in seen:
+                twice.append(f"{node.name} (line {node.lineno})")
+            seen.add(node.name)
+    return twice
+
+
+def test_no_module_defines_a_name_twice():
+    twice = {str(p.relative_to(PACKAGE)): names for p in SOURCES if (names := _redefined(p.read_text()))}
+    assert not twice, f"defined twice (the later one wins, callers of the first break): {twice}"
+    assert _redefined("def f():\n    pass\n\n\ndef f():\n    pass\n") == ["f (line 5)"], "the check can fail"

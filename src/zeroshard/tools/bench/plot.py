@@ -1,6 +1,7 @@
 """The bench's chart, in the style of the ZeRO paper's Figure 1: memory per rank by stage, stacked by
 parameters / gradients / optimizer states, the measured bar next to the predicted one; beside it the
-measured peak memory per rank of every configuration, peers included."""
+measured peak memory per rank of every configuration, peers included. Also the memory sweep's chart
+(`write_sweep_chart`) and the bandwidth sweep's (`write_bandwidth_chart`, scripts/bandwidth_sweep.py)."""
 from __future__ import annotations
 
 import textwrap
@@ -112,12 +113,12 @@ def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
     return path
 
 
-SWEEP_NAMES = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
+BANDWIDTH_RUNS = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
                "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
                "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather"}
 
 
-def sweep_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:
+def bandwidth_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:
     """Per run of a bandwidth sweep (scripts/bandwidth_sweep.py): (link Gbit/s as one TCP stream
     measured it, median s/step, limited?), slowest link first; the unlimited row (loopback through
     the veth) sits at the rate it measured."""
@@ -130,22 +131,22 @@ def sweep_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:
     return series
 
 
-def write_sweep_chart(sweeps: list[tuple[str, dict]], path: Path) -> Path:
+def write_bandwidth_chart(sweeps: list[tuple[str, dict]], path: Path) -> Path:
     """Step time against link rate, one line per run, and the same as a multiple of DDP's step:
     one column per (title, sweep)."""
     plt = _pyplot()
     fig, axes = plt.subplots(2, len(sweeps), figsize=(6.5 * len(sweeps), 8), squeeze=False)
     for column, (title, sweep) in enumerate(sweeps):
-        series = sweep_series(sweep)
+        series = bandwidth_series(sweep)
         ddp = {rate: t for rate, t, _ in series.get("ddp", [])}
         top, bottom = axes[0][column], axes[1][column]
         for index, (run, points) in enumerate(series.items()):
-            color = f"C{list(SWEEP_NAMES).index(run) if run in SWEEP_NAMES else index}"  # one colour per run
+            color = f"C{list(BANDWIDTH_RUNS).index(run) if run in BANDWIDTH_RUNS else index}"  # one colour per run
             panels = [(top, [t for _, t, _ in points])]
             if ddp and run != "ddp":
                 panels.append((bottom, [t / ddp[rate] for rate, t, _ in points]))
             for ax, values in panels:
-                ax.plot([p[0] for p in points], values, color=color, label=SWEEP_NAMES.get(run, run))
+                ax.plot([p[0] for p in points], values, color=color, label=BANDWIDTH_RUNS.get(run, run))
                 for (rate, _, limited), value in zip(points, values):  # hollow: the row without a limit
                     ax.plot(rate, value, "o", color=color, markerfacecolor=color if limited else "white")
         for ax in (top, bottom):
