@@ -25,6 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netcluster, beside this file
 import netcluster  # noqa: E402
 
+from zeroshard.tools.bench.plot import BANDWIDTH_RUNS, write_bandwidth_chart  # noqa: E402 (matplotlib: when drawn)
+
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bandwidth_sweep:begin -->", "<!-- bandwidth_sweep:end -->"
 _PROBE_BYTES = 20_000_000
@@ -103,11 +105,8 @@ def _interleaving(row: dict) -> str:
 def table(sweep: dict) -> str:
     rows = sweep["rates"]
     runs = [r["run"] for r in rows[0]["runs"]]
-    names = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
-             "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
-             "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather"}
     loads = any("load_before" in row for row in rows)
-    head = ["link (tbf)", "one TCP stream"] + [f"{names[r]} s/step" for r in runs] + ["load before → after"] * loads
+    head = ["link (tbf)", "one TCP stream"] + [f"{BANDWIDTH_RUNS[r]} s/step" for r in runs] + ["load before → after"] * loads
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         by_run = {r["run"]: r for r in row["runs"]}
@@ -124,7 +123,7 @@ def table(sweep: dict) -> str:
     first = {r["run"]: r for r in rows[0]["runs"]}
     for run in runs:
         sent = first[run]["link_tx_bytes_per_step"].get("0", 0.0)
-        lines.append(f"| {names[run]} | {_mb(first[run]['paper_bytes_per_step'])} | {_mb(sent)} |")
+        lines.append(f"| {BANDWIDTH_RUNS[run]} | {_mb(first[run]['paper_bytes_per_step'])} | {_mb(sent)} |")
     meta = sweep["meta"]
     lines += ["", f"Measured {meta['date']} on {meta['machine']}: {meta['note']}. Model: GPT "
               f"{rows[0]['gpt']['n_layer']} layers × {rows[0]['gpt']['n_embd']}, {first[runs[0]]['params']:,} "
@@ -207,11 +206,8 @@ def main(argv=None) -> int:
     if args.doc:
         write_doc(args.doc, table(sweep))
     if args.chart:
-        from zeroshard.tools.bench.plot import write_bandwidth_chart
-
-        sweeps = [args.json, *args.chart_also]
-        loaded = [json.loads(path.read_text()) for path in sweeps]
-        print(f"chart: {write_bandwidth_chart([(_title(sweep), sweep) for sweep in loaded], args.chart)}")
+        loaded = [sweep, *(json.loads(path.read_text()) for path in args.chart_also)]
+        print(f"chart: {write_bandwidth_chart([(_title(s), s) for s in loaded], args.chart)}")
     return 0
 
 

@@ -62,18 +62,14 @@ def _shard_bytes(directory: str) -> dict[str, int]:
 # ---------------------------------------------------------------- 4 ranks
 
 def _four_worker(rank: int, world: int, *, root: str) -> dict:
-    continuous, plain_continuous = {}, {}
+    continuous, plain_continuous = {}, {}  # the runs that saved mics-*/ and plain-*/, trained on
     for optimizer in OPTIMIZERS:
-        engine = _engine(optimizer, world, mics=K)
-        _train(engine, 0, BEFORE)
-        engine.save_checkpoint(f"{root}/mics-{optimizer}", tag="base")
-        continuous[optimizer] = _train(engine, BEFORE, AFTER)
-        engine.destroy()
-        engine = _engine(optimizer, world)
-        _train(engine, 0, BEFORE)
-        engine.save_checkpoint(f"{root}/plain-{optimizer}", tag="base")
-        plain_continuous[optimizer] = _train(engine, BEFORE, AFTER)
-        engine.destroy()
+        for name, mics, runs in (("mics", K, continuous), ("plain", None, plain_continuous)):
+            engine = _engine(optimizer, world, mics=mics)
+            _train(engine, 0, BEFORE)
+            engine.save_checkpoint(f"{root}/{name}-{optimizer}", tag="base")
+            runs[optimizer] = _train(engine, BEFORE, AFTER)
+            engine.destroy()
 
     def files():
         manifest = json.loads(Path(f"{root}/mics-sgd/base/manifest.json").read_text())
@@ -93,23 +89,22 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
         _exactly(_train(engine, BEFORE, AFTER), continuous[optimizer], f"MiCS resume ({optimizer})")
         engine.destroy()
 
-    def mics_into_plain(optimizer):
-        engine = _engine(optimizer, world, seed=6)
-        engine.load_checkpoint(f"{root}/mics-{optimizer}")
-        again = engine.save_checkpoint(f"{root}/mics-to-plain4-{optimizer}", tag="again")
-        _check_same_states(engine, again, f"{root}/mics-{optimizer}/base", "MiCS -> stage 3 at 4 ranks")
+    def across(optimizer, source, mics, seed, what, reference):
+        """`source`'s checkpoint into the other layout at 4 ranks: the same states saved again, and
+        with SGD the same run within RTOL (the module docstring says why not AdamW)."""
+        engine = _engine(optimizer, world, mics=mics, seed=seed)
+        engine.load_checkpoint(f"{root}/{source}-{optimizer}")
+        again = engine.save_checkpoint(f"{root}/{source}-across-{optimizer}", tag="again")
+        _check_same_states(engine, again, f"{root}/{source}-{optimizer}/base", what)
         if optimizer == "sgd":
-            assert_close_run(_train(engine, BEFORE, AFTER), continuous[optimizer], "MiCS -> stage 3 at 4 ranks")
+            assert_close_run(_train(engine, BEFORE, AFTER), reference[optimizer], what)
         engine.destroy()
 
+    def mics_into_plain(optimizer):
+        across(optimizer, "mics", None, 6, "MiCS -> stage 3 at 4 ranks", continuous)
+
     def plain_into_mics(optimizer):
-        engine = _engine(optimizer, world, mics=K, seed=7)
-        engine.load_checkpoint(f"{root}/plain-{optimizer}")
-        again = engine.save_checkpoint(f"{root}/plain-to-mics-{optimizer}", tag="again")
-        _check_same_states(engine, again, f"{root}/plain-{optimizer}/base", "stage 3 at 4 ranks -> MiCS")
-        if optimizer == "sgd":
-            assert_close_run(_train(engine, BEFORE, AFTER), plain_continuous[optimizer], "stage 3 -> MiCS")
-        engine.destroy()
+        across(optimizer, "plain", K, 7, "stage 3 at 4 ranks -> MiCS", plain_continuous)
 
     def full_weights():
         """The full model of a MiCS engine (gathered inside a partition group) and of its checkpoint."""

@@ -78,7 +78,7 @@ class LiveCount:
         self.peak = self.numel
 
 
-def reuse_offsets(forward: list, backward: list) -> dict[int, tuple[int, int]]:
+def reuse_offsets(forward: list, backward: list) -> dict[int, tuple[int, int | None]]:
     """For `reuse_distance`: id(unit) -> (its last position in the forward order, elements of the
     units before its first use in the backward order, or None if it has none)."""
     offsets: dict[int, tuple[int, int | None]] = {id(u): (i, None) for i, u in enumerate(forward)}

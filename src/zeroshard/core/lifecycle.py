@@ -150,13 +150,11 @@ class Lifecycle:
             self.release_retained()  # kept by a training forward that no backward followed
             self._follow_inference_order(unit)
         unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
-        if self._training_forward() and self.forward_order is not None:
-            # Issued before this unit's wait: see [Note: prefetch before the wait].
+        training = self._training_forward() and self.forward_order is not None
+        if training:  # issued before this unit's wait: [Note: prefetch before the wait]
             self._prefetch(self.forward_order, self._position, "forward")
-            unit.wait_unshard()
-            return
         unit.wait_unshard()
-        if inference and self._inference_next is not None:
+        if not training and inference and self._inference_next is not None:
             self._prefetch(self.inference_order, self._inference_next, "forward")
 
     def _follow_inference_order(self, unit: Unit) -> None:
