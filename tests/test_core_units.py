@@ -128,3 +128,23 @@ def test_collective_tags_carry_what_each_rank_runs():
     assert not consistency.all_agree(torch.cat([consistency.encode(0, 1, long, torch.device("cpu")),
                                                 consistency.encode(0, 1, long + "y", torch.device("cpu"))])), \
         "descriptions longer than the carried text still differ by their hash"
+
+
+def test_a_large_untied_head_is_a_unit_of_its_own():
+    """[Note: the head is a unit] (wrap.py): only a large head, used nowhere else, and only by default."""
+    from zeroshard.compat.activation_checkpointing import apply_activation_checkpointing
+    from zeroshard.core.wrap import ROOT, unit_modules
+    from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
+
+    def names(wrap=None, **overrides):
+        with torch.device("meta"):
+            model = GPT(tiny_gpt_config(**overrides))
+        return [name for name, _ in unit_modules(model, wrap)]
+
+    assert names(tie_weights=False, vocab_size=512) == ["blocks.0", "blocks.1", "lm_head", ROOT]
+    assert names(tie_weights=True, vocab_size=512)[-2:] == ["blocks.1", ROOT], "tied: the embedding uses it"
+    assert names(tie_weights=False)[-2:] == ["blocks.1", ROOT], "64 x 32 is under half a block"
+    assert "lm_head" not in names(["Block"], tie_weights=False, vocab_size=512), "wrap_modules decides alone"
+    torch.manual_seed(0)
+    model = GPT(tiny_gpt_config(tie_weights=False, vocab_size=512))
+    assert apply_activation_checkpointing(model) == ["blocks.0", "blocks.1"], "a leaf gains nothing from it"

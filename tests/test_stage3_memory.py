@@ -18,13 +18,14 @@ UNBOUNDED = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_paramet
 
 
 class Deep(nn.Module):
-    """BLOCKS equal units (2 x width^2 elements each) and, with `head`, a root unit of its own."""
+    """BLOCKS equal units (2 x width^2 elements each) and, with `head` (its output width), a head: left
+    in the root unit below half a block, a unit of its own from there ([Note: the head is a unit])."""
 
-    def __init__(self, width: int, head: bool = False):
+    def __init__(self, width: int, head: int = 0):
         super().__init__()
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh(),
                                                   nn.Linear(width, width, bias=False)) for _ in range(BLOCKS))
-        self.head = nn.Linear(width, width, bias=False) if head else None
+        self.head = nn.Linear(width, head, bias=False) if head else None
 
     def forward(self, x):
         for block in self.blocks:
@@ -32,7 +33,7 @@ class Deep(nn.Module):
         return (self.head(x) if self.head is not None else x).square().mean()
 
 
-def _engine(width: int, head: bool = False, gas: int = 1, **zero):
+def _engine(width: int, head: int = 0, gas: int = 1, **zero):
     torch.manual_seed(0)
     model = Deep(width, head)
     engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
@@ -40,7 +41,7 @@ def _engine(width: int, head: bool = False, gas: int = 1, **zero):
     return engine
 
 
-def _counted_case(head: bool, zero: dict, inference: bool) -> dict:
+def _counted_case(head: int, zero: dict, inference: bool) -> dict:
     width = 32
     engine = _engine(width, head, **zero)
     live = engine.sharded.lifecycle.live
@@ -60,7 +61,8 @@ def _counted_case(head: bool, zero: dict, inference: bool) -> dict:
     engine.step()
     report = {"forward_peak": forward_peak, "step_peak": live.peak, "live_after": live.numel,
               "gathers": gathers["all_gather"] - before, "losses": losses + [loss.item()],
-              "unit": 2 * width * width, "root": width * width * head}
+              "unit": 2 * width * width, "root": width * head if head < width else 0,
+              "units": [unit.name for unit in engine.units]}
     if inference:
         with torch.no_grad():
             for _ in range(3):  # the first pass records the inference order, the second starts prefetching
@@ -79,29 +81,32 @@ def _counted_case(head: bool, zero: dict, inference: bool) -> dict:
 
 def _counted_worker(rank: int, world: int) -> list[dict]:
     cases = [
-        {"head": False, "zero": {}, "inference": True},  # zeroshard's defaults
-        {"head": False, "zero": UNBOUNDED, "inference": True},
-        {"head": False, "zero": {"stage3_prefetch_bucket_size": 50_000_000,
+        {"head": 0, "zero": {}, "inference": True},  # zeroshard's defaults
+        {"head": 0, "zero": UNBOUNDED, "inference": True},
+        {"head": 0, "zero": {"stage3_prefetch_bucket_size": 50_000_000,
                                  "stage3_max_live_parameters": 3 * 2 * 32 * 32}, "inference": True},
-        {"head": False, "zero": {"stage3_prefetch_bucket_size": 3 * 2 * 32 * 32}, "inference": False},
-        {"head": False, "zero": {"stage3_max_live_parameters": 1}, "inference": False},  # below one unit
-        {"head": False, "zero": {"stage3_prefetch_bucket_size": 0}, "inference": False},
-        {"head": True, "zero": {"stage3_max_reuse_distance": 0}, "inference": False},  # nothing kept
-        {"head": True, "zero": {}, "inference": False},  # the root is kept from forward to backward
-        {"head": True, "zero": {"stage3_max_reuse_distance": 10**9}, "inference": False},  # everything kept
-        {"head": True, "zero": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 4 * 2048},
+        {"head": 0, "zero": {"stage3_prefetch_bucket_size": 3 * 2 * 32 * 32}, "inference": False},
+        {"head": 0, "zero": {"stage3_max_live_parameters": 1}, "inference": False},  # below one unit
+        {"head": 0, "zero": {"stage3_prefetch_bucket_size": 0}, "inference": False},
+        {"head": 16, "zero": {"stage3_max_reuse_distance": 0}, "inference": False},  # nothing kept
+        {"head": 16, "zero": {}, "inference": False},  # the root is kept from forward to backward
+        {"head": 16, "zero": {"stage3_max_reuse_distance": 10**9}, "inference": False},  # everything kept
+        {"head": 16, "zero": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 4 * 2048},
          "inference": False},
+        {"head": 32, "zero": {}, "inference": False},  # a head unit, no root unit
     ]
     return subtests(cases, _counted_case)
 
 
 def test_live_gathered_elements_stay_within_the_bounds():
     reports = run_distributed(_counted_worker, 2, timeout=300)
-    (default, unbounded, live3, ahead3, live1, no_prefetch, reuse0, root, reuse_all, reuse_capped) = reports[0]
+    (default, unbounded, live3, ahead3, live1, no_prefetch, reuse0, root, reuse_all, reuse_capped,
+     head) = reports[0]
     unit = default["unit"]
     for r in reports[0]:
         assert r["live_after"] == 0, r  # everything freed after the step
-        assert r["losses"] == default["losses"] if r["root"] == 0 else r["losses"] == root["losses"], r
+        if r is not head:
+            assert r["losses"] == default["losses"] if r["root"] == 0 else r["losses"] == root["losses"], r
     # Defaults: the unit being computed + the next one prefetched, in forward, backward and no-grad passes.
     assert default["forward_peak"] == default["step_peak"] == default["inference_peak"] == 2 * unit, default
     assert default["kept_then_freed"] == (unit, 2 * unit, 0), default
@@ -117,14 +122,20 @@ def test_live_gathered_elements_stay_within_the_bounds():
     # its forward ends (the default reuse distance 1): it stays gathered, unless the live bound forbids it.
     assert default["gathers"] == unbounded["gathers"] == 2 * BLOCKS - 1 and live1["gathers"] == 2 * BLOCKS, default
     # The root unit (the head, outermost): gathered while the blocks run, kept for its backward, which
-    # begins where its forward ends: one gather fewer per step, no higher peak.
-    assert root["step_peak"] == root["root"] + 2 * unit and root["gathers"] == 2 * BLOCKS + 1, root
+    # begins where its forward ends, and so is the last block, whose backward follows at once (the
+    # root around it is not counted as used in between): two gathers fewer per step, no higher peak.
+    assert root["units"][-1] == "<root>" and "head" not in root["units"], root
+    assert root["step_peak"] == root["root"] + 2 * unit and root["gathers"] == 2 * BLOCKS, root
     assert reuse0["step_peak"] == root["step_peak"] and reuse0["gathers"] == 2 * (BLOCKS + 1), reuse0
     # A reuse distance above the model: no unit freed after forward, one gather each per step.
     assert reuse_all["forward_peak"] == root["root"] + BLOCKS * unit and reuse_all["gathers"] == BLOCKS + 1
     # ... unless the live bound says otherwise: kept only while live stays within it.
     assert reuse_capped["step_peak"] <= 4 * 2048 and BLOCKS + 1 < reuse_capped["gathers"] < 2 * BLOCKS + 1
     assert reuse_capped["losses"] == root["losses"], reuse_capped
+    # A head of a block's size is a unit: kept from its forward (the last) to its backward (the first);
+    # the last block is not (the head is used in between), and nothing else is live beside two units.
+    assert head["units"] == [f"blocks.{i}" for i in range(BLOCKS)] + ["head"], head
+    assert head["step_peak"] == 2 * unit and head["gathers"] == 2 * BLOCKS + 1, head
 
 
 WIDTH = 1024  # one unit = 2 x 1024 x 1024 fp32 = 8 MiB; the model = 64 MiB

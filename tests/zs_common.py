@@ -58,6 +58,7 @@ def train_engine(model_fn, batches, *, config: dict, optimizer_fn=adamw, steps: 
     out["memory"] = engine.memory_report()
     out["num_parameters"] = engine.num_parameters()
     out["groups"] = len(engine.groups)
+    out["units"] = [unit.name for unit in engine.units]
     engine.destroy()
     return out
 

@@ -167,6 +167,8 @@ def apply_activation_checkpointing(model: nn.Module, wrap_modules: list[str] | N
 def _checkpoint_modules(named: list[tuple[str, nn.Module]]) -> list[str]:
     done: list[str] = []
     for name, module in sorted(named, key=lambda item: item[0].count(".")):
+        if next(module.children(), None) is None:
+            continue  # a leaf (the head unit, wrap.py) saves its input with or without checkpointing
         if any(is_inside(name, outer) for outer in done):
             continue  # inside a region already recomputed as a whole: checkpointing again saves nothing
         if not _is_checkpointed(module):

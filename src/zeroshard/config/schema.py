@@ -296,8 +296,9 @@ class ZeroConfig(Section):
     being computed is gathered regardless). Unset: no bound beyond the prefetch's (DeepSpeed: 1e9)."""
     stage3_max_reuse_distance: NonNegInt = 1
     """Stage 3: keep a unit gathered from its forward to its backward when the units used in between
-    hold fewer than this many elements: 0 frees every unit, the default 1 keeps only the root unit,
-    whose backward starts where its forward ends (DeepSpeed's default: 1e9)."""
+    hold fewer than this many elements: 0 frees every unit, the default 1 keeps the root unit,
+    whose backward starts where its forward ends, and the unit that ran last in forward, whose backward
+    follows the root's (gathered.py; DeepSpeed's default: 1e9)."""
     sub_group_size: NonNegInt = 1_000_000_000
     """Elements per optimizer-step tile (offload streams the step tile by tile)."""
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(

@@ -19,8 +19,10 @@ persistent unit of small parameters) are model states, not counted. Three bounds
     the recorded orders) hold fewer than this many elements (DeepSpeed's test), and the next unit to
     run still fits within `max_live_numel` beside it. 0 frees every unit after its forward (the
     paper's schedule: each gathered twice a step); 1 keeps only what is reused at once: the root unit,
-    whose backward begins where its forward ends (FSDP2 keeps its root unit gathered there too), or
-    the last block of a model without one. Reuse inside one forward or one backward is not looked for.
+    whose backward begins where its forward ends (FSDP2 keeps its root unit gathered there too), and
+    the unit that ran last in forward (the head unit, or the last block), whose backward comes right
+    after the root's: the root encloses it, so is not counted as used in between (`reuse_offsets`).
+    Reuse inside one forward or one backward is not looked for.
 
 zeroshard's defaults (`GatherLimits()`): the next unit prefetched, no element bound beyond it, reuse
 distance 1; so at most the enclosing units + the current unit + the next one are live, FSDP2's
@@ -30,6 +32,8 @@ and then a small model may be gathered whole.
 from __future__ import annotations
 
 import dataclasses
+
+from zeroshard.core.wrap import is_inside
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +84,13 @@ class LiveCount:
 
 def reuse_offsets(forward: list, backward: list) -> dict[int, tuple[int, int | None]]:
     """For `reuse_distance`: id(unit) -> (its last position in the forward order, elements of the
-    units before its first use in the backward order, or None if it has none)."""
+    units before its first use in the backward order, or None if it has none). A unit enclosing it
+    (the root, around a head unit that runs last: [Note: the head is a unit] in wrap.py) is not
+    counted: it is gathered around the unit's forward anyway, so keeping the unit adds nothing to it."""
     offsets: dict[int, tuple[int, int | None]] = {id(u): (i, None) for i, u in enumerate(forward)}
-    before = 0
-    for unit in backward:
+    for position, unit in enumerate(backward):
         last, seen = offsets.get(id(unit), (-1, None))
         if seen is None:
+            before = sum(u.numel for u in backward[:position] if not is_inside(unit.name, u.name))
             offsets[id(unit)] = (last, before)
-        before += unit.numel
     return offsets

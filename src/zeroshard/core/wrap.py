@@ -1,8 +1,21 @@
 """Which modules become units (the granularity of gathering and gradient reduction).
 
 Default: every block of the model's largest `nn.ModuleList` (by parameter count: the transformer
-layers of a GPT, the decoder layers of a HuggingFace model), plus the root for everything else.
-`wrap_modules` names module classes instead (like FSDP's `ModuleWrapPolicy`).
+layers of a GPT, the decoder layers of a HuggingFace model), each large module after the blocks (the
+head: see [Note: the head is a unit]), plus the root for everything else. `wrap_modules` names module
+classes instead (like FSDP's `ModuleWrapPolicy`), and then only those become units.
+
+[Note: the head is a unit]
+A unit's gradients are reduced once all of them are ready. Left in the root, an untied LM head (in a
+GPT with a large vocabulary as big as a block or more) has its gradient first in backward but waits
+until the embedding's, the very last, so its reduction cannot overlap any compute: 58 ms of waiting
+at the end of backward on the 33.7M GPT of docs/performance.md. DDP starts it at once, since its
+buckets follow parameter registration order backwards; torchtitan wraps the output layer apart from
+the root for the same reason. So a module registered after the blocks, outside them, holding
+parameters of its own and at least half a block's worth of them, is a unit of its own. At stage 3
+that also frees it outside its use. Not the embedding: its gradient is the last of backward anyway.
+A module whose parameters are also used outside it (a head tied to the embedding) stays in the
+root, where its other user is.
 """
 from __future__ import annotations
 
@@ -31,7 +44,30 @@ def unit_modules(model: nn.Module, wrap_modules: list[str] | None = None) -> lis
         if lists:
             name, biggest = max(lists, key=lambda item: _numel(item[1]))
             found = [(f"{name}.{i}", block) for i, block in enumerate(biggest) if _numel(block)]
+            found += _heads(model, name, [block for _, block in found])
     return found + [(ROOT, model)]
+
+
+def _heads(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> list[tuple[str, nn.Module]]:
+    """The modules after the blocks that are units of their own: [Note: the head is a unit]."""
+    if not blocks:
+        return []
+    least = sum(_numel(b) for b in blocks) / len(blocks) / 2
+    names = [n for n, _ in model.named_modules()]
+    after = names[names.index(blocks_name) + 1:]
+    heads = []
+    for name, module in model.named_modules():
+        if name not in after or is_inside(name, blocks_name) or any(is_inside(name, h) for h, _ in heads):
+            continue
+        own = list(module.parameters(recurse=False))
+        if not own or _numel(module) < least:
+            continue
+        inside = {id(p) for p in module.parameters()}
+        elsewhere = {id(p) for n, m in model.named_modules() if not is_inside(n, name)
+                     for p in m.parameters(recurse=False)}
+        if not inside & elsewhere:
+            heads.append((name, module))
+    return heads
 
 
 def is_inside(inner: str, outer: str) -> bool:

@@ -2,8 +2,9 @@
 a `transformers.Trainer` that trains through a zeroshard engine instead of DeepSpeed.
 
 transformers models need nothing else: the default wrap policy makes each decoder layer (the
-blocks of the model's largest `nn.ModuleList`) a unit, the root unit holds the embeddings, the final
-norm and the LM head (a tied embedding and head are one parameter, owned once), keyword-only
+blocks of the model's largest `nn.ModuleList`) a unit, and an untied LM head of at least half a
+layer's size too; the root unit holds the embeddings, the final norm and a tied head (a tied
+embedding and head are one parameter, owned once), keyword-only
 calls reach the model through `engine(**batch)`, and the lifecycle hooks the tensors inside a
 `ModelOutput`. Requires `pip install zeroshard[hf]`; nothing in the core imports this module.
 """

@@ -128,13 +128,15 @@ class Prediction:
 
 def gpt_overlap(vocab: int, n_layer: int, n_embd: int, block_size: int, tied: bool, params: int) -> Overlap:
     """The overlap of a built-in GPT (each Block a unit, the root unit holds the rest): the root (token
-    and position embeddings, final LayerNorm, the head unless tied) is gathered first and reduced last;
+    and position embeddings, final LayerNorm, the head unless it is a unit of its own: untied and at
+    least half a block, [Note: the head is a unit] in wrap.py) is gathered first and reduced last;
     and communication can hide only behind the blocks' compute, since the LM head runs after every
     block in forward and its backward before any unit's gradient is complete. FLOPs per token (the
     usual 2 per multiply-add): a block 24 d^2 (qkv, projection, 4x MLP) + 4 T d (attention), the head
     2 d V."""
     d = n_embd
-    root = vocab * d * (1 if tied else 2) + block_size * d + 2 * d
+    head_unit = not tied and vocab * d >= (12 * d * d + 13 * d) / 2  # a block: 4 weights, 9 vectors
+    root = vocab * d * (1 if tied or head_unit else 2) + block_size * d + 2 * d
     blocks = n_layer * (24 * d * d + 4 * block_size * d)
     share = blocks / (blocks + 2 * d * vocab)
     base = Overlap()
