@@ -239,7 +239,9 @@ def main(argv=None) -> None:
     common = {"world": world, "gpt": vars(gpt), "batch": args.batch, "backend": dist.get_backend(),
               "reduce_scatter": reduce_scatter, "interleaved": bool(args.interleave or args.link_rates),
               # > 0: stage 3 keeps the unit last in forward gathered for backward
-              "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance}
+              "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance,
+              # and the unit last in forward too (core/gathered.py, reuse_offsets)
+              "keeps_last_forward_unit": True}
     if args.link_rates:  # one row per rate, every rate in every round
         by_rate = measure_interleaved(args.runs, args, gpt, rank, args.link_rates)
         document = {**common, "rows": [{"rate": label, "runs": by_rate[label]} for label, _ in args.link_rates]}

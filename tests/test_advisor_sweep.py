@@ -224,3 +224,24 @@ def test_the_sweep_chart_draws_what_was_recorded(tmp_path):
         assert [limited for *_, limited in points].count(False) == 1, "one unlimited row"
     path = write_bandwidth_chart([("33.7M", sweep), ("200M", json.loads(SWEEP_200M.read_text()))], tmp_path / "s.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
+
+
+def test_the_last_forward_unit_is_not_regathered_in_backward():
+    """Stage 3 keeps the root and the unit last in forward (core/gathered.py): the model's backward
+    all-gather is one block smaller (tied head) or one head smaller (a head unit), and sweeps recorded
+    before say so by lacking `keeps_last_forward_unit`."""
+    d, layers, vocab, seq = 64, 4, 512, 32
+    block = 12 * d * d + 13 * d
+    for tied, kept in ((True, block), (False, vocab * d)):
+        params = vocab * d * (1 if tied else 2) + seq * d + 2 * d + layers * block
+        o = steptime.gpt_overlap(vocab, layers, d, seq, tied, params)
+        assert abs(o.kept_unit - kept / params) < 1e-12, (tied, o)
+
+        def backward_gather(comm):
+            return next(t.full_bytes for t in steptime.transfers(3, params, 2, 4, 4, o.last_unit, comm, o.kept_unit)
+                        if t.what == "backward all-gather")
+        saved = backward_gather(steptime.Comm(keep_last_forward_unit=False)) - backward_gather(steptime.Comm())
+        assert abs(saved - 4 * kept) < 1e-6, (tied, saved, kept)
+    assert not sweepcheck.comm_of({"stage3_max_reuse_distance": 1}, "3").keep_last_forward_unit
+    assert sweepcheck.comm_of({"stage3_max_reuse_distance": 1, "keeps_last_forward_unit": True},
+                              "3").keep_last_forward_unit

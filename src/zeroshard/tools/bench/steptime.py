@@ -83,6 +83,9 @@ class Overlap:
     # processor (a GPU with its copy engines; a NIC); on a CPU box whose ranks use every core, gloo's
     # threads and the kernel's TCP work wait for it: the 2-core sweep measured 0 (docs/multinode.md).
     efficiency: float = 1.0
+    # Stage 3: parameter share of the unit that runs last in forward (GPT: the last block, or the head
+    # unit), kept gathered into backward beside the root (`Comm.keep_last_forward_unit`).
+    kept_unit: float = 0.0
 
 
 NO_OVERLAP = Overlap(0.0, 0.0, 1.0, 0.0)
@@ -99,6 +102,9 @@ class Comm:
     # Stage 3: the unit last in forward and first in backward (a GPT's root) stays gathered between
     # them, as zeroshard does by default (stage3_max_reuse_distance 1: nothing runs in between).
     keep_last_unit: bool = True
+    # ... and so does the unit that ran last in forward, whose backward follows the root's (gathered.py:
+    # the root around it is not counted as used in between). Sweeps recorded before that say so.
+    keep_last_forward_unit: bool = True
 
 
 @dataclass
@@ -140,7 +146,9 @@ def gpt_overlap(vocab: int, n_layer: int, n_embd: int, block_size: int, tied: bo
     blocks = n_layer * (24 * d * d + 4 * block_size * d)
     share = blocks / (blocks + 2 * d * vocab)
     base = Overlap()
-    return Overlap(base.forward * share, base.backward * share, min(1.0, root / params), base.efficiency)
+    kept = (vocab * d if head_unit else 12 * d * d + 13 * d) / params  # the head unit, or the last block
+    return Overlap(base.forward * share, base.backward * share, min(1.0, root / params), base.efficiency,
+                   min(kept, 1.0 - min(1.0, root / params)))
 
 
 def _quantized(params: int) -> float:
@@ -148,7 +156,7 @@ def _quantized(params: int) -> float:
 
 
 def transfers(stage: int, params: int, world: int, param_bytes: int, grad_bytes: int, last_unit: float,
-              comm: Comm = Comm()) -> list[Transfer]:
+              comm: Comm = Comm(), kept_unit: float = 0.0) -> list[Transfer]:
     """The collectives of one step at `stage` and the phase each runs in (see the note)."""
     rest, last = 1 - last_unit, last_unit
     grads, weights = params * grad_bytes, params * param_bytes
@@ -166,7 +174,8 @@ def transfers(stage: int, params: int, world: int, param_bytes: int, grad_bytes:
     out = [Transfer("forward all-gather", "all_gather", gathered * rest, "forward"),
            Transfer("first unit's forward all-gather", "all_gather", gathered * last, "exposed")]
     if not comm.hierarchical:
-        out.append(Transfer("backward all-gather", "all_gather", gathered * rest, "backward"))
+        kept = kept_unit if comm.keep_last_unit and comm.keep_last_forward_unit else 0.0
+        out.append(Transfer("backward all-gather", "all_gather", gathered * (rest - kept), "backward"))
         if not comm.keep_last_unit:
             out.append(Transfer("first unit's backward all-gather", "all_gather", gathered * last, "exposed"))
     if comm.quantized_gradients:  # one all-to-all of int8 blocks (docs/zeropp.md)
@@ -180,7 +189,7 @@ def transfers(stage: int, params: int, world: int, param_bytes: int, grad_bytes:
 def predict(stage: int, params: int, world: int, param_bytes: int, grad_bytes: int, compute_s: float,
             network: Network, overlap: Overlap = Overlap(), comm: Comm = Comm()) -> Prediction:
     prediction = Prediction(compute_s)
-    for t in transfers(stage, params, world, param_bytes, grad_bytes, overlap.last_unit, comm):
+    for t in transfers(stage, params, world, param_bytes, grad_bytes, overlap.last_unit, comm, overlap.kept_unit):
         t.sent_bytes = t.full_bytes * sent_per_byte(t.kind, world, network.reduce_scatter)
         if t.sent_bytes:
             prediction.transfers.append(t)

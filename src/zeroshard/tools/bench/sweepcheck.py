@@ -85,7 +85,7 @@ def overlap(gpt: dict, params: int, run: str = "0", efficiency: float = 1.0) -> 
     last = o.last_unit
     if run == "ddp":  # its last bucket holds at least the embedding, up to DDP_BUCKET of gradients
         last = max(last, min(1.0, DDP_BUCKET / (4 * params)))
-    return steptime.Overlap(o.forward, o.backward, last, efficiency)
+    return steptime.Overlap(o.forward, o.backward, last, efficiency, o.kept_unit)
 
 
 def network(row: dict) -> steptime.Network:
@@ -105,9 +105,11 @@ SAME_COMPUTE = ("0", "1", "2")  # the same forward and backward; the optimizer s
 
 def comm_of(row: dict, run: str) -> steptime.Comm:
     """The run's communication variant; a sweep recorded before stage3_max_reuse_distance existed
-    (no such field) regathered every unit in backward."""
+    (no such field) regathered every unit in backward, and one recorded before the last forward unit
+    was kept too (no `keeps_last_forward_unit`) regathered all but the root."""
     comm = RUNS[run][1]
-    return dataclasses.replace(comm, keep_last_unit=row.get("stage3_max_reuse_distance", 0) > 0)
+    return dataclasses.replace(comm, keep_last_unit=row.get("stage3_max_reuse_distance", 0) > 0,
+                               keep_last_forward_unit=row.get("keeps_last_forward_unit", False))
 
 
 def calibrate(sweep: dict, efficiency: float = 1.0) -> dict[str, float]:
