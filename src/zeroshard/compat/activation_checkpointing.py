@@ -149,8 +149,8 @@ def configure_engine(engine) -> None:
 
 # -- applying it to units --------------------------------------------------------------------------------
 def apply_to_units(engine) -> list[str]:
-    """Checkpoint every unit of `engine` but the root (which is the whole model). Module and parameter
-    names do not change. Returns the qualified names of the checkpointed modules."""
+    """Checkpoint every unit of `engine` but the root (which is the whole model) and leaf units (a head
+    unit: nothing to recompute that it does not save anyway). Module and parameter names do not change. Returns the qualified names of the checkpointed modules."""
     chosen = [(u.name, u.module) for u in engine.units if u.module is not None and u.name != ROOT]
     if engine.config.activation_checkpointing.cpu_checkpointing and torch.cuda.is_available():
         warnings.warn("activation_checkpointing.cpu_checkpointing applies to checkpoint() calls; units "

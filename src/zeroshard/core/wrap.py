@@ -7,7 +7,7 @@ classes instead (like FSDP's `ModuleWrapPolicy`), and then only those become uni
 
 [Note: the head is a unit]
 A unit's gradients are reduced once all of them are ready. Left in the root, an untied LM head (in a
-GPT with a large vocabulary as big as a block or more) has its gradient first in backward but waits
+GPT with a large vocabulary, half a block or more) has its gradient first in backward but waits
 until the embedding's, the very last, so its reduction cannot overlap any compute: 58 ms of waiting
 at the end of backward on the 33.7M GPT of docs/performance.md. DDP starts it at once, since its
 buckets follow parameter registration order backwards; torchtitan wraps the output layer apart from
@@ -53,14 +53,13 @@ def _heads(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> list[
     if not blocks:
         return []
     least = sum(_numel(b) for b in blocks) / len(blocks) / 2
-    names = [n for n, _ in model.named_modules()]
-    after = names[names.index(blocks_name) + 1:]
+    named = list(model.named_modules())
+    start = next(i for i, (n, _) in enumerate(named) if n == blocks_name) + 1
     heads = []
-    for name, module in model.named_modules():
-        if name not in after or is_inside(name, blocks_name) or any(is_inside(name, h) for h, _ in heads):
+    for name, module in named[start:]:  # registered after the blocks
+        if is_inside(name, blocks_name) or any(is_inside(name, h) for h, _ in heads):
             continue
-        own = list(module.parameters(recurse=False))
-        if not own or _numel(module) < least:
+        if next(module.parameters(recurse=False), None) is None or _numel(module) < least:
             continue
         inside = {id(p) for p in module.parameters()}
         elsewhere = {id(p) for n, m in model.named_modules() if not is_inside(n, name)

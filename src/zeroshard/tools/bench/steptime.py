@@ -141,14 +141,14 @@ def gpt_overlap(vocab: int, n_layer: int, n_embd: int, block_size: int, tied: bo
     usual 2 per multiply-add): a block 24 d^2 (qkv, projection, 4x MLP) + 4 T d (attention), the head
     2 d V."""
     d = n_embd
-    head_unit = not tied and vocab * d >= (12 * d * d + 13 * d) / 2  # a block: 4 weights, 9 vectors
-    root = vocab * d * (1 if tied or head_unit else 2) + block_size * d + 2 * d
-    blocks = n_layer * (24 * d * d + 4 * block_size * d)
+    block = 12 * d * d + 13 * d  # parameters: 4 weights, 9 vectors
+    head_unit = not tied and vocab * d >= block / 2
+    root = min(1.0, (vocab * d * (1 if tied or head_unit else 2) + block_size * d + 2 * d) / params)
+    kept = min(1.0 - root, (vocab * d if head_unit else block) / params)  # the head unit, or the last block
+    blocks = n_layer * (24 * d * d + 4 * block_size * d)  # FLOPs per token
     share = blocks / (blocks + 2 * d * vocab)
     base = Overlap()
-    kept = (vocab * d if head_unit else 12 * d * d + 13 * d) / params  # the head unit, or the last block
-    return Overlap(base.forward * share, base.backward * share, min(1.0, root / params), base.efficiency,
-                   min(kept, 1.0 - min(1.0, root / params)))
+    return Overlap(base.forward * share, base.backward * share, root, base.efficiency, kept)
 
 
 def _quantized(params: int) -> float:
