@@ -161,6 +161,40 @@ def _all_ranks_worker(rank: int, world: int, *, tmp: str) -> None:
     cases += [dict(stage=s, offload=None, gas=1, kind=k, precision="fp16") for s in (1, 3) for k in KINDS]
     cases += [dict(stage=s, offload=None, gas=g, kind="loss.backward()") for s in (0, 1, 3) for g in (1, 2)]
     subtests([dict(c, nvme=nvme) for c in cases], _all_ranks_case)
+    subtests([dict(stage=s, change=c) for s in (0, 1) for c in (None, "parameter", "state")],
+             _changed_before_step_case)
+
+
+def _changed_before_step_case(stage: int, change: str | None) -> None:
+    """Stages 0/1 copy the optimizer state while the backward's last reductions are in flight
+    ([Note: the copy taken ahead]); a state loaded, or a parameter (a master) modified, between
+    that backward and the step is what a failing step restores, not the older copy. Unmodified, the
+    copy ahead is what the step restores from."""
+    engine = _engine(stage, None, 1, "", None)
+    _micro(engine, 0, 0)
+    engine.backward(gpt_loss(engine, *BATCHES(1, 0, engine.global_rank)))
+    assert engine.optimizer.snapshot_buffers.copies_ahead > 0, "no copy was taken while the reductions ran"
+    stale = [g.stale_grad_part(g.master) for g in engine.optimizer.groups]
+    assert all(p is not None for p in stale) == (stage == 1), "stage 1 copies masters into the stale gradient"
+    if change == "parameter":
+        param = engine.module.blocks[0].attn.qkv.weight
+        with engine.gathered_parameters([param], modifier_rank=0):
+            if engine.global_rank == 0:
+                param.data.add_(0.5)
+    elif change == "state":
+        state = engine.optimizer.state_dict()
+        for entry in state["state"].values():
+            entry["exp_avg"] = entry["exp_avg"] + 0.25
+        engine.optimizer.load_state_dict(state)
+    before = _state(engine)
+    FlakyAdamW.armed = True
+    try:
+        _expect(Injected, "", engine.step)
+    finally:
+        FlakyAdamW.armed = False
+    _assert_same(_state(engine), before, f"stage {stage}, a failed step after {change or 'nothing'} changed")
+    assert engine.optimizer.snapshot_buffers.copies_ahead == 0
+    engine.destroy()
 
 
 def test_failed_calls_change_nothing_but_gradients(tmp_path):

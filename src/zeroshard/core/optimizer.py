@@ -62,7 +62,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.replica = replica
         self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
         self.transactional = True  # [Note: transactional step]
-        self.snapshot_buffers = None if policy.shard_optimizer else SnapshotBuffers()  # stage 0 only
+        # Stage 0 keeps its copy between steps; stage 1 holds it from the copy ahead to the end of the
+        # step; stages 2/3 copy group by group in the step ([Note: the copy taken ahead] in rollback.py).
+        self.snapshot_buffers = None if policy.shard_gradients else \
+            SnapshotBuffers(keep_between_steps=not policy.shard_optimizer)
         self.snapshot_peak_bytes = 0  # what the last transactional step copied ([Note: one group at a time])
         self._per_group: bool | None = None  # steps_apart_alike(optimizer), asked at the first step
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
@@ -293,6 +296,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
             raise
         finally:
             self.snapshot_peak_bytes = before.nbytes
+            if self.snapshot_buffers is not None:
+                self.snapshot_buffers.step_done()
+
+    def copy_ahead(self) -> None:
+        """While the backward's last reductions are in flight: copy the optimizer state for the
+        coming step ([Note: the copy taken ahead] in rollback.py)."""
+        if self.snapshot_buffers is not None and self.transactional and self.streamed is None:
+            self.snapshot_buffers.copy_state_ahead(self.optimizer.state, [g.master for g in self.groups])
 
     def _overflow(self) -> bool:
         """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""

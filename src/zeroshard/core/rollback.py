@@ -17,7 +17,8 @@ copy is kept between steps (`SnapshotBuffers`) and overwritten in place by the n
 copy of hundreds of MB is mostly page faults on a CPU (torch's CPU allocator caches nothing: 8x the
 time of copying into a kept buffer, docs/performance.md), and stage 0 is chosen for speed; stages
 1-3 are chosen for memory, where a kept copy would sit on top of the activations through forward
-and backward, so they take a fresh copy each step and free it. With offloaded
+and backward, so they take a fresh copy each step and free it ([Note: the copy taken ahead] moves
+two thirds of stage 0's and 1's out of the step). With offloaded
 optimizer states no copy is taken (Sharded sets transactional = False): the copy would bring the
 states back into the memory they were offloaded from; the streamed step instead checks every swap
 file before it updates anything, so a damaged store still fails before any change. The gradients of
@@ -38,10 +39,30 @@ everything before it. A failing group's update is undone with every group before
 copied); the gradients are spent either way ([Note: failed steps] in sharded.py). A hook registered
 on the inner torch optimizer (`register_step_pre_hook` / `post_hook`) therefore runs once per flat
 group per step.
+
+[Note: the copy taken ahead]
+At stages 0 and 1 the last reductions of a backward are still in flight when the backward's last
+gradient is taken, and the step cannot start before they complete (45-48 ms a step of idle main
+thread on the 33.7M GPT, docs/performance.md). The optimizer state does not change between then and
+the step, so the lifecycle asks the optimizer to copy it then (`ZeroOptimizer.copy_ahead`, before
+end_backward waits: two thirds of Adam's copy), and the step's `Snapshot.keep` takes those copies
+instead of copying again. A copy is taken only if its tensor is still the same object with the same
+in-place write counter (`Tensor._version`, which every write through it, a view or a detach() of it
+advances): a state loaded or replaced between the backward and the step is copied again. The state
+is keyed by the flat masters, which a script never sees, so nothing writes it behind the counter.
+The masters are copied in the step, as before: at stages 0/1 in fp32 they are the parameters'
+storage, which a script may write through `param.data` (a tensor with a counter of its own) or a
+collective may fill, neither of which the counter sees. Stage 0 copies into its kept buffers; stage
+1 into fresh ones, freed at the end of the step: the copy then lives from the end of the backward,
+when the activations are gone, and the step held all of it by its last group anyway, so the peak
+is the same. Stages 2 and 3 free each group's gradient shard as its update reads it, and a copy
+taken before the step would sit on top of all of them ([Note: one group at a time]): they copy in
+the step.
 """
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 
@@ -51,21 +72,67 @@ def _copy(value):
 
 
 class SnapshotBuffers:
-    """Tensors a snapshot copies into, kept from one step to the next ([Note: transactional step])."""
+    """Tensors a snapshot copies into: kept from one step to the next (stage 0), or from the copy
+    taken ahead to the end of the step (stage 1) ([Note: the copy taken ahead])."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_between_steps: bool = True) -> None:
+        self.keep_between_steps = keep_between_steps
         self.kept: dict[tuple, torch.Tensor] = {}
+        self._ahead: dict[tuple, tuple[weakref.ref, int]] = {}  # key -> (its source, the source's version)
 
     def copy(self, key: tuple, value: torch.Tensor) -> torch.Tensor:
+        """`value`'s copy: the one taken ahead if `value` has not changed since, else a new one."""
+        ahead = self._ahead.pop(key, None)
         kept = self.kept.get(key)
         if kept is None or kept.shape != value.shape or kept.dtype != value.dtype or kept.device != value.device:
             kept = self.kept[key] = value.clone()
-        else:
+        elif ahead is None or ahead[0]() is not value or ahead[1] != _version(value):
             kept.copy_(value)
         return kept
 
+    def copy_ahead(self, key: tuple, value: torch.Tensor) -> None:
+        """Copy `value` now, for the step that follows; `copy` takes it if `value` is unchanged then."""
+        self._ahead.pop(key, None)
+        version = _version(value)
+        self.copy(key, value)
+        if version is not None:
+            self._ahead[key] = (weakref.ref(value), version)
+
+    def copy_state_ahead(self, state: dict, params: list[torch.Tensor]) -> None:
+        """Copy the optimizer state of `params` for the step that follows; the masters are copied in
+        the step. Memory this needs and cannot get is the step's to report: a copy that fails here
+        only leaves the copying to the step."""
+        try:
+            for param in params:
+                for key, value in state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        self.copy_ahead(("state", id(param), key), value)
+        except (RuntimeError, MemoryError):  # torch's out-of-memory is a RuntimeError on CPU
+            self.step_done()
+
+    def step_done(self) -> None:
+        """After a step (or a copy ahead that failed): no copy taken ahead is current any more; at
+        stage 1 the copies are freed, so that they do not sit under the next forward's activations."""
+        self._ahead.clear()
+        if not self.keep_between_steps:
+            self.kept.clear()
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kept.values())
+
+    @property
+    def copies_ahead(self) -> int:
+        """How many copies taken ahead wait for the step."""
+        return len(self._ahead)
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    """The tensor's in-place write counter (autograd's, shared with its views); None for an
+    inference tensor, which has none: its copy is then always taken again."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
 
 
 class Snapshot:
@@ -90,8 +157,16 @@ class Snapshot:
 
     def keep(self, group, params) -> None:
         """Copy `group`'s master and the optimizer state of `params`, the tensors the optimizer keys
-        that group's state by (its master, or its sub-groups), before they change."""
-        self.masters.append((group, self._copy(("master", id(group)), group.master)))
+        that group's state by (its master, or its sub-groups), before they change. Stage 1 copies
+        the master into its gradient buffer's stale part ([Note: the master's copy in the stale
+        gradient] in grad_buffers.py) where that has room, stage 0 into its kept buffer."""
+        place = None if self.buffers is not None and self.buffers.keep_between_steps else \
+            group.stale_grad_part(group.master)
+        if place is not None:
+            self.nbytes += place.numel() * place.element_size()
+            self.masters.append((group, place.copy_(group.master)))
+        else:
+            self.masters.append((group, self._copy(("master", id(group)), group.master)))
         for param in params:
             if param in self.before:
                 self.state[param] = {k: self._copy(("state", id(param), k), v)

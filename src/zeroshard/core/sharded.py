@@ -137,6 +137,8 @@ class Sharded(ParameterReaders):
                                    limits=gather_limits, overlap_comm=overlap_comm,
                                    max_inflight_reductions=2 if overlap_comm else 0)
         self.lifecycle.register()
+        if self.optimizer is not None:
+            self.lifecycle.before_final_waits = self.optimizer.copy_ahead
         self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather)
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
