@@ -181,31 +181,3 @@ def test_a_copy_taken_ahead_is_used_only_while_its_tensor_is_unchanged():
     assert fresh.copy(("m", 0), value).tolist() == value.tolist() and fresh.nbytes() == 4 * 4
     fresh.step_done()
     assert fresh.nbytes() == 0, "stage 1 frees its copies after the step"
-
-
-def test_a_spent_gradient_holds_a_later_masters_copy():
-    """[Note: spent gradients hold the copy] in rollback.py: the smallest spent gradient that fits
-    takes the next master's copy; a view into a larger buffer is never taken."""
-    from types import SimpleNamespace
-
-    from zeroshard.core.masked import SlotStates
-    from zeroshard.core.rollback import Snapshot
-
-    master = torch.arange(6.0)
-    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-    snapshot = Snapshot(optimizer, SlotStates())
-    small, large, view = torch.full((6,), 9.0), torch.full((10,), 9.0), torch.zeros(20)[4:10]
-    for spent in (large, view, small):
-        snapshot.spare(spent)
-    group = SimpleNamespace(master=master, stale_grad_part=lambda like: None)
-    snapshot.keep(group, [])
-    copied = snapshot.masters[0][1]
-    assert copied.untyped_storage().data_ptr() == small.untyped_storage().data_ptr(), "the smallest fit is used"
-    assert torch.equal(copied, master)
-    snapshot.keep(group, [])
-    assert snapshot.masters[1][1].untyped_storage().data_ptr() == large.untyped_storage().data_ptr()
-    snapshot.keep(group, [])  # only the view is left: a fresh copy
-    assert snapshot.masters[2][1].untyped_storage().data_ptr() not in (view.untyped_storage().data_ptr(),)
-    master.add_(1.0)
-    snapshot.restore()
-    assert torch.equal(master, torch.arange(6.0))

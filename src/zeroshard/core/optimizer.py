@@ -229,8 +229,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
                                                    plans[id(group)],
                                                    lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype))
                 if self._per_group:  # [Note: gradient shard lifetime] in grad_buffers.py
-                    if snapshot is not None and group.grad_shard_is_transient:
-                        snapshot.spare(grads[i])  # [Note: spent gradients hold the copy] in rollback.py
                     grads[i] = None
                     group.free_grad_shard()
         return results

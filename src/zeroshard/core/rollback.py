@@ -58,17 +58,6 @@ when the activations are gone, and the step held all of it by its last group any
 is the same. Stages 2 and 3 free each group's gradient shard as its update reads it, and a copy
 taken before the step would sit on top of all of them ([Note: one group at a time]): they copy in
 the step.
-
-[Note: spent gradients hold the copy]
-At stages 2/3 the copy of each group's master is fresh memory, and on a CPU a fresh buffer's first
-touch costs more than the copy itself (docs/performance.md). The gradient shard of a group already
-stepped is spent and about to be freed ([Note: one group at a time]): memory this process has
-touched, of a master's size and dtype in fp32 (in mixed precision: the fp32 temporary made of it).
-The step hands it to the snapshot (`Snapshot.spare`), and a later group's master is copied into
-the smallest spare it fits, instead of a fresh clone; the bytes held are the same as before (the
-spare's memory was freed there and the clone's allocated), only their first touch is saved. The
-blocks of a transformer have one size, so every block after the first reuses the one before it.
-The optimizer state's copies, twice the master's size, stay fresh.
 """
 from __future__ import annotations
 
@@ -159,22 +148,6 @@ class Snapshot:
         self.masters: list[tuple] = []  # (group, its master's copy: 1-D fp32)
         self.state: dict = {}  # param -> {key: copy} for the entries of the groups kept
         self.nbytes = 0  # bytes copied (kept buffers included)
-        self._spares: list[torch.Tensor] = []  # [Note: spent gradients hold the copy]
-
-    def spare(self, tensor: torch.Tensor) -> None:
-        """A spent gradient (shard) that a later group's master copy may reuse ([Note: spent
-        gradients hold the copy]); only a tensor that owns all of its storage, so that none of
-        another tensor's memory is kept alive or written."""
-        if tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
-            self._spares.append(tensor)
-
-    def _spare_for(self, like: torch.Tensor) -> torch.Tensor | None:
-        fits = [t for t in self._spares if t.dtype == like.dtype and t.device == like.device and t.numel() >= like.numel()]
-        if not fits:
-            return None
-        chosen = min(fits, key=lambda t: t.numel())
-        self._spares = [t for t in self._spares if t is not chosen]
-        return chosen[:like.numel()]
 
     def _copy(self, key: tuple, value):
         if not isinstance(value, torch.Tensor):
@@ -186,12 +159,9 @@ class Snapshot:
         """Copy `group`'s master and the optimizer state of `params`, the tensors the optimizer keys
         that group's state by (its master, or its sub-groups), before they change. Stage 1 copies
         the master into its gradient buffer's stale part ([Note: the master's copy in the stale
-        gradient] in grad_buffers.py) where that has room, stage 0 into its kept buffer, stages
-        2/3 into a spent gradient shard where one fits ([Note: spent gradients hold the copy])."""
+        gradient] in grad_buffers.py) where that has room, stage 0 into its kept buffer."""
         place = None if self.buffers is not None and self.buffers.keep_between_steps else \
             group.stale_grad_part(group.master)
-        if place is None and self.buffers is None:
-            place = self._spare_for(group.master)
         if place is not None:
             self.nbytes += place.numel() * place.element_size()
             self.masters.append((group, place.copy_(group.master)))
