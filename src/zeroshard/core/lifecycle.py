@@ -79,10 +79,10 @@ class Lifecycle:
         self.backward_opener = None
         self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)
-        # Run while a backward that a step follows (its boundary) has its last reductions in flight:
-        # the optimizer's copy for that step ([Note: the copy taken ahead] in rollback.py).
+        # Run while a reducing backward has its last reductions in flight: at stages 0/1 a step
+        # follows it, and the optimizer copies for that step ([Note: the copy taken ahead] in
+        # rollback.py); stages 2/3 reduce in every backward and take no copy ahead.
         self.before_final_waits = None
-        self._step_follows = True
         # Keep units gathered until end_backward: a pipeline schedule's later micro-batches still
         # need the parameters their saved activations view (Sharded.backward_by_caller).
         self.hold_gathered = False
@@ -246,7 +246,6 @@ class Lifecycle:
         self.phase = Phase.BACKWARD
         self.backward_opener = None
         self.boundary = boundary or self.policy.shard_gradients
-        self._step_follows = boundary
         self._seen_in_backward.clear()
         self._recording = []
         for unit in self.units:
@@ -330,7 +329,7 @@ class Lifecycle:
             partial = unit.grads_pending != unit.trainable_params or not unit.reduced_this_backward
             if unit.trainable_params and self.boundary and partial:
                 self._unit_backward_done(unit)
-        if self._step_follows and self._inflight and self.before_final_waits is not None:
+        if self.boundary and self._inflight and self.before_final_waits is not None:
             self.before_final_waits()
         for unit in self._inflight:
             unit.finish_reduce()

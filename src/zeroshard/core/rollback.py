@@ -92,7 +92,6 @@ class SnapshotBuffers:
 
     def copy_ahead(self, key: tuple, value: torch.Tensor) -> None:
         """Copy `value` now, for the step that follows; `copy` takes it if `value` is unchanged then."""
-        self._ahead.pop(key, None)
         version = _version(value)
         self.copy(key, value)
         if version is not None:
@@ -160,8 +159,7 @@ class Snapshot:
         that group's state by (its master, or its sub-groups), before they change. Stage 1 copies
         the master into its gradient buffer's stale part ([Note: the master's copy in the stale
         gradient] in grad_buffers.py) where that has room, stage 0 into its kept buffer."""
-        place = None if self.buffers is not None and self.buffers.keep_between_steps else \
-            group.stale_grad_part(group.master)
+        place = group.stale_grad_part(group.master)  # None but at stage 1
         if place is not None:
             self.nbytes += place.numel() * place.element_size()
             self.masters.append((group, place.copy_(group.master)))
