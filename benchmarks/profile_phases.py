@@ -9,12 +9,14 @@ i + 1 of every system), on the same batches, so that the machine's load drifts o
 
   * `local`: the bare model, no data parallelism: the compute floor of forward, backward and the step;
   * `ddp`: `DistributedDataParallel(gradient_as_bucket_view=True)`;
-  * `stage 0/1/2`: `zeroshard.initialize` with the config `zeroshard bench` uses (overlap_comm on, the
-    cross-rank collective check on: the defaults a user gets otherwise);
+  * `stage 0/1/2/3`: `zeroshard.initialize` with the config `zeroshard bench` uses: the defaults a user
+    gets (overlap_comm on, the cross-rank collective check on), except that stage 3 shards every
+    parameter (`stage3_param_persistence_threshold: 0`, as the bench does for its 3Psi volume);
   * `stage 1/2 overlap` (not run unless named in --systems): the same with
     `zeroshard.overlap_param_gather`;
   * `stage 0-3 no-tx` (not run unless named): the same with `zeroshard.transactional_step: false`,
-    to price the copy a transactional step takes.
+    to price the copy a transactional step takes;
+  * `stage 0-3 no-overlap` (not run unless named): the same with `overlap_comm: false`.
 
 Each phase is timed as wall time and as the CPU time of the rank's main thread (`time.thread_time`;
 gloo's own threads are not in it), which the machine's load distorts much less than wall time. The
@@ -43,7 +45,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
 SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
-           "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx")
+           "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx",
+           "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -177,14 +180,17 @@ def _system(kind: str, args, make_model, make_optimizer):
     import zeroshard
 
     stage = int(kind.split()[1])
-    zero = {"stage": stage, "overlap_comm": True}
+    variant = kind.split()[2] if len(kind.split()) > 2 else ""
+    zero = {"stage": stage}
+    if variant == "no-overlap":  # each unit's reduction waited for before backward goes on
+        zero["overlap_comm"] = False
     if stage == 3:  # as `zeroshard bench`: every parameter sharded (the paper's 3 Psi)
         zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "bf16": {"enabled": False}}
-    if kind.endswith("overlap"):  # [Note: deferred parameter gather]
+    if variant == "overlap":  # [Note: deferred parameter gather]
         config["zeroshard"] = {"overlap_param_gather": True}
-    if kind.endswith("no-tx"):  # what the transactional step's copy costs ([Note: transactional step])
+    if variant == "no-tx":  # what the transactional step's copy costs ([Note: transactional step])
         config["zeroshard"] = {"transactional_step": False}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
     del torch

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def ds_config(spec: dict, run: dict) -> dict:
-    zero = {"stage": run["stage"], "overlap_comm": True,
+    zero = {"stage": run["stage"],
             # 0: every parameter is sharded, so the measured volume is exactly the paper's 3Ψ at stage 3.
             "stage3_param_persistence_threshold": 0}
     if run.get("offload_optimizer"):
