@@ -181,3 +181,31 @@ def test_a_copy_taken_ahead_is_used_only_while_its_tensor_is_unchanged():
     assert fresh.copy(("m", 0), value).tolist() == value.tolist() and fresh.nbytes() == 4 * 4
     fresh.step_done()
     assert fresh.nbytes() == 0, "stage 1 frees its copies after the step"
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_zeroed_gradient_buffer_reads_as_zeros_until_a_gradient_is_copied_in(stage):
+    """[Note: zeroed when first read] in grad_buffers.py: zero_grads leaves the stale values in the
+    buffer of stages 0/1 and only marks it; every way of reading it sees zeros where no gradient came."""
+    params, group = _group(stage)
+    w, b = torch.full((2, 3), 2.0), torch.full((3,), 3.0)
+    group.add_grad(0, w)
+    group.add_grad(1, b)
+    assert group.full_grad[:9].tolist() == [2.0] * 6 + [3.0] * 3, "a fresh buffer's first gradients add to zeros"
+    group.zero_grads()
+    assert group.full_grad[:6].tolist() == [2.0] * 6, "the values stay (the buffer is only marked)"
+    group.add_grad(1, b)  # only the bias gets a gradient in the next backward: copied, not added
+    group.add_grad(1, b)  # a second use of it adds
+    assert group.grad()[:9].tolist() == [0.0] * 6 + [6.0] * 3, "the weight's slot reads as zeros"
+    group.zero_grads()
+    start, end = group.opt_range
+    expected = ([0.0] * group.layout.padded_numel)[start:end]
+    assert group.grad_for_optimizer().tolist() == expected, "a step without a backward reads zeros"
+    group.add_grad(0, w)
+    assert group.full_grad[:6].tolist() == [2.0] * 6, "after being read, the buffer is zeros again: add"
+    if stage == 1:  # the step's master copy in the stale part survives the zeroing of that part
+        group.zero_grads()
+        part = group.stale_grad_part(group.master)
+        part.copy_(torch.full_like(part, 9.0))
+        group.grad_for_optimizer()
+        assert part.tolist() == [9.0] * part.numel(), "reading the gradient zeroed the step's copy"

@@ -30,6 +30,7 @@ class GradientBuffers:
         """The gradient this rank accumulates: the full buffer (stages 0/1) or its shard (2/3),
         zeros where nothing was reduced since the last step."""
         if self.grads_persist_full:
+            self.complete_full_grad()  # [Note: zeroed when first read]
             return self.full_grad
         return self._own_grad_shard() if self.trainable else None
 
@@ -59,9 +60,21 @@ class GradientBuffers:
             target.add_(grad.reshape(-1))
         self.grad_seen[index] = True
 
+    # [Note: zeroed when first read]
+    # Stages 0/1 keep their full gradient buffer across steps. Zeroing it in zero_grads and adding the
+    # next backward's gradients to the zeros wrote the buffer once more per step and read it once
+    # more per gradient (6 ms of the 33.7M GPT's step, docs/performance.md); DDP copies a bucket's
+    # first gradient instead. So zero_grads (and setting the reduced slice aside) only marks every
+    # slot unwritten, as a fresh buffer's are ([Note: a fresh full gradient]), and the stale values
+    # stay until a gradient is copied over them; whoever reads the buffer otherwise goes through
+    # `grad()` / `grad_for_optimizer()` (a checkpoint, safe_*_grad, a step without a backward) or the
+    # reduction, which first zero what is still unwritten.
+    def _mark_unwritten(self) -> None:
+        self._unwritten = [True] * len(self.layout.slots)
+
     def complete_full_grad(self) -> None:
-        """Zero what no gradient wrote in a fresh full gradient ([Note: a fresh full gradient]); no-op
-        for a buffer made by zeros."""
+        """Zero what no gradient wrote since the buffer was made or marked unwritten ([Note: a fresh
+        full gradient], [Note: zeroed when first read]); no-op when nothing is marked."""
         if self.full_grad is None or self._unwritten is None:
             return
         for slot, unwritten in zip(self.layout.slots, self._unwritten):
@@ -117,6 +130,7 @@ class GradientBuffers:
         """The reduced gradient matching `master`, in grad_dtype."""
         if not self.grads_persist_full:
             return self._own_grad_shard()
+        self.complete_full_grad()  # [Note: zeroed when first read]
         start, end = self.opt_range
         return self.full_grad[start:end]
 
@@ -124,7 +138,7 @@ class GradientBuffers:
         """Discard every gradient since the last step: accumulated, reduced, set aside, and (stages
         2/3) a full gradient a failed backward left unreduced."""
         if self.grads_persist_full and self.full_grad is not None:
-            self.full_grad.zero_()
+            self._mark_unwritten()  # [Note: zeroed when first read]
         elif not self.grads_persist_full:
             self.full_grad = None
         if self.grad_shard_is_transient:
@@ -150,6 +164,8 @@ class GradientBuffers:
         if not (self.grads_persist_full and self.policy.shard_optimizer) or self.full_grad is None \
                 or self.full_grad.dtype != like.dtype or self.full_grad.device != like.device:
             return None
+        # A step without a backward: zero the stale buffer now, not over the copy made here later.
+        self.complete_full_grad()
         start, end = self.opt_range
         numel = like.numel()
         for lo, hi in ((end, self.full_grad.numel()), (0, start)):
@@ -172,7 +188,7 @@ class GradientBuffers:
             return
         own = self.grad_for_optimizer()
         self.reduced_slice = own.clone() if self.reduced_slice is None else self.reduced_slice.add_(own)
-        self.full_grad.zero_()
+        self._mark_unwritten()  # [Note: zeroed when first read]
         self.holds_reduced_slice = False
 
     def restore_reduced_slice(self) -> None:
