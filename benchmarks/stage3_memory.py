@@ -180,7 +180,7 @@ def main(argv=None) -> None:
     parser.add_argument("--size", type=int, default=16, help="GPT family member k (default: 16)")
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank (default: 4)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default: 128)")
-    parser.add_argument("--stage", type=int, default=3, choices=(2, 3), help="zeroshard's stage (default: 3)")
+    parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="zeroshard's stage (default: 3)")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--port", type=int, default=29613)

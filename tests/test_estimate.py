@@ -272,3 +272,30 @@ def test_step_snapshot_is_the_transactional_copy_of_masters_and_optimizer_state(
     assert main(["estimate", "--params", "7.5e9", "--ranks", "64", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [row["step_snapshot_bytes"] for row in out["stages"]] == [90 * 10**9] + [12 * 117_187_500] * 3
+
+
+def test_what_the_step_copy_adds_is_measured_per_stage(capsys):
+    """benchmarks/stage3_memory.py --size 8 (25.4M parameters, fp32, 2 ranks), step peak with the copy
+    minus without it, 2026-12-02: stage 1 +101 MB, stage 2 +106 MB (the copy 153 MB both); at 202M,
+    stage 3 +837 MB of a 1212 MB copy (docs/stage3_memory.md). Stage 0 keeps its 305 MB between steps."""
+    from zeroshard.tools.cli import main
+
+    fp32, bf16, psi = est.recipe("fp32", "adam"), est.recipe("bf16", "adam"), 25_000_000
+    shard = psi // 2
+    assert est.step_added_bytes(psi, 2, 0, fp32) == 12 * psi and est.snapshot_kept_between_steps(0)
+    # Stage 1, fp32: the master's 4 B go into the stale part of the full gradient; the state's 8 are new.
+    assert est.step_added_bytes(psi, 2, 1, fp32) == 8 * shard and not est.snapshot_kept_between_steps(1)
+    assert est.step_added_bytes(psi, 1, 1, fp32) == 12 * psi, "one rank: no stale part to hold it"
+    assert est.step_added_bytes(psi, 2, 1, bf16) == 12 * shard, "bf16 gradients cannot hold an fp32 master"
+    # Stages 2/3: the gradient shards freed group by group make room for the copy.
+    assert est.step_added_bytes(psi, 2, 2, fp32) == (12 - 4) * shard
+    assert est.step_added_bytes(psi, 2, 3, bf16) == (12 - 2) * shard
+    assert est.step_added_bytes(psi, 2, 3, fp32, offload_optimizer="cpu") == 0
+    assert main(["estimate", "--params", "202e6", "--ranks", "2", "--precision", "fp32", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["stages"]
+    assert [row["snapshot_kept_between_steps"] for row in rows] == [True, False, False, False]
+    assert [row["step_added_bytes"] for row in rows] == [12 * 202_000_000] + [8 * 101_000_000] * 3
+    assert main(["estimate", "--params", "202e6", "--ranks", "2", "--precision", "fp32"]) == 0
+    text = capsys.readouterr().out
+    assert "kept between steps (so in forward and backward too) at stage 0: 2.4 GB" in text
+    assert "stage 1: 808.0 MB of a 1.2 GB copy" in text

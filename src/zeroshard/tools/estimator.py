@@ -146,6 +146,32 @@ def step_snapshot_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MI
     return per_element * (-(-params // ranks) if stage_policy(stage).shard_optimizer else params)
 
 
+def step_added_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
+                     offload_optimizer: str | None = None) -> int:
+    """What the transactional step's copy (`step_snapshot_bytes`) adds to the model states at the
+    step's peak, which is less than its size where the copy goes into gradient memory the model
+    states already count: at stage 1 with gradients in the master's dtype (fp32) and N >= 2, the
+    master's copy lives in the stale part of the full gradient buffer ([Note: the master's copy in the
+    stale gradient], core/grad_buffers.py); at stages 2/3 the step frees each group's gradient shard
+    once its update has read it, so the copies take the gradients' memory ([Note: one group at a time],
+    core/rollback.py; exact when the model is one flat group, otherwise up to one group's gradient
+    more). At stage 0 the copy is all added, and kept between steps (`snapshot_kept_between_steps`)."""
+    copied = step_snapshot_bytes(params, ranks, stage, recipe, offload_optimizer)
+    policy, shard = stage_policy(stage), -(-_count(params, "params", 0) // _count(ranks, "ranks", 1))
+    if copied == 0 or not policy.shard_optimizer:
+        return copied
+    if policy.shard_gradients:
+        return max(0, copied - recipe.grad_bytes * shard)
+    in_stale_gradient = recipe.param_bytes == 4 and recipe.grad_bytes == 4 and ranks >= 2
+    return copied - 4 * shard if in_stale_gradient else copied
+
+
+def snapshot_kept_between_steps(stage: int) -> bool:
+    """Stage 0 keeps the step's copy allocated and overwrites it in place each step (a fresh copy is
+    mostly page faults on a CPU, and stage 0 is chosen for speed): it adds to forward and backward too."""
+    return not stage_policy(stage).shard_optimizer
+
+
 def _largest_within(replicated: int, sharded: int, memory: int, ranks: int) -> int | None:
     """Largest Ψ with replicated*Ψ + sharded*ceil(Ψ/N) <= memory; None when nothing bounds Ψ."""
     if replicated == 0 and sharded == 0:

@@ -63,6 +63,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _step_copy(params: int, ranks: int, stage: int, rec: est.Recipe, offload_optimizer: str | None) -> dict:
+    """The transactional step's copy: its size, what it adds at the step's peak, and whether it stays."""
+    return {"step_snapshot_bytes": est.step_snapshot_bytes(params, ranks, stage, rec, offload_optimizer),
+            "step_added_bytes": est.step_added_bytes(params, ranks, stage, rec, offload_optimizer),
+            "snapshot_kept_between_steps": est.snapshot_kept_between_steps(stage)}
+
+
 def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recipe) -> dict:
     offload = {"offload_optimizer": args.offload_optimizer, "offload_param": args.offload_param}
     row = {"stage": stage, "sharded": SHARDED[stage]}
@@ -76,9 +83,8 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
                comm_elements=est.comm_elements_per_step(params, stage),
                comm_bytes=est.comm_bytes_per_step(params, stage, rec.param_bytes),
                ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes),
-               step_snapshot_bytes=est.step_snapshot_bytes(
-                   est.local_params(params, args.layout, args.replicated), args.ranks, stage, rec,
-                   args.offload_optimizer))
+               **_step_copy(est.local_params(params, args.layout, args.replicated), args.ranks, stage, rec,
+                            args.offload_optimizer))
     if args.layout.model_parallel > 1:  # ZeRO's volume is that of the rank's model-parallel part
         local = est.local_params(params, args.layout, args.replicated)
         row.update(local_params=local, comm_elements=est.comm_elements_per_step(local, stage),
@@ -177,12 +183,7 @@ def format_table(result: dict) -> str:
     lines.append("")
     lines.append(f"comm/step: paper convention (§7: all-reduce of Ψ = 2Ψ, stage 3 = 3Ψ) in "
                  f"{rec['param_bytes']}-byte elements; a ring sends (N-1)/N of it per rank.")
-    snapshots = [f"{row['stage']}: {est.format_bytes(row['step_snapshot_bytes'])}" for row in result["stages"]
-                 if row.get("step_snapshot_bytes")]
-    if snapshots:  # real memory a user gets by default, though not a model state of the paper
-        lines.append("plus, while the optimizer step runs, zeroshard's transactional-step copy of the rank's fp32 "
-                     "masters and optimizer state (stage " + ", ".join(snapshots)
-                     + "; `zeroshard.transactional_step: false` drops it).")
+    lines += _step_copy_lines(result["stages"])
     reasons: dict[str, list[str]] = {}
     for row in result["stages"]:
         if "error" in row:
@@ -210,3 +211,25 @@ def run(args: argparse.Namespace) -> int:
     result = _result(args)
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0
+
+
+def _step_copy_lines(rows: list[dict]) -> list[str]:
+    """Real memory a user gets by default, though not a model state of the paper: the transactional
+    step's copy of the rank's fp32 masters and optimizer state."""
+    kept = [f"{row['stage']}: {est.format_bytes(row['step_snapshot_bytes'])}" for row in rows
+            if row.get("step_snapshot_bytes") and row["snapshot_kept_between_steps"]]
+    during = [f"{row['stage']}: {est.format_bytes(row['step_added_bytes'])}"
+              + ("" if row["step_added_bytes"] == row["step_snapshot_bytes"]
+                 else f" of a {est.format_bytes(row['step_snapshot_bytes'])} copy")
+              for row in rows if row.get("step_snapshot_bytes") and not row["snapshot_kept_between_steps"]]
+    lines = []
+    if kept:
+        lines.append("plus zeroshard's transactional-step copy of the rank's fp32 masters and optimizer state, kept "
+                     "between steps (so in forward and backward too) at stage " + ", ".join(kept) + ";")
+    if during:
+        lines.append(("and" if kept else "plus") + ", while the optimizer step runs, what that copy adds over the "
+                     "model states (the rest goes into gradient memory the step no longer needs) at stage "
+                     + ", ".join(during) + ";")
+    if lines:
+        lines.append("`zeroshard.transactional_step: false` drops it.")
+    return lines
