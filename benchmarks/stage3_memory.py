@@ -5,7 +5,7 @@ on the bench's GPT family member (default k=16: 16 layers, width 1024, ~202M par
     python benchmarks/stage3_memory.py --out docs/bench/stage3_memory
     python benchmarks/stage3_memory.py --stage 2 --variants default,default+no-snapshot
 
-`--stage 2` runs the zeroshard variants at stage 2 (the gradient shard's lifetime is the same code).
+`--stage N` runs the zeroshard variants at stage N (0-3; the gradient shard's lifetime is the same code at 2 and 3).
 
 Each setting runs in its own 2-rank gloo launch (1 torch thread per rank, fp32, torch's fused AdamW,
 random tokens of a 256-token vocabulary, micro-batch --batch x --seq-len): one warm-up step (records the
