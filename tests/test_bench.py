@@ -46,6 +46,22 @@ def test_bench_writes_table_json_and_png(bench):
     assert document["command"] in text and document["memory_method"]
 
 
+def test_bench_without_matplotlib_keeps_its_table_and_json(bench, tmp_path, monkeypatch, caplog):
+    """The chart is an extra ('zeroshard[plot]'): a bench that ran for minutes must not end in an
+    ImportError that hides its table."""
+    from zeroshard.tools.bench import report
+    from zeroshard.tools.commands.bench import write_outputs
+
+    _, document = bench
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    args = cli.build_parser().parse_args(["bench", "--size", "1", "--out", str(tmp_path)])
+    table = report.format_table(document["raw"], document["rows"])
+    written = write_outputs(args, document["raw"], document["rows"], table)
+    assert [p.name for p in written] == ["bench.json", "bench.txt"]
+    assert "stage 3" in (tmp_path / "bench.txt").read_text() and not (tmp_path / "bench.png").exists()
+    assert "no chart written" in caplog.text
+
+
 def test_measured_communication_is_2psi_and_3psi(bench):
     _, document = bench
     rows = _rows(document)
