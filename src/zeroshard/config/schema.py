@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import torch
-from pydantic import AliasChoices, Field, ValidationInfo
+from pydantic import AliasChoices, Field
 from pydantic import field_validator, model_validator
 
 from zeroshard.config.base import (Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section,  # noqa: F401
