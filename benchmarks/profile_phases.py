@@ -16,7 +16,9 @@ i + 1 of every system), on the same batches, so that the machine's load drifts o
     `zeroshard.overlap_param_gather`;
   * `stage 0-3 no-tx` (not run unless named): the same with `zeroshard.transactional_step: false`,
     to price the copy a transactional step takes;
-  * `stage 0-3 no-overlap` (not run unless named): the same with `overlap_comm: false`.
+  * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
+  * `stage 3 persist`: stage 3 with the default `stage3_param_persistence_threshold` (1e5);
+    `stage 3 1-in-flight`: one reduction in flight in backward instead of two (a what-if).
 
 Each phase is timed as wall time and as the CPU time of the rank's main thread (`time.thread_time`;
 gloo's own threads are not in it), which the machine's load distorts much less than wall time. The
@@ -46,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
 SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
            "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx",
-           "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap")
+           "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 3 1-in-flight")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -184,7 +186,7 @@ def _system(kind: str, args, make_model, make_optimizer):
     zero = {"stage": stage}
     if variant == "no-overlap":  # each unit's reduction waited for before backward goes on
         zero["overlap_comm"] = False
-    if stage == 3:  # as `zeroshard bench`: every parameter sharded (the paper's 3 Psi)
+    if stage == 3 and variant != "persist":  # as `zeroshard bench`: every parameter sharded (3 Psi)
         zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "bf16": {"enabled": False}}
@@ -193,6 +195,8 @@ def _system(kind: str, args, make_model, make_optimizer):
     if variant == "no-tx":  # what the transactional step's copy costs ([Note: transactional step])
         config["zeroshard"] = {"transactional_step": False}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
+    if variant == "1-in-flight":  # a what-if, not a config key (as benchmarks/stage3_memory.py)
+        engine.sharded.lifecycle.max_inflight = 1
     del torch
     return (lambda x, y: engine(x, y)[1], engine.backward, engine.step, lambda: None)
 
