@@ -48,7 +48,7 @@ class GradientBuffers:
     def add_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.full_grad is None:
             self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
-            self._unwritten = [True] * len(self.layout.slots)
+            self._mark_unwritten()
         slot = self.layout.slots[index]
         if self.tp_specs[index] is not None:
             grad = self.tp_specs[index].local_grad(grad)
