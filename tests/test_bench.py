@@ -148,6 +148,13 @@ def test_estimator_prediction_per_configuration():
     for stage in range(4):
         assert maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS[str(stage)], rec) == \
             est.largest_model(cap, 2, stage, rec)
+        assert maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS[str(stage)], rec, step_copy=True) == \
+            est.largest_model(cap, 2, stage, rec, step_copy=True)
+    # With the copy: 28 B/param at stage 0 (16 + the kept 12), 12 at stage 3 (8 + the 4 its gradients do not hold)
+    assert abs(maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["0"], rec, step_copy=True) - cap // 28) <= 1
+    assert abs(maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["3"], rec, step_copy=True) - cap // 12) <= 2
+    assert maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["3-cpu"], rec, step_copy=True) == \
+        maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["3-cpu"], rec), "offloaded states: no copy"
     # CPU offload on a CPU machine: the states stay in the capped process, at 4 + 4 + 8 B/param over 2 ranks
     cpu = maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["3-cpu"], rec)
     assert abs(cpu - cap // 8) <= 2
@@ -232,7 +239,8 @@ def test_max_model_finds_a_boundary_by_running_both_sides(tmp_path, capsys):
     assert ran[largest]["fits"] and not ran[failing]["fits"]
     assert "can't allocate memory" in row["smallest_failing"]["failure"]
     assert row["largest"]["params"] == maxmodel.num_params(largest, 256, document["spec"]["vocab"], 64)
-    assert row["estimator_cap_minus_baseline"]["params"] > row["largest"]["params"]  # states are not all it needs
+    assert row["estimator_cap_minus_baseline"]["params"] > row["estimator_with_step_copy"]["params"] \
+        > row["largest"]["params"]  # states and the step's copy are not all it needs
     assert "stage 0" in (tmp_path / "max_model.txt").read_text()
 
 

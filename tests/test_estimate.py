@@ -108,6 +108,39 @@ def test_largest_model_is_the_exact_inverse(stage, ranks, memory, rec):
     assert est.model_state_bytes(largest + 1, ranks, stage, rec).total > memory
 
 
+@pytest.mark.parametrize("stage", range(4))
+@pytest.mark.parametrize("ranks", [1, 2, 3, 64])
+@pytest.mark.parametrize("memory", [0, 27, 28, 809 * 10**6, 32 * 2**30 + 5])
+@pytest.mark.parametrize("rec", [est.MIXED_ADAM, est.recipe("fp32", "adam"), est.recipe("bf16", "sgd")])
+def test_largest_model_with_the_step_copy_is_the_exact_inverse(stage, ranks, memory, rec):
+    """The largest model zeroshard's default (transactional) step trains: its states and what the step's
+    copy adds at the peak fit, one parameter more does not; never larger than the paper's figure."""
+    def peak(psi):
+        return est.model_state_bytes(psi, ranks, stage, rec).total + est.step_added_bytes(psi, ranks, stage, rec)
+
+    largest = est.largest_model(memory, ranks, stage, rec, step_copy=True)
+    assert peak(largest) <= memory < peak(largest + 1)
+    assert largest <= est.largest_model(memory, ranks, stage, rec)
+    offloaded = est.largest_model(memory, ranks, max(stage, 1), rec, offload_optimizer="cpu", step_copy=True)
+    assert offloaded == est.largest_model(memory, ranks, max(stage, 1), rec, offload_optimizer="cpu"), \
+        "no copy is taken with offloaded optimizer states"
+
+
+def test_estimate_shows_the_largest_model_with_the_step_copy(capsys):
+    """fp32 Adam, 2 ranks, the 809 MB a 1 GiB-capped bench rank has after its baseline: 28 B/param at stage 0
+    (16 + the kept 12), 16 / 14 / 12 at stages 1 / 2 / 3 (docs/largest_model.md)."""
+    from zeroshard.tools.cli import main
+
+    assert main(["estimate", "--params", "25M", "--ranks", "2", "--precision", "fp32", "--memory", "809MB",
+                 "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["stages"]
+    assert [row["largest_params_with_step_copy"] // 10**5 for row in rows] == \
+        [809 * 10**6 // b // 10**5 for b in (28, 16, 14, 12)]
+    assert main(["estimate", "--params", "25M", "--ranks", "2", "--precision", "fp32", "--memory", "809MB"]) == 0
+    header = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage ")][0]
+    assert header.endswith("largest model  + step copy")
+
+
 @pytest.mark.parametrize("stage, offload", [(1, dict(offload_optimizer="cpu")), (2, dict(offload_optimizer="nvme")),
                                             (3, dict(offload_optimizer="cpu", offload_param="nvme"))])
 def test_largest_model_with_offload(stage, offload):

@@ -135,16 +135,29 @@ def model_state_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXE
     return StateBytes(**device, total=sum(device.values()), offloaded_cpu=off["cpu"], offloaded_nvme=off["nvme"])
 
 
+def _step_copy(ranks: int, stage: int, recipe: Recipe, offload_optimizer: str | None) -> tuple[int, int, bool]:
+    """(bytes copied, bytes added at the step's peak) per element of the transactional step's copy, and
+    whether an element is one of the rank's ceil(Ψ/N) (else one of Ψ): see `step_added_bytes`."""
+    if offload_optimizer is not None:
+        return 0, 0, True
+    copied = recipe.k + (4 if recipe.param_bytes == 4 else 0)
+    policy = stage_policy(stage)
+    if not policy.shard_optimizer:
+        return copied, copied, False
+    if policy.shard_gradients:
+        return copied, max(0, copied - recipe.grad_bytes), True
+    in_stale_gradient = recipe.param_bytes == 4 and recipe.grad_bytes == 4 and ranks >= 2
+    return copied, copied - 4 if in_stale_gradient else copied, True
+
+
 def step_snapshot_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
                         offload_optimizer: str | None = None) -> int:
     """The transactional step's copy of a rank's fp32 masters and optimizer state while the optimizer
     runs ([Note: transactional step], core/rollback.py): K + the fp32 master K omits in fp32. Not a paper
     model state; 0 with offloaded optimizer states (off by default there)."""
     params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
-    if offload_optimizer is not None:
-        return 0
-    per_element = recipe.k + (4 if recipe.param_bytes == 4 else 0)
-    return per_element * (-(-params // ranks) if stage_policy(stage).shard_optimizer else params)
+    copied, _, sharded = _step_copy(ranks, stage, recipe, offload_optimizer)
+    return copied * (-(-params // ranks) if sharded else params)
 
 
 def step_added_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
@@ -157,14 +170,9 @@ def step_added_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED
     once its update has read it, so the copies take the gradients' memory ([Note: one group at a time],
     core/rollback.py; exact when the model is one flat group, otherwise up to one group's gradient
     more). At stage 0 the copy is all added, and kept between steps (`snapshot_kept_between_steps`)."""
-    copied = step_snapshot_bytes(params, ranks, stage, recipe, offload_optimizer)
-    policy, shard = stage_policy(stage), -(-_count(params, "params", 0) // _count(ranks, "ranks", 1))
-    if copied == 0 or not policy.shard_optimizer:
-        return copied
-    if policy.shard_gradients:
-        return max(0, copied - recipe.grad_bytes * shard)
-    in_stale_gradient = recipe.param_bytes == 4 and recipe.grad_bytes == 4 and ranks >= 2
-    return copied - 4 * shard if in_stale_gradient else copied
+    params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
+    _, added, sharded = _step_copy(ranks, stage, recipe, offload_optimizer)
+    return added * (-(-params // ranks) if sharded else params)
 
 
 def snapshot_kept_between_steps(stage: int) -> bool:
@@ -189,15 +197,20 @@ def _largest_within(replicated: int, sharded: int, memory: int, ranks: int) -> i
 
 def largest_model(memory_bytes: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
                   offload_optimizer: str | None = None, offload_param: str | None = None,
-                  cpu_bytes: int | None = None, nvme_bytes: int | None = None) -> int:
+                  cpu_bytes: int | None = None, nvme_bytes: int | None = None, step_copy: bool = False) -> int:
     """Largest Ψ whose per-rank model states fit in `memory_bytes` of device memory (and in `cpu_bytes` /
-    `nvme_bytes` per rank when given; an offload tier without a budget is taken as unbounded)."""
+    `nvme_bytes` per rank when given; an offload tier without a budget is taken as unbounded). With
+    `step_copy`, what the transactional step's copy adds at the step's peak (`step_added_bytes`) must fit
+    too: the largest model zeroshard's default step can train, where the paper's figure is any ZeRO's."""
     ranks = _count(ranks, "ranks", 1)
     budgets = {"device": memory_bytes, "cpu": cpu_bytes, "nvme": nvme_bytes}
     budgets = {tier: None if b is None else _count(b, f"{tier} memory (bytes)", 0) for tier, b in budgets.items()}
     coefficients = {tier: [0, 0] for tier in budgets}  # tier -> [replicated, sharded] bytes per param
     for term in _terms(stage, recipe, offload_optimizer, offload_param):
         coefficients[term.tier][int(term.sharded)] += term.bytes_per_param
+    if step_copy:  # the copy lives where the masters and optimizer state do: on the device when not offloaded
+        _, added, sharded = _step_copy(ranks, stage, recipe, offload_optimizer)
+        coefficients["device"][int(sharded)] += added
     limits = [_largest_within(rep, shd, budgets[tier], ranks)
               for tier, (rep, shd) in coefficients.items() if budgets[tier] is not None]
     limits = [limit for limit in limits if limit is not None]

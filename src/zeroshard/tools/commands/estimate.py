@@ -94,11 +94,12 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
                                                           replicated=args.replicated,
                                                           activations=args.activations))
     if args.memory is not None:
-        try:
-            row["largest_params"] = args.layout.model_parallel * est.largest_model(
-                args.memory, args.ranks, stage, rec, **offload, cpu_bytes=args.cpu_memory)
-        except ValueError:  # every model state is offloaded and no host budget bounds it
-            row["largest_params"] = None
+        for key, step_copy in (("largest_params", False), ("largest_params_with_step_copy", True)):
+            try:
+                row[key] = args.layout.model_parallel * est.largest_model(
+                    args.memory, args.ranks, stage, rec, **offload, cpu_bytes=args.cpu_memory, step_copy=step_copy)
+            except ValueError:  # every model state is offloaded and no host budget bounds it
+                row[key] = None
     return row
 
 
@@ -141,7 +142,7 @@ def _columns(result: dict) -> list[tuple[str, str]]:
         columns.append(("on nvme", "offloaded_nvme_bytes"))
     columns.append(("comm/step", "comm_bytes"))
     if result["memory_bytes"] is not None:
-        columns.append(("largest model", "largest_params"))
+        columns += [("largest model", "largest_params"), ("+ step copy", "largest_params_with_step_copy")]
     return columns
 
 
@@ -150,7 +151,7 @@ def _cell(row: dict, key: str) -> str:
         return str(row[key])
     if "error" in row:
         return "-"
-    if key == "largest_params":
+    if key.startswith("largest_params"):
         return "unbounded" if row[key] is None else est.format_count(row[key])
     return est.format_bytes(row[key])
 
@@ -173,7 +174,8 @@ def format_table(result: dict) -> str:
         budget = f"largest model: model states within {est.format_bytes(result['memory_bytes'])} of device memory"
         if offload and result["cpu_memory_bytes"] is not None:
             budget += f" and {est.format_bytes(result['cpu_memory_bytes'])} of host memory"
-        lines.append(budget + " per rank" + (", offload tiers without a budget unbounded" if offload else ""))
+        lines.append(budget + " per rank" + (", offload tiers without a budget unbounded" if offload else "")
+                     + "; + step copy: with what zeroshard's transactional step adds at its peak, see below")
     cells = [[header for header, _ in columns]]
     cells += [[_cell(row, key) for _, key in columns] for row in result["stages"]]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
