@@ -116,7 +116,8 @@ def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
 # The runs of scripts/sweep_job.py by name, as the sweep's table and chart label them.
 BANDWIDTH_RUNS = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
                   "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
-                  "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather"}
+                  "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather",
+                  "3i": "stage 3, 1 reduction in flight"}
 
 
 def bandwidth_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:

@@ -23,10 +23,14 @@ class Subject:
     settle: Callable[[], None] = lambda: None
 
 
-def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device, make_optimizer) -> Subject:
+def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device, make_optimizer,
+                      adjust=None) -> Subject:
+    """`adjust(engine)`, when given, changes what no config key reaches (a benchmark's what-if)."""
     from zeroshard.compat.api import initialize
 
     engine, *_ = initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
+    if adjust is not None:
+        adjust(engine)
 
     def step(x, y) -> float:
         _, loss = engine(x, y)
