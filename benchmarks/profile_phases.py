@@ -18,7 +18,8 @@ i + 1 of every system), on the same batches, so that the machine's load drifts o
     to price the copy a transactional step takes;
   * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
   * `stage 3 persist`: stage 3 with the default `stage3_param_persistence_threshold` (1e5);
-    `stage 3 1-in-flight`: one reduction in flight in backward instead of two (a what-if).
+    `stage 2/3 2-in-flight`: two reductions in flight in backward instead of the default one (a what-if,
+    the default before the ninth session).
 
 Each phase is timed as wall time and as the CPU time of the rank's main thread (`time.thread_time`;
 gloo's own threads are not in it), which the machine's load distorts much less than wall time. The
@@ -48,7 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
 SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
            "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx",
-           "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 3 1-in-flight")
+           "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 2 2-in-flight",
+           "stage 3 2-in-flight")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -195,8 +197,8 @@ def _system(kind: str, args, make_model, make_optimizer):
     if variant == "no-tx":  # what the transactional step's copy costs ([Note: transactional step])
         config["zeroshard"] = {"transactional_step": False}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
-    if variant == "1-in-flight":  # a what-if, not a config key (as benchmarks/stage3_memory.py)
-        engine.sharded.lifecycle.max_inflight = 1
+    if variant == "2-in-flight":  # a what-if, not a config key (as benchmarks/stage3_memory.py)
+        engine.sharded.lifecycle.max_inflight = 2
     del torch
     return (lambda x, y: engine(x, y)[1], engine.backward, engine.step, lambda: None)
 

@@ -37,9 +37,10 @@ import netns  # noqa: E402
 
 LR = 1e-3
 # "1o"/"2o": stages 1/2 with zeroshard.overlap_param_gather ([Note: deferred parameter gather]).
-# "3i": stage 3 with one gradient reduction in flight in backward instead of two (a what-if, no config key:
-# docs/stage3_memory.md, its lower backward peak against a limited link).
-RUNS = ("ddp", "0", "1", "2", "3", "3q", "3h", "3pp", "1o", "2o", "3i")
+# "2i"/"3i": stages 2/3 with one gradient reduction in flight in backward, "2t"/"3t" with two (what-ifs
+# of the engine's Lifecycle.max_inflight, no config key). One is the default since the ninth session;
+# docs/bench/multinode_sweep_2i.json and _3i.json were recorded before, when "2"/"3" had two.
+RUNS = ("ddp", "0", "1", "2", "3", "3q", "3h", "3pp", "1o", "2o", "2i", "3i", "2t", "3t")
 
 
 def _runs(text: str) -> list[str]:
@@ -117,11 +118,11 @@ def _subject(run: str, model, device, batch: int):
     make_optimizer = bench_optimizer({"lr": LR})
     if run == "ddp":
         return peers.build({"kind": "ddp"}, model, device, _config("0", batch), make_optimizer)
-    def one_in_flight(engine):
-        engine.sharded.lifecycle.max_inflight = 1
+    def in_flight(engine):
+        engine.sharded.lifecycle.max_inflight = 1 if run.endswith("i") else 2
 
     return zeroshard_subject(model, _config(run, batch), device, make_optimizer,
-                             one_in_flight if run == "3i" else None)
+                             in_flight if run[-1] in "it" else None)
 
 
 def _batch(args, gpt: GPTConfig, rank: int):

@@ -275,7 +275,8 @@ class ZeroConfig(Section):
     """Overlap gradient reduction with backward (and, at stage 3, prefetch the next unit). True at every
     stage, where DeepSpeed's default is true at stage 3 only: off costs stages 0-2 8-17% of a step
     (docs/performance.md), and overlapping adds no memory at stages 0/1 (their full gradient buffers
-    live across steps) and two units' full gradients at stage 2 (the in-flight bound, lifecycle.py)."""
+    live across steps) and one unit's full gradient more at stages 2/3, the one whose reduction is in
+    flight ([Note: one reduction in flight], lifecycle.py)."""
     contiguous_gradients: bool = True
     """Copy gradients into one contiguous buffer as they are produced."""
     reduce_scatter: bool = True

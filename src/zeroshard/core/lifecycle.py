@@ -60,7 +60,7 @@ class Phase(enum.Enum):
 
 class Lifecycle:
     def __init__(self, units: list[Unit], policy: StagePolicy, rank: int, world_size: int, *,
-                 limits: GatherLimits, overlap_comm: bool, max_inflight_reductions: int = 2):
+                 limits: GatherLimits, overlap_comm: bool, max_inflight_reductions: int = 1):
         self.units = units
         self.policy = policy
         self.rank = rank
@@ -316,6 +316,10 @@ class Lifecycle:
             # The bound is for memory held by full gradients, which stages 2/3 free once reduced;
             # the full gradient buffers of stages 0/1 live across steps anyway, so there waiting
             # early only stalls backward (docs/performance.md), unless overlap_comm is off (0).
+            # [Note: one reduction in flight] Stages 2/3 wait for unit k's reduction once k+1's is
+            # issued: two full gradients at most (reducing, being computed). A second in flight
+            # bought nothing: the link carries them in turn. One ran within 4% of two's step either
+            # way at stages 2/3, 0.2-1 Gbit/s and loopback; two's third costs 50 MB at 202M (docs/multinode.md).
             persist = self.max_inflight and all(g.grads_persist_full for g in unit.groups)
             while not persist and len(self._inflight) > self.max_inflight:
                 self._inflight.pop(0).finish_reduce()

@@ -132,10 +132,11 @@ class Sharded(ParameterReaders):
             store = placement.optimizer_store
             self.optimizer.transactional = store is None or store.in_memory
         # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
-        # reduction is waited for before backward goes on (none in flight).
+        # reduction is waited for before backward goes on (none in flight); on, one is in flight
+        # while the next unit's backward computes ([Note: one reduction in flight] in lifecycle.py).
         self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,
                                    limits=gather_limits, overlap_comm=overlap_comm,
-                                   max_inflight_reductions=2 if overlap_comm else 0)
+                                   max_inflight_reductions=1 if overlap_comm else 0)
         self.lifecycle.register()
         if self.optimizer is not None:
             self.lifecycle.before_final_waits = self.optimizer.copy_ahead

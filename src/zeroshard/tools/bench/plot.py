@@ -117,7 +117,8 @@ def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
 BANDWIDTH_RUNS = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
                   "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
                   "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather",
-                  "3i": "stage 3, 1 reduction in flight"}
+                  "2i": "stage 2, 1 reduction in flight", "3i": "stage 3, 1 reduction in flight",
+                  "2t": "stage 2, 2 reductions in flight", "3t": "stage 3, 2 reductions in flight"}
 
 
 def bandwidth_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:
