@@ -18,10 +18,12 @@ copy of hundreds of MB is mostly page faults on a CPU (torch's CPU allocator cac
 time of copying into a kept buffer, docs/performance.md), and stage 0 is chosen for speed; stages
 1-3 are chosen for memory, where a kept copy would sit on top of the activations through forward
 and backward, so they take a fresh copy each step and free it ([Note: the copy taken ahead] moves
-two thirds of stage 0's and 1's out of the step). With offloaded
-optimizer states no copy is taken (Sharded sets transactional = False): the copy would bring the
-states back into the memory they were offloaded from; the streamed step instead checks every swap
-file before it updates anything, so a damaged store still fails before any change. The gradients of
+two thirds of stage 0's and 1's out of the step). Optimizer states offloaded to a CPU store are in
+memory and are copied there like any other (in host memory; the store's host gradient is kept, so the
+copy takes no gradient memory). With states on NVMe no copy is taken (Sharded sets transactional =
+False): the copy would bring the states back into the memory they were offloaded from; the streamed
+step instead checks every swap file before it updates anything, so a damaged store still fails
+before any change. The gradients of
 the window are then scaled or partly consumed: the caller must zero_grad() before the next backward
 (Sharded enforces it, [Note: failed steps] in sharded.py).
 

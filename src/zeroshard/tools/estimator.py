@@ -135,28 +135,29 @@ def model_state_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXE
     return StateBytes(**device, total=sum(device.values()), offloaded_cpu=off["cpu"], offloaded_nvme=off["nvme"])
 
 
-def _step_copy(ranks: int, stage: int, recipe: Recipe, offload_optimizer: str | None) -> tuple[int, int, bool]:
-    """(bytes copied, bytes added at the step's peak) per element of the transactional step's copy, and
-    whether an element is one of the rank's ceil(Ψ/N) (else one of Ψ): see `step_added_bytes`."""
-    if offload_optimizer is not None:
-        return 0, 0, True
+def _step_copy(ranks: int, stage: int, recipe: Recipe, offload_optimizer: str | None) -> tuple[int, int, bool, str]:
+    """(bytes copied, bytes added at the step's peak) per element of the transactional step's copy,
+    whether an element is one of the rank's ceil(Ψ/N) (else one of Ψ), and the tier it is in."""
+    if offload_optimizer == "nvme":  # states kept out of memory are not copied into it (swap files checked)
+        return 0, 0, True, "nvme"
     copied = recipe.k + (4 if recipe.param_bytes == 4 else 0)
-    policy = stage_policy(stage)
+    policy, tier = stage_policy(stage), offload_optimizer or "device"
     if not policy.shard_optimizer:
-        return copied, copied, False
-    if policy.shard_gradients:
-        return copied, max(0, copied - recipe.grad_bytes), True
+        return copied, copied, False, tier
     in_stale_gradient = recipe.param_bytes == 4 and recipe.grad_bytes == 4 and ranks >= 2
-    return copied, copied - 4 if in_stale_gradient else copied, True
+    if not policy.shard_gradients:  # stage 1: the master's copy in the stale part of the full gradient
+        return copied, copied - 4 if in_stale_gradient else copied, True, tier
+    # Stages 2/3 free each group's gradient shard for the copy; a CPU store's host gradient is kept.
+    return copied, copied if offload_optimizer else max(0, copied - recipe.grad_bytes), True, tier
 
 
 def step_snapshot_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
                         offload_optimizer: str | None = None) -> int:
     """The transactional step's copy of a rank's fp32 masters and optimizer state while the optimizer
     runs ([Note: transactional step], core/rollback.py): K + the fp32 master K omits in fp32. Not a paper
-    model state; 0 with offloaded optimizer states (off by default there)."""
+    model state; in host memory with CPU-offloaded states, 0 with NVMe-offloaded ones (not taken)."""
     params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
-    copied, _, sharded = _step_copy(ranks, stage, recipe, offload_optimizer)
+    copied, _, sharded, _ = _step_copy(ranks, stage, recipe, offload_optimizer)
     return copied * (-(-params // ranks) if sharded else params)
 
 
@@ -168,10 +169,11 @@ def step_added_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED
     master's copy lives in the stale part of the full gradient buffer ([Note: the master's copy in the
     stale gradient], core/grad_buffers.py); at stages 2/3 the step frees each group's gradient shard
     once its update has read it, so the copies take the gradients' memory ([Note: one group at a time],
-    core/rollback.py; exact when the model is one flat group, otherwise up to one group's gradient
-    more). At stage 0 the copy is all added, and kept between steps (`snapshot_kept_between_steps`)."""
+    core/rollback.py; exact when the model is one flat group, else up to one group's gradient more),
+    but not a CPU store's host gradient, which is kept. At stage 0 the copy is all added, and kept
+    between steps (`snapshot_kept_between_steps`)."""
     params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
-    _, added, sharded = _step_copy(ranks, stage, recipe, offload_optimizer)
+    _, added, sharded, _ = _step_copy(ranks, stage, recipe, offload_optimizer)
     return added * (-(-params // ranks) if sharded else params)
 
 
@@ -208,9 +210,9 @@ def largest_model(memory_bytes: int, ranks: int, stage: int, recipe: Recipe = MI
     coefficients = {tier: [0, 0] for tier in budgets}  # tier -> [replicated, sharded] bytes per param
     for term in _terms(stage, recipe, offload_optimizer, offload_param):
         coefficients[term.tier][int(term.sharded)] += term.bytes_per_param
-    if step_copy:  # the copy lives where the masters and optimizer state do: on the device when not offloaded
-        _, added, sharded = _step_copy(ranks, stage, recipe, offload_optimizer)
-        coefficients["device"][int(sharded)] += added
+    if step_copy:  # the copy lives where the optimizer state does: the device, or the host it is offloaded to
+        _, added, sharded, tier = _step_copy(ranks, stage, recipe, offload_optimizer)
+        coefficients[tier][int(sharded)] += added
     limits = [_largest_within(rep, shd, budgets[tier], ranks)
               for tier, (rep, shd) in coefficients.items() if budgets[tier] is not None]
     limits = [limit for limit in limits if limit is not None]

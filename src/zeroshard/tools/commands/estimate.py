@@ -185,7 +185,7 @@ def format_table(result: dict) -> str:
     lines.append("")
     lines.append(f"comm/step: paper convention (§7: all-reduce of Ψ = 2Ψ, stage 3 = 3Ψ) in "
                  f"{rec['param_bytes']}-byte elements; a ring sends (N-1)/N of it per rank.")
-    lines += _step_copy_lines(result["stages"])
+    lines += _step_copy_lines(result["stages"], result["offload_optimizer"])
     reasons: dict[str, list[str]] = {}
     for row in result["stages"]:
         if "error" in row:
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _step_copy_lines(rows: list[dict]) -> list[str]:
+def _step_copy_lines(rows: list[dict], offload_optimizer: str | None) -> list[str]:
     """Real memory a user gets by default, though not a model state of the paper: the transactional
     step's copy of the rank's fp32 masters and optimizer state."""
     kept = [f"{row['stage']}: {est.format_bytes(row['step_snapshot_bytes'])}" for row in rows
@@ -224,14 +224,16 @@ def _step_copy_lines(rows: list[dict]) -> list[str]:
               + ("" if row["step_added_bytes"] == row["step_snapshot_bytes"]
                  else f" of a {est.format_bytes(row['step_snapshot_bytes'])} copy")
               for row in rows if row.get("step_snapshot_bytes") and not row["snapshot_kept_between_steps"]]
-    lines = []
+    lines, copy = [], "zeroshard's transactional-step copy of the rank's fp32 masters and optimizer state"
     if kept:
-        lines.append("plus zeroshard's transactional-step copy of the rank's fp32 masters and optimizer state, kept "
-                     "between steps (so in forward and backward too) at stage " + ", ".join(kept) + ";")
+        lines.append(f"plus {copy}, kept between steps (so in forward and backward too) at stage "
+                     + ", ".join(kept) + ";")
     if during:
-        lines.append(("and" if kept else "plus") + ", while the optimizer step runs, what that copy adds over the "
-                     "model states (the rest goes into gradient memory the step no longer needs) at stage "
-                     + ", ".join(during) + ";")
+        lines.append(("and, while the optimizer step runs, what that copy adds" if kept else
+                      f"plus {copy}, while the optimizer step runs: what it adds") + " over the model states "
+                     "(the rest goes into gradient memory the step no longer needs) at stage " + ", ".join(during) + ";")
+    if lines and offload_optimizer == "cpu":
+        lines.append("with the optimizer states offloaded to CPU the copy is in host memory;")
     if lines:
         lines.append("`zeroshard.transactional_step: false` drops it.")
     return lines
