@@ -15,7 +15,9 @@ i + 1 of every system), on the same batches, so that the machine's load drifts o
   * `stage 1/2 overlap` (not run unless named in --systems): the same with
     `zeroshard.overlap_param_gather`;
   * `stage 0-3 no-tx` (not run unless named): the same with `zeroshard.transactional_step: false`,
-    to price the copy a transactional step takes;
+    to price what the transactional step does; `stage 0-3 copy`: with `transactional_step: "copy"`,
+    the copy the default took before the tenth session (its fused AdamW now takes none,
+    [Note: an update that cannot fail half-way] in core/atomic.py);
   * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
   * `stage 3 persist`: stage 3 with the default `stage3_param_persistence_threshold` (1e5);
     `stage 2/3 2-in-flight`: two reductions in flight in backward instead of the default one (a what-if,
@@ -50,7 +52,7 @@ BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
 SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
            "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx",
            "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 2 2-in-flight",
-           "stage 3 2-in-flight")
+           "stage 3 2-in-flight", "stage 0 copy", "stage 1 copy", "stage 2 copy", "stage 3 copy")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -194,8 +196,8 @@ def _system(kind: str, args, make_model, make_optimizer):
               "zero_optimization": zero, "bf16": {"enabled": False}}
     if variant == "overlap":  # [Note: deferred parameter gather]
         config["zeroshard"] = {"overlap_param_gather": True}
-    if variant == "no-tx":  # what the transactional step's copy costs ([Note: transactional step])
-        config["zeroshard"] = {"transactional_step": False}
+    if variant in ("no-tx", "copy"):  # what the transactional step costs ([Note: transactional step])
+        config["zeroshard"] = {"transactional_step": False if variant == "no-tx" else "copy"}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
     if variant == "2-in-flight":  # a what-if, not a config key (as benchmarks/stage3_memory.py)
         engine.sharded.lifecycle.max_inflight = 2

@@ -41,6 +41,7 @@ VARIANTS = {
     "deepspeed-values": ({"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9,
                           "stage3_max_reuse_distance": 10**9}, {}, None),
     "default+no-snapshot": ({}, {"transactional_step": False}, None),
+    "default+copy": ({}, {"transactional_step": "copy"}, None),  # the default before the tenth session
     "default+1-in-flight": ({}, {}, 1),  # the default since the ninth session: kept for the older tables
     "default+2-in-flight": ({}, {}, 2),
     "fsdp2": None,

@@ -240,8 +240,10 @@ def test_max_model_finds_a_boundary_by_running_both_sides(tmp_path, capsys):
     assert ran[largest]["fits"] and not ran[failing]["fits"]
     assert "can't allocate memory" in row["smallest_failing"]["failure"]
     assert row["largest"]["params"] == maxmodel.num_params(largest, 256, document["spec"]["vocab"], 64)
-    assert row["estimator_cap_minus_baseline"]["params"] > row["estimator_with_step_copy"]["params"] \
-        > row["largest"]["params"]  # states and the step's copy are not all it needs
+    # The fused AdamW over masters in memory takes no step copy (core/atomic.py): the two predictions
+    # agree, and model states are not all a step needs.
+    assert row["estimator_cap_minus_baseline"] == row["estimator_with_step_copy"]
+    assert row["estimator_cap_minus_baseline"]["params"] > row["largest"]["params"]
     assert "stage 0" in (tmp_path / "max_model.txt").read_text()
 
 

@@ -17,6 +17,7 @@ from zeroshard.compat.ds_params import register as register_ds_metadata, unregis
 from zeroshard.compat.views import ShardedViews
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
+from zeroshard.core.atomic import held_interrupts
 from zeroshard.core.lifecycle import Phase, tensors_in
 from zeroshard.core.comm import Communicator
 from zeroshard.core.gathered import GatherLimits
@@ -191,12 +192,13 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
                 "in the parameters' .grad, as in torch)")
         self._backward_done = False
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary:
-            self._step_applied = self.sharded.step()  # raises with nothing changed ([Note: failed steps], core/sharded.py)
-            if self._step_applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
-                self.lr_scheduler.step(**(lr_kwargs or {}))
-            self.global_steps += 1
-            self.global_samples += self.train_batch_size()
+        if boundary:  # Ctrl-C in it completes the step and its counters first ([Note: an update that cannot fail half-way])
+            with held_interrupts():
+                self._step_applied = self.sharded.step()  # raises with nothing changed ([Note: failed steps], core/sharded.py)
+                if self._step_applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+                self.global_steps += 1
+                self.global_samples += self.train_batch_size()
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
 

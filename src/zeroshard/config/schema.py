@@ -377,10 +377,12 @@ class ZeroShardExtConfig(Section):
     compute. Off by default: the script must not read parameters itself (an EMA update) between
     step() and the next forward; zeroshard's own readers (state_dict, checkpoints,
     GatheredParameters, module.state_dict()) wait first."""
-    transactional_step: Optional[bool] = None
-    """Copy masters and optimizer state before each optimizer step so that a step that raises is
-    undone; None = on, except with optimizer states offloaded to NVMe (the copy would bring them back
-    into memory; the step then checks every swap file before it changes anything)."""
+    transactional_step: Optional[Union[Literal["copy"], bool]] = None
+    """A step that raises is undone: true copies masters and optimizer state before the update
+    unless the update cannot fail once started (torch's fused Adam/AdamW on CPU: no copy, [Note: an
+    update that cannot fail half-way] in core/atomic.py); "copy" copies always; false never. None =
+    true, except with optimizer states offloaded to NVMe (the copy would bring them back into
+    memory; the step then checks every swap file before it changes anything)."""
     wrap_modules: Optional[list[str]] = None
     """Module class names that become sharding units; None = chosen automatically."""
     nvme_io: Optional[Literal["direct", "buffered", "mapped"]] = None

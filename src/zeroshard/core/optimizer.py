@@ -14,12 +14,14 @@ import math
 
 import torch
 
+from zeroshard.core.atomic import StepNotUndone, held_interrupts, why_not_atomic
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.norm import sum_of_squares
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.optimizer_groups import keeps_state
 from zeroshard.core.param_gather import refresh_parameters
 from zeroshard.core.rollback import Snapshot, SnapshotBuffers, steps_apart_alike
 from zeroshard.core.streamed import StreamedStep, is_elementwise
@@ -61,7 +63,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # complete there); a parameter's flag must still count every rank ([Note: ZeRO++ and MiCS]).
         self.replica = replica
         self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
-        self.transactional = True  # [Note: transactional step]
+        self.transactional = True  # or "copy" or False: [Note: transactional step], and in atomic.py
         # Stage 0 keeps its copy between steps; stage 1 holds it from the copy ahead to the end of the
         # step; stages 2/3 copy group by group in the step ([Note: the copy taken ahead] in rollback.py).
         self.snapshot_buffers = None if policy.shard_gradients else \
@@ -71,8 +73,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
 
     @property
-    def name(self) -> str:
-        """The torch optimizer's class name (what checkpoints record and check)."""
+    def name(self) -> str:  # the torch optimizer's class name, which checkpoints record and check
         return type(self.optimizer).__name__
 
     # Users and LR schedulers read and write these as on a torch optimizer: the wrapped optimizer's.
@@ -114,8 +115,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             group.zero_grads()
 
     def grad_norm(self, grads: list[torch.Tensor]) -> float:
-        """Global L2 norm of the reduced gradients, over all ranks' shards, accumulated in fp64;
-        `grads` in the order of `self.groups`."""
+        """Global L2 norm of the reduced gradients (fp64, all ranks' shards; `grads` as `self.groups`)."""
         return self._norm_and_seen(grads)[0]
 
     def _norm_and_seen(self, grads: list[torch.Tensor]) -> tuple[float, dict[int, list[bool]]]:
@@ -175,17 +175,32 @@ class ZeroOptimizer(torch.optim.Optimizer):
         coef = 1.0 / scale  # unscale and clip in one pass, as DeepSpeed does
         if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
             coef *= self.clip / (norm + 1e-6)
-        with self._transaction() as snapshot:
-            for i in range(len(grads)) if coef != 1.0 else ():  # no loop variable left holding a gradient
-                grads[i].mul_(coef)
-            self._apply(grads, seen, snapshot)
-        self.last_grad_norm = norm
-        self.refresh_parameters()
-        for group in self.groups:
-            group.zero_grads()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=False)
+        atomic = self._atomic(grads, seen)
+        with held_interrupts() if atomic else contextlib.nullcontext():  # Ctrl-C once the step is done
+            with self._transaction(atomic) as snapshot:
+                for i in range(len(grads)) if coef != 1.0 else ():  # no loop variable left holding a gradient
+                    grads[i].mul_(coef)
+                self._apply(grads, seen, snapshot)
+            self.last_grad_norm = norm
+            self.refresh_parameters()
+            for group in self.groups:
+                group.zero_grads()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(overflow=False)
         return True
+
+    def _atomic(self, grads: list | None = None, seen: dict | None = None) -> bool:
+        """No copy needed? (atomic.py; without `grads` and `seen`, for the copy ahead, the rest)"""
+        if self.transactional in (False, "copy") or self.streamed is not None or not self._steps_per_group() \
+                or any(g.master_store is not None for g in self.groups):
+            return False
+        masked = seen is not None and any(id(g) in self.slot_states.diverged or not all(seen[id(g)]) for g in self.groups)
+        return not masked and why_not_atomic(self.optimizer, [g.master for g in self.groups], grads) is None
+
+    def _steps_per_group(self) -> bool:  # steps_apart_alike, asked once
+        self._per_group = self._per_group if self._per_group is not None else \
+            bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
+        return self._per_group
 
     def _apply(self, grads: list[torch.Tensor], seen: dict[int, list[bool]], snapshot: Snapshot | None) -> None:
         """The update; groups with parameters that got no gradient step in runs ([Note: parameters
@@ -207,11 +222,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def _apply_in_memory(self, grads: list, plans, snapshot: Snapshot | None) -> dict[int, list]:
         """One group at a time where that is the same update, each group's gradient freed once it
         is spent; else all groups in one optimizer step ([Note: one group at a time] in rollback.py)."""
-        if self._per_group is None:
-            self._per_group = bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
         indices = list(range(len(self.groups)))
         results = {}
-        for batch in ([[i] for i in indices] if self._per_group else [indices]):
+        for batch in ([[i] for i in indices] if self._steps_per_group() else [indices]):
             batch_groups = [self.groups[i] for i in batch]
             for group in batch_groups if snapshot is not None else ():
                 snapshot.keep(group, [group.master])
@@ -220,6 +233,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             try:
                 if any(plans[id(g)] is None for g in batch_groups):
                     self.optimizer.step()
+                    if snapshot is not None and snapshot.atomic:
+                        snapshot.updated += batch_groups
             finally:
                 for group in batch_groups:
                     group.master.grad = None
@@ -278,7 +293,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in agreed.items()})
 
     @contextlib.contextmanager
-    def _transaction(self):
+    def _transaction(self, atomic: bool = False):
         """The update is all or nothing: [Note: transactional step] in rollback.py."""
         if not self.transactional:
             yield None
@@ -288,21 +303,25 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group.master_store.check([group.master])
         if self.streamed is not None:
             self.streamed.check()
-        before = Snapshot(self.optimizer, self.slot_states, self.snapshot_buffers)
+        before = Snapshot(self.optimizer, self.slot_states, self.snapshot_buffers, atomic=atomic)
         try:
             yield before
-        except BaseException:
-            before.restore()
+        except BaseException as error:
+            updated = before.restore()
+            if updated:
+                raise StepNotUndone.after(updated, len(self.groups)) from error
             raise
         finally:
             self.snapshot_peak_bytes = before.nbytes
             if self.snapshot_buffers is not None:
                 self.snapshot_buffers.step_done()
+                if atomic:  # stage 0's kept copy is not needed any more
+                    self.snapshot_buffers.kept.clear()
 
     def copy_ahead(self) -> None:
         """While the backward's last reductions are in flight: copy the optimizer state for the
         coming step ([Note: the copy taken ahead] in rollback.py)."""
-        if self.snapshot_buffers is not None and self.transactional and self.streamed is None:
+        if self.snapshot_buffers is not None and self.transactional and self.streamed is None and not self._atomic():
             self.snapshot_buffers.copy_state_ahead(self.optimizer.state, [g.master for g in self.groups])
 
     def _overflow(self) -> bool:
@@ -319,18 +338,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         refresh_parameters(self.groups, self.comm, self.deferred_gather)
 
     def keeps_state(self) -> bool:
-        """Does this optimizer keep per-parameter state after a step (Adam, SGD with momentum), as
-        opposed to none (plain SGD)? Asked of a twin over one element with each param group's
-        hyper-parameters, so that the user's optimizer is not touched."""
-        for param_group in self.optimizer.param_groups:
-            probe = torch.zeros(1, requires_grad=True)
-            twin = type(self.optimizer)([{**{k: v for k, v in param_group.items() if k != "params"},
-                                          "params": [probe]}])
-            probe.grad = torch.ones(1)
-            twin.step()
-            if twin.state.get(probe):
-                return True
-        return False
+        return keeps_state(self.optimizer)
 
     # -- per-group state (the checkpoint contract) ------------------------------------------------------
     def group_state(self, group: FlatGroup) -> dict:

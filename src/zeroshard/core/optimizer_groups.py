@@ -1,4 +1,5 @@
-"""The user's optimizer re-pointed at the flat master shards; which param group holds a parameter."""
+"""The user's optimizer re-pointed at the flat master shards; which param group holds a parameter;
+whether the optimizer keeps state."""
 from __future__ import annotations
 
 import torch
@@ -25,3 +26,17 @@ def optimizer_group_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
                 raise ValueError("a parameter appears in two optimizer param groups")
             index[id(param)] = i
     return index
+
+
+def keeps_state(optimizer: torch.optim.Optimizer) -> bool:
+    """Does this optimizer keep per-parameter state after a step (Adam, SGD with momentum), as
+    opposed to none (plain SGD)? Asked of a twin over one element with each param group's
+    hyper-parameters, so that the user's optimizer is not touched."""
+    for param_group in optimizer.param_groups:
+        probe = torch.zeros(1, requires_grad=True)
+        twin = type(optimizer)([{**{k: v for k, v in param_group.items() if k != "params"}, "params": [probe]}])
+        probe.grad = torch.ones(1)
+        twin.step()
+        if twin.state.get(probe):
+            return True
+    return False

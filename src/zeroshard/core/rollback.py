@@ -10,7 +10,10 @@ scalar state ([Note: parameters without a gradient] in masked.py) is taken befor
 the update raises, so the step leaves them as they were. The cost is one more copy of this rank's
 masters and optimizer state while the step runs (ZeroOptimizer.transactional = False saves it),
 less, at stages 2/3, the gradient shards the step frees as it goes ([Note: one group at a time]).
-No cheaper copy keeps the guarantee: when the last group's update fails, every earlier group has
+Where the update cannot fail once it has started (torch's fused Adam/AdamW over masters in CPU
+memory: [Note: an update that cannot fail half-way] in atomic.py) only the `step` counters are
+copied; `transactional = "copy"` copies anyway. For any other update no cheaper copy keeps the
+guarantee: when the last group's update fails, every earlier group has
 its new values and must get its old ones back, so both are in memory then, unless the update could
 be undone exactly, which floating-point arithmetic does not allow. At stage 0 that
 copy is kept between steps (`SnapshotBuffers`) and overwritten in place by the next one: a fresh
@@ -140,10 +143,15 @@ class Snapshot:
     """Copies of what an update changes, taken group by group just before each group's update
     ([Note: one group at a time]), put back by `restore` if the update raises."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, slot_states, buffers: SnapshotBuffers | None = None) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, slot_states, buffers: SnapshotBuffers | None = None,
+                 atomic: bool = False) -> None:
         self.optimizer = optimizer
         self.slot_states = slot_states
         self.buffers = buffers
+        # An update that cannot fail half-way ([Note: an update that cannot fail half-way] in
+        # atomic.py): only the 0-dim state (Adam's `step`) is copied, and the groups updated noted.
+        self.atomic = atomic
+        self.updated: list = []
         self.before = set(optimizer.state)  # entries made by the update are dropped by restore
         self.diverged = copy.deepcopy(slot_states.diverged)
         self.masters: list[tuple] = []  # (group, its master's copy: 1-D fp32)
@@ -154,13 +162,19 @@ class Snapshot:
         if not isinstance(value, torch.Tensor):
             return copy.deepcopy(value)
         self.nbytes += value.numel() * value.element_size()
-        return value.clone() if self.buffers is None else self.buffers.copy(key, value)
+        return value.clone() if self.buffers is None or key is None else self.buffers.copy(key, value)
 
     def keep(self, group, params) -> None:
         """Copy `group`'s master and the optimizer state of `params`, the tensors the optimizer keys
         that group's state by (its master, or its sub-groups), before they change. Stage 1 copies
         the master into its gradient buffer's stale part ([Note: the master's copy in the stale
         gradient] in grad_buffers.py) where that has room, stage 0 into its kept buffer."""
+        if self.atomic:
+            for param in params:
+                if param in self.before:
+                    self.state[param] = {k: self._copy(None, v) for k, v in self.optimizer.state[param].items()
+                                         if v.dim() == 0}
+            return
         place = group.stale_grad_part(group.master)  # None but at stage 1
         if place is not None:
             self.nbytes += place.numel() * place.element_size()
@@ -173,9 +187,17 @@ class Snapshot:
                                      for k, v in self.optimizer.state[param].items()}
 
     @torch.no_grad()
-    def restore(self) -> None:
+    def restore(self) -> list:
         """Masters and optimizer state back as they were: in place where a tensor survives (a
-        store's tensor stays that store's), entries created since dropped."""
+        store's tensor stays that store's), entries created since dropped. Returns the groups an
+        atomic update had updated, which nothing can put back."""
+        if self.atomic:
+            done = {id(group.master) for group in self.updated}
+            for param, entry in self.state.items():
+                for key, value in entry.items() if id(param) not in done else ():
+                    self.optimizer.state[param][key].copy_(value)
+            self.slot_states.diverged = self.diverged
+            return self.updated
         for group, saved in self.masters:
             group.master.copy_(saved)
         state = self.optimizer.state
@@ -192,6 +214,7 @@ class Snapshot:
                 else:  # a copy: a kept buffer must never become the live state it is a copy of
                     current[key] = _copy(value)
         self.slot_states.diverged = self.diverged
+        return []
 
 
 def steps_apart_alike(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:

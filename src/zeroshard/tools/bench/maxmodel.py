@@ -203,6 +203,14 @@ def _ordered(trials: dict[int, Trial]) -> list[Trial]:
     return list(trials.values())  # in the order they ran
 
 
+def copies_its_step(config: dict) -> bool:
+    """Does the subject's transactional step take its copy? Its optimizer is torch's fused AdamW
+    (`bench_optimizer`): over masters in memory the update cannot fail half-way and takes none
+    ([Note: an update that cannot fail half-way] in core/atomic.py); through a CPU store it steps
+    sub-group by sub-group and copies; an NVMe store is not copied."""
+    return config.get("offload_optimizer") == "cpu"
+
+
 def search(spec: dict, config_key: str, ranks: int, ceiling: int, timeout_s: float, threads: int | None,
            nvme_root: Path | None = None) -> dict:
     """One configuration's boundary, its estimator predictions and its trials, as a JSON-ready row."""
@@ -212,7 +220,8 @@ def search(spec: dict, config_key: str, ranks: int, ceiling: int, timeout_s: flo
     uses_nvme = "nvme" in (config.get("offload_optimizer"), config.get("offload_param"))
     nvme_dir = Path(tempfile.mkdtemp(prefix="zeroshard-maxmodel-", dir=nvme_root)) if uses_nvme else None
     run_spec = {**spec, "run": {**config, "kind": "zeroshard"}, "nvme_path": str(nvme_dir) if nvme_dir else None}
-    guess_params = predicted_params(spec["cap_bytes"] - ASSUMED_BASELINE, ranks, config, rec, step_copy=True)
+    guess_params = predicted_params(spec["cap_bytes"] - ASSUMED_BASELINE, ranks, config, rec,
+                                    step_copy=copies_its_step(config))
     guess = layers_for(guess_params, width, vocab, seq_len)
     # Model states and the step's copy are not all a step needs (activations, reduction buckets, gathered
     # units): start below the prediction. Only the number of trials depends on the guess.
@@ -253,7 +262,8 @@ def row(spec: dict, config_key: str, ranks: int, boundary: Boundary, rec: est.Re
                 "failure": failing.detail},
             "estimator_cap": prediction(cap),
             "estimator_cap_minus_baseline": prediction(None if baseline is None else cap - baseline),
-            "estimator_with_step_copy": prediction(None if baseline is None else cap - baseline, step_copy=True),
+            "estimator_with_step_copy": prediction(None if baseline is None else cap - baseline,
+                                                   step_copy=copies_its_step(config)),
             "trials": [asdict(t) | {"figures": None} for t in boundary.trials]}
 
 
@@ -321,7 +331,8 @@ def format_table(document: dict) -> str:
                f"\"does not fit\". Both sizes of a boundary were run.")
     out.append("estimator: largest Ψ whose model states (paper §5; fp32 AdamW: 16 B/param unsharded) fit in the cap "
                "less the baseline, in layers of this family; + step copy: with what the default transactional "
-               "step's copy adds at its peak (zeroshard estimate's \"+ step copy\"; stage 0 keeps it: 28 B/param); "
+               "step's copy adds at its peak (zeroshard estimate's \"+ step copy\"), which the fused AdamW here "
+               "takes only through a CPU store (over masters in memory its update cannot fail half-way); "
                "[x] = tried / predicted. Activations, buckets and gathered units are in neither. On a CPU "
                "machine CPU-offloaded states are in the same process memory; NVMe-offloaded states are file "
                "mappings, outside the cap.")

@@ -235,5 +235,6 @@ def _step_copy_lines(rows: list[dict], offload_optimizer: str | None) -> list[st
     if lines and offload_optimizer == "cpu":
         lines.append("with the optimizer states offloaded to CPU the copy is in host memory;")
     if lines:
-        lines.append("`zeroshard.transactional_step: false` drops it.")
+        lines.append("torch's fused Adam/AdamW over masters in CPU memory takes none (its update cannot fail "
+                     "half-way, core/atomic.py); `zeroshard.transactional_step: false` drops it.")
     return lines
