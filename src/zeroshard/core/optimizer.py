@@ -315,7 +315,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.snapshot_peak_bytes = before.nbytes
             if self.snapshot_buffers is not None:
                 self.snapshot_buffers.step_done()
-                if atomic:  # stage 0's kept copy is not needed any more
+                if self.snapshot_buffers.kept and (atomic or self._atomic()):  # stage 0's: no later step needs it
                     self.snapshot_buffers.kept.clear()
 
     def copy_ahead(self) -> None:
