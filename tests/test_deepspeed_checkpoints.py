@@ -43,6 +43,12 @@ _spec.loader.exec_module(tm)
 EXPECTED = json.loads((DATA / "expected.json").read_text())
 CASES = list(tm.CASES)  # checkpoint names: stage<s>_<precision>[_<variant>]
 TOL_FP32 = 1e-6
+# fp32 at 2 ranks: bit for bit with DeepSpeed's recorded losses on the AMD EPYC box they were
+# recorded on; on an Intel Xeon (2026-12-02, at 91db376 too, before that day's changes) the second
+# loss of every fp32 checkpoint is 8e-8 relative from DeepSpeed's, at every stage, while the first
+# (the loaded state) is exact. So there: the first loss exact, zeroshard's stages bit for bit alike,
+# DeepSpeed's within TOL_FP32. The cause (a CPU-dependent kernel) was not isolated; DeepSpeed cannot
+# be re-run here.
 # Relative, per loss. Measured: bf16 7.8e-4 (3 ranks), 3.6e-4 (4 ranks), 0 at 2 ranks at any stage;
 # fp16 3.7e-3 at every world size, the same stage included (DeepSpeed's unscale order, module doc).
 TOL_16 = 1e-2
@@ -181,6 +187,11 @@ def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
         # fp32 communication in a way not identified here.
         exact = world == 2 and (precision == "fp32" or (precision == "bf16" and stage == tm.CASES[source][0]
                                                         and tm.CASES[source][2] != "fp32grads"))
+        if exact and precision == "fp32" and result["losses"] != after:  # see TOL_FP32
+            assert result["losses"][0] == after[0], f"{what}: the loaded state is not DeepSpeed's"
+            alike = {tuple(r["losses"]) for c, r in zip(cases, results) if c["source"] == source}
+            assert len(alike) == 1, f"{what}: the stages' losses differ: {alike}"
+            exact = False
         if tm.CASES[source][2] == "fp32grads" and stage == tm.CASES[source][0] and world == 2:
             assert result["losses"][0] == after[0], what
         error = _relative(result["losses"], after)
