@@ -12,8 +12,10 @@ i + 1 of every system), on the same batches, so that the machine's load drifts o
   * `stage 0/1/2/3`: `zeroshard.initialize` with the config `zeroshard bench` uses: the defaults a user
     gets (overlap_comm on, the cross-rank collective check on), except that stage 3 shards every
     parameter (`stage3_param_persistence_threshold: 0`, as the bench does for its 3Psi volume);
-  * `stage 1/2 overlap` (not run unless named in --systems): the same with
-    `zeroshard.overlap_param_gather`;
+  * `stage 1/2 step-gather` (not run unless named in --systems): the same with
+    `zeroshard.overlap_param_gather: false`, step() waiting for the all-gather of updated parameters
+    (the default before the eleventh session); `stage 1/2 overlap` names the option explicitly on,
+    which is now the default;
   * `stage 0-3 no-tx` (not run unless named): the same with `zeroshard.transactional_step: false`,
     to price what the transactional step does; `stage 0-3 copy`: with `transactional_step: "copy"`,
     the copy the default took before the tenth session (its fused AdamW now takes none,
@@ -50,6 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
 SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
+           "stage 1 step-gather", "stage 2 step-gather",
            "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx",
            "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 2 2-in-flight",
            "stage 3 2-in-flight", "stage 0 copy", "stage 1 copy", "stage 2 copy", "stage 3 copy")
@@ -194,8 +197,8 @@ def _system(kind: str, args, make_model, make_optimizer):
         zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "zero_optimization": zero, "bf16": {"enabled": False}}
-    if variant == "overlap":  # [Note: deferred parameter gather]
-        config["zeroshard"] = {"overlap_param_gather": True}
+    if variant in ("overlap", "step-gather"):  # [Note: deferred parameter gather]
+        config["zeroshard"] = {"overlap_param_gather": variant == "overlap"}
     if variant in ("no-tx", "copy"):  # what the transactional step costs ([Note: transactional step])
         config["zeroshard"] = {"transactional_step": False if variant == "no-tx" else "copy"}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)

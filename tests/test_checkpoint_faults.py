@@ -239,7 +239,9 @@ def _write_back_worker(rank: int, world: int, *, nvme: str, on_rank: int) -> dic
     before = _snapshot(engine)
     # the last system call of a write-back fails as a full thin-provisioned disk would (this rank only)
     with _patched(store_module.os, "posix_fadvise", _after(0, _full_disk), rank == on_rank):
-        raised = _raised(train_micro_steps, engine, batches, 1, 1)
+        # two micro steps: the healthy rank's step only issues its all-gathers, and its next forward,
+        # which waits for them, meets the error ([Note: deferred parameter gather])
+        raised = _raised(train_micro_steps, engine, batches, 1, 2)
     kind, message, elapsed = raised
     report = {"kind": kind, "message": message.splitlines()[0], "elapsed": elapsed,
               "changed": _differences(before, _snapshot(engine))}
@@ -249,7 +251,8 @@ def _write_back_worker(rank: int, world: int, *, nvme: str, on_rank: int) -> dic
 
 def test_full_disk_in_nvme_write_back_is_named(tmp_path):
     """The faulting rank raises StoreError naming the swap file at once; the other rank learns it at
-    its next collective (CollectiveError), both well within the collective timeout. With the
+    its next collective wait (CollectiveError; by default its next forward, which waits for the step's
+    all-gathers), both well within the collective timeout. With the
     transactional step on (`zeroshard.transactional_step`; off by default for NVMe-offloaded states,
     [Note: transactional step]) the faulting rank's masters and optimizer state are as they were:
     the step is undone although the write-back failed after every sub-group was updated. The other

@@ -47,11 +47,13 @@ class FlakyAdamW(torch.optim.AdamW):
         return result
 
 
-def _engine(stage, offload, gas, nvme, precision=None):
+def _engine(stage, offload, gas, nvme, precision=None, step_waits_for_gathers=False):
     model = gpt_model_fn()()
     zero = {"offload_optimizer": {"device": offload, "nvme_path": nvme}, "sub_group_size": 1000} if offload else {}
     config = make_config(stage, gas, **zero)
     config["zeroshard"]["comm_timeout_s"] = COMM_TIMEOUT_S
+    if step_waits_for_gathers:  # the default overlaps them with the next forward (tests/test_param_gather.py)
+        config["zeroshard"]["overlap_param_gather"] = False
     config["zeroshard"]["transactional_step"] = True  # also with NVMe offload, where it is off by default
     if precision:
         config[precision] = {"enabled": True, "loss_scale_window": 2, "initial_scale_power": 8}  # no overflow
@@ -204,7 +206,9 @@ def test_failed_calls_change_nothing_but_gradients(tmp_path):
 # ---------------------------------------------------------------- one rank raises
 
 def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
-    engine = _engine(stage, None, 1, "", None)
+    # A step that fails on one rank: the healthy rank learns it in its own step when that waits for
+    # the all-gathers; by default it learns it at its next forward (test_param_gather.py checks that).
+    engine = _engine(stage, None, 1, "", None, step_waits_for_gathers=kind == "optimizer")
     armed = [False]
     _arm(engine, kind, armed)
     _micro(engine, 0, 0)

@@ -132,6 +132,7 @@ def _engine_case(mesh, ref, layout: str, stage: int) -> dict:
         mm.assert_losses_close(losses, ref["losses"], what=what)
     for a, b in zip(norms, ref["grad_norms"]):
         assert abs(a - b) <= 1e-5 * b, f"{what}: gradient norm {a} vs {b}"
+    engine.sharded.wait_parameters()  # the last step's all-gathers, issued as the next forward needs them
     dp_bytes = _per_step(engine.comm.counter.snapshot()["paper_bytes"], comm_before)
     with engine.gathered_parameters(list(model.parameters())):
         full = dtensor_full(model) if layout == "dtensor" else megatron_full(model, mesh)

@@ -42,6 +42,7 @@ def _killed_worker(rank: int, world: int, *, nvme: str) -> int:
     _, loss = engine(*gpt_batches(tiny_gpt_config(), batch_size=4)(0, 0, rank))
     engine.backward(loss)
     engine.step()
+    engine.sharded.wait_parameters()  # the step's all-gathers, in flight until the next forward otherwise
     engine.comm.barrier("stepped")
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)  # no destroy(), no atexit, no handler

@@ -1,10 +1,13 @@
-"""`zeroshard.overlap_param_gather` (issue 15, item 0): the all-gather of updated parameters after a
-step overlaps the next forward ([Note: deferred parameter gather] in core/param_gather.py).
+"""`zeroshard.overlap_param_gather` (issue 15, item 0; the default since issue 12's eleventh session):
+the all-gather of updated parameters after a step overlaps the next forward ([Note: deferred
+parameter gather] in core/param_gather.py).
 
 Against DDP, bit for bit at 2 ranks (stages 1/2, with and without accumulation, gradient clipping,
-the parameters read between step and forward through every reader that must wait first); the
-gathers really are left in flight by step(); failures as in test_failures.py, where a rank that
-fails alone now names the error at the healthy rank's next forward, where it waits for its gather.
+the parameters read between step and forward through every reader that must wait first, and the
+script's own reads that the guard catches, [Note: reads before the next forward] in
+core/read_guard.py); the gathers really are left in flight by step(); failures as in
+test_failures.py, where a rank that fails alone now names the error at the healthy rank's next
+forward, where it waits for its gather.
 """
 from __future__ import annotations
 
@@ -41,10 +44,16 @@ def _parity_case(stage: int, gas: int, clip: float) -> None:
     assert ours["comm_per_step"] == pytest.approx((reductions + 1) * ours["num_parameters"] * 4, rel=0.02)
 
 
+def _plain_config(stage: int) -> dict:
+    config = make_config(stage)
+    config["zeroshard"]["overlap_param_gather"] = False
+    return config
+
+
 def _readers_case(stage: int) -> None:
     """Each reader, called right after step() with the gathers in flight, sees the updated values:
     those a run without the option has after its step."""
-    plain_config = make_config(stage)
+    plain_config = _plain_config(stage)
     runs = {}
     for overlap in (False, True):
         model = gpt_model_fn()()
@@ -73,10 +82,102 @@ def _readers_case(stage: int) -> None:
             assert torch.equal(x, y)
 
 
+# The script's own reads between step() and the next forward, each in a step of its own: what it
+# reads (a clone), and whether it must have waited for the gathers.
+SCRIPT_READS = [
+    ("EMA lerp_ over detached parameters", True,
+     lambda model, ema: [e.lerp_(p.detach(), 0.5) for e, p in zip(ema, model.parameters())] and [e.clone() for e in ema]),
+    ("p.data.clone()", True, lambda model, ema: [p.data.clone() for p in model.parameters()]),
+    ("a view of p.data taken before the step", True, lambda model, ema: [v.clone() for v in ema.views]),
+    ("torch._foreach_mul over the parameters", True,
+     lambda model, ema: torch._foreach_mul([p.detach() for p in model.parameters()], 1.0)),
+    ("p.norm() for a log line", True, lambda model, ema: [p.norm().detach() for p in model.parameters()]),
+    ("metadata: shape, dtype, .grad, numel(), module.zero_grad()", False,
+     lambda model, ema: model.zero_grad() or [torch.tensor([p.numel(), p.dim()] + list(p.shape)) for p in model.parameters()
+                                              if p.grad is None and p.dtype == torch.float32]),
+]
+
+
+class _Ema(list):
+    views: list
+
+
+def _script_reads_case(stage: int) -> None:
+    """With the default config, step() returns with the gathers in flight; each script read in
+    SCRIPT_READS sees what a run without the overlap sees, and only reads of values wait."""
+    runs = {}
+    for overlap in (False, True):
+        model = gpt_model_fn()()
+        config = make_config(stage) if overlap else _plain_config(stage)  # make_config: the default, on
+        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+        ema = _Ema(p.detach().clone() for p in model.parameters())
+        ema.views = [p.data[:3] for p in model.parameters()]  # taken before any step
+        seen = []
+        for step, (what, waits, read) in enumerate(SCRIPT_READS):
+            engine.backward(gpt_loss(engine, *BATCHES(step, 0, engine.global_rank)))
+            engine.step()
+            gather = engine.sharded.deferred_gather
+            if overlap:
+                assert gather.pending and gather.guard.on_stack, f"step() waited for the gathers before: {what}"
+                waits_before = gather.guard.waits
+            seen.append(read(model, ema))
+            if overlap:
+                assert gather.pending is not waits, f"{what}: waited {gather.pending is False}, should {waits}"
+                assert gather.guard.waits == waits_before + waits, what
+        assert torch._C._len_torch_function_stack() == (1 if overlap else 0)
+        engine(BATCHES(0, 0, engine.global_rank)[0])  # the next forward takes the guard off
+        assert torch._C._len_torch_function_stack() == 0
+        runs[overlap] = seen
+        engine.destroy()
+    for (what, _, _), plain, overlapped in zip(SCRIPT_READS, runs[False], runs[True]):
+        assert all(torch.equal(a, b) for a, b in zip(plain, overlapped)), what
+
+
+class _UserMode(torch.overrides.TorchFunctionMode):
+    calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        _UserMode.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _mode_stack_case(stage: int) -> None:
+    """The guard never disturbs the script's own modes: one entered after step() stays on the
+    stack when the forward inside it takes the guard off from under it; a step() taken inside a
+    mode (or `with torch.device`) waits for its gathers instead of pushing the guard."""
+    model = gpt_model_fn()()
+    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage))
+    gather = engine.sharded.deferred_gather
+
+    def step(i):
+        engine.backward(gpt_loss(engine, *BATCHES(i, 0, engine.global_rank)))
+        engine.step()
+
+    step(0)
+    user = _UserMode()
+    with user:
+        assert torch._C._get_function_stack_at(1) is user
+        engine(BATCHES(0, 0, engine.global_rank)[0])
+        assert torch._C._len_torch_function_stack() == 1 and torch._C._get_function_stack_at(0) is user
+    assert torch._C._len_torch_function_stack() == 0 and _UserMode.calls > 0
+    for outer in (_UserMode, lambda: torch.device("cpu")):
+        with outer():
+            step(1)
+            assert not gather.pending and not gather.guard.on_stack, "step() inside a mode left its gathers"
+            assert torch._C._len_torch_function_stack() == 1
+        assert torch._C._len_torch_function_stack() == 0
+    step(2)
+    assert gather.pending
+    engine.destroy()
+    assert torch._C._len_torch_function_stack() == 0, "destroy() left the guard on the stack"
+
+
 def _parity_worker(rank: int, world: int) -> None:
     cases = [dict(stage=s, gas=g, clip=c) for s in (1, 2) for g, c in ((1, 0.0), (2, 0.05))]
     subtests(cases, _parity_case)
     subtests([dict(stage=s) for s in (1, 2)], _readers_case)
+    subtests([dict(stage=s) for s in (1, 2)], _script_reads_case)
+    subtests([dict(stage=s) for s in (1, 2)], _mode_stack_case)
 
 
 def test_overlapped_gather_matches_ddp_bit_for_bit():

@@ -53,6 +53,7 @@ def train_engine(model_fn, batches, *, config: dict, optimizer_fn=adamw, steps: 
         out["grad_norms"].append(engine.get_global_grad_norm())
         if record_params:
             out["params_per_step"].append(full_params(engine))
+    engine.sharded.wait_parameters()  # the last step's all-gathers, issued as the next forward needs them
     out["comm_per_step"] = (engine.comm.counter.data_bytes() - comm_before) / steps
     out["params"] = full_params(engine)
     out["memory"] = engine.memory_report()

@@ -371,12 +371,14 @@ class ZeroShardExtConfig(Section):
     """Seconds a collective may take before the process group reports a hang."""
     check_collectives: bool = True
     """Check across ranks that every rank issues the same collective (catches divergent code paths)."""
-    overlap_param_gather: bool = False
+    overlap_param_gather: bool = True
     """Stages 1/2: step() only issues the all-gather of updated parameters, and each unit waits for
     its own just before its next forward (Megatron's overlap_param_gather), hiding it behind
-    compute. Off by default: the script must not read parameters itself (an EMA update) between
-    step() and the next forward; zeroshard's own readers (state_dict, checkpoints,
-    GatheredParameters, module.state_dict()) wait first."""
+    compute. zeroshard's own readers (state_dict, checkpoints, GatheredParameters,
+    module.state_dict()) wait first, and so does any torch call of the script that touches a
+    parameter before the next forward (an EMA update), on the thread that called step() ([Note:
+    reads before the next forward] in core/read_guard.py). False: step() waits for the gathers (for
+    a script that reads parameters from another thread)."""
     transactional_step: Optional[Union[Literal["copy"], bool]] = None
     """A step that raises is undone: true copies masters and optimizer state before the update
     unless the update cannot fail once started (torch's fused Adam/AdamW on CPU: no copy, [Note: an

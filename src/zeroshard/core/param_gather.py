@@ -15,9 +15,11 @@ units in different orders on different ranks, and the ranks must issue the same 
 same order. A unit running out of that order waits for the gathers queued before its own.
 Everything else that reads or writes parameters or masters between a step and the next forward
 waits for every gather first, through `wait_all`: state_dict / load_state_dict, checkpoints,
-gathered_parameters, refresh_parameters, the module's own state_dict() (a hook), destroy. Only
-direct reads of `param.data` by the script (an EMA update right after step()) cannot be caught:
-that is why the option is off by default. zero_grad() touches gradients only and does not wait.
+gathered_parameters, refresh_parameters, the module's own state_dict() (a hook), destroy; and the
+script's own reads of parameters (an EMA update right after step()) are caught by a guard on
+torch calls, which waits for every gather before the first that touches a parameter ([Note: reads
+before the next forward] in read_guard.py). That guard is what lets the option be on by default.
+zero_grad() touches gradients only and does not wait.
 A failed wait is a CollectiveError like any other ([Note: failed steps] in sharded.py): the forward
 that met it aborts, and `abort` issues and completes (or abandons) what is left, so that a rank
 that failed alone still pairs its collectives with its peers'.
@@ -32,6 +34,7 @@ import torch
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.lifecycle import Phase
+from zeroshard.core.read_guard import ReadGuard
 from zeroshard.core.unit import Unit
 from zeroshard.core.wrap import ROOT
 
@@ -63,7 +66,7 @@ def refresh_parameters(groups: list[FlatGroup], comm: Communicator, deferred=Non
 
 
 class DeferredGather:
-    def __init__(self, units: list[Unit], max_inflight: int = 2):
+    def __init__(self, units: list[Unit], max_inflight: int = 2, wait=None):
         gathered = [u for u in units if any(_gathers(g) for g in u.groups)]
         roots = [u for u in gathered if u.name == ROOT]
         self.units = roots + [u for u in gathered if u.name != ROOT]  # the issue order, on every rank
@@ -72,14 +75,18 @@ class DeferredGather:
         self._queue: list[Unit] = []  # gathers not issued yet, in order
         self._inflight: dict[int, list] = {}  # id(unit) -> handles, oldest first
         self._handles = []
+        groups = [g for u in self.units for g in u.groups if _gathers(g)]
+        self.guard = ReadGuard(wait or self.wait_all)  # [Note: reads before the next forward]
+        self.guard.watch([g.full for g in groups], [p for g in groups for p in g.params])
 
     @classmethod
-    def attach(cls, units: list[Unit], model: torch.nn.Module, optimizer, policy, enabled: bool):
+    def attach(cls, units: list[Unit], model: torch.nn.Module, optimizer, policy, enabled: bool, wait=None):
         """The deferred gather of a sharded model, hooked in, or None: only stages 1/2 gather after a
-        step (stage 0 gathers nothing, stage 3 before each use anyway)."""
+        step (stage 0 gathers nothing, stage 3 before each use anyway). `wait`: how a read caught by
+        the guard completes the gathers (Sharded.wait_parameters); default `wait_all`."""
         if not enabled or optimizer is None or not policy.shard_optimizer or policy.shard_parameters:
             return None
-        gather = cls(units)
+        gather = cls(units, wait=wait)
         for unit in gather.units:
             module = unit.module if unit.module is not None else model
             gather._handles.append(module.register_forward_pre_hook(functools.partial(gather._pre_forward, unit)))
@@ -106,6 +113,8 @@ class DeferredGather:
         self._comm = comm
         self._queue = list(self.units)
         self._top_up()
+        if self.pending and not self.guard.push():  # other modes on the stack: no overlap this step
+            self.wait_all()
 
     @torch.no_grad()
     def _top_up(self) -> None:
@@ -125,6 +134,7 @@ class DeferredGather:
     # -- before the next forward ------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
         """Complete `unit`'s gather (and those queued before it), then issue the next ones."""
+        self.guard.pop()  # the forward reads each unit after its own wait: no guard needed
         while id(unit) not in self._inflight and any(u is unit for u in self._queue):
             self._wait_oldest() if self._inflight else self._top_up()
         for handle in self._inflight.pop(id(unit), ()):
@@ -134,6 +144,7 @@ class DeferredGather:
     def wait_all(self) -> None:
         while self._inflight or self._queue:
             self._wait_oldest() if self._inflight else self._top_up()
+        self.guard.pop()
 
     def abort(self, wait: bool) -> None:
         """After a failure: complete every gather, issuing those still queued (`wait`: the peers
@@ -144,6 +155,7 @@ class DeferredGather:
         finally:
             self._queue.clear()
             self._inflight.clear()
+            self.guard.pop()
 
 
 class ParameterReaders:

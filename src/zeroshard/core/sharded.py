@@ -57,7 +57,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
           reuse_distance: int = 1, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
           comm_timeout_s: float = 300.0, check_collectives: bool = True,
-          comm_policy: CommPolicy | None = None, overlap_param_gather: bool = False) -> "Sharded":
+          comm_policy: CommPolicy | None = None, overlap_param_gather: bool = True) -> "Sharded":
     """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
 
     `optimizer` must be a torch optimizer over `model`'s parameters with an elementwise update (SGD,
@@ -97,7 +97,7 @@ class Sharded(ParameterReaders):
                  wrap: list[str] | None, persistence_threshold: int, gather_limits: GatherLimits, overlap_comm: bool,
                  gradient_clipping: float, loss_scaler: DynamicLossScaler | None,
                  model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = True):
         self.module = model
         self.model_parallel = model_parallel
         self.comm = comm
@@ -140,7 +140,8 @@ class Sharded(ParameterReaders):
         self.lifecycle.register()
         if self.optimizer is not None:
             self.lifecycle.before_final_waits = self.optimizer.copy_ahead
-        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather)
+        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather,
+                                                     wait=self.wait_parameters)
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
 
