@@ -168,6 +168,20 @@ def _mode_stack_case(stage: int) -> None:
         assert torch._C._len_torch_function_stack() == 0
     step(2)
     assert gather.pending
+    engine.sharded.wait_parameters()  # issuing the queued gathers slices the buffers: not a script read
+    assert not gather.pending and gather.guard.waits == 0 and torch._C._len_torch_function_stack() == 0
+    # Two engines stepped in turn (a GAN's): each step pushes its own guard, each forward takes its own off.
+    other_model = gpt_model_fn()()
+    other, *_ = zeroshard.initialize(model=other_model, optimizer=adamw(other_model.parameters()),
+                                     config=make_config(stage))
+    step(3)
+    other.backward(gpt_loss(other, *BATCHES(3, 0, other.global_rank)))
+    other.step()
+    assert gather.pending and other.sharded.deferred_gather.pending
+    assert torch._C._len_torch_function_stack() == 2
+    engine(BATCHES(0, 0, engine.global_rank)[0])
+    assert torch._C._get_function_stack_at(0) is other.sharded.deferred_gather.guard
+    other.destroy()
     engine.destroy()
     assert torch._C._len_torch_function_stack() == 0, "destroy() left the guard on the stack"
 

@@ -142,9 +142,9 @@ class DeferredGather:
         self._top_up()
 
     def wait_all(self) -> None:
+        self.guard.pop()  # first: issuing the queued gathers slices the very buffers it watches
         while self._inflight or self._queue:
             self._wait_oldest() if self._inflight else self._top_up()
-        self.guard.pop()
 
     def abort(self, wait: bool) -> None:
         """After a failure: complete every gather, issuing those still queued (`wait`: the peers

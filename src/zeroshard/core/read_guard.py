@@ -14,10 +14,11 @@ gathers, takes the guard off the stack again.
     collation, `loss.item()`) costs one Python call and a scan of its arguments.
   * torch's modes leave a `with` by popping the top of the stack, whatever it is. A mode entered
     before step() and left before the forward would pop ours and leave its own on the stack, so
-    the guard is pushed only onto an empty stack: inside a TorchFunctionMode, under
-    `with torch.device(...)` or after `torch.set_default_device`, step() waits for its gathers as
-    without the overlap. Modes entered after step() sit above the guard, and the guard is taken out
-    from under them without disturbing them.
+    the guard is pushed only onto a stack that holds nothing but other engines' guards (two
+    engines stepped in turn, a GAN's): inside a TorchFunctionMode, under `with torch.device(...)`
+    or after `torch.set_default_device`, step() waits for its gathers as without the overlap.
+    Modes entered after step() sit above the guard, and the guard is taken out from under them
+    without disturbing them.
   * The stack is per thread: a read from another thread is not seen (zeroshard's own readers wait
     on any thread). `zeroshard.overlap_param_gather: false` turns the overlap off.
 Only metadata names and torch's private stack accessors are used; nothing of torch is patched.
@@ -71,11 +72,13 @@ class ReadGuard(TorchFunctionMode):
 
     # -- on the stack ------------------------------------------------------------------------------
     def push(self) -> bool:
-        """Arm the guard on this thread's empty mode stack; False (nothing pushed) where other modes are."""
+        """Arm the guard on this thread's mode stack, empty but for other engines' guards; False
+        (nothing pushed) where other modes are."""
         if self.on_stack:
             self.armed = True
             return True
-        if torch._C._len_torch_function_stack() != 0:
+        stack = torch._C._len_torch_function_stack()
+        if any(not isinstance(torch._C._get_function_stack_at(i), ReadGuard) for i in range(stack)):
             return False
         torch._C._push_on_torch_function_stack(self)
         self.on_stack = self.armed = True
