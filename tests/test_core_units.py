@@ -1,6 +1,7 @@
 """Single-process unit tests of the core's bookkeeping: nothing here needs a process group."""
 from __future__ import annotations
 
+import functools
 import pytest
 import torch
 from torch import nn
@@ -209,3 +210,40 @@ def test_a_zeroed_gradient_buffer_reads_as_zeros_until_a_gradient_is_copied_in(s
         part.copy_(torch.full_like(part, 9.0))
         group.grad_for_optimizer()
         assert part.tolist() == [9.0] * part.numel(), "reading the gradient zeroed the step's copy"
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_the_pre_divide_in_the_copy_is_the_copy_then_the_divide(stage):
+    """[Note: the pre-divide in the copy] in grad_buffers.py: gradients copied in times 1/N, the
+    others (accumulated in an earlier micro-step, another dtype) multiplied by prescale, equal bit
+    for bit to copying everything in and multiplying the buffer, at N = 2 and N = 3."""
+    torch.manual_seed(0)
+    w, b, w2 = torch.randn(2, 3), torch.randn(3), torch.randn(2, 3)
+    for world in (2, 3):
+        scale = 1.0 / world
+        _, plain = _group(stage, world=world)
+        _, fused = _group(stage, world=world)
+        plain.zero_grads()  # a window after the first: stages 0/1 then mark their kept buffer unwritten
+        fused.zero_grads()
+        plain.add_grad(1, b)  # an earlier micro-step of the window: the bias only, unscaled
+        plain.add_grad(0, w)
+        plain.add_grad(1, b.bfloat16())
+        plain.complete_full_grad()
+        plain.full_grad.mul_(scale)
+        fused.add_grad(1, b)
+        fused.add_grad(0, w, scale=scale)  # first in the window: copied times 1/N
+        fused.add_grad(1, b.bfloat16(), scale=scale)  # already written: added, scaled by prescale
+        assert fused._scaled == [True, False]
+        fused.complete_full_grad()
+        fused.prescale(scale)
+        assert torch.equal(plain.full_grad, fused.full_grad) and fused._scaled is None, world
+        # A second gradient into a slot already scaled in the same backward (a pipeline's micro-batches).
+        _, twice = _group(stage, world=world)
+        twice.add_grad(0, w, scale=scale)
+        twice.add_grad(0, w2, scale=scale)
+        twice.complete_full_grad()
+        twice.prescale(scale)
+        expected = (w + w2).reshape(-1) * scale
+        # N = 3: a/3 + b/3 against (a + b)/3, one rounding of the terms apart (they are O(1) here).
+        close = torch.equal if world == 2 else functools.partial(torch.allclose, rtol=0, atol=1e-6)
+        assert close(twice.full_grad[:6], expected), world

@@ -45,7 +45,9 @@ class GradientBuffers:
     # in, later ones (a tied or reused parameter) are added, and `complete_full_grad` zeroes what
     # no gradient wrote (slots without one, the padding) before the reduction reads the buffer.
     # Bit for bit 0 + g, except that a -0.0 stays -0.0 (DDP keeps it too; no update it feeds differs).
-    def add_grad(self, index: int, grad: torch.Tensor) -> None:
+    def add_grad(self, index: int, grad: torch.Tensor, scale: float | None = None) -> None:
+        """Add a parameter's gradient to its slot. `scale`: the backward reduces this buffer, which
+        is multiplied by it first ([Note: the pre-divide in the copy])."""
         if self.full_grad is None:
             self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
             self._mark_unwritten()
@@ -53,12 +55,40 @@ class GradientBuffers:
         if self.tp_specs[index] is not None:
             grad = self.tp_specs[index].local_grad(grad)
         target = self.full_grad[slot.offset: slot.offset + slot.numel]
-        if self._unwritten is not None and self._unwritten[index]:
-            target.copy_(grad.reshape(-1))
+        grad = grad.reshape(-1)
+        if self._scaled is not None and self._scaled[index]:
+            target.add_(grad, alpha=scale)  # a second gradient in the same backward (a pipeline's)
+        elif self._unwritten is not None and self._unwritten[index]:
+            if scale is not None and grad.dtype == target.dtype:
+                torch.mul(grad, scale, out=target)
+                self._scaled = self._scaled or [False] * len(self.layout.slots)
+                self._scaled[index] = True
+            else:
+                target.copy_(grad)
             self._unwritten[index] = False
         else:
-            target.add_(grad.reshape(-1))
+            target.add_(grad)
         self.grad_seen[index] = True
+
+    # [Note: the pre-divide in the copy]
+    # A reduction pre-divides the buffer by the world size (unit.py reduce_grads), one more pass over
+    # it after the copies that filled it (15 ms of the 33.7M GPT's step at stage 0,
+    # docs/performance.md). DDP multiplies each gradient by 1/N as it copies it into its bucket; so
+    # does add_grad when the backward will reduce (`scale`) and the slot is written for the first
+    # time in the window: torch.mul(grad, 1/N, out=slot) is the copy followed by mul_(1/N), element
+    # for element. `_scaled` marks those slots; `prescale` multiplies the others (accumulated over
+    # earlier micro-steps, or of another dtype than the buffer) and clears the marks. A second
+    # gradient into a marked slot before the reduction is added times 1/N: exact for N a power of two
+    # (a /2^k is exact), within one rounding of (a + b)/N otherwise.
+    def prescale(self, scale: float) -> None:
+        """Multiply by `scale` what add_grad did not, before a reduction."""
+        marks, self._scaled = self._scaled, None
+        if marks is None:
+            self.full_grad.mul_(scale)
+            return
+        for slot, done in zip(self.layout.slots, marks):
+            if not done:
+                self.full_grad[slot.offset: slot.offset + slot.numel].mul_(scale)
 
     # [Note: zeroed when first read]
     # Stages 0/1 keep their full gradient buffer across steps. Zeroing it in zero_grads and adding the
@@ -71,6 +101,7 @@ class GradientBuffers:
     # reduction, which first zero what is still unwritten.
     def _mark_unwritten(self) -> None:
         self._unwritten = [True] * len(self.layout.slots)
+        self._scaled = None
 
     def complete_full_grad(self) -> None:
         """Zero what no gradient wrote since the buffer was made or marked unwritten ([Note: a fresh

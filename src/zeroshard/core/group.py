@@ -103,6 +103,7 @@ class FlatGroup(GradientBuffers):
         # of a window to its step ([Note: gradient shard lifetime]).
         self.full_grad: torch.Tensor | None = None
         self._unwritten: list[bool] | None = None  # [Note: a fresh full gradient]
+        self._scaled: list[bool] | None = None  # [Note: the pre-divide in the copy]
         self.grad_shard: torch.Tensor | None = None  # grad_dtype, 1-D, numel = shard_numel
         self.reduced_slice: torch.Tensor | None = None  # see [Note: a second reduction before the step]
         self.holds_reduced_slice = False

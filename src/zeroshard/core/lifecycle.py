@@ -298,7 +298,8 @@ class Lifecycle:
             # reduction reads the full gradient buffer, so it completes first. No-op otherwise.
             unit.finish_reduce()
         if group.trainable:
-            group.add_grad(index, param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor)
+            group.add_grad(index, param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor,
+                           scale=1.0 / self.world_size if self.boundary else None)
         param.grad = None  # the flat buffer owns the gradient now; free autograd's copy
         if not group.trainable:
             return

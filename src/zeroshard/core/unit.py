@@ -239,7 +239,7 @@ class Unit:
             if group.full_grad is None:  # no parameter of this group got a gradient: reduce zeros
                 group.full_grad = group.zeros_full_grad()
             group.complete_full_grad()  # [Note: a fresh full gradient] in grad_buffers.py
-            group.full_grad.mul_(1.0 / average_over)
+            group.prescale(1.0 / average_over)  # [Note: the pre-divide in the copy]
             self._reductions.append(self._reduce_group(group))
         self.reduced_this_backward = True
 
