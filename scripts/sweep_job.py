@@ -36,7 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns, beside this f
 import netns  # noqa: E402
 
 LR = 1e-3
-# "1o"/"2o": stages 1/2 with zeroshard.overlap_param_gather ([Note: deferred parameter gather]).
+# "1o"/"2o": stages 1/2 with zeroshard.overlap_param_gather ([Note: deferred parameter gather]);
+# "1"/"2" with it off (step() waits for the gather), what they meant in every recording so far (the
+# option is on by default since the eleventh session).
 # "2i"/"3i": stages 2/3 with one gradient reduction in flight in backward, "2t"/"3t" with two (what-ifs
 # of the engine's Lifecycle.max_inflight, no config key). One is the default since the ninth session;
 # docs/bench/multinode_sweep_2i.json and _3i.json were recorded before, when "2"/"3" had two.
@@ -97,7 +99,7 @@ def _config(run: str, batch: int) -> dict:
         zero["zero_hpz_partition_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
             "bf16": {"enabled": False}, "zero_optimization": zero,
-            "zeroshard": {"comm_timeout_s": 600, **({"overlap_param_gather": True} if run.endswith("o") else {})}}
+            "zeroshard": {"comm_timeout_s": 600, **({"overlap_param_gather": run.endswith("o")} if run[0] in "12" else {})}}
 
 
 def _vmhwm_bytes() -> int:

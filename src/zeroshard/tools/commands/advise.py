@@ -85,8 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--overlap-efficiency", type=float, default=1.0, metavar="SHARE",
                         help="share of the overlap windows communication really runs in (default: 1; a CPU "
                              "box whose ranks use every core measured 0, docs/multinode.md)")
-    parser.add_argument("--overlap-param-gather", action="store_true",
-                        help="stages 1-2 gather updated parameters under the next forward")
+    parser.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
+                        help="stages 1-2 gather updated parameters under the next forward (default: on, as "
+                             "zeroshard.overlap_param_gather)")
     parser.add_argument("--measure-ranks", type=bounded(int, 1, inclusive=False), default=2, metavar="N",
                         help="local ranks for --measure-bandwidth (default: 2)")
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16", help="default: bf16")
