@@ -21,7 +21,8 @@ gathers, takes the guard off the stack again.
     without disturbing them.
   * The stack is per thread: a read from another thread is not seen (zeroshard's own readers wait
     on any thread). `zeroshard.overlap_param_gather: false` turns the overlap off.
-Only metadata names and torch's private stack accessors are used; nothing of torch is patched.
+The guard uses torch's (private) mode-stack accessors to take itself out from under other modes;
+nothing of torch is patched.
 """
 from __future__ import annotations
 
