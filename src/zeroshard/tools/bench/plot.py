@@ -32,7 +32,7 @@ def write_chart(rows: list[dict], title: str, path: Path) -> Path:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     _model_states(left, staged)
     _peaks(right, measured)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=10)  # one line ran off both edges
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
