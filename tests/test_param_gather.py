@@ -122,7 +122,8 @@ def _script_reads_case(stage: int) -> None:
                 waits_before = gather.guard.waits
             seen.append(read(model, ema))
             if overlap:
-                assert gather.pending is not waits, f"{what}: waited {gather.pending is False}, should {waits}"
+                waited = not gather.pending
+                assert waited == waits, f"{what}: waited for the gathers: {waited}, should have: {waits}"
                 assert gather.guard.waits == waits_before + waits, what
         assert torch._C._len_torch_function_stack() == (1 if overlap else 0)
         engine(BATCHES(0, 0, engine.global_rank)[0])  # the next forward takes the guard off
