@@ -20,7 +20,9 @@ gathers, takes the guard off the stack again.
     Modes entered after step() sit above the guard, and the guard is taken out from under them
     without disturbing them.
   * The stack is per thread: a read from another thread is not seen (zeroshard's own readers wait
-    on any thread). `zeroshard.overlap_param_gather: false` turns the overlap off.
+    on any thread). Nor is a DTensor parameter's `.data` (a new DTensor, recognised by no storage),
+    and a torch.compile'd function called in between runs with the mode on the stack (not tried).
+    `zeroshard.overlap_param_gather: false` turns the overlap off.
 The guard uses torch's (private) mode-stack accessors to take itself out from under other modes;
 nothing of torch is patched.
 """
