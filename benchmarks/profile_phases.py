@@ -41,6 +41,7 @@ import functools
 import json
 import os
 import platform
+import resource
 import shlex
 import statistics
 import subprocess
@@ -235,6 +236,7 @@ def rank_main(args) -> None:
         for kind, (forward, backward, opt_step, zero_grad) in systems.items():
             dist.barrier()
             SPANS.take()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             wall, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
             with SPANS.span("forward"):
                 loss = forward(x, y)
@@ -245,8 +247,9 @@ def rank_main(args) -> None:
             with SPANS.span("zero_grad"):
                 zero_grad()
             total = [time.perf_counter() - wall, time.thread_time() - cpu, time.process_time() - process]
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if step >= args.warmup:
-                records[kind].append({"total": total, "spans": SPANS.take(), "loss": loss.item()})
+                records[kind].append({"total": total, "spans": SPANS.take(), "loss": loss.item(), "faults": faults})
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, records)
     if rank == 0:
@@ -279,6 +282,8 @@ def summarise(per_rank: list[dict]) -> dict:
                                                    for r in per_rank),
                      "process_cpu_s": statistics.mean(statistics.median(s["total"][2] for s in r[kind])
                                                       for r in per_rank),
+                     "faults": statistics.mean(statistics.median(s.get("faults", 0) for s in r[kind])
+                                               for r in per_rank),
                      "rows": rows, "losses": [s["loss"] for s in per_rank[0][kind]]}
     return out
 
@@ -297,6 +302,9 @@ def table(summary: dict) -> str:
     lines.append("| step, main-thread CPU | " + " | ".join(f"{summary[k]['step_cpu_s'] * 1e3:.0f}" for k in kinds) + " |")
     lines.append("| step, process CPU (all threads) | " +
                  " | ".join(f"{summary[k]['process_cpu_s'] * 1e3:.0f}" for k in kinds) + " |")
+    # Minor faults, process-wide: first touches of fresh memory, which this VM makes expensive.
+    lines.append("| step, minor page faults (thousands, all threads) | " +
+                 " | ".join(f"{summary[k]['faults'] / 1e3:.1f}" for k in kinds) + " |")
     if "ddp" in summary:
         ddp = summary["ddp"]["step_wall_s"]
         lines.append("| wall / DDP | " + " | ".join(f"{summary[k]['step_wall_s'] / ddp:.3f}" for k in kinds) + " |")
