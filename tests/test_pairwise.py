@@ -1,6 +1,8 @@
 """[Note: reduce-scatter on gloo], [Note: all-gather on gloo]: between two gloo ranks the reduce-scatter
 and the all-gather are one exchange of halves each, bit for bit what gloo's own collectives give, in
-place and into a separate buffer; other world sizes keep the backend's collectives."""
+place and into a separate buffer; other world sizes keep the backend's collectives. The exchange is
+one message within a node and pieces across nodes ([Note: pieces across a link, one message within a
+node] in comm_pairwise.py); every rank must place the ranks on nodes alike."""
 from __future__ import annotations
 
 import torch
@@ -10,8 +12,9 @@ from tests.harness import run_distributed
 from zeroshard.core.comm import PAIRWISE_PIECE_BYTES, Communicator
 
 
-def _worker(rank: int, world: int, numel: int = 1000) -> dict:
+def _worker(rank: int, world: int, numel: int = 1000, nodes: int = 1) -> dict:
     comm = Communicator(timeout_s=30)
+    comm.place_on_nodes(world // nodes)  # as LOCAL_WORLD_SIZE = world / nodes would
     generator = torch.Generator().manual_seed(rank)
     full = torch.randn(world * numel, generator=generator) * 1e3  # large values: rounding shows
     expected = torch.empty(numel)
@@ -21,10 +24,19 @@ def _worker(rank: int, world: int, numel: int = 1000) -> dict:
     in_place_full = full.clone()
     own = in_place_full[rank * numel:(rank + 1) * numel]
     handles.append(comm.reduce_scatter(own, in_place_full, "in place", async_op=True))
+    messages = [len(h._work.works) for h in handles] if comm.pairwise else []
     for handle in handles:  # two in flight at once: their messages must not cross
         handle.wait()
     assert torch.equal(separate, expected) and torch.equal(own, expected)
-    return {"pairwise": comm.pairwise, "reduce_scatter_bytes": comm.counter.paper["reduce_scatter"]}
+    gathered = torch.empty(world * numel)
+    handle = comm.all_gather(gathered, separate, "gather", async_op=True)
+    messages += [len(handle._work.works)] if comm.pairwise else []
+    handle.wait()
+    reference = torch.empty(world * numel)
+    dist.all_gather_into_tensor(reference, separate)
+    assert torch.equal(gathered, reference)
+    return {"pairwise": comm.pairwise, "reduce_scatter_bytes": comm.counter.paper["reduce_scatter"],
+            "messages": messages}
 
 
 def _gather_worker(rank: int, world: int) -> dict:
@@ -67,12 +79,32 @@ def test_pairwise_reduce_scatter_is_the_collective_bit_for_bit():
     assert reports[0]["reduce_scatter_bytes"] == 2 * 2000 * 4  # the paper's convention: counted as before
 
 
-def test_pairwise_exchange_in_pieces_is_the_collective_bit_for_bit():
-    """A half larger than PAIRWISE_PIECE_BYTES goes in several pieces (here 3, the last one short)."""
+def test_pairwise_exchange_in_pieces_across_nodes_one_message_within_is_the_collective_bit_for_bit():
+    """Across two nodes a half larger than PAIRWISE_PIECE_BYTES goes in several pieces (here 3, the
+    last one short); within a node, as one message."""
     numel = 2 * PAIRWISE_PIECE_BYTES // 4 + 1000
-    reports = run_distributed(_worker, 2, numel=numel)
-    assert all(r["pairwise"] for r in reports)
-    assert reports[0]["reduce_scatter_bytes"] == 2 * 2 * numel * 4
+    for nodes, messages in ((2, 3), (1, 1)):
+        reports = run_distributed(_worker, 2, numel=numel, nodes=nodes)
+        assert all(r["pairwise"] and r["messages"] == [messages] * 3 for r in reports), (nodes, reports)
+        assert reports[0]["reduce_scatter_bytes"] == 2 * 2 * numel * 4
+
+
+def _nodes_worker(rank: int, world: int) -> dict:
+    import os
+
+    if rank == 1:  # a launch that gave the ranks different node sizes
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+    try:
+        Communicator(timeout_s=30)
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def test_ranks_placing_nodes_differently_is_an_error_on_every_rank():
+    reports = run_distributed(_nodes_worker, 2)
+    for report in reports:
+        assert report["error"] and "LOCAL_WORLD_SIZE" in report["error"] and "between 1 and 2" in report["error"], reports
 
 
 def test_four_ranks_keep_the_backend_reduce_scatter():

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from zeroshard.core import consistency
 from zeroshard.core.comm_bytes import KIND_ID, KINDS, ByteCounter
+from zeroshard.core.comm_pairwise import PAIRWISE_PIECE_BYTES, PairwiseAllGather, PairwiseReduceScatter
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -95,65 +96,6 @@ class _Staging:
             self.comm.counter.staged += tensor.numel() * tensor.element_size()
         self.copy_back.clear()
         self.kept.clear()
-
-
-# The pairwise exchange goes in pieces of at most this many bytes, all in flight at once: one
-# message of a whole unit's half (6-17 MB for the 33.7M GPT) ran at half the link rate or less over
-# a tbf-limited veth at 0.1 Gbit/s when both ranks sent at once (16 MB tensor: 1.26-1.40 s against
-# 0.70 s for its bytes), and stages 1-3 were 1.5-1.9x DDP there with the same bytes; pieces of
-# 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which pipelines
-# chunks, does (docs/multinode.md).
-PAIRWISE_PIECE_BYTES = 512 * 1024
-
-
-class _PairwiseReduceScatter:
-    """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
-    ours, add. See [Note: reduce-scatter on gloo]."""
-
-    def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group):
-        shard = out.numel()
-        self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
-        self.theirs = torch.empty_like(self.mine)
-        send = full[(1 - rank) * shard:(2 - rank) * shard]
-        piece = max(1, PAIRWISE_PIECE_BYTES // full.element_size())
-        self.works = []
-        for start in range(0, shard, piece):
-            n = min(piece, shard - start)
-            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
-            self.works.append(dist.all_to_all_single(self.theirs[start:start + n], send[start:start + n],
-                                                     output_split_sizes=splits, input_split_sizes=splits,
-                                                     group=group, async_op=True))
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        # g_mine + g_theirs: at two ranks the same sum, bit for bit, as an all-reduce's (a + b = b + a).
-        torch.add(self.mine, self.theirs, out=self.out)
-
-
-class _PairwiseAllGather:
-    """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
-    straight into their half of `out`. See [Note: all-gather on gloo]."""
-
-    def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group):
-        shard, numel = shard.reshape(-1), shard.numel()
-        out = out.view(-1)  # 1-D, numel = 2 * shard numel
-        theirs = out[(1 - rank) * numel:(2 - rank) * numel]
-        piece = max(1, PAIRWISE_PIECE_BYTES // shard.element_size())  # in pieces, as the reduce-scatter
-        self.works = []
-        for start in range(0, numel, piece):
-            n = min(piece, numel - start)
-            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
-            self.works.append(dist.all_to_all_single(theirs[start:start + n], shard[start:start + n],
-                                                     output_split_sizes=splits, input_split_sizes=splits,
-                                                     group=group, async_op=True))
-        mine = out[rank * numel:(rank + 1) * numel]
-        if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
-            mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
 
 
 class Handle:
@@ -220,9 +162,23 @@ class Communicator:
         # answers by aborting the process. Cleared by the first check the ranks agree on.
         self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        self.place_on_nodes(int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size())
+        ranks_per_node = int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size()
+        if group is None:
+            self._agree_on_nodes(ranks_per_node, local)
+        self.place_on_nodes(ranks_per_node)
         # [Note: reduce-scatter on gloo], [Note: all-gather on gloo]
         self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2
+
+    def _agree_on_nodes(self, ranks_per_node: int, local: str) -> None:
+        """Every rank must place the ranks on nodes alike: the pairwise exchange's messages (one or
+        pieces) and the node groups follow from it, and ranks that disagreed would meet collectives
+        of different sizes, which gloo answers by aborting the process instead of an error."""
+        seen = torch.tensor([ranks_per_node, -ranks_per_node], dtype=torch.int64, device=self.device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        if seen[0].item() != -seen[1].item():
+            raise ValueError(f"rank {self.rank}: LOCAL_WORLD_SIZE={local!r} gives {ranks_per_node} ranks per node, "
+                             f"but other ranks see between {-seen[1].item()} and {seen[0].item()}: every node must "
+                             "run the same number of ranks (torchrun's --nproc_per_node)")
 
     def global_ranks(self) -> list[int]:
         return [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
@@ -233,6 +189,8 @@ class Communicator:
         local = sum(1 for g in self.global_ranks() if g // ranks_per_node == node)
         self.ranks_per_node = ranks_per_node
         self.counter.off_node = (self.world_size - local) / self.world_size
+        # [Note: pieces across a link, one message within a node]
+        self.piece_bytes = PAIRWISE_PIECE_BYTES if local < self.world_size else None
 
     def split(self, rank_sets: list[list[int]]) -> "Communicator":
         """A communicator over the set of `rank_sets` (ranks of this communicator's group, disjoint,
@@ -263,8 +221,9 @@ class Communicator:
     # theirs into their half of the output, and copy ours into our half (nothing when it is already
     # there, as at a stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and
     # an all-to-all, so a collective in gloo's sequence like every other; sent in the reduce-scatter's
-    # pieces (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate), which at
-    # loopback costs 45-52 ms of process CPU per 50 MB against one message's 33 and gloo's 56.
+    # pieces across nodes (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate),
+    # which at loopback cost 45-52 ms of process CPU per 50 MB against one message's 33 and gloo's 56,
+    # so within a node one message ([Note: pieces across a link, one message within a node]).
     # Other sizes and NCCL keep the backend's all-gather.
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
@@ -273,7 +232,7 @@ class Communicator:
         stage = _Staging(self)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
         if self.pairwise:
-            launch = lambda: _PairwiseAllGather(staged_out, staged_shard, self.rank, self.group)  # noqa: E731
+            launch = lambda: PairwiseAllGather(staged_out, staged_shard, self.rank, self.group, self.piece_bytes)  # noqa: E731
         else:
             launch = lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True)  # noqa: E731
         return self._run("all_gather", out, what, async_op, launch, stage)
@@ -296,7 +255,7 @@ class Communicator:
         stage = _Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
         if self.pairwise:
-            launch = lambda: _PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group)  # noqa: E731
+            launch = lambda: PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group, self.piece_bytes)  # noqa: E731
         else:
             launch = lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True)  # noqa: E731
         return self._run("reduce_scatter", full, what, async_op, launch, stage)
