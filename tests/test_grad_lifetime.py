@@ -89,6 +89,63 @@ def test_gradient_shard_is_not_held_through_the_next_forward():
         assert offloaded["held"] == [0] * (2 * STEPS), offloaded
 
 
+def _reuse_case(stage: int, gas: int) -> dict:
+    """[Note: spent full gradients reused]: with 4 blocks, the full gradients of the later blocks of
+    a backward are buffers of earlier blocks whose reductions completed; bit for bit DDP, and no
+    buffer is kept past the backward."""
+    config = tiny_gpt_config(n_layer=4)
+    batches = gpt_batches(config, batch_size=4)
+    ref = train_ddp(gpt_model_fn(n_layer=4), batches, optimizer_fn=adamw, steps=STEPS, grad_accum=gas,
+                    reduce_every_micro_step=True, record_params=True)
+    model = gpt_model_fn(n_layer=4)()
+    engine, *_ = initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage, gas))
+    spent = engine.sharded.lifecycle.spent
+    real_take, given = spent.take, set()
+    real_give = spent.give
+    taken = []  # per full gradient made: was it a buffer a completed reduction gave back?
+
+    def take(numel, dtype, device):
+        tensor = real_take(numel, dtype, device)
+        taken.append(tensor.data_ptr() in given)
+        return tensor
+
+    def give(tensor):
+        given.add(tensor.data_ptr())
+        real_give(tensor)
+
+    spent.take, spent.give = take, give
+    ours = {"losses": [], "params_per_step": []}
+    reused, kept_after = [], []
+    for step in range(STEPS):
+        losses = []
+        for micro in range(gas):
+            taken.clear()
+            given.clear()
+            loss = engine(*batches(step, micro, engine.global_rank))[1]
+            engine.backward(loss)
+            reused.append(sum(taken))
+            kept_after.append(sum(len(v) for v in spent._free.values()))
+            engine.step()
+            losses.append(loss.item())
+        ours["losses"].append(losses)
+        ours["params_per_step"].append(full_params(engine))
+    ours["params"] = full_params(engine)
+    engine.destroy()
+    assert_close(ours, ref, exact=True, what=f"stage {stage} gas {gas}, 4 blocks")
+    assert kept_after == [0] * (STEPS * gas), kept_after
+    # Blocks 3 and 2 are made before any reduction completed; 1 and 0 take 3's and 2's buffers.
+    assert all(r >= 2 for r in reused), reused
+    return {"reused": reused}
+
+
+def _reuse_worker(rank: int, world: int) -> list[dict]:
+    return subtests([dict(stage=s, gas=g) for s in (2, 3) for g in (1, 2)], _reuse_case)
+
+
+def test_spent_full_gradients_are_reused_within_a_backward():
+    print(run_distributed(_reuse_worker, 2, timeout=300)[0])
+
+
 class FailsAtCall(torch.optim.AdamW):
     """AdamW that, when armed, raises from its n-th step() call, after that call updated."""
 

@@ -12,6 +12,33 @@ from __future__ import annotations
 import torch
 
 
+# [Note: spent full gradients reused]
+# At stages 2/3 each unit's full gradient is made empty by its first gradient and dropped once its
+# reduce-scatter is waited for. A block of the 202M GPT has a 50 MB one, above glibc's largest
+# mmap threshold (32 MB), so every unit's buffer was fresh pages: 123 thousand first-touch faults
+# on the main thread a step, 470 ms of the gradient copy's 472 (docs/performance.md, "Twelfth
+# session"). Within one backward a buffer whose reduction completed is handed to the next unit of
+# the same size instead (`SpentGradients`); its stale values are treated as an empty buffer's
+# ([Note: a fresh full gradient]). Only buffers of completed reductions are kept (an abandoned one
+# may still be written by a peer), and none outlives the backward: Lifecycle.end_backward and
+# abort clear them, so the step and the next forward hold what they held before.
+class SpentGradients:
+    """Full-gradient buffers of completed reductions, by (numel, dtype, device), for this backward."""
+
+    def __init__(self):
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+
+    def give(self, tensor: torch.Tensor) -> None:
+        self._free.setdefault((tensor.numel(), tensor.dtype, tensor.device), []).append(tensor)
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        kept = self._free.get((numel, dtype, device))
+        return kept.pop() if kept else torch.empty(numel, dtype=dtype, device=device)
+
+    def clear(self) -> None:
+        self._free.clear()
+
+
 class GradientBuffers:
     """Mixed into FlatGroup: every gradient buffer of one flat group and how it changes."""
 
@@ -49,7 +76,7 @@ class GradientBuffers:
         """Add a parameter's gradient to its slot. `scale`: the backward reduces this buffer, which
         is multiplied by it first ([Note: the pre-divide in the copy])."""
         if self.full_grad is None:
-            self.full_grad = torch.empty(self.layout.padded_numel, dtype=self.grad_dtype, device=self.device)
+            self.full_grad = self.spent.take(self.layout.padded_numel, self.grad_dtype, self.device)
             self._mark_unwritten()
         slot = self.layout.slots[index]
         if self.tp_specs[index] is not None:
@@ -138,6 +165,12 @@ class GradientBuffers:
     # (DDP keeps it too; no update it feeds differs). Whoever reads or writes the gradient outside
     # a backward (checkpoint, safe_*_grad, a step with no backward) gets zeros made on demand.
     # Shards in an offload store keep the store's tensor for good (the store's memory is elsewhere).
+    def drop_full_grad(self) -> None:
+        """Stages 2/3, its reduction completed: the full gradient goes to the next unit of this
+        backward ([Note: spent full gradients reused])."""
+        self.spent.give(self.full_grad)
+        self.full_grad = None
+
     def add_reduced(self, out: torch.Tensor) -> None:
         """Stages 2/3: take one reduction's output (1-D, numel = shard_numel) into the shard."""
         if self.grad_shard is None and self.grad_shard_is_transient and out.dtype == self.grad_dtype \

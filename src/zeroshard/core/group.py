@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from zeroshard.core.flat import FlatLayout
-from zeroshard.core.grad_buffers import GradientBuffers
+from zeroshard.core.grad_buffers import GradientBuffers, SpentGradients
 from zeroshard.core.mesh import TensorParallelSpec, local_tensor
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import PrecisionPolicy
@@ -102,6 +102,7 @@ class FlatGroup(GradientBuffers):
         # reduce-scattered into `grad_shard` (stages 2/3), which lives only from the first reduction
         # of a window to its step ([Note: gradient shard lifetime]).
         self.full_grad: torch.Tensor | None = None
+        self.spent = SpentGradients()  # Lifecycle shares one over all units: [Note: spent full gradients reused]
         self._unwritten: list[bool] | None = None  # [Note: a fresh full gradient]
         self._scaled: list[bool] | None = None  # [Note: the pre-divide in the copy]
         self.grad_shard: torch.Tensor | None = None  # grad_dtype, 1-D, numel = shard_numel

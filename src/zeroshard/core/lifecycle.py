@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.comm import CollectiveError
 from zeroshard.core.gathered import GatherLimits, LiveCount, reuse_offsets
+from zeroshard.core.grad_buffers import SpentGradients
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import Unit, UnitState
 
@@ -61,16 +62,16 @@ class Phase(enum.Enum):
 class Lifecycle:
     def __init__(self, units: list[Unit], policy: StagePolicy, rank: int, world_size: int, *,
                  limits: GatherLimits, overlap_comm: bool, max_inflight_reductions: int = 1):
-        self.units = units
-        self.policy = policy
-        self.rank = rank
-        self.world_size = world_size
+        self.units, self.policy, self.rank, self.world_size = units, policy, rank, world_size
         self.limits = limits if overlap_comm else dataclasses.replace(limits, prefetch_numel=0)
         self.live = LiveCount()  # gathered elements of this model's units, now and at most
+        self.spent = SpentGradients()  # shared by every unit's groups: [Note: spent full gradients reused]
         for unit in units:
             assert unit.state is not UnitState.GATHERING, unit.name
             unit.live = self.live
             self.live.add(unit.numel if unit.reshards and unit.state is UnitState.UNSHARDED else 0)
+            for group in unit.groups:
+                group.spent = self.spent
         self.max_inflight = max_inflight_reductions
         self.phase = Phase.IDLE
         # Set by the engine after a forward whose outputs it hooked: a gradient reaching a unit before
@@ -79,9 +80,8 @@ class Lifecycle:
         self.backward_opener = None
         self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)
-        # Run while a reducing backward has its last reductions in flight: at stages 0/1 a step
-        # follows it, and the optimizer copies for that step ([Note: the copy taken ahead] in
-        # rollback.py); stages 2/3 reduce in every backward and take no copy ahead.
+        # Run while a reducing backward has its last reductions in flight: the optimizer copies for
+        # the step ([Note: the copy taken ahead] in rollback.py; stages 0/1, which reduce before one).
         self.before_final_waits = None
         # Keep units gathered until end_backward: a pipeline schedule's later micro-batches still
         # need the parameters their saved activations view (Sharded.backward_by_caller).
@@ -342,6 +342,7 @@ class Lifecycle:
         for unit in self.units:
             unit.reshard()
         self._retained.clear()  # freed above with every other unit
+        self.spent.clear()
         if self.backward_order is None and self._recording:
             self.backward_order = self._recording
         self.phase = Phase.IDLE
@@ -354,6 +355,7 @@ class Lifecycle:
         partial pass. Raises the first CollectiveError met while waiting, after cleaning up."""
         self._inflight.clear()
         self._retained.clear()  # every unit is freed below
+        self.spent.clear()
         self._recording = []
         self._seen_in_backward.clear()
         self.phase = Phase.IDLE

@@ -277,7 +277,7 @@ class Unit:
             group.restore_reduced_slice()
         if out is not None:
             group.add_reduced(out)  # [Note: gradient shard lifetime] in grad_buffers.py
-            group.full_grad = None  # stages 2/3: the full gradient lives only until reduced
+            group.drop_full_grad()  # stages 2/3: the full gradient lives only until reduced
 
     def abort(self, wait: bool) -> None:
         """After a forward or backward raised: complete (`wait`) or abandon the collectives this unit
