@@ -4,7 +4,7 @@ CI has no GPU, so every test here is skipped without CUDA — except with GPU_CH
 the same steps run on the CPU (gloo instead of NCCL) so that the script and these tests are known to
 work end to end before a GPU is lent. What they check on a GPU:
   * collectives on CUDA tensors over NCCL at world size 1 (NCCL does not allow two ranks on one GPU),
-    and host tensors staged through the GPU ([Note: staging host tensors] in core/comm.py);
+    and host tensors staged through the GPU ([Note: staging host tensors] in core/staging.py);
   * gloo with CUDA tensors at world size 2 (two ranks may share a GPU under gloo), stages 0-3;
   * stages 0-3 against plain single-GPU training, fp32 and bf16;
   * optimizer offload (cpu, nvme; stages 1-3; fp32, bf16): masters, optimizer states and gradient

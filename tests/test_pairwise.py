@@ -2,7 +2,7 @@
 and the all-gather are one exchange of halves each, bit for bit what gloo's own collectives give, in
 place and into a separate buffer; other world sizes keep the backend's collectives. The exchange is
 one message within a node and pieces across nodes ([Note: pieces across a link, one message within a
-node] in comm_pairwise.py); every rank must place the ranks on nodes alike."""
+node] in core/comm.py); every rank must place the ranks on nodes alike."""
 from __future__ import annotations
 
 import torch

@@ -143,7 +143,7 @@ def test_param_offload_keeps_master_in_param_store(tmp_path):
     run_distributed(_param_store_worker, 2, timeout=300, tmp=str(tmp_path))
 
 
-# -- collectives on the communicator's device ([Note: staging host tensors] in core/comm.py) -------------
+# -- collectives on the communicator's device ([Note: staging host tensors] in core/staging.py) -------------
 def _collectives(comm, rank: int, world: int, async_op: bool) -> dict:
     """Every tensor collective once, on CPU tensors; results by name."""
     out = {}

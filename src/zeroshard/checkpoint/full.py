@@ -25,7 +25,7 @@ def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None
             visit(group, group.master)
             continue
         # Next to the master: host memory under CPU offload, which NCCL cannot move; the communicator
-        # stages it through its device ([Note: staging host tensors] in core/comm.py). Gathered over
+        # stages it through its device ([Note: staging host tensors] in core/staging.py). Gathered over
         # the group the layout is sliced over: under MiCS one partition group holds every shard.
         full = torch.empty(padded, dtype=torch.float32, device=group.master.device)
         partition_of(engine).all_gather(full, group.master, f"gather of master weights ({group.names[0]}...)")

@@ -10,17 +10,8 @@ Every collective goes through a `Communicator`, which
     backward) would otherwise deadlock or, worse, silently exchange the wrong tensors of equal size;
   * runs on its own process group with a bounded timeout, and turns every failure into a
     `CollectiveError` naming the rank, the collective and what it was for;
-  * moves every tensor on the backend's device ([Note: staging host tensors]).
+  * moves every tensor on the backend's device ([Note: staging host tensors] in staging.py).
 What it counts, and how, is comm_bytes.py's ([Note: bytes over the slow link]).
-
-[Note: staging host tensors]
-NCCL moves only CUDA tensors and gloo is only sure to move CPU ones, while callers hold tensors
-wherever their placement put them (a master in host memory under CPU offload, zero.Init shards on
-the CPU, a checkpoint gather into host memory). One rule, here and nowhere else: a collective
-argument whose device is not `self.device` is staged through a temporary on `self.device` — inputs
-copied in before the collective, outputs copied back when it completes (at `wait()` for an async
-one) — and the bytes copied are counted (`ByteCounter.staged`), so a run shows when it pays for
-this. Callers never think about devices.
 """
 from __future__ import annotations
 
@@ -34,7 +25,7 @@ import torch.distributed as dist
 
 from zeroshard.core import consistency
 from zeroshard.core.comm_bytes import KIND_ID, KINDS, ByteCounter
-from zeroshard.core.comm_pairwise import PAIRWISE_PIECE_BYTES, PairwiseAllGather, PairwiseReduceScatter
+from zeroshard.core.staging import Staging
 
 # torch 2.13 renamed the tensor collectives; older releases (>= 2.4, our floor) have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,33 +60,77 @@ class _Check:
         )
 
 
-class _Staging:
-    """The temporaries of one collective on the communicator's device ([Note: staging host tensors])."""
+# [Note: pieces across a link, one message within a node]
+# Between two nodes the pairwise exchange goes in pieces of at most this many bytes, all in flight
+# at once: one message of a whole unit's half (6-17 MB for the 33.7M GPT) ran at half the link rate
+# or less over a tbf-limited veth at 0.1 Gbit/s when both ranks sent at once (16 MB tensor:
+# 1.26-1.40 s against 0.70 s for its bytes), and stages 1-3 were 1.5-1.9x DDP there with the same
+# bytes; pieces of 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which
+# pipelines chunks, does (docs/multinode.md). Within a node there is no link to pace, and each piece
+# is a collective of its own with its dispatch and its wake-ups of gloo's threads: over loopback the
+# 33.7M GPT's process CPU fell 45-75 ms a step with one message per unit, and stage 1/2/3 went from
+# 1.07/1.11/1.27x to 0.97-0.99/0.99-1.00/1.16-1.19x DDP (docs/performance.md, twelfth session). So
+# the two ranks of a pair on one node (`place_on_nodes`, torchrun's LOCAL_WORLD_SIZE) send one
+# message, and only a pair across nodes sends pieces.
+PAIRWISE_PIECE_BYTES = 512 * 1024
 
-    def __init__(self, comm: "Communicator"):
-        self.comm = comm
-        self.kept: list[torch.Tensor] = []  # alive until the collective completes
-        self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, temporary)
 
-    def __call__(self, tensor: torch.Tensor, read: bool = True, written: bool = False) -> torch.Tensor:
-        """The tensor the collective runs on: `tensor` itself, or a temporary on the right device."""
-        if tensor.device == self.comm.device:
-            return tensor
-        temp = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm.device)
-        if read:
-            temp.copy_(tensor)
-            self.comm.counter.staged += tensor.numel() * tensor.element_size()
-        self.kept.append(temp)
-        if written:
-            self.copy_back.append((tensor, temp))
-        return temp
+def _pieces(numel: int, element_size: int, piece_bytes: int | None) -> list[tuple[int, int]]:
+    """(start, length) of each message of an exchange of `numel` elements: one when piece_bytes is None."""
+    piece = numel if piece_bytes is None else max(1, piece_bytes // element_size)
+    return [(start, min(piece, numel - start)) for start in range(0, numel, max(piece, 1))]
 
-    def finish(self) -> None:
-        for tensor, temp in self.copy_back:
-            tensor.copy_(temp)
-            self.comm.counter.staged += tensor.numel() * tensor.element_size()
-        self.copy_back.clear()
-        self.kept.clear()
+
+class PairwiseReduceScatter:
+    """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
+    ours, add. See [Note: reduce-scatter on gloo]. The peer's half is received straight into `out`
+    where `out` is a tensor of its own (stages 2/3: no temporary, whose fresh pages cost 25 MB of
+    first touches per 50 MB unit); into a temporary where `out` is our half of `full` (stage 1)."""
+
+    def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group, piece_bytes: int | None):
+        shard = out.numel()
+        self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
+        apart = out.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
+        self.theirs = out if apart else torch.empty_like(self.mine)
+        send = full[(1 - rank) * shard:(2 - rank) * shard]
+        self.works = []
+        for start, n in _pieces(shard, full.element_size(), piece_bytes):
+            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
+            self.works.append(dist.all_to_all_single(self.theirs[start:start + n], send[start:start + n],
+                                                     output_split_sizes=splits, input_split_sizes=splits,
+                                                     group=group, async_op=True))
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        # g_mine + g_theirs: at two ranks the same sum, bit for bit, as an all-reduce's (a + b = b + a).
+        if self.theirs is self.out:
+            self.out.add_(self.mine)
+        else:
+            torch.add(self.mine, self.theirs, out=self.out)
+
+
+class PairwiseAllGather:
+    """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
+    straight into their half of `out`. See [Note: all-gather on gloo]."""
+
+    def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group, piece_bytes: int | None):
+        shard, numel = shard.reshape(-1), shard.numel()
+        out = out.view(-1)  # 1-D, numel = 2 * shard numel
+        theirs = out[(1 - rank) * numel:(2 - rank) * numel]
+        self.works = []
+        for start, n in _pieces(numel, shard.element_size(), piece_bytes):  # as the reduce-scatter
+            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
+            self.works.append(dist.all_to_all_single(theirs[start:start + n], shard[start:start + n],
+                                                     output_split_sizes=splits, input_split_sizes=splits,
+                                                     group=group, async_op=True))
+        mine = out[rank * numel:(rank + 1) * numel]
+        if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
+            mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
 
 
 class Handle:
@@ -103,7 +138,7 @@ class Handle:
     verifies the cross-rank check issued with it, and last copies staged outputs back."""
 
     def __init__(self, comm: "Communicator", work, what: str, started: float, check: _Check | None = None,
-                 staging: _Staging | None = None):
+                 staging: Staging | None = None):
         self._comm, self._work, self.what, self._started, self._check = comm, work, what, started, check
         self._staging = staging
 
@@ -229,7 +264,7 @@ class Communicator:
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
         slice of `out` itself."""
         assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
-        stage = _Staging(self)
+        stage = Staging(self)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
         if self.pairwise:
             launch = lambda: PairwiseAllGather(staged_out, staged_shard, self.rank, self.group, self.piece_bytes)  # noqa: E731
@@ -252,7 +287,7 @@ class Communicator:
         """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`.
         `out` may be that slice of `full` itself."""
         assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
-        stage = _Staging(self)
+        stage = Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
         if self.pairwise:
             launch = lambda: PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group, self.piece_bytes)  # noqa: E731
@@ -263,7 +298,7 @@ class Communicator:
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D) <- chunk r of every rank's `full`, in rank order (r: this rank); equal chunks."""
         assert out.numel() == full.numel() and full.numel() % self.world_size == 0, (out.numel(), full.numel())
-        stage = _Staging(self)
+        stage = Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
         return self._run("all_to_all", full, what, async_op,
                          lambda: dist.all_to_all_single(staged_out, staged_full, group=self.group, async_op=True),
@@ -275,7 +310,7 @@ class Communicator:
         if op not in _OPS:
             raise ValueError(f"all_reduce op {op!r} is not one of {sorted(_OPS)}")
         reduce_op = _OPS[op]
-        stage = _Staging(self)
+        stage = Staging(self)
         staged = stage(tensor, written=True)
         return self._run(kind, tensor, what, async_op,
                          lambda: dist.all_reduce(staged, op=reduce_op, group=self.group, async_op=True), stage)
@@ -283,7 +318,7 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int, what: str):
         """`src`: a rank of this communicator's group (torch wants the global rank)."""
         global_src = dist.get_global_rank(self.group, src)
-        stage = _Staging(self)
+        stage = Staging(self)
         staged = stage(tensor, read=self.rank == src, written=self.rank != src)
         return self._run("broadcast", tensor, what, False,
                          lambda: dist.broadcast(staged, src=global_src, group=self.group, async_op=True), stage)
@@ -306,7 +341,7 @@ class Communicator:
 
     # -- internals ------------------------------------------------------------------------------------
     def _run(self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch,
-             staging: _Staging | None = None) -> Handle:
+             staging: Staging | None = None) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         check = self._start_check(kind, nbytes, what)  # queued first on the same group, not waited here
         if check is not None and self.verify_before_launch:
