@@ -153,6 +153,12 @@ class GradientBuffers:
             if lo < hi and bool(grad[lo - start: hi - start].any()):
                 self.grad_seen[index] = True
 
+    def drop_full_grad(self) -> None:
+        """Stages 2/3, its reduction completed: the full gradient goes to the next unit of this
+        backward ([Note: spent full gradients reused])."""
+        self.spent.give(self.full_grad)
+        self.full_grad = None
+
     # [Note: gradient shard lifetime]
     # At stages 2/3 the reduced gradient shard (this rank's 1/N of the gradients, 4Ψ/N bytes in fp32)
     # is needed only from the window's first reduction to its step. Kept allocated between steps and
@@ -165,12 +171,6 @@ class GradientBuffers:
     # (DDP keeps it too; no update it feeds differs). Whoever reads or writes the gradient outside
     # a backward (checkpoint, safe_*_grad, a step with no backward) gets zeros made on demand.
     # Shards in an offload store keep the store's tensor for good (the store's memory is elsewhere).
-    def drop_full_grad(self) -> None:
-        """Stages 2/3, its reduction completed: the full gradient goes to the next unit of this
-        backward ([Note: spent full gradients reused])."""
-        self.spent.give(self.full_grad)
-        self.full_grad = None
-
     def add_reduced(self, out: torch.Tensor) -> None:
         """Stages 2/3: take one reduction's output (1-D, numel = shard_numel) into the shard."""
         if self.grad_shard is None and self.grad_shard_is_transient and out.dtype == self.grad_dtype \
