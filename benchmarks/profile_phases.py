@@ -282,7 +282,7 @@ def summarise(per_rank: list[dict]) -> dict:
                                                    for r in per_rank),
                      "process_cpu_s": statistics.mean(statistics.median(s["total"][2] for s in r[kind])
                                                       for r in per_rank),
-                     "faults": statistics.mean(statistics.median(s.get("faults", 0) for s in r[kind])
+                     "faults": statistics.mean(statistics.median(s["faults"] for s in r[kind])
                                                for r in per_rank),
                      "rows": rows, "losses": [s["loss"] for s in per_rank[0][kind]]}
     return out

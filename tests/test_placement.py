@@ -180,7 +180,7 @@ def _staging_worker(rank: int, world: int) -> dict:
     from zeroshard.core.comm import Communicator
 
     seen = set()  # data pointers of what the all-gather is handed: gloo's, or at two gloo ranks the exchange
-    real, real_pairwise = comm_module._all_gather, comm_module.PairwiseAllGather
+    real, real_pairwise = comm_module._all_gather, comm_module._PairwiseAllGather
 
     def recording(out, shard, **kwargs):
         seen.update((out.data_ptr(), shard.data_ptr()))
@@ -191,7 +191,7 @@ def _staging_worker(rank: int, world: int) -> dict:
         return real_pairwise(out, shard, *args)
 
     # ours, not torch's: the names comm.py calls ([Note: all-gather on gloo])
-    comm_module._all_gather, comm_module.PairwiseAllGather = recording, recording_pairwise
+    comm_module._all_gather, comm_module._PairwiseAllGather = recording, recording_pairwise
     try:
         comm = Communicator(60, check_collectives=True)
         plain = _collectives(comm, rank, world, async_op=False)
@@ -213,7 +213,7 @@ def _staging_worker(rank: int, world: int) -> dict:
         staged_bytes = comm.counter.staged
         comm.destroy()
     finally:
-        comm_module._all_gather, comm_module.PairwiseAllGather = real, real_pairwise
+        comm_module._all_gather, comm_module._PairwiseAllGather = real, real_pairwise
     return {"staged_bytes": staged_bytes, "plain": plain}
 
 

@@ -77,11 +77,11 @@ PAIRWISE_PIECE_BYTES = 512 * 1024
 
 def _pieces(numel: int, element_size: int, piece_bytes: int | None) -> list[tuple[int, int]]:
     """(start, length) of each message of an exchange of `numel` elements: one when piece_bytes is None."""
-    piece = numel if piece_bytes is None else max(1, piece_bytes // element_size)
-    return [(start, min(piece, numel - start)) for start in range(0, numel, max(piece, 1))]
+    piece = max(1, numel if piece_bytes is None else piece_bytes // element_size)
+    return [(start, min(piece, numel - start)) for start in range(0, numel, piece)]
 
 
-class PairwiseReduceScatter:
+class _PairwiseReduceScatter:
     """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
     ours, add. See [Note: reduce-scatter on gloo]. The peer's half is received straight into `out`
     where `out` is a tensor of its own (stages 2/3: no temporary, whose fresh pages cost 25 MB of
@@ -110,7 +110,7 @@ class PairwiseReduceScatter:
             torch.add(self.mine, self.theirs, out=self.out)
 
 
-class PairwiseAllGather:
+class _PairwiseAllGather:
     """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
     straight into their half of `out`. See [Note: all-gather on gloo]."""
 
@@ -267,7 +267,7 @@ class Communicator:
         stage = Staging(self)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
         if self.pairwise:
-            launch = lambda: PairwiseAllGather(staged_out, staged_shard, self.rank, self.group, self.piece_bytes)  # noqa: E731
+            launch = lambda: _PairwiseAllGather(staged_out, staged_shard, self.rank, self.group, self.piece_bytes)  # noqa: E731
         else:
             launch = lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True)  # noqa: E731
         return self._run("all_gather", out, what, async_op, launch, stage)
@@ -290,7 +290,7 @@ class Communicator:
         stage = Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
         if self.pairwise:
-            launch = lambda: PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group, self.piece_bytes)  # noqa: E731
+            launch = lambda: _PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group, self.piece_bytes)  # noqa: E731
         else:
             launch = lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True)  # noqa: E731
         return self._run("reduce_scatter", full, what, async_op, launch, stage)

@@ -51,7 +51,7 @@ def default_reduce_scatter(backend: str, world: int) -> str:
         raise ValueError(f"backend {backend!r} unknown; allowed: gloo, nccl")
     from zeroshard.core import comm  # the pairwise path exists only where the Communicator has it
 
-    return "pairwise" if world == 2 and hasattr(comm, "PairwiseReduceScatter") else "allreduce"
+    return "pairwise" if world == 2 and hasattr(comm, "_PairwiseReduceScatter") else "allreduce"
 
 
 def sent_per_byte(kind: str, world: int, reduce_scatter: str = "ring") -> float:
