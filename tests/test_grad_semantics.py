@@ -12,10 +12,16 @@ Item 3, zero_grad(): discards every gradient accumulated since the last step and
 start of the accumulation window (DeepSpeed's meaning). A run that drops a micro-batch (backward,
 then zero_grad() instead of step()) equals, bit for bit, the run that never had it; without the
 zero_grad() the gradient norm differs, so the comparison can fail.
+
+Also the stage-0 norm, summed when asked ([Note: the stage-0 norm, computed when asked]): asked by
+one rank alone right after step() it is the oracle's norm (no collective, so nothing hangs and the
+run goes on equal to the oracle), and stays; first asked after the next backward it is None, with
+a warning.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -124,12 +130,50 @@ def _zero_grad_case(stage, offload, nvme, gas) -> dict:
     return {"clean": clean["norms"][1], "kept": kept["norms"][1]}
 
 
+# ---------------------------------------------------------------- the stage-0 norm, when asked
+
+def _norm_when_asked(clip: float) -> dict:
+    engine = _engine_clip(clip)
+    rank = engine.global_rank
+    norms = []
+    for step in range(STEPS):
+        engine.backward(gpt_loss(engine, *BATCHES(step, 0, rank)))
+        engine.step()
+        if rank == 0 or clip:  # rank 1 never asks: a collective here would hang rank 0
+            norms.append(engine.get_global_grad_norm())
+    engine.backward(gpt_loss(engine, *BATCHES(STEPS, 0, rank)))  # overwrites the last step's gradient
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        late = engine.get_global_grad_norm()
+    params = _params(engine)
+    engine.destroy()
+    ref = train_single(gpt_model_fn(), BATCHES, optimizer_fn=adamw, steps=STEPS, clip=clip, world_size=2)
+    what = f"stage 0 clip {clip}"
+    for a, b in zip(norms, ref["grad_norms"]):
+        assert abs(a - b) <= 1e-12 * b, (what, a, b)
+    assert len(norms) == (STEPS if rank == 0 or clip else 0), what
+    if clip or rank == 0:  # computed for clipping, or asked in time: still there, no warning
+        assert late == norms[-1] and not caught, (what, late, [str(w.message) for w in caught])
+    else:  # never asked before the next backward overwrote the gradient
+        assert late is None, (what, late)
+        assert any("computed when asked" in str(w.message) for w in caught), (what, [str(w.message) for w in caught])
+    assert_close({"losses": ref["losses"], "params": params}, ref, exact=True, what=what)
+    return {"clip": clip, "norms": norms}
+
+
+def _engine_clip(clip: float):
+    model = gpt_model_fn()()
+    return zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
+                                config=make_config(0, 1, clip))[0]
+
+
 def _worker(rank: int, world: int, *, tmp: str) -> dict:
     nvme = os.path.join(tmp, f"nvme{rank}")
     backwards = subtests([dict(s, nvme=nvme, retain_graph=r) for s in SETTINGS for r in (False, True)],
                          _two_backwards)
     norms = subtests([dict(s, nvme=nvme, gas=g) for s in SETTINGS for g in (1, 2)], _zero_grad_case)
-    return {"backwards": backwards, "norms": norms}
+    asked = subtests([dict(clip=0.0), dict(clip=0.05)], _norm_when_asked)
+    return {"backwards": backwards, "norms": norms, "asked": asked}
 
 
 def test_backwards_sum_and_zero_grad_discards(tmp_path):

@@ -98,6 +98,9 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         return self.config.train_batch_size
 
     def get_global_grad_norm(self) -> float | None:
+        """The last step's norm before clipping; at stage 0 without clipping or loss scaling it is
+        summed when first asked, up to the next backward ([Note: the stage-0 norm, computed when
+        asked] in core/norm.py; DeepSpeed's stage-0 engine returns None there)."""
         return self.optimizer.last_grad_norm
 
     def get_loss_scale(self) -> float:

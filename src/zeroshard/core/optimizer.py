@@ -19,15 +19,16 @@ from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
-from zeroshard.core.norm import sum_of_squares
+from zeroshard.core.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.optimizer_groups import keeps_state
+from zeroshard.core.optimizer_state import CheckpointState
 from zeroshard.core.param_gather import refresh_parameters
 from zeroshard.core.rollback import Snapshot, SnapshotBuffers, steps_apart_alike
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
 
-class ZeroOptimizer(torch.optim.Optimizer):
+class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
     """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards.
 
     A `torch.optim.Optimizer` so that torch's LR schedulers (which check `isinstance`) and code that
@@ -55,7 +56,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.policy = policy
         self.clip = clip
         self.loss_scaler = loss_scaler
-        self.last_grad_norm: float | None = None
+        self._last_norm: float | NormWhenAsked | None = None  # last_grad_norm
         self.skipped_steps = 0
         self.streamed = streamed  # offload: step sub-group by sub-group through a store
         self.norm = norm or NormScope()  # beyond dp: see [Note: ZeRO over the data-parallel dimension]
@@ -118,7 +119,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """Global L2 norm of the reduced gradients (fp64, all ranks' shards; `grads` as `self.groups`)."""
         return self._norm_and_seen(grads)[0]
 
-    def _norm_and_seen(self, grads: list[torch.Tensor]) -> tuple[float, dict[int, list[bool]]]:
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm (None before one; [Note: the stage-0 norm, computed
+        when asked] in norm.py)."""
+        last = self._last_norm
+        return last.value() if isinstance(last, NormWhenAsked) else last
+
+    def _norm_when_asked(self, grads: list[torch.Tensor]) -> bool:
+        """Can this step leave the norm until asked? Stage 0, nothing to clip or unscale, the fp32
+        gradients in the buffers the groups keep, no model-parallel groups to sum over."""
+        return not self.policy.shard_optimizer and self.clip <= 0 and self.loss_scaler is None and \
+            self.streamed is None and not self.norm.comms and not self.norm.skip and \
+            all(grad.dtype == torch.float32 for grad in grads)
+
+    def _norm_and_seen(self, grads: list[torch.Tensor], squares: bool = True) -> tuple[float, dict[int, list[bool]]]:
         """The global gradient norm, and per group which slots got a gradient on any rank ([Note:
         parameters without a gradient] in masked.py), both in one all-reduce: the fp64 sum of
         squares of this rank's part, and one fp64 count per parameter tensor. Stages 1-3 count their
@@ -126,10 +141,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         piece: the squares are read once over the ranks instead of N times (16 -> 9 ms a step at 2
         ranks on the 33.7M GPT, docs/performance.md); only the fp64 summation order changes. Under
         tensor/pipeline parallelism the norm (not the flags, which are this dp group's) is then
-        summed over the model-parallel groups, tp-replicated parameters counted once."""
+        summed over the model-parallel groups, tp-replicated parameters counted once. Without
+        `squares` the flags only (the norm is 0.0)."""
         flags = [seen for g in self.groups for seen in g.grad_seen]
         total = torch.zeros(1 + len(flags), dtype=torch.float64, device=self.comm.device)
-        for group, grad in zip(self.groups, grads):
+        for group, grad in zip(self.groups, grads) if squares else ():
             for piece in self.norm.counted(group, grad):
                 total[:1] += sum_of_squares(self._counted_here(piece)).to(total.device)
         total[1:] = torch.tensor(flags, dtype=torch.float64)
@@ -168,20 +184,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
             return False
         # The optimizer needs fp32 gradients like its fp32 master; a copy only in mixed precision.
         grads = [g.grad_for_optimizer() for g in self.groups]
+        later = self._norm_when_asked(grads)
         grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-        norm, seen = self._norm_and_seen(grads)
+        norm, seen = self._norm_and_seen(grads, squares=not later)
         norm /= scale
         coef = 1.0 / scale  # unscale and clip in one pass, as DeepSpeed does
         if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
             coef *= self.clip / (norm + 1e-6)
+        held = NormWhenAsked(grads) if later else None  # before the step drops its gradients
         atomic = self._atomic(grads, seen)
         with held_interrupts() if atomic else contextlib.nullcontext():  # Ctrl-C once the step is done
             with self._transaction(atomic) as snapshot:
                 for i in range(len(grads)) if coef != 1.0 else ():  # no loop variable left holding a gradient
                     grads[i].mul_(coef)
                 self._apply(grads, seen, snapshot)
-            self.last_grad_norm = norm
+            self._last_norm = held if held is not None else norm
             self.refresh_parameters()
             for group in self.groups:
                 group.zero_grads()
@@ -339,56 +357,6 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def keeps_state(self) -> bool:
         return keeps_state(self.optimizer)
-
-    # -- per-group state (the checkpoint contract) ------------------------------------------------------
-    def group_state(self, group: FlatGroup) -> dict:
-        """The optimizer state of one flat group as if the torch optimizer stepped `group.master` in
-        one piece: elementwise tensors (1-D, numel = master.numel()) and scalars (Adam's `step`),
-        whatever sub-groups the streamed step cuts it into. {} before the first step."""
-        state = self.streamed.state_of(group) if self.streamed is not None else \
-            dict(self.optimizer.state.get(group.master, {}))
-        if not self.slot_states.is_uniform(group):
-            state = {k: v for k, v in state.items() if is_elementwise(v, group.master)}
-            state.update(self.slot_states.expand(group))
-        return state
-
-    def load_group_state(self, group: FlatGroup, state: dict) -> None:
-        """Replace one group's optimizer state with `state` (the form `group_state` returns)."""
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and not is_elementwise(value, group.master):
-                raise ValueError(f"optimizer state '{key}' of '{group.names[0]}...' has {value.numel()} elements, "
-                                 f"the group's shard has {group.master.numel()}")
-        state = self.slot_states.absorb(group, state)
-        if self.streamed is not None:
-            self.streamed.load_state(group, state)
-        elif state:  # copies, as torch's load_state_dict makes: the caller keeps its tensors
-            self.optimizer.state[group.master] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                                  for k, v in state.items()}
-        else:
-            self.optimizer.state.pop(group.master, None)
-
-    def state_dict(self) -> dict:
-        """This rank's optimizer state in torch's form: `state` maps the index of each trainable flat
-        group to its `group_state`; `param_groups` holds the hyper-parameters and, as `params`, the
-        indices of the flat groups each optimizer param group steps."""
-        param_groups = []
-        for index, param_group in enumerate(self.param_groups):
-            saved = {k: v for k, v in param_group.items() if k != "params"}
-            saved["params"] = [i for i, g in enumerate(self.groups) if g.optimizer_group == index]
-            param_groups.append(saved)
-        return {"state": {i: self.group_state(group) for i, group in enumerate(self.groups)},
-                "param_groups": param_groups}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Inverse of `state_dict` for the same layout (same world size, stage and model)."""
-        saved_groups = state["param_groups"]
-        if len(state["state"]) != len(self.groups) or len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"optimizer state of {len(state['state'])} flat groups and {len(saved_groups)} param "
-                             f"groups does not fit this optimizer ({len(self.groups)} and {len(self.param_groups)})")
-        for param_group, saved in zip(self.param_groups, saved_groups):
-            param_group.update({k: v for k, v in saved.items() if k != "params"})
-        for index, group in enumerate(self.groups):
-            self.load_group_state(group, state["state"][index])
 
     def state_bytes(self, stores=()) -> int:
         """Bytes of optimizer state in this process's memory (not those an NVMe store holds)."""
