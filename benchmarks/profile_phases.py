@@ -5,7 +5,10 @@
 Launches 2 local ranks (torchrun, gloo, 1 thread each, fp32) once. Every rank builds each system over
 the same GPT (default: 8 layers, width 512, untied vocabulary 8192: 33.7M parameters), with torch's
 fused AdamW, and the systems then take their steps *interleaved* (step i of every system, then step
-i + 1 of every system), on the same batches, so that the machine's load drifts over all of them alike:
+i + 1 of every system), on the same batches, so that the machine's load drifts over all of them alike. Every system computes
+the same update: zeroshard clips the global gradient norm at 1.0 unless told otherwise (DeepSpeed's
+default `gradient_clipping`), so local, ddp and fsdp2 call torch's `clip_grad_norm_` with the same
+bound (`--clip`, 0 for no clipping anywhere):
 
   * `local`: the bare model, no data parallelism: the compute floor of forward, backward and the step;
   * `ddp`: `DistributedDataParallel(gradient_as_bucket_view=True)`;
@@ -69,6 +72,7 @@ ROWS = [
     ("backward: end_backward (rest)", "backward/end"),
     ("backward: end_backward waits", "backward/end/wait"),
     ("step: gradient norm (+ flags all-reduce)", "step/norm"),
+    ("step: clip_grad_norm_ (torch)", "step/clip"),
     ("step: transactional snapshot", "step/snapshot"),
     ("step: optimizer (fused AdamW)", "step/optimizer"),
     ("step: transactional snapshot, group by group", "step/optimizer/snapshot"),
@@ -167,16 +171,25 @@ def _system(kind: str, args, make_model, make_optimizer):
     import torch
 
     model = make_model()
+
+    def torch_step(opt):  # the clipping zeroshard's config applies, as a torch script writes it
+        def step():
+            if args.clip > 0:
+                with SPANS.span("clip"):
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+            opt.step()
+        return step
+
     if kind == "local":
         opt = make_optimizer(model.parameters())
-        return (lambda x, y: model(x, y)[1], lambda loss: loss.backward(), opt.step,
+        return (lambda x, y: model(x, y)[1], lambda loss: loss.backward(), torch_step(opt),
                 lambda: opt.zero_grad(set_to_none=True))
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
         opt = make_optimizer(ddp.parameters())
-        return (lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(), opt.step,
+        return (lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(), torch_step(opt),
                 lambda: opt.zero_grad(set_to_none=True))
     if kind == "fsdp2":  # torch's stage 3, as `zeroshard bench --peers` builds it
         from torch.distributed.fsdp import fully_shard
@@ -185,7 +198,7 @@ def _system(kind: str, args, make_model, make_optimizer):
             fully_shard(block)
         fully_shard(model)
         opt = make_optimizer(model.parameters())
-        return (lambda x, y: model(x, y)[1], lambda loss: loss.backward(), opt.step,
+        return (lambda x, y: model(x, y)[1], lambda loss: loss.backward(), torch_step(opt),
                 lambda: opt.zero_grad(set_to_none=True))
     import zeroshard
 
@@ -197,7 +210,7 @@ def _system(kind: str, args, make_model, make_optimizer):
     if stage == 3 and variant != "persist":  # as `zeroshard bench`: every parameter sharded (3 Psi)
         zero["stage3_param_persistence_threshold"] = 0
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "zero_optimization": zero, "bf16": {"enabled": False}}
+              "gradient_clipping": args.clip, "zero_optimization": zero, "bf16": {"enabled": False}}
     if variant in ("overlap", "step-gather"):  # [Note: deferred parameter gather]
         config["zeroshard"] = {"overlap_param_gather": variant == "overlap"}
     if variant in ("no-tx", "copy"):  # what the transactional step costs ([Note: transactional step])
@@ -379,7 +392,7 @@ def _launch_on_netcluster(args, env_extra: dict) -> list[dict]:
 def _rank_args(args) -> list[str]:
     return ["--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--seq-len",
             str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup",
-            str(args.warmup), "--systems", ",".join(args.systems)]
+            str(args.warmup), "--clip", str(args.clip), "--systems", ",".join(args.systems)]
 
 
 def _load() -> str:
@@ -393,6 +406,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank")
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="gradient clipping for every system: zeroshard's `gradient_clipping` (its default "
+                             "1.0, DeepSpeed's), torch's clip_grad_norm_ for local, ddp and fsdp2; 0: none")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
@@ -431,7 +447,8 @@ def main() -> None:
                f"{os.cpu_count()} CPUs (shared with other jobs), torch gloo, {where} x 1 thread; load average "
                f"(1, 5, 15 min) before: {load_before}, after: {_load()}. Command: `python benchmarks/profile_phases.py "
                f"{shlex.join(sys.argv[1:])}`. Model: GPT {args.layers} layers x {args.width}, vocabulary {args.vocab} "
-               f"untied, seq {args.seq_len}, micro batch {args.batch}/rank, fp32, fused AdamW; {args.steps} timed "
+               f"untied, seq {args.seq_len}, micro batch {args.batch}/rank, fp32, fused AdamW, "
+               f"{f'gradients clipped at {args.clip:g} by every system' if args.clip > 0 else 'no clipping'}; {args.steps} timed "
                f"steps after {args.warmup}, interleaved.")
     print(text + "\n\n" + machine)
     if args.tree:

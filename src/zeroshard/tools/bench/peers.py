@@ -65,7 +65,7 @@ def count_c10d(fn) -> dict:
 
 
 def _torch_subject(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                   params: int, autocast_bf16: bool) -> Subject:
+                   params: int, autocast_bf16: bool, clip: float) -> Subject:
     grad_bytes = [0]
 
     def step(x, y) -> float:
@@ -73,6 +73,8 @@ def _torch_subject(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dev
             _, loss = model(x, y)
         loss.backward()
         grad_bytes[0] = measure.tensor_bytes(p.grad for p in model.parameters())  # before they are freed
+        if clip > 0:  # what zeroshard's and DeepSpeed's gradient_clipping does, as a torch script writes it
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
@@ -93,6 +95,7 @@ def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict,
     params = sum(p.numel() for p in model.parameters())
     model.to(device)
     bf16 = config["bf16"]["enabled"]  # peers keep fp32 weights and compute under autocast
+    clip = config["gradient_clipping"]
     if kind == "deepspeed":
         return _deepspeed_subject(model, device, config, params, make_optimizer)
     if kind == "fsdp2":
@@ -101,18 +104,18 @@ def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict,
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        return _torch_subject(model, make_optimizer(model.parameters()), device, params, bf16)
+        return _torch_subject(model, make_optimizer(model.parameters()), device, params, bf16, clip)
     from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
     if kind == "ddp":
-        return _torch_subject(ddp, make_optimizer(ddp.parameters()), device, params, bf16)
+        return _torch_subject(ddp, make_optimizer(ddp.parameters()), device, params, bf16, clip)
     if kind == "torch-zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=make_optimizer.func,
                                             **make_optimizer.keywords)
-        return _torch_subject(ddp, optimizer, device, params, bf16)
+        return _torch_subject(ddp, optimizer, device, params, bf16, clip)
     raise ValueError(f"unknown peer {run['kind']!r}; allowed: {', '.join(KINDS)}")
 
 

@@ -94,13 +94,19 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     return lines
 
 
+def _clipping(spec: dict) -> str:
+    clip = spec.get("clip", 1.0)
+    return f"gradient clipping at {clip:g}" if clip > 0 else "no gradient clipping"
+
+
 def format_table(result: dict, rows: list[dict]) -> str:
     spec = result["spec"]
     shape = spec["shape"]
     params = next((r["params"] for r in rows if "params" in r), 0)
     out = [f"zeroshard bench: GPT k={spec['size']} ({shape['n_layer']} layers, width {shape['n_embd']}, "
            f"{est.format_count(params)} parameters), {result['world_size']} ranks on {result['device']}, "
-           f"{spec['precision']}, every system given the same torch.optim.AdamW(fused={spec.get('fused_adam', True)}), micro batch {spec['batch']} x {shape['block_size']} tokens, "
+           f"{spec['precision']}, every system given the same torch.optim.AdamW(fused={spec.get('fused_adam', True)}) "
+           f"and {_clipping(spec)}, micro batch {spec['batch']} x {shape['block_size']} tokens, "
            f"{spec['steps']} timed steps after {spec['warmup']} warm-up"]
     cells = table_rows(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]

@@ -32,9 +32,11 @@ def ds_config(spec: dict, run: dict) -> dict:
     if run.get("offload_param"):
         zero["offload_param"] = {"device": run["offload_param"]}
     # No optimizer section: every system is handed the same torch optimizer (bench_optimizer), and
-    # zeroshard runs with the defaults a user gets (the cross-rank collective check stays on).
+    # zeroshard runs with the defaults a user gets (the cross-rank collective check stays on). The
+    # clipping is spelled out because the torch peers apply it too (peers.build): the same update.
     return {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
-            "zero_optimization": zero, "bf16": {"enabled": spec["precision"] == "bf16"}}
+            "gradient_clipping": spec.get("clip", 1.0), "zero_optimization": zero,
+            "bf16": {"enabled": spec["precision"] == "bf16"}}
 
 
 def bench_optimizer(spec: dict) -> functools.partial:

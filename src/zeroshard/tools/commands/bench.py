@@ -49,6 +49,16 @@ MODE_DEFAULTS = {"bench": {"seq_len": 128, "batch": 8, "steps": 10, "warmup": 3}
 MAX_MODEL_MEMORY = "1GiB"
 
 
+def _clip(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (0: no clipping), got {text!r}")
+    return value
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -130,6 +140,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--steps", type=_positive, help=f"timed steps per configuration (default: 10{note})")
     parser.add_argument("--warmup", type=int, help=f"untimed steps first (default: 3{note})")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    parser.add_argument("--clip", type=_clip, default=1.0, metavar="NORM",
+                        help="gradient clipping every system applies: zeroshard's and DeepSpeed's "
+                             "gradient_clipping, torch's clip_grad_norm_ for the torch peers (default: 1.0, "
+                             "the config default; 0: none)")
     parser.add_argument("--offload", action="store_true",
                         help="also run optimizer offload to CPU (stages 1-3) and parameter offload (stage 3)")
     parser.add_argument("--peers", action="store_true",
@@ -206,15 +220,16 @@ def bench_spec(args: argparse.Namespace, runs: list[dict]) -> dict:
     from zeroshard.tools.bench import family
 
     return {"size": args.size, "shape": family.gpt_shape(args.size, 0, args.seq_len), "batch": args.batch,
-            "lr": args.lr, "seed": args.seed, "precision": args.precision, "warmup": args.warmup,
-            "steps": args.steps, "threads": args.threads, "runs": runs}
+            "lr": args.lr, "clip": args.clip, "seed": args.seed, "precision": args.precision,
+            "warmup": args.warmup, "steps": args.steps, "threads": args.threads, "runs": runs}
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The command with every effective value spelled out, so a result says exactly how it was made."""
     parts = ["zeroshard", "bench", "--ranks", args.ranks, "--size", args.size, "--seq-len", args.seq_len,
              "--batch", args.batch, "--precision", args.precision, "--stages", ",".join(map(str, args.stages)),
-             "--steps", args.steps, "--warmup", args.warmup, "--seed", args.seed, "--lr", args.lr]
+             "--steps", args.steps, "--warmup", args.warmup, "--seed", args.seed, "--lr", args.lr,
+             "--clip", args.clip]
     parts += ["--threads", args.threads] if args.threads else []
     parts += ["--offload"] * args.offload + ["--peers"] * args.peers + ["--out", args.out]
     return shlex.join(str(p) for p in parts)
