@@ -5,15 +5,20 @@ parameters for backward (a Linear saves `weight.t()`), so a unit whose buffer we
 after forward would stay in memory until its backward: the VmHWM case sees that too."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
 import zeroshard
 from tests.harness import run_distributed, subtests
-from tests.zs_common import make_config
+from tests.reference import gpt_batches, train_ddp
+from tests.zs_common import adamw, assert_close, gpt_model_fn, make_config, train_engine
 from zeroshard.tools.bench import measure
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 BLOCKS = 8
+shard = importlib.import_module("zeroshard.core.shard")  # the package's `shard` is a function
 UNBOUNDED = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9}  # DeepSpeed's
 
 
@@ -184,3 +189,37 @@ def test_process_peak_during_forward_and_backward_is_bounded():
         # unbounded prefetch's units ahead add more: measured 20-23 MiB above the default's after the
         # pairwise reduce-scatter, ~0 on the code before the bounds (both gathered everything).
         assert unbounded["forward_backward_mib"] > default["forward_backward_mib"] + 2 * UNIT_MIB, (default, unbounded)
+
+
+def _split_case(gas: int) -> dict:
+    """[Note: gathered buffers under glibc's mmap ceiling], with the ceiling cut to 5000 elements of
+    fp32 so that the tiny GPT's blocks (12.4k elements) split: each resharding unit's groups hold at
+    most that many bytes or a single parameter, and training stays bit for bit DDP's."""
+    cap = 20_000
+    batches = gpt_batches(tiny_gpt_config(), batch_size=4)
+    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=adamw, steps=3, grad_accum=gas,
+                    reduce_every_micro_step=True, record_params=True)
+    default = shard.GATHER_GROUP_BYTES
+    shard.GATHER_GROUP_BYTES = cap
+    try:
+        ours = train_engine(gpt_model_fn(), batches, config=make_config(3, gas), steps=3, record_params=True)
+        model = gpt_model_fn()()
+        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(3, gas))
+    finally:
+        shard.GATHER_GROUP_BYTES = default
+    groups = {unit.name: [(g.layout.numel * 4, len(g.params)) for g in unit.groups] for unit in engine.units
+              if unit.reshards}
+    engine.destroy()
+    for name, sizes in groups.items():
+        assert all(nbytes <= cap or count == 1 for nbytes, count in sizes), (name, sizes)
+    assert max(len(sizes) for sizes in groups.values()) >= 3, groups
+    assert_close(ours, ref, exact=True, what=f"stage 3 gas {gas}, groups under {cap} bytes")
+    return {"groups": groups}
+
+
+def _split_worker(rank: int, world: int) -> list[dict]:
+    return subtests([dict(gas=1), dict(gas=2)], _split_case)
+
+
+def test_units_split_into_groups_under_the_mmap_ceiling_train_as_ddp():
+    print(run_distributed(_split_worker, 2, timeout=300)[0][0])

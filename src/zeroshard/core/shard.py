@@ -24,6 +24,21 @@ log = logging.getLogger(__name__)
 
 PERSISTENT = "<persistent>"
 
+# [Note: gathered buffers under glibc's mmap ceiling]
+# A stage-3 unit's flat groups are gathered into a full buffer before each use and freed after it
+# (their storage resized to nothing, [Note: parameter storage] in group.py). On CPU that memory is
+# glibc's: blocks above its largest mmap threshold (32 MiB on 64-bit) are mapped for each request and
+# unmapped on free, so every gather of such a buffer touched fresh pages, zero-filled by the kernel
+# one 4 KiB fault at a time. The 202M GPT's 50 MB blocks took 344 thousand faults a step, and stage 3
+# ran at 1.19-1.20x DDP; the same code with glibc told to keep its memory ran at 1.05x
+# (docs/performance.md, "Thirteenth session"). Blocks at or below the ceiling are served from the
+# heap, and glibc raises its threshold to the largest one freed, so freed buffers are reused. Hence
+# on CPU a resharding unit's parameters go into flat groups of at most GATHER_GROUP_BYTES each,
+# split at parameter boundaries (a parameter larger than that has a group of its own). CUDA's
+# caching allocator reuses blocks of any size, so there a unit keeps one group per optimizer
+# param group and one all-gather.
+GATHER_GROUP_BYTES = 30 << 20  # under 32 MiB with room for the allocator's header and alignment
+
 
 def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
                  optimizer_groups: dict[int, int], precision: PrecisionPolicy = PrecisionPolicy(),
@@ -74,8 +89,12 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
     for name, param in members:
         index = optimizer_groups.get(id(param)) if param.requires_grad else None
         by_key.setdefault((index is not None, index), []).append((name, param))
+    capped = reshards and comm.device.type == "cpu"  # [Note: gathered buffers under glibc's mmap ceiling]
+    itemsize = max(precision.param_dtype.itemsize, precision.reduce_dtype.itemsize)  # gathered, full gradient
+    keyed = [(key, chunk) for key, items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
+             for chunk in (_chunks(items, GATHER_GROUP_BYTES // itemsize) if capped else [items])]
     groups = []
-    for (_, index), items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0)):
+    for (_, index), items in keyed:
         names, params = [n for n, _ in items], [p for _, p in items]
         for name, param in items:
             # Same start on every rank (DDP broadcasts rank 0's parameters too); rank 0 of `comm`'s
@@ -91,6 +110,19 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
             reshards=reshards, optimizer_group=index, master_store=master_store, compute_shard=compute_shard,
             grad_store=placement.optimizer_store if trainable else None, device=comm.device))
     return groups
+
+
+def _chunks(items: list[tuple[str, nn.Parameter]], max_numel: int) -> list[list]:
+    """`items` in order, cut into runs of at most `max_numel` elements (a larger parameter alone)."""
+    chunks, numel = [[]], 0
+    for name, param in items:
+        size = local_tensor(param).numel()
+        if chunks[-1] and numel + size > max_numel:
+            chunks.append([])
+            numel = 0
+        chunks[-1].append((name, param))
+        numel += size
+    return chunks
 
 
 def _master_placement(placement: Placement, precision: PrecisionPolicy, device: torch.device, reshards: bool,
