@@ -191,10 +191,11 @@ def test_process_peak_during_forward_and_backward_is_bounded():
         assert unbounded["forward_backward_mib"] > default["forward_backward_mib"] + 2 * UNIT_MIB, (default, unbounded)
 
 
-def _split_case(gas: int) -> dict:
+def _split_case(stage: int, gas: int) -> dict:
     """[Note: gathered buffers under glibc's mmap ceiling], with the ceiling cut to 5000 elements of
-    fp32 so that the tiny GPT's blocks (12.4k elements) split: each resharding unit's groups hold at
-    most that many bytes or a single parameter, and training stays bit for bit DDP's."""
+    fp32 so that the tiny GPT's blocks (12.4k elements) split: at stages 2/3 each unit's groups (not
+    stage 3's persistent unit's) hold at most that many bytes or a single parameter, and training
+    stays bit for bit DDP's."""
     cap = 20_000
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
     ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=adamw, steps=3, grad_accum=gas,
@@ -202,23 +203,24 @@ def _split_case(gas: int) -> dict:
     default = shard.GATHER_GROUP_BYTES
     shard.GATHER_GROUP_BYTES = cap
     try:
-        ours = train_engine(gpt_model_fn(), batches, config=make_config(3, gas), steps=3, record_params=True)
+        ours = train_engine(gpt_model_fn(), batches, config=make_config(stage, gas), steps=3, record_params=True)
         model = gpt_model_fn()()
-        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(3, gas))
+        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
+                                          config=make_config(stage, gas))
     finally:
         shard.GATHER_GROUP_BYTES = default
     groups = {unit.name: [(g.layout.numel * 4, len(g.params)) for g in unit.groups] for unit in engine.units
-              if unit.reshards}
+              if unit.reshards or stage == 2}
     engine.destroy()
     for name, sizes in groups.items():
         assert all(nbytes <= cap or count == 1 for nbytes, count in sizes), (name, sizes)
     assert max(len(sizes) for sizes in groups.values()) >= 3, groups
-    assert_close(ours, ref, exact=True, what=f"stage 3 gas {gas}, groups under {cap} bytes")
+    assert_close(ours, ref, exact=True, what=f"stage {stage} gas {gas}, groups under {cap} bytes")
     return {"groups": groups}
 
 
 def _split_worker(rank: int, world: int) -> list[dict]:
-    return subtests([dict(gas=1), dict(gas=2)], _split_case)
+    return subtests([dict(stage=s, gas=g) for s in (2, 3) for g in (1, 2)], _split_case)
 
 
 def test_units_split_into_groups_under_the_mmap_ceiling_train_as_ddp():

@@ -26,17 +26,19 @@ PERSISTENT = "<persistent>"
 
 # [Note: gathered buffers under glibc's mmap ceiling]
 # A stage-3 unit's flat groups are gathered into a full buffer before each use and freed after it
-# (their storage resized to nothing, [Note: parameter storage] in group.py). On CPU that memory is
+# (their storage resized to nothing, [Note: parameter storage] in group.py), and at stages 2/3 a
+# unit's full gradient lives from its first gradient to its reduction. On CPU that memory is
 # glibc's: blocks above its largest mmap threshold (32 MiB on 64-bit) are mapped for each request and
-# unmapped on free, so every gather of such a buffer touched fresh pages, zero-filled by the kernel
-# one 4 KiB fault at a time. The 202M GPT's 50 MB blocks took 344 thousand faults a step, and stage 3
-# ran at 1.19-1.20x DDP; the same code with glibc told to keep its memory ran at 1.05x
-# (docs/performance.md, "Thirteenth session"). Blocks at or below the ceiling are served from the
-# heap, and glibc raises its threshold to the largest one freed, so freed buffers are reused. Hence
-# on CPU a resharding unit's parameters go into flat groups of at most GATHER_GROUP_BYTES each,
-# split at parameter boundaries (a parameter larger than that has a group of its own). CUDA's
-# caching allocator reuses blocks of any size, so there a unit keeps one group per optimizer
-# param group and one all-gather.
+# unmapped on free, so each such buffer touched fresh pages, zero-filled by the kernel one 4 KiB fault
+# at a time. The 202M GPT's 50 MB blocks took 344 thousand faults a step at stage 3, which ran at
+# 1.19-1.20x DDP; the same code with glibc told to keep its memory ran at 1.05x (docs/performance.md,
+# "Thirteenth session"). Blocks at or below the ceiling are served from the heap, and glibc raises
+# its threshold to the largest one freed, so freed buffers are reused. Hence on CPU, at stages 2/3,
+# a unit's parameters go into flat groups of at most GATHER_GROUP_BYTES each (gathered buffer or full
+# gradient, whichever dtype is wider), split at parameter boundaries (a larger parameter has a
+# group of its own). Stages 0/1 keep their full gradient for good, and stage 3's persistent unit is
+# never gathered. CUDA's caching allocator reuses blocks of any size, so there a unit keeps one
+# group per optimizer param group.
 GATHER_GROUP_BYTES = 30 << 20  # under 32 MiB with room for the allocator's header and alignment
 
 
@@ -89,7 +91,8 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
     for name, param in members:
         index = optimizer_groups.get(id(param)) if param.requires_grad else None
         by_key.setdefault((index is not None, index), []).append((name, param))
-    capped = reshards and comm.device.type == "cpu"  # [Note: gathered buffers under glibc's mmap ceiling]
+    # [Note: gathered buffers under glibc's mmap ceiling]; the persistent unit has reshards False
+    capped = policy.shard_gradients and (reshards or not policy.shard_parameters) and comm.device.type == "cpu"
     itemsize = max(precision.param_dtype.itemsize, precision.reduce_dtype.itemsize)  # gathered, full gradient
     keyed = [(key, chunk) for key, items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
              for chunk in (_chunks(items, GATHER_GROUP_BYTES // itemsize) if capped else [items])]
