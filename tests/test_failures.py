@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import gpt_model_fn, make_config
 from zeroshard.core.comm import CollectiveError
+from zeroshard.core.unit import Unit
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 3
@@ -174,7 +176,10 @@ def _changed_before_step_case(stage: int, change: str | None) -> None:
     copy ahead is what the step restores from."""
     engine = _engine(stage, None, 1, "", None)
     _micro(engine, 0, 0)
-    engine.backward(gpt_loss(engine, *BATCHES(1, 0, engine.global_rank)))
+    # The tiny model's reductions may all have landed before end_backward, and been taken
+    # ([Note: taken as they land]), leaving none to copy ahead under: kept in flight here.
+    with mock.patch.object(Unit, "reduction_done", lambda unit: False):
+        engine.backward(gpt_loss(engine, *BATCHES(1, 0, engine.global_rank)))
     assert engine.optimizer.snapshot_buffers.copies_ahead > 0, "no copy was taken while the reductions ran"
     stale = [g.stale_grad_part(g.master) for g in engine.optimizer.groups]
     assert all(p is not None for p in stale) == (stage == 1), "stage 1 copies masters into the stale gradient"

@@ -100,6 +100,9 @@ class _PairwiseReduceScatter:
                                                      output_split_sizes=splits, input_split_sizes=splits,
                                                      group=group, async_op=True))
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
     def wait(self) -> None:
         for work in self.works:
             work.wait()
@@ -128,6 +131,9 @@ class _PairwiseAllGather:
         if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
             mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
 
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
     def wait(self) -> None:
         for work in self.works:
             work.wait()
@@ -141,6 +147,11 @@ class Handle:
                  staging: Staging | None = None):
         self._comm, self._work, self.what, self._started, self._check = comm, work, what, started, check
         self._staging = staging
+
+    def done(self) -> bool:
+        """Has the collective (and its check) completed, so that `wait()` will not block? Asks, never waits."""
+        return self._work is None or (self._work.is_completed() and
+                                      (self._check is None or self._check.work.is_completed()))
 
     def wait(self) -> None:
         if self._work is None:

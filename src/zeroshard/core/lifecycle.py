@@ -314,13 +314,14 @@ class Lifecycle:
         if self.boundary:
             unit.reduce_grads(self.world_size)
             self._inflight.append(unit)
+            while self._inflight and self._inflight[0].reduction_done():  # [Note: taken as they land]
+                self._inflight.pop(0).finish_reduce()
             # The bound is for memory held by full gradients, which stages 2/3 free once reduced;
-            # the full gradient buffers of stages 0/1 live across steps anyway, so there waiting
-            # early only stalls backward (docs/performance.md), unless overlap_comm is off (0).
-            # [Note: one reduction in flight] Stages 2/3 wait for unit k's reduction once k+1's is
-            # issued: two full gradients at most (reducing, being computed). A second in flight
-            # bought nothing: the link carries them in turn. One ran within 4% of two's step either
-            # way at stages 2/3, 0.2-1 Gbit/s and loopback; two's third costs 50 MB at 202M (docs/multinode.md).
+            # those of stages 0/1 live across steps, so there waiting early only stalls backward
+            # (docs/performance.md), unless overlap_comm is off (0). [Note: one reduction in flight]
+            # Stages 2/3 wait for unit k's reduction once k+1's is issued: two full gradients at most.
+            # A second in flight bought nothing: the link carries them in turn (within 4% of one's
+            # step, 0.2-1 Gbit/s and loopback; 50 MB more at 202M, docs/multinode.md).
             persist = self.max_inflight and all(g.grads_persist_full for g in unit.groups)
             while not persist and len(self._inflight) > self.max_inflight:
                 self._inflight.pop(0).finish_reduce()
@@ -372,15 +373,14 @@ class Lifecycle:
 
     # -- prefetch ----------------------------------------------------------------------------------
     # [Note: prefetch before the wait]
-    # A training pass issues the prefetch of the units after the current one before it waits for
-    # the current one's own gather, not after: otherwise, where the current unit was not prefetched
-    # (the first unit of a forward, whose gather cannot start before the step that changes it, and
-    # the first unit of a backward after a unit it did not keep), its gather and the next one's ran
-    # one after the other with the link idle in between, and the next unit's compute waited for
-    # both. What is gathered at any moment is the same (the current unit counts as live from its
-    # `unshard`, [Note: bounded gathering]); only the moment the next gather starts moves earlier.
-    # A pass without autograd keeps the old order ([Note: inference prefetch]): there the store's
-    # reads ahead ([Note: gathering in place at one rank]) decide the order of I/O.
+    # A training pass issues the prefetch of the units after the current one before it waits for the
+    # current one's own gather, not after: otherwise, where the current unit was not prefetched (the
+    # first unit of a forward, whose gather cannot start before the step that changes it, and the
+    # first unit of a backward after a unit it did not keep), its gather and the next one's ran one
+    # after the other with the link idle in between, and the next unit's compute waited for both.
+    # What is gathered at any moment is the same (the current unit counts as live from its `unshard`,
+    # [Note: bounded gathering]); only the moment the next gather starts moves earlier. Without autograd
+    # the order stays ([Note: inference prefetch]): the store's reads ahead decide the I/O's.
     def _prefetch(self, order: list[Unit], start: int, phase: str) -> None:
         """Gather ahead the units after `order[start - 1]`, within [Note: bounded gathering]."""
         limits = self.limits

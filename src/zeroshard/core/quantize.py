@@ -72,6 +72,9 @@ class Composite:
     def __init__(self, handles: list, finish):
         self._handles, self._finish = handles, finish
 
+    def done(self) -> bool:
+        return all(handle.done() for handle in self._handles)
+
     def wait(self) -> None:
         for handle in self._handles:
             handle.wait()
