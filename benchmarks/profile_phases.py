@@ -173,10 +173,12 @@ def _system(kind: str, args, make_model, make_optimizer):
     model = make_model()
 
     def torch_step(opt):  # the clipping zeroshard's config applies, as a torch script writes it
+        from torch.nn.utils import clip_grad_norm_
+
         def step():
             if args.clip > 0:
                 with SPANS.span("clip"):
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+                    clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
         return step
 

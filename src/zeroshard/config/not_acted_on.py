@@ -87,7 +87,7 @@ TABLE: dict[str, Rule] = {
               "prescale_gradients", "gradient_predivide_factor"),
     # Units are the communication granularity (one collective per flat group), so bucket sizes and
     # DeepSpeed's buffer-layout switches have nothing to act on.
-    **_parsed("a unit (one flat group per block) is the bucket of every collective",
+    **_parsed("a unit (a block's flat groups) is the bucket of every collective",
               *(f"zero_optimization.{key}" for key in (
                   "reduce_bucket_size", "allgather_bucket_size", "contiguous_gradients", "reduce_scatter",
                   "allgather_partitions", "round_robin_gradients"))),

@@ -29,14 +29,14 @@ def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
 
 # [Note: the stage-0 norm, computed when asked]
 # At stage 0 every rank holds the whole reduced gradient, and the step needs the norm only to clip
-# or unscale. Summing it every step for get_global_grad_norm() cost 17 ms of the 33.7M GPT's 847 ms
-# step, most of stage 0's gap to DDP (docs/performance.md); DDP computes no norm, and DeepSpeed's
-# stage-0 engine reports None. So without clipping or loss scaling the step keeps the gradient
-# tensors and their version counters, and the norm is summed when first asked, by each rank from
-# its own copy: no collective, so a rank that logs alone may ask. Stage 0 keeps its gradient buffer
-# across steps ([Note: zeroed when first read]), so holding it costs no memory. Anything that writes
-# the buffer (the next backward, a checkpoint load) moves the version; asked after that, the norm
-# is gone: None, and a warning says when to ask.
+# or unscale. Summing it every step for get_global_grad_norm() cost 16-17 ms of the 33.7M GPT's
+# ~800 ms step (docs/performance.md), which a DDP script that does not clip never spends, and
+# DeepSpeed's stage-0 engine reports None there. So without clipping or loss scaling the step keeps
+# the gradient tensors and their version counters, and the norm is summed when first asked, by each
+# rank from its own copy: no collective, so a rank that logs alone may ask. Stage 0 keeps its
+# gradient buffer across steps ([Note: zeroed when first read]), so holding it costs no memory.
+# Anything that writes the buffer (the next backward, a checkpoint load) moves the version; asked
+# after that, the norm is gone: None, and a warning says when to ask.
 class NormWhenAsked:
     """The global gradient norm of one stage-0 step, summed on first request."""
 
