@@ -143,7 +143,8 @@ def stage_table(args: argparse.Namespace) -> str:
     from zeroshard.tools.commands.bench import run_bench
 
     bench_args = argparse.Namespace(**{**vars(args), "stages": [0, 1, 2, 3], "steps": args.table_steps,
-                                       "warmup": 2, "offload": False, "peers": False, "lr": 1e-3})
+                                       "warmup": 2, "offload": False, "peers": False, "lr": 1e-3,
+                                       "clip": 1.0})  # the bench's default, as the training loop clips
     result, rows = run_bench(bench_args)
     cells = report.table_rows(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
