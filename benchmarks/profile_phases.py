@@ -5,10 +5,10 @@
 Launches 2 local ranks (torchrun, gloo, 1 thread each, fp32) once. Every rank builds each system over
 the same GPT (default: 8 layers, width 512, untied vocabulary 8192: 33.7M parameters), with torch's
 fused AdamW, and the systems then take their steps *interleaved* (step i of every system, then step
-i + 1 of every system), on the same batches, so that the machine's load drifts over all of them alike. Every system computes
-the same update: zeroshard clips the global gradient norm at 1.0 unless told otherwise (DeepSpeed's
-default `gradient_clipping`), so local, ddp and fsdp2 call torch's `clip_grad_norm_` with the same
-bound (`--clip`, 0 for no clipping anywhere):
+i + 1 of every system), on the same batches, so that the machine's load drifts over all of them alike.
+Every system computes the same update: zeroshard clips the global gradient norm at 1.0 unless told
+otherwise (DeepSpeed's default `gradient_clipping`), so local, ddp and fsdp2 call torch's
+`clip_grad_norm_` with the same bound (`--clip`, 0 for no clipping anywhere):
 
   * `local`: the bare model, no data parallelism: the compute floor of forward, backward and the step;
   * `ddp`: `DistributedDataParallel(gradient_as_bucket_view=True)`;
