@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue as queue_module
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -145,19 +147,56 @@ def _rank(rank: int, world: int, port: int, args: dict, name: str, queue) -> Non
     report["peak"] = max(report["forward_peak"], report["backward_peak"], report["step_peak"])
     queue.put(report)
     dist.barrier()
+    # put() hands the report to a feeder thread; os._exit would not wait for it to reach the pipe
+    # (a launch once hung with both ranks exited and no report), so flush it first.
+    queue.close()
+    queue.join_thread()
     os._exit(0)  # see tests/harness.py: gloo may abort at interpreter teardown
 
 
-def run_variant(args: dict, name: str, port: int) -> list[dict]:
+def _rank_reporting(rank: int, world: int, port: int, args: dict, name: str, queue) -> None:
+    """`_rank`, and a report of its failure (the parent stops waiting at once instead of at its timeout)."""
+    try:
+        _rank(rank, world, port, args, name, queue)
+    except BaseException as error:  # noqa: BLE001 - every failure is reported
+        queue.put({"rank": rank, "error": f"{type(error).__name__}: {error}"})
+        queue.close()
+        queue.join_thread()
+        os._exit(1)
+
+
+def run_variant(args: dict, name: str, port: int, timeout_s: float) -> list[dict]:
+    """Both ranks' reports; raises (and stops the ranks) when a rank fails, dies without a report
+    or the variant runs past `timeout_s`."""
     context = mp.get_context("spawn")
     queue = context.Queue()
-    procs = [context.Process(target=_rank, args=(r, 2, port, args, name, queue)) for r in range(2)]
+    procs = [context.Process(target=_rank_reporting, args=(r, 2, port, args, name, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    reports = sorted((queue.get(timeout=3600) for _ in procs), key=lambda r: r["rank"])
-    for p in procs:
-        p.join(timeout=60)
-    return reports
+    reports, deadline = [], time.monotonic() + timeout_s
+    try:
+        while len(reports) < len(procs):
+            # Whether a rank is dead is read before the queue, so a report sent just before its
+            # rank exited is still found there.
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            try:
+                report = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                if dead:
+                    raise RuntimeError(f"variant {name!r}: a rank exited with {dead[0]} without a report") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"variant {name!r}: no report within {timeout_s:.0f} s") from None
+                continue
+            if "error" in report:
+                raise RuntimeError(f"variant {name!r}: rank {report['rank']} failed: {report['error']}")
+            reports.append(report)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return sorted(reports, key=lambda r: r["rank"])
 
 
 COLUMNS = [("start", "start"), ("grads_at_forward", "grads@fwd"), ("forward_peak", "fwd peak"),
@@ -186,6 +225,7 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--port", type=int, default=29613)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a variant may run (default: 1800)")
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.txt")
     ns = parser.parse_args(argv)
     names = [n.strip() for n in ns.variants.split(",") if n.strip()]
@@ -198,7 +238,7 @@ def main(argv=None) -> None:
     args = {"size": ns.size, "batch": ns.batch, "seq_len": ns.seq_len, "stage": ns.stage}
     results = {}
     for offset, name in enumerate(names):
-        results[name] = run_variant(args, name, ns.port + offset)
+        results[name] = run_variant(args, name, ns.port + offset, ns.timeout)
         print(f"done: {name}", file=sys.stderr, flush=True)
     text = f"$ python benchmarks/stage3_memory.py {' '.join(argv if argv is not None else sys.argv[1:])}\n\n"
     text += table(results) + "\n"
