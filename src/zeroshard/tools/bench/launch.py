@@ -28,9 +28,13 @@ _POLL_S = 0.1
 _LOG_TAIL = 3000  # characters of the ranks' output quoted in an error
 
 
-def child_env(threads_per_rank: int | None) -> dict:
+def child_env(threads_per_rank: int | None, fixed_mmap_threshold: bool = True) -> dict:
+    """The ranks' environment. `fixed_mmap_threshold`: glibc's mmap threshold fixed at 64 KiB from the
+    start, for runs that measure memory only ([Note: measuring peak memory] in bench/measure.py);
+    without, the ranks start with glibc's defaults (what the user's environment says)."""
     env = dict(os.environ)
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"  # see [Note: measuring peak memory] in bench/measure.py
+    if fixed_mmap_threshold:
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     if threads_per_rank:
         env["OMP_NUM_THREADS"] = str(threads_per_rank)
     source_root = str(Path(zeroshard.version.__file__).resolve().parent.parent)  # works uninstalled, from src/
@@ -64,10 +68,12 @@ class Outcome:
 
 
 def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], None] = lambda event: None,
-              timeout_s: float = 3600.0, threads_per_rank: int | None = None, keep_failed: bool = True) -> Outcome:
+              timeout_s: float = 3600.0, threads_per_rank: int | None = None, keep_failed: bool = True,
+              fixed_mmap_threshold: bool = True) -> Outcome:
     """Run `module` on `ranks` local ranks with `spec` and say how it ended (raises CommandError only
     for a bad rank count or a timeout). `keep_failed=False` removes the run directory of a failed run too,
-    for callers that expect failures and keep what they need from the Outcome."""
+    for callers that expect failures and keep what they need from the Outcome. `fixed_mmap_threshold`:
+    see `child_env`."""
     if ranks < 1:
         raise CommandError(f"--ranks must be >= 1, got {ranks}")
     run_dir = Path(tempfile.mkdtemp(prefix="zeroshard-run-"))
@@ -76,7 +82,7 @@ def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict],
     log.debug("launching: %s", " ".join(command))
     with open(run_dir / "ranks.log", "wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=child_env(threads_per_rank or default_threads(ranks)))
+                                   env=child_env(threads_per_rank or default_threads(ranks), fixed_mmap_threshold))
         try:
             _follow(process, run_dir / "progress.jsonl", on_progress, timeout_s)
         except BaseException:
@@ -99,9 +105,10 @@ def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict],
 
 
 def launch(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], None] = lambda event: None,
-           timeout_s: float = 3600.0, threads_per_rank: int | None = None) -> dict:
+           timeout_s: float = 3600.0, threads_per_rank: int | None = None, fixed_mmap_threshold: bool = True) -> dict:
     """Run `module` on `ranks` local ranks with `spec`; returns rank 0's result (raises CommandError)."""
-    outcome = run_ranks(module, spec, ranks, on_progress, timeout_s, threads_per_rank)
+    outcome = run_ranks(module, spec, ranks, on_progress, timeout_s, threads_per_rank,
+                        fixed_mmap_threshold=fixed_mmap_threshold)
     if outcome.result is None:
         raise CommandError(failure_message(outcome))
     return outcome.result

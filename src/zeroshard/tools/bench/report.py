@@ -119,8 +119,15 @@ def format_table(result: dict, rows: list[dict]) -> str:
         if "skipped" in row:
             skipped.setdefault(row["skipped"], []).append(row["name"])
     out += [f"not run: {', '.join(names)}: {reason}" for reason, names in skipped.items()]
-    out.append("step ms: per step the slowest rank; median, min and max over the timed steps.")
-    out.append(f"peak mem/rank: {result['memory_method']}; the largest over the ranks.")
+    memory_steps = spec.get("memory_steps", 0)
+    if memory_steps:  # [Note: measuring peak memory]
+        out.append("step ms: per step the slowest rank; median, min and max over the timed steps; each "
+                   "configuration in a launch of its own, with glibc's default allocator settings.")
+        out.append(f"peak mem/rank: {result['memory_method']}, in a second launch of each configuration, over "
+                   f"{memory_steps} steps after {spec['warmup'] + 1}; the largest over the ranks.")
+    else:
+        out.append("step ms: per step the slowest rank; median, min and max over the timed steps.")
+        out.append(f"peak mem/rank: {result['memory_method']}; the largest over the ranks.")
     out.append("model states: bytes of params + grads + optimizer (incl. fp32 master) this rank holds, "
                "counted from its tensors, vs the paper's §5 formula.")
     out.append("comm/step: paper convention (all-reduce of Ψ = 2Ψ, all-gather/reduce-scatter = Ψ) vs 2Ψ "

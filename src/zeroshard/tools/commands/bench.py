@@ -18,7 +18,8 @@ log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Trains the same GPT (member k of the bench family: k layers, width 64k) on the same data and ranks with
-ZeRO stages 0-3 in one invocation (one torchrun launch), and reports for each: step time (median, min,
+ZeRO stages 0-3 in one invocation (each configuration timed in a torchrun launch of its own with the
+environment's allocator settings, its memory measured in a second one), and reports for each: step time (median, min,
 max; per step the slowest rank), tokens/s, peak memory per rank, model-state bytes against the paper's
 formula, and communication per step against 2Ψ/3Ψ. Writes a table (bench.txt), the full data
 (bench.json) and a chart in the style of the ZeRO paper's Figure 1 (bench.png) to --out. Ranks are local
@@ -280,15 +281,15 @@ class StepBars:
 
 
 def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict]]:
-    """Launch the ranks and summarise; returns (raw result, summary rows)."""
-    from zeroshard.tools.bench import report
-    from zeroshard.tools.bench.launch import launch
+    """Launch the ranks, two launches per configuration (`bench/separate.py`), and summarise; returns
+    (raw result, summary rows)."""
+    from zeroshard.tools.bench import report, separate
 
     runs = runs_for(args)
-    bars = StepBars(len(runs))
+    bars = StepBars(2 * len(runs))
     try:
-        result = launch("zeroshard.tools.bench.worker", bench_spec(args, runs), args.ranks, on_progress=bars,
-                        timeout_s=args.timeout, threads_per_rank=args.threads)
+        result = separate.run_configurations(runs, bench_spec(args, runs), args.ranks, on_progress=bars,
+                                             timeout_s=args.timeout, threads_per_rank=args.threads)
     finally:
         bars.close()
     return result, report.summarize(result)
