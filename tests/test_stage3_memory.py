@@ -225,3 +225,52 @@ def _split_worker(rank: int, world: int) -> list[dict]:
 
 def test_units_split_into_groups_under_the_mmap_ceiling_train_as_ddp():
     print(run_distributed(_split_worker, 2, timeout=300)[0][0])
+
+
+def _landed_case(stage: int) -> dict:
+    """[Note: taken as they land]: at stages 2/3 a group about to make a new full gradient first takes
+    the reductions that have landed, so the next unit's gradient reuses the buffer of the unit reduced
+    before it instead of living beside it. So that this does not hang on timing, a reduction counts
+    as landed once any later gradient has arrived (its finish then waits for it): each size of full
+    gradient is then allocated once per backward (the blocks' twice before: the second while the
+    first awaited its reduce-scatter), and training stays bit for bit DDP's."""
+    unit_module = importlib.import_module("zeroshard.core.unit")
+    lifecycle = importlib.import_module("zeroshard.core.lifecycle").Lifecycle
+    spent = importlib.import_module("zeroshard.core.grad_buffers").SpentGradients
+    fresh: list[int] = []
+    grads, issued = [0], {}
+    originals = spent.take, unit_module.Unit.reduction_done, unit_module.Unit.reduce_grads, lifecycle._on_grad
+
+    def take(self, numel, dtype, device):
+        if not self._free.get((numel, dtype, device)):
+            fresh.append(numel)
+        return originals[0](self, numel, dtype, device)
+
+    def reduce_grads(self, *args):
+        issued[id(self)] = grads[0]
+        return originals[2](self, *args)
+
+    def on_grad(self, *args):
+        grads[0] += 1
+        return originals[3](self, *args)
+
+    batches = gpt_batches(tiny_gpt_config(), batch_size=4)
+    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=adamw, steps=3, record_params=True)
+    spent.take, unit_module.Unit.reduce_grads, lifecycle._on_grad = take, reduce_grads, on_grad
+    unit_module.Unit.reduction_done = lambda self: issued.get(id(self), -1) < grads[0]
+    try:
+        ours = train_engine(gpt_model_fn(), batches, config=make_config(stage, 1), steps=3, record_params=True)
+    finally:
+        spent.take, unit_module.Unit.reduction_done, unit_module.Unit.reduce_grads, lifecycle._on_grad = originals
+    per_size = {numel: fresh.count(numel) for numel in set(fresh)}
+    assert per_size and all(count == 3 for count in per_size.values()), per_size  # 3 backwards
+    assert_close(ours, ref, exact=True, what=f"stage {stage}, reductions taken as they land")
+    return {"fresh full gradients by size": per_size}
+
+
+def _landed_worker(rank: int, world: int) -> list[dict]:
+    return subtests([dict(stage=s) for s in (2, 3)], _landed_case)
+
+
+def test_a_new_full_gradient_reuses_a_landed_reduction_buffer():
+    print(run_distributed(_landed_worker, 2, timeout=300)[0])

@@ -34,7 +34,7 @@ from zeroshard.core.comm import CollectiveError
 from zeroshard.core.gathered import GatherLimits, LiveCount, reuse_offsets
 from zeroshard.core.grad_buffers import SpentGradients
 from zeroshard.core.policy import StagePolicy
-from zeroshard.core.unit import Unit, UnitState
+from zeroshard.core.unit import InflightReductions, Unit, UnitState
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class Lifecycle:
         self._recording: list[Unit] = []
         self._position = 0
         self._seen_in_backward: set[int] = set()
-        self._inflight: list[Unit] = []
+        self._inflight = InflightReductions()
         self._handles: list = []
         self._forward_grad = True  # was autograd on when begin_forward ran?
         self.inference_order: list[Unit] | None = None  # see [Note: inference prefetch]
@@ -298,6 +298,8 @@ class Lifecycle:
             # reduction reads the full gradient buffer, so it completes first. No-op otherwise.
             unit.finish_reduce()
         if group.trainable:
+            if group.full_grad is None and not group.grads_persist_full:
+                self._inflight.take_landed()  # its new full gradient reuses theirs: [Note: taken as they land]
             group.add_grad(index, param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor,
                            scale=1.0 / self.world_size if self.boundary else None)
         param.grad = None  # the flat buffer owns the gradient now; free autograd's copy
@@ -313,18 +315,16 @@ class Lifecycle:
     def _unit_backward_done(self, unit: Unit) -> None:
         if self.boundary:
             unit.reduce_grads(self.world_size)
-            self._inflight.append(unit)
-            while self._inflight and self._inflight[0].reduction_done():  # [Note: taken as they land]
-                self._inflight.pop(0).finish_reduce()
+            self._inflight.add(unit)
+            self._inflight.take_landed()  # [Note: taken as they land]
             # The bound is for memory held by full gradients, which stages 2/3 free once reduced;
             # those of stages 0/1 live across steps, so there waiting early only stalls backward
             # (docs/performance.md), unless overlap_comm is off (0). [Note: one reduction in flight]
             # Stages 2/3 wait for unit k's reduction once k+1's is issued: two full gradients at most.
             # A second in flight bought nothing: the link carries them in turn (within 4% of one's
             # step, 0.2-1 Gbit/s and loopback; 50 MB more at 202M, docs/multinode.md).
-            persist = self.max_inflight and all(g.grads_persist_full for g in unit.groups)
-            while not persist and len(self._inflight) > self.max_inflight:
-                self._inflight.pop(0).finish_reduce()
+            if not (self.max_inflight and all(g.grads_persist_full for g in unit.groups)):
+                self._inflight.keep_at_most(self.max_inflight)
         if not self.hold_gathered:
             unit.reshard()
 
@@ -337,9 +337,7 @@ class Lifecycle:
                 self._unit_backward_done(unit)
         if self.boundary and self._inflight and self.before_final_waits is not None:
             self.before_final_waits()
-        for unit in self._inflight:
-            unit.finish_reduce()
-        self._inflight.clear()
+        self._inflight.finish_all()
         for unit in self.units:
             unit.reshard()
         self._retained.clear()  # freed above with every other unit

@@ -264,9 +264,13 @@ class Unit:
     # 400 MB freed together at the end of backward and returned to the kernel, so every backward
     # touched them fresh (82 thousand page faults a step on gloo's thread). After issuing a unit's
     # reduction, the lifecycle now takes the earlier ones that have already completed, in order,
-    # without waiting: their temporaries are freed and reused by the next ones. Nothing else changes,
-    # the reduced values land as they did at end_backward; MiCS's second reduction (a collective of
-    # its own) is still left for the end.
+    # without waiting: their temporaries are freed and reused by the next ones. Stages 2/3 wait for
+    # unit k's reduction only when k-1's is issued ([Note: one reduction in flight]), so k's full
+    # gradient stayed alive through k-1's whole backward, beside k-1's own: there the lifecycle also
+    # takes what has landed whenever a group is about to make a new full gradient, which then reuses
+    # k's buffer ([Note: spent full gradients reused]). Nothing else changes, the reduced values land
+    # as they did at end_backward or at the next issue, in the same order; MiCS's second reduction (a
+    # collective of its own) is still left for the end.
     def reduction_done(self) -> bool:
         """Could `finish_reduce` run now without waiting? (MiCS's second reduction would wait: no.)"""
         return self.links.replica is None and all(handle.done() for handle, _, _ in self._reductions)
@@ -331,3 +335,34 @@ class Unit:
         for group in self.groups:
             group.destroy()
         self.groups = []
+
+
+class InflightReductions:
+    """The units whose gradient reduction is in flight, oldest first ([Note: taken as they land])."""
+
+    def __init__(self):
+        self.units: list[Unit] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.units)
+
+    def add(self, unit: Unit) -> None:
+        self.units.append(unit)
+
+    def take_landed(self) -> None:
+        """Finish, oldest first, the reductions that have completed; never waits."""
+        while self.units and self.units[0].reduction_done():
+            self.units.pop(0).finish_reduce()
+
+    def keep_at_most(self, count: int) -> None:
+        """Wait for the oldest until at most `count` are in flight."""
+        while len(self.units) > count:
+            self.units.pop(0).finish_reduce()
+
+    def finish_all(self) -> None:
+        for unit in self.units:
+            unit.finish_reduce()
+        self.units.clear()
+
+    def clear(self) -> None:
+        self.units.clear()
