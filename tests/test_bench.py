@@ -63,10 +63,12 @@ def test_bench_without_matplotlib_keeps_its_table_and_json(bench, tmp_path, monk
 
 
 
-def test_each_configuration_is_timed_with_glibc_defaults_and_measured_in_a_second_launch(bench, monkeypatch):
+def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measured_apart(bench, monkeypatch):
     """[Note: measuring peak memory]: the fixed mmap threshold the memory figures need made every
-    system's step 19-34% slower, so the timing launch runs with the user's environment and a second
-    launch of the same configuration, with the threshold fixed, gives the memory figures."""
+    system's step 19-34% slower, so the timing launches run with the user's environment and a launch
+    of the same configuration with the threshold fixed gives the memory figures. The timed steps are
+    split over two passes, the second in reverse order, so that the machine's drift falls on every
+    configuration alike (bench/separate.py)."""
     from zeroshard.tools.bench import launch as launch_module, peers, separate
     from zeroshard.tools.commands import bench as bench_command
 
@@ -77,7 +79,7 @@ def test_each_configuration_is_timed_with_glibc_defaults_and_measured_in_a_secon
     def fake_launch(module, spec, ranks, fixed_mmap_threshold=True, **kwargs):
         (run,) = spec["runs"]
         calls.append((run["name"], spec["steps"], fixed_mmap_threshold))
-        measured = {**canned[run["name"]]}
+        measured = {**canned[run["name"]], "step_times": [len(calls)] * spec["steps"]}
         if fixed_mmap_threshold:  # tell the memory launch's figures apart
             measured["ranks"] = [{**r, "peak_memory": 123} for r in measured["ranks"]]
         return {**document["raw"], "runs": [measured]}
@@ -86,17 +88,23 @@ def test_each_configuration_is_timed_with_glibc_defaults_and_measured_in_a_secon
     monkeypatch.setattr(peers, "available", lambda kind: kind != "deepspeed")
     args = cli.build_parser().parse_args(["bench", "--size", "1", "--steps", "5", "--stages", "0,3", "--peers"])
     result, rows = bench_command.run_bench(args)
-    assert calls == [(name, steps, fixed) for name in ("stage 0", "stage 3", "torch DDP", "torch ZeroRedundancyOpt",
-                                                       "torch FSDP2") for steps, fixed in ((5, False), (2, True))]
+    names = ["stage 0", "stage 3", "torch DDP", "torch ZeroRedundancyOpt", "torch FSDP2"]
+    assert calls == ([(name, 3, False) for name in names] + [(name, 2, False) for name in reversed(names)]
+                     + [(name, 2, True) for name in names])
     ran = [row for row in rows if "skipped" not in row]
     assert [row["peak_memory"] for row in ran] == [123] * 5  # from the memory launch
-    assert [row["step_time"] for row in ran] == [canned[row["name"]]["step_time"] for row in ran]  # the timed one
+    # Every configuration's 5 timed steps, 3 from the first pass and 2 from the reversed second.
+    first, second = {n: i + 1 for i, n in enumerate(names)}, {n: 10 - i for i, n in enumerate(names)}
+    for row in ran:
+        times = sorted([first[row["name"]]] * 3 + [second[row["name"]]] * 2)
+        assert row["step_time"] == {"median_s": times[2], "min_s": times[0], "max_s": times[-1], "n": 5}, row
     assert [row["name"] for row in rows if "skipped" in row] == ["DeepSpeed stage 0", "DeepSpeed stage 3"]
-    assert result["spec"]["memory_steps"] == 2
+    assert result["spec"]["memory_steps"] == 2 and result["spec"]["timing_passes"] == 2
     # The environments themselves: the user's for timing, the threshold fixed for memory.
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert "MALLOC_MMAP_THRESHOLD_" not in launch_module.child_env(1, fixed_mmap_threshold=False)
     assert launch_module.child_env(1)["MALLOC_MMAP_THRESHOLD_"] == "65536"
+
 
 def test_measured_communication_is_2psi_and_3psi(bench):
     _, document = bench

@@ -121,9 +121,11 @@ def format_table(result: dict, rows: list[dict]) -> str:
     out += [f"not run: {', '.join(names)}: {reason}" for reason, names in skipped.items()]
     memory_steps = spec.get("memory_steps", 0)
     if memory_steps:  # [Note: measuring peak memory]
+        halves = (" in two launches of its own (the configurations in order, then in reverse; half the steps each)"
+                  if spec.get("timing_passes", 1) == 2 else " in a launch of its own")
         out.append("step ms: per step the slowest rank; median, min and max over the timed steps; each "
-                   "configuration in a launch of its own, with glibc's default allocator settings.")
-        out.append(f"peak mem/rank: {result['memory_method']}, in a second launch of each configuration, over "
+                   f"configuration timed{halves}, with glibc's default allocator settings.")
+        out.append(f"peak mem/rank: {result['memory_method']}, in a launch of each configuration of its own, over "
                    f"{memory_steps} steps after {spec['warmup'] + 1}; the largest over the ranks.")
     else:
         out.append("step ms: per step the slowest rank; median, min and max over the timed steps.")

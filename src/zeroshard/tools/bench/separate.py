@@ -1,11 +1,20 @@
-"""Parent side of `zeroshard bench`: every configuration in launches of its own, one timed and one
-measured for memory ([Note: measuring peak memory] in measure.py), merged into one result."""
+"""Parent side of `zeroshard bench`: every configuration in launches of its own, timed in two halves
+(the configurations in order, then in reverse) and measured for memory in a third ([Note: measuring
+peak memory] in measure.py), merged into one result.
+
+Why two halves: the configurations run one after another, and this machine's speed drifts by several
+percent over the minutes that takes (the same code read 1.04x and 1.11x DDP at stage 0 in two runs
+half an hour apart, DDP always timed after zeroshard's stages). Timing each configuration half in a
+first pass and half in a reversed second pass puts every configuration, on average, at the middle of
+the run, so a drift that is steady over it falls on all of them alike (profile_phases.py's --compare
+orders its launches the same way).
+"""
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-from zeroshard.tools.bench import peers
+from zeroshard.tools.bench import measure, peers
 from zeroshard.tools.bench.launch import launch
 from zeroshard.tools.commands import CommandError
 
@@ -17,29 +26,44 @@ MEMORY_STEPS = 2
 def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Callable[[dict], None],
                        timeout_s: float, threads_per_rank: int | None) -> dict:
     """The worker's result for `runs` as one launch would give it: time, losses and communication from
-    a launch with glibc's defaults (what a user's script runs with), memory and state bytes per rank
-    from a second launch with its mmap threshold fixed. Peers that are not installed are skipped
-    without a launch (the ranks run this interpreter). `timeout_s` bounds the whole."""
+    launches with glibc's defaults (what a user's script runs with; the first pass gives the losses
+    and communication, both passes the step times), memory and state bytes per rank from a launch
+    with its mmap threshold fixed. Peers that are not installed are skipped without a launch (the
+    ranks run this interpreter). `timeout_s` bounds the whole."""
     deadline = time.monotonic() + timeout_s
     memory_steps = min(spec["steps"], MEMORY_STEPS)
+    first_half = (spec["steps"] + 1) // 2
 
-    def one(run: dict, fixed_mmap_threshold: bool, **changes) -> dict:
+    def one(run: dict, fixed_mmap_threshold: bool, steps: int) -> dict:
         left = deadline - time.monotonic()
         if left <= 0:
             raise CommandError(f"--timeout {timeout_s:g} s ran out before the configuration {run['name']!r}")
-        return launch("zeroshard.tools.bench.worker", {**spec, **changes, "runs": [run]}, ranks,
-                      on_progress=on_progress, timeout_s=left, threads_per_rank=threads_per_rank,
-                      fixed_mmap_threshold=fixed_mmap_threshold)
+        result = launch("zeroshard.tools.bench.worker", {**spec, "steps": steps, "runs": [run]}, ranks,
+                        on_progress=on_progress, timeout_s=left, threads_per_rank=threads_per_rank,
+                        fixed_mmap_threshold=fixed_mmap_threshold)
+        return {**result["runs"][0], "memory_method": result["memory_method"], "launch": result}
 
-    results, launched = [], None
+    ready = [run for run in runs if run["kind"] == "zeroshard" or peers.available(run["kind"])]
+    timed = {run["name"]: one(run, False, first_half) for run in ready}
+    for run in reversed(ready) if spec["steps"] > first_half else ():
+        second = one(run, False, spec["steps"] - first_half)
+        first = timed[run["name"]]
+        tokens_per_step = first["tokens_per_s"] * first["step_time"]["median_s"]
+        first["step_times"] = first["step_times"] + second["step_times"]
+        first["step_time"] = measure.step_stats(first["step_times"])
+        first["tokens_per_s"] = tokens_per_step / first["step_time"]["median_s"]
+    results = []
     for run in runs:
-        if run["kind"] != "zeroshard" and not peers.available(run["kind"]):
+        if run["name"] not in timed:
             results.append({**run, "skipped": peers.unavailable_reason(run["kind"])})
             continue
-        timed = one(run, fixed_mmap_threshold=False)
-        memory = one(run, fixed_mmap_threshold=True, steps=memory_steps)
-        results.append({**timed["runs"][0], "ranks": memory["runs"][0]["ranks"]})
-        launched = launched or {**timed, "memory_method": memory["memory_method"]}
-    if launched is None:
+        memory = one(run, True, memory_steps)
+        results.append({**timed[run["name"]], "ranks": memory["ranks"], "memory_method": memory["memory_method"]})
+    if not timed:
         raise CommandError("no configuration could run: " + "; ".join(f"{r['name']}: {r['skipped']}" for r in results))
-    return {**launched, "spec": {**spec, "memory_steps": memory_steps}, "runs": results}
+    launched = next(iter(timed.values()))["launch"]
+    method = next(r["memory_method"] for r in results if "skipped" not in r)
+    runs_out = [{k: v for k, v in r.items() if k not in ("launch", "memory_method")} for r in results]
+    passes = 2 if spec["steps"] > first_half else 1
+    return {**launched, "memory_method": method, "runs": runs_out,
+            "spec": {**spec, "memory_steps": memory_steps, "timing_passes": passes}}

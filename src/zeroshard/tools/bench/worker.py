@@ -99,7 +99,7 @@ class Bench:
             losses.append(subject.step(x, y))  # .item() inside synchronises
             times.append(subject.slowest(time.perf_counter() - started))
             ctx.progress(event="step", run=label, phase="timed", step=i + 1, loss=losses[-1], step_s=times[-1])
-        return {"comm_paper_bytes": comm, "step_time": measure.step_stats(times), "losses": losses,
+        return {"comm_paper_bytes": comm, "step_time": measure.step_stats(times), "step_times": times, "losses": losses,
                 "start_memory": start, "peak_memory": self.meter.peak()}
 
     def _to(self, batch):

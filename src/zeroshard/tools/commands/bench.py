@@ -281,12 +281,12 @@ class StepBars:
 
 
 def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict]]:
-    """Launch the ranks, two launches per configuration (`bench/separate.py`), and summarise; returns
-    (raw result, summary rows)."""
+    """Launch the ranks, three launches per configuration (`bench/separate.py`), and summarise;
+    returns (raw result, summary rows)."""
     from zeroshard.tools.bench import report, separate
 
     runs = runs_for(args)
-    bars = StepBars(2 * len(runs))
+    bars = StepBars(3 * len(runs))
     try:
         result = separate.run_configurations(runs, bench_spec(args, runs), args.ranks, on_progress=bars,
                                              timeout_s=args.timeout, threads_per_rank=args.threads)
