@@ -68,7 +68,7 @@ def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measu
     system's step 19-34% slower, so the timing launches run with the user's environment and a launch
     of the same configuration with the threshold fixed gives the memory figures. The timed steps are
     split over two passes, the second in reverse order, so that the machine's drift falls on every
-    configuration alike (bench/separate.py)."""
+    configuration alike, after a throwaway launch that warms the machine (bench/separate.py)."""
     from zeroshard.tools.bench import launch as launch_module, peers, separate
     from zeroshard.tools.commands import bench as bench_command
 
@@ -89,12 +89,12 @@ def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measu
     args = cli.build_parser().parse_args(["bench", "--size", "1", "--steps", "5", "--stages", "0,3", "--peers"])
     result, rows = bench_command.run_bench(args)
     names = ["stage 0", "stage 3", "torch DDP", "torch ZeroRedundancyOpt", "torch FSDP2"]
-    assert calls == ([(name, 3, False) for name in names] + [(name, 2, False) for name in reversed(names)]
-                     + [(name, 2, True) for name in names])
+    assert calls == ([("stage 0", 1, False)] + [(name, 3, False) for name in names]  # a warm-up launch first
+                     + [(name, 2, False) for name in reversed(names)] + [(name, 2, True) for name in names])
     ran = [row for row in rows if "skipped" not in row]
     assert [row["peak_memory"] for row in ran] == [123] * 5  # from the memory launch
     # Every configuration's 5 timed steps, 3 from the first pass and 2 from the reversed second.
-    first, second = {n: i + 1 for i, n in enumerate(names)}, {n: 10 - i for i, n in enumerate(names)}
+    first, second = {n: i + 2 for i, n in enumerate(names)}, {n: 11 - i for i, n in enumerate(names)}
     for row in ran:
         times = sorted([first[row["name"]]] * 3 + [second[row["name"]]] * 2)
         assert row["step_time"] == {"median_s": times[2], "min_s": times[0], "max_s": times[-1], "n": 5}, row

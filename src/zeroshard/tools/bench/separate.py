@@ -7,7 +7,9 @@ percent over the minutes that takes (the same code read 1.04x and 1.11x DDP at s
 half an hour apart, DDP always timed after zeroshard's stages). Timing each configuration half in a
 first pass and half in a reversed second pass puts every configuration, on average, at the middle of
 the run, so a drift that is steady over it falls on all of them alike (profile_phases.py's --compare
-orders its launches the same way).
+orders its launches the same way). Before them one throwaway launch of the first configuration warms
+the machine: the first launch of a run took 1.1 s for steps its second pass took in 0.7 s (stage 0,
+the README's table), after the machine had run other work.
 """
 from __future__ import annotations
 
@@ -44,6 +46,8 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
         return {**result["runs"][0], "memory_method": result["memory_method"], "launch": result}
 
     ready = [run for run in runs if run["kind"] == "zeroshard" or peers.available(run["kind"])]
+    if ready:  # the machine's warm-up, discarded: a first launch ran up to 1.5x slower (separate.py's doc)
+        one(ready[0], False, 1)
     timed = {run["name"]: one(run, False, first_half) for run in ready}
     for run in reversed(ready) if spec["steps"] > first_half else ():
         second = one(run, False, spec["steps"] - first_half)

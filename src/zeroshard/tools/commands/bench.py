@@ -18,10 +18,11 @@ log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 Trains the same GPT (member k of the bench family: k layers, width 64k) on the same data and ranks with
-ZeRO stages 0-3 in one invocation (each configuration timed in a torchrun launch of its own with the
-environment's allocator settings, its memory measured in a second one), and reports for each: step time (median, min,
-max; per step the slowest rank), tokens/s, peak memory per rank, model-state bytes against the paper's
-formula, and communication per step against 2Ψ/3Ψ. Writes a table (bench.txt), the full data
+ZeRO stages 0-3 in one invocation (each configuration timed in torchrun launches of its own with the
+environment's allocator settings, half its steps in a second pass in reverse order, and its memory
+measured in a third launch), and reports for each: step time (median, min, max; per step the slowest
+rank), tokens/s, peak memory per rank, model-state bytes against the paper's formula, and communication
+per step against 2Ψ/3Ψ. Writes a table (bench.txt), the full data
 (bench.json) and a chart in the style of the ZeRO paper's Figure 1 (bench.png) to --out. Ranks are local
 processes (gloo on CPU, NCCL on GPUs).
 
@@ -168,7 +169,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="--max-model: where the NVMe configuration's swap files go (default: the temp dir)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), metavar="DIR",
                         help="where bench.txt, bench.json, bench.png go (default: bench_out)")
-    parser.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="stop the ranks after S seconds")
+    parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+                        help="time limit of the whole run; the ranks are stopped when it runs out")
     parser.epilog += ("\n\nMODE DEFAULTS (--seq-len, --batch, --steps, --warmup):\n"
                       + "\n".join(f"  {m}: {', '.join(f'{k}={v}' for k, v in d.items())}" for m, d in MODE_DEFAULTS.items()))
     parser.set_defaults(func=run)
