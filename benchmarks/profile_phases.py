@@ -24,6 +24,8 @@ otherwise (DeepSpeed's default `gradient_clipping`), so local, ddp and fsdp2 cal
     the copy the default took before the tenth session (its fused AdamW now takes none,
     [Note: an update that cannot fail half-way] in core/atomic.py);
   * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
+  * `stage 0-3 no-check` (not run unless named): the same with `zeroshard.check_collectives: false`,
+    to price the cross-rank collective check;
   * `stage 3 persist`: stage 3 with the default `stage3_param_persistence_threshold` (1e5);
     `stage 2/3 2-in-flight`: two reductions in flight in backward instead of the default one (a what-if,
     the default before the ninth session).
@@ -59,7 +61,8 @@ SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "
            "stage 1 step-gather", "stage 2 step-gather",
            "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx",
            "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 2 2-in-flight",
-           "stage 3 2-in-flight", "stage 0 copy", "stage 1 copy", "stage 2 copy", "stage 3 copy")
+           "stage 3 2-in-flight", "stage 0 copy", "stage 1 copy", "stage 2 copy", "stage 3 copy",
+           "stage 0 no-check", "stage 1 no-check", "stage 2 no-check", "stage 3 no-check")
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -217,6 +220,8 @@ def _system(kind: str, args, make_model, make_optimizer):
         config["zeroshard"] = {"overlap_param_gather": variant == "overlap"}
     if variant in ("no-tx", "copy"):  # what the transactional step costs ([Note: transactional step])
         config["zeroshard"] = {"transactional_step": False if variant == "no-tx" else "copy"}
+    if variant == "no-check":  # what the cross-rank check costs ([Note: asynchronous collective check])
+        config["zeroshard"] = {"check_collectives": False}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
     if variant == "2-in-flight":  # a what-if, not a config key (as benchmarks/stage3_memory.py)
         engine.sharded.lifecycle.max_inflight = 2
