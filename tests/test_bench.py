@@ -87,6 +87,7 @@ def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measu
     monkeypatch.setattr(separate, "launch", fake_launch)
     monkeypatch.setattr(peers, "available", lambda kind: kind != "deepspeed")
     args = cli.build_parser().parse_args(["bench", "--size", "1", "--steps", "5", "--stages", "0,3", "--peers"])
+    bench_command.check_mode(args)  # the mode's defaults, as `zeroshard bench` fills them first
     result, rows = bench_command.run_bench(args)
     names = ["stage 0", "stage 3", "torch DDP", "torch ZeroRedundancyOpt", "torch FSDP2"]
     assert calls == ([("stage 0", 1, False)] + [(name, 3, False) for name in names]  # a warm-up launch first

@@ -5,9 +5,9 @@ in its heap. So memory is measured in launches that set `MALLOC_MMAP_THRESHOLD_=
 larger than 64 kB is its own mapping, returned to the kernel when freed, and we call `malloc_trim(0)`
 between configurations. That setting also maps every large tensor afresh at each allocation, which
 made every system's step 19-34% slower in `zeroshard bench --size 8` (DDP 0.80 s against 0.64 s), so
-`zeroshard bench` times each configuration in a launch of its own with glibc's defaults, as a user's
-script runs, and measures its memory in a second launch with the setting (`--sweep` and `--max-model`
-measure memory only). The peak of a step is the kernel's high-water mark (VmHWM in
+`zeroshard bench` times each configuration in launches of its own with glibc's defaults, as a user's
+script runs, and measures its memory in another launch with the setting (bench/separate.py; `--sweep`
+and `--max-model` measure memory only). The peak of a step is the kernel's high-water mark (VmHWM in
 /proc/self/status), reset before the measured steps by writing 5 to /proc/self/clear_refs (Linux >=
 4.0). Where that is not possible, a thread samples RSS every millisecond (which can miss a short
 spike). On GPU it is the caching allocator's `max_memory_allocated`. `PeakMemory.method` says which

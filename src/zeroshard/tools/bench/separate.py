@@ -37,37 +37,36 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
     first_half = (spec["steps"] + 1) // 2
 
     def one(run: dict, fixed_mmap_threshold: bool, steps: int) -> dict:
+        """The worker's result for `run` alone."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise CommandError(f"--timeout {timeout_s:g} s ran out before the configuration {run['name']!r}")
-        result = launch("zeroshard.tools.bench.worker", {**spec, "steps": steps, "runs": [run]}, ranks,
-                        on_progress=on_progress, timeout_s=left, threads_per_rank=threads_per_rank,
-                        fixed_mmap_threshold=fixed_mmap_threshold)
-        return {**result["runs"][0], "memory_method": result["memory_method"], "launch": result}
+        return launch("zeroshard.tools.bench.worker", {**spec, "steps": steps, "runs": [run]}, ranks,
+                      on_progress=on_progress, timeout_s=left, threads_per_rank=threads_per_rank,
+                      fixed_mmap_threshold=fixed_mmap_threshold)
 
     ready = [run for run in runs if run["kind"] == "zeroshard" or peers.available(run["kind"])]
-    if ready:  # the machine's warm-up, discarded: a first launch ran up to 1.5x slower (separate.py's doc)
-        one(ready[0], False, 1)
-    timed = {run["name"]: one(run, False, first_half) for run in ready}
+    if not ready:
+        raise CommandError("no configuration could run: " + "; ".join(
+            f"{run['name']}: {peers.unavailable_reason(run['kind'])}" for run in runs))
+    one(ready[0], False, 1)  # the machine's warm-up, discarded: a first launch ran up to 1.5x slower (the doc)
+    timed, launched = {}, None
+    for run in ready:
+        launched = one(run, False, first_half)
+        timed[run["name"]] = launched["runs"][0]
+    tokens_per_step = spec["batch"] * spec["shape"]["block_size"] * launched["world_size"]
     for run in reversed(ready) if spec["steps"] > first_half else ():
-        second = one(run, False, spec["steps"] - first_half)
-        first = timed[run["name"]]
-        tokens_per_step = first["tokens_per_s"] * first["step_time"]["median_s"]
-        first["step_times"] = first["step_times"] + second["step_times"]
-        first["step_time"] = measure.step_stats(first["step_times"])
-        first["tokens_per_s"] = tokens_per_step / first["step_time"]["median_s"]
+        merged = timed[run["name"]]
+        merged["step_times"] += one(run, False, spec["steps"] - first_half)["runs"][0]["step_times"]
+        merged["step_time"] = measure.step_stats(merged["step_times"])
+        merged["tokens_per_s"] = tokens_per_step / merged["step_time"]["median_s"]
     results = []
     for run in runs:
         if run["name"] not in timed:
             results.append({**run, "skipped": peers.unavailable_reason(run["kind"])})
             continue
         memory = one(run, True, memory_steps)
-        results.append({**timed[run["name"]], "ranks": memory["ranks"], "memory_method": memory["memory_method"]})
-    if not timed:
-        raise CommandError("no configuration could run: " + "; ".join(f"{r['name']}: {r['skipped']}" for r in results))
-    launched = next(iter(timed.values()))["launch"]
-    method = next(r["memory_method"] for r in results if "skipped" not in r)
-    runs_out = [{k: v for k, v in r.items() if k not in ("launch", "memory_method")} for r in results]
+        results.append({**timed[run["name"]], "ranks": memory["runs"][0]["ranks"]})
     passes = 2 if spec["steps"] > first_half else 1
-    return {**launched, "memory_method": method, "runs": runs_out,
+    return {**launched, "memory_method": memory["memory_method"], "runs": results,
             "spec": {**spec, "memory_steps": memory_steps, "timing_passes": passes}}
