@@ -19,7 +19,7 @@ TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + 
 def _torchrun(script: str, *args: str, cwd: Path) -> dict[int, dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(SCRIPTS / script), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=cwd)
     results = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 or (TEARDOWN_ABORT in result.stderr and results), result.stderr[-4000:]

@@ -211,8 +211,9 @@ def test_documented_example_runs_under_torchrun(script, tmp_path):
     pytest.importorskip("accelerate")
     _documented_scripts(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+    # Unbuffered: what a rank printed survives if torchrun stops it after another rank failed.
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", **ENV))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **ENV))
     assert result.returncode == 0 or TEARDOWN_ABORT in result.stderr, result.stdout + result.stderr[-3000:]
     if script == "hf_train.py":  # the reloaded model generates what the engine generated on rank 0
         generated = re.search(r"rank 0: \[[\d, ]+\] -> (\[[\d, ]+\])", result.stdout)
