@@ -135,12 +135,19 @@ def _read_bytes() -> int:
     return int(dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())["read_bytes"])
 
 
+def kv_cache_mb(args) -> int:
+    """The KV cache of the largest batch at its longest (fp32 keys and values, every layer): it grows
+    with the batch, so a fixed allowance that fits batch 1 does not fit batch 16 under the cap."""
+    positions = max(args.batches) * (args.prompt_len + args.new_tokens)
+    return args.layers * 2 * positions * args.hidden * 4 // 2**20  # key/value heads x head size = hidden
+
+
 def cpu_budget_mb(args) -> int:
     """MiB of weights a system may keep in memory: what is left of the cap after this runtime, less
-    room for activations and loading (or --accelerate-cpu-mb)."""
+    room for activations and loading (300 MiB) and for the KV cache (or --accelerate-cpu-mb)."""
     if args.accelerate_cpu_mb is not None:
         return args.accelerate_cpu_mb
-    return max(0, (args.cap - _status("VmData")) // 2**20 - 300)
+    return max(0, (args.cap - _status("VmData")) // 2**20 - 300 - kv_cache_mb(args))
 
 
 def load(system: str, args):
@@ -332,7 +339,8 @@ def main() -> None:
                         help="zeroshard's stage3_prefetch_bucket_size in elements (default: about three layers)")
     parser.add_argument("--cap", type=int, default=None, help="RLIMIT_DATA bytes (default: half the weights)")
     parser.add_argument("--accelerate-cpu-mb", type=int, default=None,
-                        help="accelerate's max_memory for the CPU (default: what the cap leaves, less 300 MiB)")
+                        help="accelerate's max_memory for the CPU "
+                             "(default: what the cap leaves, less 300 MiB and the KV cache)")
     parser.add_argument("--systems", default="zeroshard,zeroshard-resident,zeroshard-resident-buffered,accelerate")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=Path("zero_inference"))
