@@ -62,7 +62,6 @@ def test_bench_without_matplotlib_keeps_its_table_and_json(bench, tmp_path, monk
     assert "no chart written" in caplog.text
 
 
-
 def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measured_apart(bench, monkeypatch):
     """[Note: measuring peak memory]: the fixed mmap threshold the memory figures need made every
     system's step 19-34% slower, so the timing launches run with the user's environment and a launch

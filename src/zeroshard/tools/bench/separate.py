@@ -35,6 +35,7 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
     deadline = time.monotonic() + timeout_s
     memory_steps = min(spec["steps"], MEMORY_STEPS)
     first_half = (spec["steps"] + 1) // 2
+    second_half = spec["steps"] - first_half  # 0 for a single step: one pass
 
     def one(run: dict, fixed_mmap_threshold: bool, steps: int) -> dict:
         """The worker's result for `run` alone."""
@@ -55,9 +56,9 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
         launched = one(run, False, first_half)
         timed[run["name"]] = launched["runs"][0]
     tokens_per_step = spec["batch"] * spec["shape"]["block_size"] * launched["world_size"]
-    for run in reversed(ready) if spec["steps"] > first_half else ():
+    for run in reversed(ready) if second_half else ():
         merged = timed[run["name"]]
-        merged["step_times"] += one(run, False, spec["steps"] - first_half)["runs"][0]["step_times"]
+        merged["step_times"] += one(run, False, second_half)["runs"][0]["step_times"]
         merged["step_time"] = measure.step_stats(merged["step_times"])
         merged["tokens_per_s"] = tokens_per_step / merged["step_time"]["median_s"]
     results = []
@@ -67,6 +68,5 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
             continue
         memory = one(run, True, memory_steps)
         results.append({**timed[run["name"]], "ranks": memory["runs"][0]["ranks"]})
-    passes = 2 if spec["steps"] > first_half else 1
     return {**launched, "memory_method": memory["memory_method"], "runs": results,
-            "spec": {**spec, "memory_steps": memory_steps, "timing_passes": passes}}
+            "spec": {**spec, "memory_steps": memory_steps, "timing_passes": 2 if second_half else 1}}
