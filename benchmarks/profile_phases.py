@@ -19,10 +19,9 @@ otherwise (DeepSpeed's default `gradient_clipping`), so local, ddp and fsdp2 cal
     `zeroshard.overlap_param_gather: false`, step() waiting for the all-gather of updated parameters
     (the default before the eleventh session); `stage 1/2 overlap` names the option explicitly on,
     which is now the default;
-  * `stage 0-3 no-tx` (not run unless named): the same with `zeroshard.transactional_step: false`,
-    to price what the transactional step does; `stage 0-3 copy`: with `transactional_step: "copy"`,
-    the copy the default took before the tenth session (its fused AdamW now takes none,
-    [Note: an update that cannot fail half-way] in core/atomic.py);
+  * `stage 0-3 copy` (not run unless named): the same with `zeroshard.transactional_step: "copy"`,
+    to price the opt-in copy that undoes a step failing half-way (the default takes none,
+    [Note: failed optimizer steps] in core/rollback.py);
   * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
   * `stage 0-3 no-check` (not run unless named): the same with `zeroshard.check_collectives: false`,
     to price the cross-rank collective check;
@@ -59,7 +58,6 @@ REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
 SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
            "stage 1 step-gather", "stage 2 step-gather",
-           "stage 0 no-tx", "stage 1 no-tx", "stage 2 no-tx", "stage 3 no-tx",
            "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 2 2-in-flight",
            "stage 3 2-in-flight", "stage 0 copy", "stage 1 copy", "stage 2 copy", "stage 3 copy",
            "stage 0 no-check", "stage 1 no-check", "stage 2 no-check", "stage 3 no-check")
@@ -218,8 +216,8 @@ def _system(kind: str, args, make_model, make_optimizer):
               "gradient_clipping": args.clip, "zero_optimization": zero, "bf16": {"enabled": False}}
     if variant in ("overlap", "step-gather"):  # [Note: deferred parameter gather]
         config["zeroshard"] = {"overlap_param_gather": variant == "overlap"}
-    if variant in ("no-tx", "copy"):  # what the transactional step costs ([Note: transactional step])
-        config["zeroshard"] = {"transactional_step": False if variant == "no-tx" else "copy"}
+    if variant == "copy":  # what the opt-in copy costs ([Note: failed optimizer steps])
+        config["zeroshard"] = {"transactional_step": "copy"}
     if variant == "no-check":  # what the cross-rank check costs ([Note: asynchronous collective check])
         config["zeroshard"] = {"check_collectives": False}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)

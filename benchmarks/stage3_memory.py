@@ -3,7 +3,7 @@ on the bench's GPT family member (default k=16: 16 layers, width 1024, ~202M par
 `zero_optimization` settings and torch's FSDP2 side by side.
 
     python benchmarks/stage3_memory.py --out docs/bench/stage3_memory
-    python benchmarks/stage3_memory.py --stage 2 --variants default,default+no-snapshot
+    python benchmarks/stage3_memory.py --stage 2 --variants default,default+copy
 
 `--stage N` runs the zeroshard variants at stage N (0-3; the gradient shard's lifetime is the same code at 2 and 3).
 
@@ -15,8 +15,8 @@ tools/bench/measure.py), reset through /proc/self/clear_refs at the start of eac
 phase's figure is its own peak; `peak` is the largest of them, the bench's figure. `rss` is the
 resident memory at the end of a phase, `grads` the bytes of gradients held at the start of the forward
 and at the end of the backward (zeroshard's flat gradient shards and full gradients; FSDP2's
-`param.grad`), `snapshot` the transactional step's copy ([Note: transactional step] in
-core/rollback.py). `live` is the most parameter elements the units had gathered at once during that
+`param.grad`), `snapshot` what the opt-in `zeroshard.transactional_step: "copy"` copied (0 by default,
+which takes no copy: [Note: failed optimizer steps] in core/rollback.py). `live` is the most parameter elements the units had gathered at once during that
 forward and backward ([Note: bounded gathering] in core/gathered.py). Memory does not depend on
 machine load: one measured step is enough.
 """
@@ -42,8 +42,7 @@ VARIANTS = {
     "default": ({}, {}, None),
     "deepspeed-values": ({"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9,
                           "stage3_max_reuse_distance": 10**9}, {}, None),
-    "default+no-snapshot": ({}, {"transactional_step": False}, None),
-    "default+copy": ({}, {"transactional_step": "copy"}, None),  # the default before the tenth session
+    "default+copy": ({}, {"transactional_step": "copy"}, None),  # the opt-in copy of a failed step's state
     "default+1-in-flight": ({}, {}, 1),  # the default since the ninth session: kept for the older tables
     "default+2-in-flight": ({}, {}, 2),
     "fsdp2": None,

@@ -233,7 +233,7 @@ def test_checkpoint_faults_are_named_and_change_nothing(tmp_path):
 def _write_back_worker(rank: int, world: int, *, nvme: str, on_rank: int) -> dict:
     engine = build_engine(2, scheduler=False, zero={"offload_optimizer": {"device": "nvme", "nvme_path": nvme},
                                                     "sub_group_size": 1000})
-    engine.sharded.optimizer.transactional = True  # as "zeroshard": {"transactional_step": true} sets it
+    engine.sharded.optimizer.on_failed_update = "copy"  # as "zeroshard": {"transactional_step": "copy"} sets it
     batches = tiny_batches()
     train_micro_steps(engine, batches, 0, 1)
     before = _snapshot(engine)
@@ -252,9 +252,8 @@ def _write_back_worker(rank: int, world: int, *, nvme: str, on_rank: int) -> dic
 def test_full_disk_in_nvme_write_back_is_named(tmp_path):
     """The faulting rank raises StoreError naming the swap file at once; the other rank learns it at
     its next collective wait (CollectiveError; by default its next forward, which waits for the step's
-    all-gathers), both well within the collective timeout. With the
-    transactional step on (`zeroshard.transactional_step`; off by default for NVMe-offloaded states,
-    [Note: transactional step]) the faulting rank's masters and optimizer state are as they were:
+    all-gathers), both well within the collective timeout. With `zeroshard.transactional_step:
+    "copy"` ([Note: failed optimizer steps]) the faulting rank's masters and optimizer state are as they were:
     the step is undone although the write-back failed after every sub-group was updated. The other
     rank's step completed, so the ranks are no longer in step: every later call raises."""
     for on_rank in (0, 1):

@@ -108,45 +108,19 @@ def test_largest_model_is_the_exact_inverse(stage, ranks, memory, rec):
     assert est.model_state_bytes(largest + 1, ranks, stage, rec).total > memory
 
 
-@pytest.mark.parametrize("stage", range(4))
-@pytest.mark.parametrize("ranks", [1, 2, 3, 64])
-@pytest.mark.parametrize("memory", [0, 27, 28, 809 * 10**6, 32 * 2**30 + 5])
-@pytest.mark.parametrize("rec", [est.MIXED_ADAM, est.recipe("fp32", "adam"), est.recipe("bf16", "sgd")])
-def test_largest_model_with_the_step_copy_is_the_exact_inverse(stage, ranks, memory, rec):
-    """The largest model zeroshard's default (transactional) step trains: its states and what the step's
-    copy adds at the peak fit, one parameter more does not; never larger than the paper's figure."""
-    def peak(psi):
-        return est.model_state_bytes(psi, ranks, stage, rec).total + est.step_added_bytes(psi, ranks, stage, rec)
-
-    largest = est.largest_model(memory, ranks, stage, rec, step_copy=True)
-    assert peak(largest) <= memory < peak(largest + 1)
-    assert largest <= est.largest_model(memory, ranks, stage, rec)
-    on_nvme = est.largest_model(memory, ranks, max(stage, 1), rec, offload_optimizer="nvme", step_copy=True)
-    assert on_nvme == est.largest_model(memory, ranks, max(stage, 1), rec, offload_optimizer="nvme"), \
-        "no copy is taken of optimizer states on NVMe"
-    # A CPU store's copy is in host memory: with the device unbounded, the host budget holds states + copy.
-    def host_peak(psi):
-        states = est.model_state_bytes(psi, ranks, max(stage, 1), rec, offload_optimizer="cpu")
-        return states.offloaded_cpu + est.step_added_bytes(psi, ranks, max(stage, 1), rec, offload_optimizer="cpu")
-
-    on_host = est.largest_model(10**18, ranks, max(stage, 1), rec, offload_optimizer="cpu", cpu_bytes=memory,
-                                step_copy=True)
-    assert host_peak(on_host) <= memory < host_peak(on_host + 1)
-
-
-def test_estimate_shows_the_largest_model_with_the_step_copy(capsys):
-    """fp32 Adam, 2 ranks, the 809 MB a 1 GiB-capped bench rank has after its baseline: 28 B/param at stage 0
-    (16 + the kept 12), 16 / 14 / 12 at stages 1 / 2 / 3 (docs/largest_model.md)."""
+def test_estimate_shows_the_largest_model_of_the_paper_formula(capsys):
+    """fp32 Adam, 2 ranks, the 809 MB a 1 GiB-capped bench rank has after its baseline: the model states
+    alone, 16 B/param at stage 0, 4 + 4 + 8/2 = 12 at stage 1, 4 + 12/2 = 10 at stage 2, 16/2 = 8 at stage 3."""
     from zeroshard.tools.cli import main
 
     assert main(["estimate", "--params", "25M", "--ranks", "2", "--precision", "fp32", "--memory", "809MB",
                  "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["stages"]
-    assert [row["largest_params_with_step_copy"] // 10**5 for row in rows] == \
-        [809 * 10**6 // b // 10**5 for b in (28, 16, 14, 12)]
+    assert [row["largest_params"] // 10**5 for row in rows] == [809 * 10**6 // b // 10**5 for b in (16, 12, 10, 8)]
+    assert not [key for row in rows for key in row if "snapshot" in key or "step_" in key], "model states only"
     assert main(["estimate", "--params", "25M", "--ranks", "2", "--precision", "fp32", "--memory", "809MB"]) == 0
     header = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stage ")][0]
-    assert header.endswith("largest model  + step copy")
+    assert header.endswith("comm/step  largest model")
 
 
 @pytest.mark.parametrize("stage, offload", [(1, dict(offload_optimizer="cpu")), (2, dict(offload_optimizer="nvme")),
@@ -298,52 +272,3 @@ def test_cli_estimate_mesh(capsys):
     assert set(row["comm_bytes_per_dim"]) == {"dp", "tp", "pp"} and row["comm_bytes_per_dim"]["tp"] > 0
     assert main(["estimate", "--params", "1e9", "--tp", "2", "--pp", "2", "--dp", "16"]) == 0
     assert "dp 16 x tp 2 x pp 2" in capsys.readouterr().out
-
-
-def test_step_snapshot_is_the_transactional_copy_of_masters_and_optimizer_state(capsys):
-    from zeroshard.tools.cli import main
-
-    # Adam: fp32 master + m + v = 12 B per element of what this rank updates (all of it at stage 0,
-    # its shard from stage 1), fp32 or mixed alike; in host memory with a CPU store, none of NVMe's.
-    fp32, mixed = est.recipe("fp32", "adam"), est.recipe("bf16", "adam")
-    assert est.step_snapshot_bytes(1000, 4, 0, fp32) == 12 * 1000
-    assert est.step_snapshot_bytes(1001, 4, 1, mixed) == 12 * 251
-    assert est.step_snapshot_bytes(1001, 4, 3, est.recipe("fp32", "sgd")) == 4 * 251
-    assert est.step_snapshot_bytes(1000, 4, 2, mixed, offload_optimizer="cpu") == 12 * 250
-    assert est.step_snapshot_bytes(1000, 4, 2, mixed, offload_optimizer="nvme") == 0
-    assert main(["estimate", "--params", "7.5e9", "--ranks", "64", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert [row["step_snapshot_bytes"] for row in out["stages"]] == [90 * 10**9] + [12 * 117_187_500] * 3
-
-
-def test_what_the_step_copy_adds_is_measured_per_stage(capsys):
-    """benchmarks/stage3_memory.py --size 8 (25.4M parameters, fp32, 2 ranks), step peak with the copy
-    minus without it, 2026-12-02: stage 1 +101 MB, stage 2 +106 MB (the copy 153 MB both); at 202M,
-    stage 3 +837 MB of a 1212 MB copy (docs/stage3_memory.md). Stage 0 keeps its 305 MB between steps."""
-    from zeroshard.tools.cli import main
-
-    fp32, bf16, psi = est.recipe("fp32", "adam"), est.recipe("bf16", "adam"), 25_000_000
-    shard = psi // 2
-    assert est.step_added_bytes(psi, 2, 0, fp32) == 12 * psi and est.snapshot_kept_between_steps(0)
-    # Stage 1, fp32: the master's 4 B go into the stale part of the full gradient; the state's 8 are new.
-    assert est.step_added_bytes(psi, 2, 1, fp32) == 8 * shard and not est.snapshot_kept_between_steps(1)
-    assert est.step_added_bytes(psi, 1, 1, fp32) == 12 * psi, "one rank: no stale part to hold it"
-    assert est.step_added_bytes(psi, 2, 1, bf16) == 12 * shard, "bf16 gradients cannot hold an fp32 master"
-    # Stages 2/3: the gradient shards freed group by group make room for the copy.
-    assert est.step_added_bytes(psi, 2, 2, fp32) == (12 - 4) * shard
-    assert est.step_added_bytes(psi, 2, 3, bf16) == (12 - 2) * shard
-    # Offloaded: a CPU store is in memory and copied there, its kept host gradient gives no room (measured:
-    # +181 MB at stages 2/3 and +121 at stage 1 for a 15.8M-element shard, 2026-12-02); NVMe is not copied.
-    assert est.step_added_bytes(psi, 2, 3, fp32, offload_optimizer="cpu") == 12 * shard
-    assert est.step_added_bytes(psi, 2, 2, fp32, offload_optimizer="cpu") == 12 * shard
-    assert est.step_added_bytes(psi, 2, 1, fp32, offload_optimizer="cpu") == 8 * shard
-    assert est.step_snapshot_bytes(psi, 2, 3, fp32, offload_optimizer="nvme") == 0
-    assert est.step_added_bytes(psi, 2, 3, fp32, offload_optimizer="nvme") == 0
-    assert main(["estimate", "--params", "202e6", "--ranks", "2", "--precision", "fp32", "--json"]) == 0
-    rows = json.loads(capsys.readouterr().out)["stages"]
-    assert [row["snapshot_kept_between_steps"] for row in rows] == [True, False, False, False]
-    assert [row["step_added_bytes"] for row in rows] == [12 * 202_000_000] + [8 * 101_000_000] * 3
-    assert main(["estimate", "--params", "202e6", "--ranks", "2", "--precision", "fp32"]) == 0
-    text = capsys.readouterr().out
-    assert "kept between steps (so in forward and backward too) at stage 0: 2.4 GB" in text
-    assert "stage 1: 808.0 MB of a 1.2 GB copy" in text

@@ -1,11 +1,15 @@
-"""Issue 11, item 4: a forward, backward or step that raises changes nothing but the gradients.
+"""A forward, backward or step that raises changes nothing but the gradients, or refuses to go on.
 
 All ranks raise (a forward hook, a gradient hook in the middle of backward while later units'
 reductions are in flight -- in engine.backward(loss) and in loss.backward() --, the optimizer after
-it updated): parameters, masters, optimizer state,
-loss scaler and step counters are what they were before the failing call, bit for bit; backward()
-and step() refuse until zero_grad(); after zero_grad() the run goes on exactly like a run that
-never had the failed micro steps. Every stage, with and without offload and accumulation.
+it updated). A failed forward or backward, and with `transactional_step: "copy"` a failed step too,
+leaves parameters, masters, optimizer state, loss scaler and step counters what they were before
+the failing call, bit for bit; backward() and step() refuse until zero_grad(); after zero_grad()
+the run goes on exactly like a run that never had the failed micro steps. With the default
+("fail_stop") a step that fails during its update refuses every later call, naming what changed,
+until a checkpoint is loaded; from there the run goes on exactly like one that never failed
+([Note: failed optimizer steps] in core/rollback.py). Every stage, with and without offload and
+accumulation.
 
 One rank raises: it gets its own error, every other rank a CollectiveError within a bounded time
 (comm_timeout_s), and later calls raise at once instead of waiting again.
@@ -14,7 +18,6 @@ from __future__ import annotations
 
 import os
 import time
-from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +27,7 @@ from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import gpt_model_fn, make_config
 from zeroshard.core.comm import CollectiveError
-from zeroshard.core.unit import Unit
+from zeroshard.core.rollback import UpdateFailed
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 3
@@ -49,14 +52,16 @@ class FlakyAdamW(torch.optim.AdamW):
         return result
 
 
-def _engine(stage, offload, gas, nvme, precision=None, step_waits_for_gathers=False):
+def _engine(stage, offload, gas, nvme, precision=None, step_waits_for_gathers=False, on_failed_update="copy",
+            check_collectives=False):
     model = gpt_model_fn()()
     zero = {"offload_optimizer": {"device": offload, "nvme_path": nvme}, "sub_group_size": 1000} if offload else {}
     config = make_config(stage, gas, **zero)
     config["zeroshard"]["comm_timeout_s"] = COMM_TIMEOUT_S
     if step_waits_for_gathers:  # the default overlaps them with the next forward (tests/test_param_gather.py)
         config["zeroshard"]["overlap_param_gather"] = False
-    config["zeroshard"]["transactional_step"] = True  # also with NVMe offload, where it is off by default
+    config["zeroshard"]["transactional_step"] = on_failed_update
+    config["zeroshard"]["check_collectives"] = check_collectives
     if precision:
         config[precision] = {"enabled": True, "loss_scale_window": 2, "initial_scale_power": 8}  # no overflow
     engine, *_ = zeroshard.initialize(model=model, optimizer=FlakyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
@@ -122,8 +127,9 @@ def _micro(engine, step, micro, torch_backward=False):
 
 
 def _run(stage, offload, gas, nvme, kind, precision):
-    """STEPS steps; with `kind`, the last micro step of FAILING_STEP fails once, then the step is redone."""
-    engine = _engine(stage, offload, gas, nvme, precision)
+    """STEPS steps; with `kind`, the last micro step of FAILING_STEP fails once, then the step is redone.
+    A failed forward or backward changes nothing by default; a failed update needs "copy"."""
+    engine = _engine(stage, offload, gas, nvme, precision, on_failed_update="copy" if kind == "optimizer" else "fail_stop")
     armed = [False]
     _arm(engine, kind or "", armed)
     losses = []
@@ -165,43 +171,35 @@ def _all_ranks_worker(rank: int, world: int, *, tmp: str) -> None:
     cases += [dict(stage=s, offload=None, gas=1, kind=k, precision="fp16") for s in (1, 3) for k in KINDS]
     cases += [dict(stage=s, offload=None, gas=g, kind="loss.backward()") for s in (0, 1, 3) for g in (1, 2)]
     subtests([dict(c, nvme=nvme) for c in cases], _all_ranks_case)
-    subtests([dict(stage=s, change=c) for s in (0, 1) for c in (None, "parameter", "state")],
-             _changed_before_step_case)
+    fail_stop = [dict(s, gas=1) for s in SETTINGS] + [dict(stage=3, offload=None, gas=2)]
+    subtests([dict(c, nvme=nvme, checkpoint=os.path.join(tmp, "checkpoint")) for c in fail_stop], _fail_stop_case)
 
 
-def _changed_before_step_case(stage: int, change: str | None) -> None:
-    """Stages 0/1 copy the optimizer state while the backward's last reductions are in flight
-    ([Note: the copy taken ahead]); a state loaded, or a parameter (a master) modified, between
-    that backward and the step is what a failing step restores, not the older copy. Unmodified, the
-    copy ahead is what the step restores from."""
-    engine = _engine(stage, None, 1, "", None)
-    _micro(engine, 0, 0)
-    # The tiny model's reductions may all have landed before end_backward, and been taken
-    # ([Note: taken as they land]), leaving none to copy ahead under: kept in flight here.
-    with mock.patch.object(Unit, "reduction_done", lambda unit: False):
-        engine.backward(gpt_loss(engine, *BATCHES(1, 0, engine.global_rank)))
-    assert engine.optimizer.snapshot_buffers.copies_ahead > 0, "no copy was taken while the reductions ran"
-    stale = [g.stale_grad_part(g.master) for g in engine.optimizer.groups]
-    assert all(p is not None for p in stale) == (stage == 1), "stage 1 copies masters into the stale gradient"
-    if change == "parameter":
-        param = engine.module.blocks[0].attn.qkv.weight
-        with engine.gathered_parameters([param], modifier_rank=0):
-            if engine.global_rank == 0:
-                param.data.add_(0.5)
-    elif change == "state":
-        state = engine.optimizer.state_dict()
-        for entry in state["state"].values():
-            entry["exp_avg"] = entry["exp_avg"] + 0.25
-        engine.optimizer.load_state_dict(state)
-    before = _state(engine)
-    FlakyAdamW.armed = True
-    try:
-        _expect(Injected, "", engine.step)
-    finally:
-        FlakyAdamW.armed = False
-    _assert_same(_state(engine), before, f"stage {stage}, a failed step after {change or 'nothing'} changed")
-    assert engine.optimizer.snapshot_buffers.copies_ahead == 0
+def _fail_stop_case(stage, offload, gas, nvme, checkpoint) -> None:
+    """By default a step whose update fails refuses forward, backward and step, zero_grad() or not,
+    until the checkpoint saved before it is loaded; the run then equals one that never failed."""
+    clean_losses, clean = _run(stage, offload, gas, nvme, None, None)
+    engine = _engine(stage, offload, gas, nvme, on_failed_update="fail_stop")
+    losses = []
+    for step in range(STEPS):
+        if step == FAILING_STEP:
+            engine.save_checkpoint(checkpoint, tag="before")
+            for micro in range(gas - 1):
+                _micro(engine, step, micro)
+            FlakyAdamW.armed = True
+            try:
+                _expect(UpdateFailed, "raised Injected", _micro, engine, step, gas - 1)
+            finally:
+                FlakyAdamW.armed = False
+            engine.zero_grad()
+            _expect(UpdateFailed, "forward() refused", _micro, engine, step, 0)
+            _expect(UpdateFailed, "step() refused", engine.optimizer.step)
+            engine.load_checkpoint(checkpoint, tag="before")
+        losses += [_micro(engine, step, micro) for micro in range(gas)]
+    final = _state(engine)
     engine.destroy()
+    assert losses == clean_losses, (losses, clean_losses)
+    _assert_same(final, clean, "a failed update, then the checkpoint loaded")
 
 
 def test_failed_calls_change_nothing_but_gradients(tmp_path):
@@ -213,7 +211,10 @@ def test_failed_calls_change_nothing_but_gradients(tmp_path):
 def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
     # A step that fails on one rank: the healthy rank learns it in its own step when that waits for
     # the all-gathers; by default it learns it at its next forward (test_param_gather.py checks that).
-    engine = _engine(stage, None, 1, "", None, step_waits_for_gathers=kind == "optimizer")
+    # The failing rank goes on training: only the collective check (the debug mode) stops it from
+    # pairing its next collective with another one of the healthy rank's, which gloo answers by
+    # aborting the process.
+    engine = _engine(stage, None, 1, "", None, step_waits_for_gathers=kind == "optimizer", check_collectives=True)
     armed = [False]
     _arm(engine, kind, armed)
     _micro(engine, 0, 0)
@@ -246,3 +247,26 @@ def test_one_rank_failing_names_an_error_on_every_rank(kind, stage):
     assert healthy["elapsed"] < 3 * COMM_TIMEOUT_S, healthy
     assert healthy["second"][0] == "CollectiveError" and "refused" in healthy["second"][1], healthy
     assert healthy["second_elapsed"] < 1.0, healthy
+
+
+def _one_rank_stops_worker(rank: int, world: int) -> dict:
+    """The default (no collective check): rank 1 raises in backward and stops there, as a script that
+    does not catch the error does; rank 0 gets a CollectiveError within a bounded time."""
+    engine = _engine(3, None, 1, "", None)
+    armed = [False]
+    _arm(engine, "backward", armed)
+    _micro(engine, 0, 0)
+    armed[0] = rank == 1
+    started = time.monotonic()
+    try:
+        _micro(engine, 1, 0)
+        return {"first": ("no error", ""), "elapsed": time.monotonic() - started}
+    except Exception as error:  # noqa: BLE001 - what each rank got is the result
+        return {"first": (type(error).__name__, str(error)), "elapsed": time.monotonic() - started}
+
+
+def test_one_rank_failing_without_the_check_names_an_error_on_every_rank():
+    healthy, failing = run_distributed(_one_rank_stops_worker, 2, timeout=10 * COMM_TIMEOUT_S)
+    assert failing["first"][0] == "Injected", failing
+    assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
+    assert healthy["elapsed"] < 3 * COMM_TIMEOUT_S, healthy

@@ -7,7 +7,8 @@ parameters stay bit-for-bit DDP's, and with CPU offload of the optimizer too.
 
 The step frees each group's gradient shard once that group's update has read it, stepping the
 groups one at a time where that is the same update ([Note: one group at a time] in
-core/rollback.py); a failure in a later group's update still undoes the earlier groups."""
+core/rollback.py); with `transactional_step: "copy"` a failure in a later group's update still
+undoes the earlier groups."""
 from __future__ import annotations
 
 import torch
@@ -184,14 +185,16 @@ def _same(a: dict, b: dict) -> bool:
 
 
 def _failing_group_case(stage: int) -> dict:
-    """A step whose third group's update raises is undone for every group, the first two included;
-    after zero_grad() the run equals one that never had it."""
+    """With "copy", a step whose third group's update raises is undone for every group, the first
+    two included; after zero_grad() the run equals one that never had it."""
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
     runs = []
     for failing in (False, True):
         model = gpt_model_fn()()
+        config = make_config(stage)
+        config["zeroshard"]["transactional_step"] = "copy"
         engine, *_ = initialize(model=model, optimizer=FailsAtCall(model.parameters(), lr=1e-2, weight_decay=0.1),
-                                config=make_config(stage))
+                                config=config)
         losses, raised = [], None
         for step in range(3):
             loss = engine(*batches(step, 0, engine.global_rank))[1]

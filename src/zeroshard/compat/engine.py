@@ -17,7 +17,6 @@ from zeroshard.compat.ds_params import register as register_ds_metadata, unregis
 from zeroshard.compat.views import ShardedViews
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
-from zeroshard.core.atomic import held_interrupts
 from zeroshard.core.lifecycle import Phase, tensors_in
 from zeroshard.core.comm import Communicator
 from zeroshard.core.gathered import GatherLimits
@@ -66,8 +65,8 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             model_parallel=model_parallel, comm_policy=comm_policy(zero),
             overlap_param_gather=extras.overlap_param_gather)
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
-        if extras.transactional_step is not None and self.sharded.optimizer is not None:
-            self.sharded.optimizer.transactional = extras.transactional_step
+        if self.sharded.optimizer is not None:
+            self.sharded.optimizer.on_failed_update = extras.transactional_step
         configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
         self.micro_steps = 0
@@ -195,13 +194,12 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
                 "in the parameters' .grad, as in torch)")
         self._backward_done = False
         boundary = self.is_gradient_accumulation_boundary()
-        if boundary:  # Ctrl-C in it completes the step and its counters first ([Note: an update that cannot fail half-way])
-            with held_interrupts():
-                self._step_applied = self.sharded.step()  # raises with nothing changed ([Note: failed steps], core/sharded.py)
-                if self._step_applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-                self.global_steps += 1
-                self.global_samples += self.train_batch_size()
+        if boundary:
+            self._step_applied = self.sharded.step()  # a failure: [Note: failed steps], core/sharded.py
+            if self._step_applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
 
@@ -218,6 +216,12 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     def gathered_parameters(self, params, modifier_rank: int | None = None):
         """Full parameters inside the block (stage 3 keeps only shards otherwise)."""
         return self.sharded.gathered_parameters(params, modifier_rank)
+
+    def wait_parameters(self) -> None:
+        """Stages 1/2: complete the all-gather of updated parameters that step() leaves in flight.
+        Call it before reading parameter values between step() and the next forward (an EMA
+        update): [Note: reads before the next forward] in core/param_gather.py."""
+        self.sharded.wait_parameters()
 
     # -- checkpoints (checkpoint/ does the work; checkpoint/contract.py says what it reads) ------------
     def counters(self) -> Counters:

@@ -369,22 +369,24 @@ class ZeroShardExtConfig(Section):
 
     comm_timeout_s: PosFloat = 300.0
     """Seconds a collective may take before the process group reports a hang."""
-    check_collectives: bool = True
-    """Check across ranks that every rank issues the same collective (catches divergent code paths)."""
+    check_collectives: bool = False
+    """Debugging: before each collective every rank exchanges a small tag naming it, so ranks whose
+    code paths diverged (another unit order, a skipped backward) fail at once with every rank's
+    description, instead of at comm_timeout_s or by exchanging the wrong tensors of equal size. It
+    costs one more small all-gather per collective and, on a GPU, a host sync at each wait."""
     overlap_param_gather: bool = True
     """Stages 1/2: step() only issues the all-gather of updated parameters, and each unit waits for
     its own just before its next forward (Megatron's overlap_param_gather), hiding it behind
     compute. zeroshard's own readers (state_dict, checkpoints, GatheredParameters,
-    module.state_dict()) wait first, and so does any torch call of the script that touches a
-    parameter before the next forward (an EMA update), on the thread that called step() ([Note:
-    reads before the next forward] in core/read_guard.py). False: step() waits for the gathers (for
-    a script that reads parameters from another thread)."""
-    transactional_step: Optional[Union[Literal["copy"], bool]] = None
-    """A step that raises is undone: true copies masters and optimizer state before the update
-    unless the update cannot fail once started (torch's fused Adam/AdamW on CPU: no copy, [Note: an
-    update that cannot fail half-way] in core/atomic.py); "copy" copies always; false never. None =
-    true, except with optimizer states offloaded to NVMe (the copy would bring them back into
-    memory; the step then checks every swap file before it changes anything)."""
+    module.state_dict()) wait first; a script that reads parameter values between step() and the
+    next forward (an EMA update) calls engine.wait_parameters() first ([Note: reads before the next
+    forward] in core/param_gather.py). False: step() waits for the gathers."""
+    transactional_step: Literal["fail_stop", "copy"] = "fail_stop"
+    """What a step that raises half-way through its update leaves. "fail_stop": no copy is taken;
+    training refuses to go on until a checkpoint is loaded (a step that raises before its update
+    changes nothing either way). "copy": masters and optimizer state are copied before the update
+    (12 bytes an element with Adam, while the step runs) and put back if it raises, so training can
+    go on after zero_grad() ([Note: failed optimizer steps] in core/rollback.py)."""
     wrap_modules: Optional[list[str]] = None
     """Module class names that become sharding units; None = chosen automatically."""
     nvme_io: Optional[Literal["direct", "buffered", "mapped"]] = None

@@ -213,30 +213,6 @@ class GradientBuffers:
         self.holds_reduced_slice = False
         self.grad_seen = [False] * len(self.layout.slots)
 
-    # [Note: the master's copy in the stale gradient]
-    # At stage 1 the full gradient buffer outlives the reduce-scatter, but after it only this rank's
-    # slice means anything: the rest holds the local sums the peers have reduced, which nothing reads
-    # again before zero_grads clears the buffer (a failed step needs zero_grad() too, [Note: failed
-    # steps] in sharded.py). So the step's copy of the master ([Note: transactional step] in
-    # rollback.py) goes there when the rest has room (fp32 gradients: it always has at 2 ranks and
-    # more), instead of into fresh memory, whose first touch is most of that copy's cost on a CPU
-    # (docs/performance.md). The copy is made in the step, after every reduction completed: the
-    # 2-rank reduce-scatter sends this part of the buffer to the peer while it is in flight.
-    def stale_grad_part(self, like: torch.Tensor) -> torch.Tensor | None:
-        """A piece of the full gradient buffer outside this rank's reduced slice, shaped and typed
-        like `like` (a master), or None where there is none that large or none stale (stages 0, 2, 3)."""
-        if not (self.grads_persist_full and self.policy.shard_optimizer) or self.full_grad is None \
-                or self.full_grad.dtype != like.dtype or self.full_grad.device != like.device:
-            return None
-        # A step without a backward: zero the stale buffer now, not over the copy made here later.
-        self.complete_full_grad()
-        start, end = self.opt_range
-        numel = like.numel()
-        for lo, hi in ((end, self.full_grad.numel()), (0, start)):
-            if hi - lo >= numel:
-                return self.full_grad[lo:lo + numel]
-        return None
-
     # [Note: a second reduction before the step (stages 0/1)]
     # Stages 0/1 reduce the full gradient buffer in place (stage 1 reduce-scatters it): afterwards this
     # rank's slice (stage 0: the whole buffer) holds the reduced gradient and, at stage 1, the rest of

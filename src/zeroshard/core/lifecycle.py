@@ -80,9 +80,6 @@ class Lifecycle:
         self.backward_opener = None
         self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)
-        # Run while a reducing backward has its last reductions in flight: the optimizer copies for
-        # the step ([Note: the copy taken ahead] in rollback.py; stages 0/1, which reduce before one).
-        self.before_final_waits = None
         # Keep units gathered until end_backward: a pipeline schedule's later micro-batches still
         # need the parameters their saved activations view (Sharded.backward_by_caller).
         self.hold_gathered = False
@@ -335,8 +332,6 @@ class Lifecycle:
             partial = unit.grads_pending != unit.trainable_params or not unit.reduced_this_backward
             if unit.trainable_params and self.boundary and partial:
                 self._unit_backward_done(unit)
-        if self.boundary and self._inflight and self.before_final_waits is not None:
-            self.before_final_waits()
         self._inflight.finish_all()
         for unit in self.units:
             unit.reshard()

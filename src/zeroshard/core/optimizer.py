@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from zeroshard.core.atomic import StepNotUndone, held_interrupts, why_not_atomic
-from zeroshard.core.comm import Communicator
+from zeroshard.core import consistency
+from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import NormScope
 from zeroshard.core.policy import StagePolicy
@@ -24,7 +24,7 @@ from zeroshard.core.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.optimizer_groups import keeps_state
 from zeroshard.core.optimizer_state import CheckpointState
 from zeroshard.core.param_gather import refresh_parameters
-from zeroshard.core.rollback import Snapshot, SnapshotBuffers, steps_apart_alike
+from zeroshard.core.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
 from zeroshard.core.streamed import StreamedStep, is_elementwise
 from zeroshard.core.precision import DynamicLossScaler
 
@@ -64,12 +64,9 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         # complete there); a parameter's flag must still count every rank ([Note: ZeRO++ and MiCS]).
         self.replica = replica
         self.slot_states = SlotStates()  # per-parameter scalar state where it differs (masked.py)
-        self.transactional = True  # or "copy" or False: [Note: transactional step], and in atomic.py
-        # Stage 0 keeps its copy between steps; stage 1 holds it from the copy ahead to the end of the
-        # step; stages 2/3 copy group by group in the step ([Note: the copy taken ahead] in rollback.py).
-        self.snapshot_buffers = None if policy.shard_gradients else \
-            SnapshotBuffers(keep_between_steps=not policy.shard_optimizer)
-        self.snapshot_peak_bytes = 0  # what the last transactional step copied ([Note: one group at a time])
+        self._on_failed_update = "fail_stop"  # [Note: failed optimizer steps] in rollback.py
+        self.failed_update: UpdateFailed | None = None  # set by a failed fail-stop update, until a reload
+        self.snapshot_peak_bytes = 0  # what the last step copied with "copy" ([Note: one group at a time])
         self._per_group: bool | None = None  # steps_apart_alike(optimizer), asked at the first step
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
 
@@ -144,13 +141,24 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         summed over the model-parallel groups, tp-replicated parameters counted once. Without
         `squares` the flags only (the norm is 0.0)."""
         flags = [seen for g in self.groups for seen in g.grad_seen]
-        total = torch.zeros(1 + len(flags), dtype=torch.float64, device=self.comm.device)
+        # (norm, flags..., h, h*h): the last two compare the ranks' collectives ([Note: collective
+        # fingerprint] in consistency.py)
+        total = torch.zeros(3 + len(flags), dtype=torch.float64, device=self.comm.device)
         for group, grad in zip(self.groups, grads) if squares else ():
             for piece in self.norm.counted(group, grad):
                 total[:1] += sum_of_squares(self._counted_here(piece)).to(total.device)
-        total[1:] = torch.tensor(flags, dtype=torch.float64)
+        total[1:-2] = torch.tensor(flags, dtype=torch.float64)
+        total[-2:] = torch.tensor(consistency.fingerprint_terms(self.comm.fingerprint), dtype=torch.float64)
         self.comm.all_reduce(total, "gradient norm and parameters with a gradient", kind="control")
-        everywhere = (total[1:] > 0).tolist()
+        sum_h, sum_h2 = total[-2:].tolist()
+        if not consistency.fingerprints_agree(sum_h, sum_h2, self.comm.world_size):
+            raise CollectiveError(
+                f"rank {self.comm.rank}: the gradient norm's all-reduce found that ranks diverged before this step: "
+                "they did not run the same collectives "
+                "(kind, size, description) since the start; every rank must run the same units in the same order "
+                "and call backward()/step() alike. zeroshard.check_collectives: true names the first one "
+                "([Note: collective fingerprint] in core/consistency.py)")
+        everywhere = (total[1:-2] > 0).tolist()
         if self.replica is not None and flags:
             seen = torch.tensor(everywhere, dtype=torch.uint8, device=self.replica.device)
             self.replica.all_reduce(seen, "parameters with a gradient, across partition groups", op="max",
@@ -172,8 +180,26 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         n, rank, world = piece.numel(), self.comm.rank, self.comm.world_size
         return piece[n * rank // world: n * (rank + 1) // world]
 
+    @property
+    def on_failed_update(self) -> str:
+        """"fail_stop" (no copy; a step that fails half-way refuses further use) or "copy" (undone
+        from a copy): [Note: failed optimizer steps] in rollback.py."""
+        return self._on_failed_update
+
+    @on_failed_update.setter
+    def on_failed_update(self, value: str) -> None:
+        if value not in ON_FAILED_UPDATE:
+            raise ValueError(f"on_failed_update={value!r}: expected one of {', '.join(map(repr, ON_FAILED_UPDATE))}")
+        self._on_failed_update = value
+
+    def check_usable(self, what: str) -> None:
+        """Refuse `what` after an update that failed half-way, until a checkpoint is loaded."""
+        if self.failed_update is not None:
+            raise UpdateFailed(f"{what}() refused: {self.failed_update}")
+
     def step(self) -> bool:
         """One optimizer step on this rank's shards; False when fp16 overflow skipped it."""
+        self.check_usable("step")
         if self.deferred_gather is not None:  # the update writes the masters the gathers read
             self.deferred_gather.wait_all()
         if self.loss_scaler is not None and self._overflow():
@@ -193,66 +219,54 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         if self.clip > 0 and self.clip / (norm + 1e-6) < 1.0:  # DeepSpeed's and torch's epsilon
             coef *= self.clip / (norm + 1e-6)
         held = NormWhenAsked(grads) if later else None  # before the step drops its gradients
-        atomic = self._atomic(grads, seen)
-        with held_interrupts() if atomic else contextlib.nullcontext():  # Ctrl-C once the step is done
-            with self._transaction(atomic) as snapshot:
-                for i in range(len(grads)) if coef != 1.0 else ():  # no loop variable left holding a gradient
-                    grads[i].mul_(coef)
-                self._apply(grads, seen, snapshot)
-            self._last_norm = held if held is not None else norm
-            self.refresh_parameters()
-            for group in self.groups:
-                group.zero_grads()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update(overflow=False)
+        with self._update() as update:
+            for i in range(len(grads)) if coef != 1.0 else ():  # no loop variable left holding a gradient
+                grads[i].mul_(coef)
+            self._apply(grads, seen, update)
+        self._last_norm = held if held is not None else norm
+        self.refresh_parameters()
+        for group in self.groups:
+            group.zero_grads()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
         return True
-
-    def _atomic(self, grads: list | None = None, seen: dict | None = None) -> bool:
-        """No copy needed? (atomic.py; without `grads` and `seen`, for the copy ahead, the rest)"""
-        if self.transactional in (False, "copy") or self.streamed is not None or not self._steps_per_group() \
-                or any(g.master_store is not None for g in self.groups):
-            return False
-        masked = seen is not None and any(id(g) in self.slot_states.diverged or not all(seen[id(g)]) for g in self.groups)
-        return not masked and why_not_atomic(self.optimizer, [g.master for g in self.groups], grads) is None
 
     def _steps_per_group(self) -> bool:  # steps_apart_alike, asked once
         self._per_group = self._per_group if self._per_group is not None else \
             bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
         return self._per_group
 
-    def _apply(self, grads: list[torch.Tensor], seen: dict[int, list[bool]], snapshot: Snapshot | None) -> None:
+    def _apply(self, grads: list[torch.Tensor], seen: dict[int, list[bool]], update: _Update) -> None:
         """The update; groups with parameters that got no gradient step in runs ([Note: parameters
         without a gradient] in masked.py)."""
         uniform = {id(g): self._uniform_state(g) for g in self.groups}
         plans = {id(g): self.slot_states.plan(g, seen[id(g)], uniform[id(g)]) for g in self.groups}
         if self.streamed is not None:
-            for group in self.groups if snapshot is not None else ():
-                snapshot.keep(group, self._stepping_params(group))
+            for group in self.groups:
+                update.begin(group, self._stepping_params(group))
             results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)},
                                         plans)
         else:
-            results = self._apply_in_memory(grads, plans, snapshot)
+            results = self._apply_in_memory(grads, plans, update)
         advanced: dict = {}
         for group in self.groups:
             if plans[id(group)] is not None and any(seen[id(group)]):
                 self._settle(group, uniform[id(group)], seen[id(group)], results.get(id(group), []), advanced)
 
-    def _apply_in_memory(self, grads: list, plans, snapshot: Snapshot | None) -> dict[int, list]:
+    def _apply_in_memory(self, grads: list, plans, update: _Update) -> dict[int, list]:
         """One group at a time where that is the same update, each group's gradient freed once it
         is spent; else all groups in one optimizer step ([Note: one group at a time] in rollback.py)."""
         indices = list(range(len(self.groups)))
         results = {}
         for batch in ([[i] for i in indices] if self._steps_per_group() else [indices]):
             batch_groups = [self.groups[i] for i in batch]
-            for group in batch_groups if snapshot is not None else ():
-                snapshot.keep(group, [group.master])
+            for group in batch_groups:
+                update.begin(group, [group.master])
             for group, i in zip(batch_groups, batch):
                 group.master.grad = grads[i] if plans[id(group)] is None else None  # torch skips grad None
             try:
                 if any(plans[id(g)] is None for g in batch_groups):
                     self.optimizer.step()
-                    if snapshot is not None and snapshot.atomic:
-                        snapshot.updated += batch_groups
             finally:
                 for group in batch_groups:
                     group.master.grad = None
@@ -311,36 +325,29 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
                 state.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in agreed.items()})
 
     @contextlib.contextmanager
-    def _transaction(self, atomic: bool = False):
-        """The update is all or nothing: [Note: transactional step] in rollback.py."""
-        if not self.transactional:
-            yield None
-            return
+    def _update(self):
+        """The update, with what a failure leaves: [Note: failed optimizer steps] in rollback.py."""
         for group in self.groups:  # a damaged swap file fails here, before it is read
             if group.master_store is not None:
                 group.master_store.check([group.master])
         if self.streamed is not None:
             self.streamed.check()
-        before = Snapshot(self.optimizer, self.slot_states, self.snapshot_buffers, atomic=atomic)
+        update = _Update(self.optimizer, self.slot_states, copy=self.on_failed_update == "copy")
         try:
-            yield before
+            yield update
         except BaseException as error:
-            updated = before.restore()
-            if updated:
-                raise StepNotUndone.after(updated, len(self.groups)) from error
+            if update.snapshot is not None:
+                update.snapshot.restore()
+            elif update.began:
+                self.failed_update = UpdateFailed.after(error, update.began, len(self.groups))
+                raise self.failed_update from error
             raise
         finally:
-            self.snapshot_peak_bytes = before.nbytes
-            if self.snapshot_buffers is not None:
-                self.snapshot_buffers.step_done()
-                if self.snapshot_buffers.kept and (atomic or self._atomic()):  # stage 0's: no later step needs it
-                    self.snapshot_buffers.kept.clear()
+            self.snapshot_peak_bytes = update.snapshot.nbytes if update.snapshot is not None else 0
 
-    def copy_ahead(self) -> None:
-        """While the backward's last reductions are in flight: copy the optimizer state for the
-        coming step ([Note: the copy taken ahead] in rollback.py)."""
-        if self.snapshot_buffers is not None and self.transactional and self.streamed is None and not self._atomic():
-            self.snapshot_buffers.copy_state_ahead(self.optimizer.state, [g.master for g in self.groups])
+    def reloaded(self) -> None:
+        """Masters and optimizer state were replaced (a checkpoint loaded): a failed update is gone."""
+        self.failed_update = None
 
     def _overflow(self) -> bool:
         """Did any rank's gradients overflow? One all-reduce, so every rank decides alike."""
@@ -348,9 +355,6 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         flag = torch.tensor([1.0 if bad else 0.0], device=self.comm.device)
         self.comm.all_reduce(flag, "fp16 overflow check", op="max", kind="control")
         return bool(flag.item())
-
-    def snapshot_bytes(self) -> int:  # the copy a transactional step keeps ([Note: transactional step])
-        return self.snapshot_buffers.nbytes() if self.snapshot_buffers is not None else 0
 
     def refresh_parameters(self) -> None:
         refresh_parameters(self.groups, self.comm, self.deferred_gather)
@@ -366,3 +370,18 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and all(s.resident(value) for s in stores):
                     total += value.numel() * value.element_size()
         return total
+
+
+class _Update:
+    """The groups an update has begun on, and their copies with "copy" ([Note: failed optimizer
+    steps] in rollback.py)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, slot_states: SlotStates, copy: bool) -> None:
+        self.snapshot = Snapshot(optimizer, slot_states) if copy else None
+        self.began: list[FlatGroup] = []
+
+    def begin(self, group: FlatGroup, params: list[torch.Tensor]) -> None:
+        """`group`'s update is about to change its master and the state of `params`."""
+        if self.snapshot is not None:
+            self.snapshot.keep(group, params)
+        self.began.append(group)

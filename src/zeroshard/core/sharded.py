@@ -56,7 +56,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
           prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, max_live_numel: int | None = None,
           reuse_distance: int = 1, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
-          comm_timeout_s: float = 300.0, check_collectives: bool = True,
+          comm_timeout_s: float = 300.0, check_collectives: bool = False,
           comm_policy: CommPolicy | None = None, overlap_param_gather: bool = True) -> "Sharded":
     """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
 
@@ -126,11 +126,6 @@ class Sharded(ParameterReaders):
             self.optimizer = ZeroOptimizer(optimizer, self.groups, self.partition, policy, float(gradient_clipping),
                                            loss_scaler, self._streamed_step(optimizer), norm=norm,
                                            replica=self.links.replica)
-            # States offloaded out of memory (NVMe) are offloaded so that memory never holds them:
-            # the streamed step checks every swap file before it updates anything, but takes no
-            # copy ([Note: transactional step] in rollback.py).
-            store = placement.optimizer_store
-            self.optimizer.transactional = store is None or store.in_memory
         # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
         # reduction is waited for before backward goes on (none in flight); on, one is in flight
         # while the next unit's backward computes ([Note: one reduction in flight] in lifecycle.py).
@@ -138,10 +133,7 @@ class Sharded(ParameterReaders):
                                    limits=gather_limits, overlap_comm=overlap_comm,
                                    max_inflight_reductions=1 if overlap_comm else 0)
         self.lifecycle.register()
-        if self.optimizer is not None:
-            self.lifecycle.before_final_waits = self.optimizer.copy_ahead
-        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather,
-                                                     wait=self.wait_parameters)
+        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather)
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
 
@@ -163,8 +155,10 @@ class Sharded(ParameterReaders):
 
     # -- one training step ---------------------------------------------------------------------------
     # [Note: failed steps]
-    # A forward, backward or step that raises leaves parameters, masters, optimizer state and loss
-    # scaler as they were before it (the step: [Note: transactional step] in rollback.py). What
+    # A forward or backward that raises leaves parameters, masters, optimizer state and loss scaler
+    # as they were before it; so does a step that raises before its update begins. One that raises
+    # during the update refuses every later call until a checkpoint is loaded, unless the update
+    # was copied ("copy"): [Note: failed optimizer steps] in rollback.py. What
     # this rank has in flight is completed -- every rank that got as far issued the same
     # collectives -- and dropped, gathered units are freed, nothing is recorded from the partial
     # pass. Gradients are the exception: a failed backward or step leaves the window's gradients
@@ -277,6 +271,8 @@ class Sharded(ParameterReaders):
 
     def _check_usable(self, what: str) -> None:
         self._finish_interrupted_backward()
+        if self.optimizer is not None:
+            self.optimizer.check_usable(what)  # an update that failed half-way: [Note: failed optimizer steps]
         if self._broken is not None:
             raise CollectiveError(f"rank {self.comm.rank}: {what}() refused: an earlier collective failed and the "
                                   f"ranks are no longer in step; restart from the last checkpoint. It was: "
@@ -316,7 +312,10 @@ class Sharded(ParameterReaders):
         self.refresh_parameters()
 
     def refresh_parameters(self) -> None:
-        """After master weights changed outside a step: every rank's unsharded parameters follow."""
+        """After master weights changed outside a step (a checkpoint or state dict loaded): every
+        rank's unsharded parameters follow, and an update that had failed half-way is replaced."""
+        if self.optimizer is not None:
+            self.optimizer.reloaded()
         self.wait_parameters()
         self.lifecycle.release_retained()  # gathered from the old shards
         refresh_parameters(self.groups, self.partition)
@@ -335,7 +334,6 @@ class Sharded(ParameterReaders):
         report["optimizer"] = self.optimizer.state_bytes(stores) if self.optimizer is not None else 0
         report["total"] = sum(report.values())
         report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
-        report["step_snapshot"] = self.optimizer.snapshot_bytes() if self.optimizer is not None else 0  # not a state
         return report
 
     def communicators(self) -> dict[str, Communicator]:
@@ -374,7 +372,6 @@ class Sharded(ParameterReaders):
             unit.destroy()
         if self.optimizer is not None:
             self.optimizer.optimizer.state.clear()
-            self.optimizer.snapshot_buffers = None
             for param_group in self.optimizer.param_groups:
                 param_group["params"] = []
         self.units, self.groups, self._param_groups = [], [], {}

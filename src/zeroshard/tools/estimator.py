@@ -135,54 +135,6 @@ def model_state_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXE
     return StateBytes(**device, total=sum(device.values()), offloaded_cpu=off["cpu"], offloaded_nvme=off["nvme"])
 
 
-def _step_copy(ranks: int, stage: int, recipe: Recipe, offload_optimizer: str | None) -> tuple[int, int, bool, str]:
-    """(bytes copied, bytes added at the step's peak) per element of the transactional step's copy,
-    whether an element is one of the rank's ceil(Ψ/N) (else one of Ψ), and the tier it is in."""
-    if offload_optimizer == "nvme":  # states kept out of memory are not copied into it (swap files checked)
-        return 0, 0, True, "nvme"
-    copied = recipe.k + (4 if recipe.param_bytes == 4 else 0)
-    policy, tier = stage_policy(stage), offload_optimizer or "device"
-    if not policy.shard_optimizer:
-        return copied, copied, False, tier
-    in_stale_gradient = recipe.param_bytes == 4 and recipe.grad_bytes == 4 and ranks >= 2
-    if not policy.shard_gradients:  # stage 1: the master's copy in the stale part of the full gradient
-        return copied, copied - 4 if in_stale_gradient else copied, True, tier
-    # Stages 2/3 free each group's gradient shard for the copy; a CPU store's host gradient is kept.
-    return copied, copied if offload_optimizer else max(0, copied - recipe.grad_bytes), True, tier
-
-
-def step_snapshot_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
-                        offload_optimizer: str | None = None) -> int:
-    """The transactional step's copy of a rank's fp32 masters and optimizer state while the optimizer
-    runs ([Note: transactional step], core/rollback.py): K + the fp32 master K omits in fp32. Not a paper
-    model state; in host memory with CPU-offloaded states, 0 with NVMe-offloaded ones (not taken)."""
-    params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
-    copied, _, sharded, _ = _step_copy(ranks, stage, recipe, offload_optimizer)
-    return copied * (-(-params // ranks) if sharded else params)
-
-
-def step_added_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
-                     offload_optimizer: str | None = None) -> int:
-    """What the transactional step's copy (`step_snapshot_bytes`) adds to the model states at the
-    step's peak, which is less than its size where the copy goes into gradient memory the model
-    states already count: at stage 1 with gradients in the master's dtype (fp32) and N >= 2, the
-    master's copy lives in the stale part of the full gradient buffer ([Note: the master's copy in the
-    stale gradient], core/grad_buffers.py); at stages 2/3 the step frees each group's gradient shard
-    once its update has read it, so the copies take the gradients' memory ([Note: one group at a time],
-    core/rollback.py; exact when the model is one flat group, else up to one group's gradient more),
-    but not a CPU store's host gradient, which is kept. At stage 0 the copy is all added, and kept
-    between steps (`snapshot_kept_between_steps`)."""
-    params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
-    _, added, sharded, _ = _step_copy(ranks, stage, recipe, offload_optimizer)
-    return added * (-(-params // ranks) if sharded else params)
-
-
-def snapshot_kept_between_steps(stage: int) -> bool:
-    """Stage 0 keeps the step's copy allocated and overwrites it in place each step (a fresh copy is
-    mostly page faults on a CPU, and stage 0 is chosen for speed): it adds to forward and backward too."""
-    return not stage_policy(stage).shard_optimizer
-
-
 def _largest_within(replicated: int, sharded: int, memory: int, ranks: int) -> int | None:
     """Largest Ψ with replicated*Ψ + sharded*ceil(Ψ/N) <= memory; None when nothing bounds Ψ."""
     if replicated == 0 and sharded == 0:
@@ -199,20 +151,15 @@ def _largest_within(replicated: int, sharded: int, memory: int, ranks: int) -> i
 
 def largest_model(memory_bytes: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
                   offload_optimizer: str | None = None, offload_param: str | None = None,
-                  cpu_bytes: int | None = None, nvme_bytes: int | None = None, step_copy: bool = False) -> int:
+                  cpu_bytes: int | None = None, nvme_bytes: int | None = None) -> int:
     """Largest Ψ whose per-rank model states fit in `memory_bytes` of device memory (and in `cpu_bytes` /
-    `nvme_bytes` per rank when given; an offload tier without a budget is taken as unbounded). With
-    `step_copy`, what the transactional step's copy adds at the step's peak (`step_added_bytes`) must fit
-    too: the largest model zeroshard's default step can train, where the paper's figure is any ZeRO's."""
+    `nvme_bytes` per rank when given; an offload tier without a budget is taken as unbounded)."""
     ranks = _count(ranks, "ranks", 1)
     budgets = {"device": memory_bytes, "cpu": cpu_bytes, "nvme": nvme_bytes}
     budgets = {tier: None if b is None else _count(b, f"{tier} memory (bytes)", 0) for tier, b in budgets.items()}
     coefficients = {tier: [0, 0] for tier in budgets}  # tier -> [replicated, sharded] bytes per param
     for term in _terms(stage, recipe, offload_optimizer, offload_param):
         coefficients[term.tier][int(term.sharded)] += term.bytes_per_param
-    if step_copy:  # the copy lives where the optimizer state does: the device, or the host it is offloaded to
-        _, added, sharded, tier = _step_copy(ranks, stage, recipe, offload_optimizer)
-        coefficients[tier][int(sharded)] += added
     limits = [_largest_within(rep, shd, budgets[tier], ranks)
               for tier, (rep, shd) in coefficients.items() if budgets[tier] is not None]
     limits = [limit for limit in limits if limit is not None]

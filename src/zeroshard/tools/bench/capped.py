@@ -94,7 +94,7 @@ def engine_config(spec: dict) -> dict:
         section = config["zero_optimization"].get(key)
         if section and section["device"] == "nvme":
             section["nvme_path"] = spec["nvme_path"]
-    if spec["run"].get("zeroshard"):  # our own extensions, e.g. {"transactional_step": False} for a what-if
+    if spec["run"].get("zeroshard"):  # our own extensions, e.g. {"transactional_step": "copy"} for a what-if
         config["zeroshard"] = spec["run"]["zeroshard"]
     return config
 

@@ -86,17 +86,15 @@ def layers_for(params: int | None, width: int, vocab: int, seq_len: int) -> int 
 
 # ---- the estimator's prediction ----
 
-def predicted_params(memory: int, ranks: int, config: dict, recipe: est.Recipe, step_copy: bool = False) -> int | None:
-    """Largest Ψ whose model states (estimator, paper §5) fit `memory` bytes of this process, with
-    `step_copy` plus what the default transactional step's copy adds at its peak (`est.step_added_bytes`).
+def predicted_params(memory: int, ranks: int, config: dict, recipe: est.Recipe) -> int | None:
+    """Largest Ψ whose model states (estimator, paper §5) fit `memory` bytes of this process.
     On a CPU machine the host is the device, so CPU-offloaded states count against the same memory;
     NVMe-offloaded ones live in files. None when nothing in memory grows with Ψ (everything on NVMe)."""
     offload = (config.get("offload_optimizer"), config.get("offload_param"))
 
     def in_process(psi: int) -> int:
         states = est.model_state_bytes(psi, ranks, config["stage"], recipe, *offload)
-        copy = est.step_added_bytes(psi, ranks, config["stage"], recipe, offload[0]) if step_copy else 0
-        return states.total + states.offloaded_cpu + copy
+        return states.total + states.offloaded_cpu
 
     if memory <= 0:
         return 0
@@ -203,14 +201,6 @@ def _ordered(trials: dict[int, Trial]) -> list[Trial]:
     return list(trials.values())  # in the order they ran
 
 
-def copies_its_step(config: dict) -> bool:
-    """Does the subject's transactional step take its copy? Its optimizer is torch's fused AdamW
-    (`bench_optimizer`): over masters in memory the update cannot fail half-way and takes none
-    ([Note: an update that cannot fail half-way] in core/atomic.py); through a CPU store it steps
-    sub-group by sub-group and copies; an NVMe store is not copied."""
-    return config.get("offload_optimizer") == "cpu"
-
-
 def search(spec: dict, config_key: str, ranks: int, ceiling: int, timeout_s: float, threads: int | None,
            nvme_root: Path | None = None) -> dict:
     """One configuration's boundary, its estimator predictions and its trials, as a JSON-ready row."""
@@ -220,10 +210,9 @@ def search(spec: dict, config_key: str, ranks: int, ceiling: int, timeout_s: flo
     uses_nvme = "nvme" in (config.get("offload_optimizer"), config.get("offload_param"))
     nvme_dir = Path(tempfile.mkdtemp(prefix="zeroshard-maxmodel-", dir=nvme_root)) if uses_nvme else None
     run_spec = {**spec, "run": {**config, "kind": "zeroshard"}, "nvme_path": str(nvme_dir) if nvme_dir else None}
-    guess_params = predicted_params(spec["cap_bytes"] - ASSUMED_BASELINE, ranks, config, rec,
-                                    step_copy=copies_its_step(config))
+    guess_params = predicted_params(spec["cap_bytes"] - ASSUMED_BASELINE, ranks, config, rec)
     guess = layers_for(guess_params, width, vocab, seq_len)
-    # Model states and the step's copy are not all a step needs (activations, reduction buckets, gathered
+    # Model states are not all a step needs (activations, reduction buckets, gathered
     # units): start below the prediction. Only the number of trials depends on the guess.
     guess = ceiling // 2 if guess is None else max(1, guess * 3 // 4)
     try:
@@ -246,10 +235,10 @@ def row(spec: dict, config_key: str, ranks: int, boundary: Boundary, rec: est.Re
     baseline = max(r["baseline_data"] for r in fit.figures["ranks"]) if fit else None
     failing = next((t for t in boundary.trials if t.layers == boundary.smallest_failing), None)
 
-    def prediction(memory: int | None, step_copy: bool = False) -> dict | None:
+    def prediction(memory: int | None) -> dict | None:
         if memory is None:
             return None
-        psi = predicted_params(memory, ranks, config, rec, step_copy)
+        psi = predicted_params(memory, ranks, config, rec)
         return {"memory_bytes": memory, "params": psi, "layers": layers_for(psi, width, vocab, seq_len)}
 
     return {"key": config_key, **config, "width": width,
@@ -262,8 +251,6 @@ def row(spec: dict, config_key: str, ranks: int, boundary: Boundary, rec: est.Re
                 "failure": failing.detail},
             "estimator_cap": prediction(cap),
             "estimator_cap_minus_baseline": prediction(None if baseline is None else cap - baseline),
-            "estimator_with_step_copy": prediction(None if baseline is None else cap - baseline,
-                                                   step_copy=copies_its_step(config)),
             "trials": [asdict(t) | {"figures": None} for t in boundary.trials]}
 
 
@@ -307,14 +294,13 @@ def format_table(document: dict) -> str:
            f"{est.format_bytes(cap)} ({cap / 2**30:.2f} GiB) per rank, {spec['precision']} AdamW, micro batch "
            f"{spec['batch']} x {spec['seq_len']} tokens", ""]
     header = ["config", "largest that ran: L (params)", "smallest that failed: L",
-              "estimator, states <= cap - baseline", "+ step copy <= cap - baseline", "trials"]
+              "estimator, states <= cap - baseline", "trials"]
     cells = [header]
     for r in document["rows"]:
         failing = r["smallest_failing"]
         cells.append([r["name"], _size(r["largest"], ceiling),
                       "-" if failing is None else f"{failing['layers']} ({est.format_count(failing['params'])})",
-                      _prediction(r["estimator_cap_minus_baseline"], r["largest"]),
-                      _prediction(r.get("estimator_with_step_copy"), r["largest"]), str(len(r["trials"]))])
+                      _prediction(r["estimator_cap_minus_baseline"], r["largest"]), str(len(r["trials"]))])
     widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
     out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
             for line in cells]
@@ -330,10 +316,8 @@ def format_table(document: dict) -> str:
                f"(torch, gloo, data) mapped before the model; an allocation beyond it fails, and such a trial is "
                f"\"does not fit\". Both sizes of a boundary were run.")
     out.append("estimator: largest Ψ whose model states (paper §5; fp32 AdamW: 16 B/param unsharded) fit in the cap "
-               "less the baseline, in layers of this family; + step copy: with what the default transactional "
-               "step's copy adds at its peak (zeroshard estimate's \"+ step copy\"), which the fused AdamW here "
-               "takes only through a CPU store (over masters in memory its update cannot fail half-way); "
-               "[x] = tried / predicted. Activations, buckets and gathered units are in neither. On a CPU "
+               "less the baseline, in layers of this family; [x] = tried / predicted. Activations, buckets and "
+               "gathered units are not in it. On a CPU "
                "machine CPU-offloaded states are in the same process memory; NVMe-offloaded states are file "
                "mappings, outside the cap.")
     return "\n".join(out)

@@ -63,13 +63,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _step_copy(params: int, ranks: int, stage: int, rec: est.Recipe, offload_optimizer: str | None) -> dict:
-    """The transactional step's copy: its size, what it adds at the step's peak, and whether it stays."""
-    return {"step_snapshot_bytes": est.step_snapshot_bytes(params, ranks, stage, rec, offload_optimizer),
-            "step_added_bytes": est.step_added_bytes(params, ranks, stage, rec, offload_optimizer),
-            "snapshot_kept_between_steps": est.snapshot_kept_between_steps(stage)}
-
-
 def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recipe) -> dict:
     offload = {"offload_optimizer": args.offload_optimizer, "offload_param": args.offload_param}
     row = {"stage": stage, "sharded": SHARDED[stage]}
@@ -82,9 +75,7 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
                offloaded_nvme_bytes=state.offloaded_nvme,
                comm_elements=est.comm_elements_per_step(params, stage),
                comm_bytes=est.comm_bytes_per_step(params, stage, rec.param_bytes),
-               ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes),
-               **_step_copy(est.local_params(params, args.layout, args.replicated), args.ranks, stage, rec,
-                            args.offload_optimizer))
+               ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes))
     if args.layout.model_parallel > 1:  # ZeRO's volume is that of the rank's model-parallel part
         local = est.local_params(params, args.layout, args.replicated)
         row.update(local_params=local, comm_elements=est.comm_elements_per_step(local, stage),
@@ -94,12 +85,11 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
                                                           replicated=args.replicated,
                                                           activations=args.activations))
     if args.memory is not None:
-        for key, step_copy in (("largest_params", False), ("largest_params_with_step_copy", True)):
-            try:
-                row[key] = args.layout.model_parallel * est.largest_model(
-                    args.memory, args.ranks, stage, rec, **offload, cpu_bytes=args.cpu_memory, step_copy=step_copy)
-            except ValueError:  # every model state is offloaded and no host budget bounds it
-                row[key] = None
+        try:
+            row["largest_params"] = args.layout.model_parallel * est.largest_model(
+                args.memory, args.ranks, stage, rec, **offload, cpu_bytes=args.cpu_memory)
+        except ValueError:  # every model state is offloaded and no host budget bounds it
+            row["largest_params"] = None
     return row
 
 
@@ -142,7 +132,7 @@ def _columns(result: dict) -> list[tuple[str, str]]:
         columns.append(("on nvme", "offloaded_nvme_bytes"))
     columns.append(("comm/step", "comm_bytes"))
     if result["memory_bytes"] is not None:
-        columns += [("largest model", "largest_params"), ("+ step copy", "largest_params_with_step_copy")]
+        columns.append(("largest model", "largest_params"))
     return columns
 
 
@@ -174,8 +164,7 @@ def format_table(result: dict) -> str:
         budget = f"largest model: model states within {est.format_bytes(result['memory_bytes'])} of device memory"
         if offload and result["cpu_memory_bytes"] is not None:
             budget += f" and {est.format_bytes(result['cpu_memory_bytes'])} of host memory"
-        lines.append(budget + " per rank" + (", offload tiers without a budget unbounded" if offload else "")
-                     + "; + step copy: with what zeroshard's transactional step adds at its peak, see below")
+        lines.append(budget + " per rank" + (", offload tiers without a budget unbounded" if offload else ""))
     cells = [[header for header, _ in columns]]
     cells += [[_cell(row, key) for _, key in columns] for row in result["stages"]]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
@@ -185,7 +174,6 @@ def format_table(result: dict) -> str:
     lines.append("")
     lines.append(f"comm/step: paper convention (§7: all-reduce of Ψ = 2Ψ, stage 3 = 3Ψ) in "
                  f"{rec['param_bytes']}-byte elements; a ring sends (N-1)/N of it per rank.")
-    lines += _step_copy_lines(result["stages"], result["offload_optimizer"])
     reasons: dict[str, list[str]] = {}
     for row in result["stages"]:
         if "error" in row:
@@ -214,27 +202,3 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0
 
-
-def _step_copy_lines(rows: list[dict], offload_optimizer: str | None) -> list[str]:
-    """Real memory a user gets by default, though not a model state of the paper: the transactional
-    step's copy of the rank's fp32 masters and optimizer state."""
-    kept = [f"{row['stage']}: {est.format_bytes(row['step_snapshot_bytes'])}" for row in rows
-            if row.get("step_snapshot_bytes") and row["snapshot_kept_between_steps"]]
-    during = [f"{row['stage']}: {est.format_bytes(row['step_added_bytes'])}"
-              + ("" if row["step_added_bytes"] == row["step_snapshot_bytes"]
-                 else f" of a {est.format_bytes(row['step_snapshot_bytes'])} copy")
-              for row in rows if row.get("step_snapshot_bytes") and not row["snapshot_kept_between_steps"]]
-    lines, copy = [], "zeroshard's transactional-step copy of the rank's fp32 masters and optimizer state"
-    if kept:
-        lines.append(f"plus {copy}, kept between steps (so in forward and backward too) at stage "
-                     + ", ".join(kept) + ";")
-    if during:
-        lines.append(("and, while the optimizer step runs, what that copy adds" if kept else
-                      f"plus {copy}, while the optimizer step runs: what it adds") + " over the model states "
-                     "(the rest goes into gradient memory the step no longer needs) at stage " + ", ".join(during) + ";")
-    if lines and offload_optimizer == "cpu":
-        lines.append("with the optimizer states offloaded to CPU the copy is in host memory;")
-    if lines:
-        lines.append("torch's fused Adam/AdamW over masters in CPU memory takes none (its update cannot fail "
-                     "half-way, core/atomic.py); `zeroshard.transactional_step: false` drops it.")
-    return lines
