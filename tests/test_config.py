@@ -55,7 +55,7 @@ def test_defaults_are_deepspeeds():
     ac = cfg.activation_checkpointing
     assert not (ac.partition_activations or ac.cpu_checkpointing or ac.contiguous_memory_optimization
                 or ac.synchronize_checkpoint_boundary or ac.profile) and ac.number_checkpoints is None
-    assert cfg.zeroshard.comm_timeout_s == 300.0 and cfg.zeroshard.check_collectives
+    assert cfg.zeroshard.comm_timeout_s == 300.0 and not cfg.zeroshard.check_collectives
     assert cfg.zeroshard.wrap_modules is None
 
 

@@ -1,5 +1,8 @@
-"""Issue 2, item 6: ranks that diverge fail — every one of them, within a bounded time, with a
-message naming the unit or the rank — instead of hanging or silently exchanging wrong tensors."""
+"""Ranks that diverge fail — every one of them, within a bounded time, with a message naming the
+unit or the rank — instead of hanging or silently exchanging wrong tensors. With the collective
+check (the debug mode) each rank names the first diverging collective; by default the step's
+fingerprint comparison ([Note: collective fingerprint] in core/consistency.py), a local check or
+the collective timeout stops them."""
 from __future__ import annotations
 
 import time
@@ -15,11 +18,12 @@ from tests.zs_common import make_config
 COMM_TIMEOUT_S = 8
 
 
-def _engine(stage: int):
+def _engine(stage: int, check: bool):
     torch.manual_seed(0)
     model = LM()
     config = make_config(stage)
     config["zeroshard"]["comm_timeout_s"] = COMM_TIMEOUT_S
+    config["zeroshard"]["check_collectives"] = check
     engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=config)
     return engine
@@ -37,8 +41,8 @@ def _train_step(engine, skip_backward=False):
     engine.step()
 
 
-def _worker(rank: int, world: int, case: str, stage: int) -> str:
-    engine = _engine(stage)
+def _worker(rank: int, world: int, case: str, stage: int, check: bool = True) -> str:
+    engine = _engine(stage, check)
     started = time.monotonic()
     try:
         if case == "unit order":  # rank 1 runs its blocks in another order from the first step on
@@ -88,3 +92,20 @@ def test_divergence_fails_every_rank(case, stage):
         assert "blocks.1" in messages and "recorded order" in messages, messages
     if case == "skipped backward":
         assert "before engine.backward()" in messages, messages
+
+
+DEFAULT_CASES = [("unit order", 3), ("order changes later", 3), ("skipped backward", 3), ("rank raises", 3)]
+
+
+@pytest.mark.parametrize("case,stage", DEFAULT_CASES)
+def test_divergence_fails_every_rank_without_the_check(case, stage):
+    started = time.monotonic()
+    reports = run_distributed_expect_failure(_worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage,
+                                             check=False)
+    assert time.monotonic() - started < 6 * COMM_TIMEOUT_S
+    for report in reports:
+        assert report.reported and not report.ok, f"rank {report.rank} did not fail: {report.describe()}"
+        assert "rank" in report.message, report.message
+    if case == "unit order":  # blocks of one shape, gathered in swapped order: only the fingerprint sees it
+        for report in reports:
+            assert report.exc_type == "CollectiveError" and "ranks diverged" in report.message, report.message

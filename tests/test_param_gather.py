@@ -1,13 +1,11 @@
-"""`zeroshard.overlap_param_gather` (issue 15, item 0; the default since issue 12's eleventh session):
-the all-gather of updated parameters after a step overlaps the next forward ([Note: deferred
-parameter gather] in core/param_gather.py).
+"""`zeroshard.overlap_param_gather` (on by default): the all-gather of updated parameters after a
+step overlaps the next forward ([Note: deferred parameter gather] in core/param_gather.py).
 
 Against DDP, bit for bit at 2 ranks (stages 1/2, with and without accumulation, gradient clipping,
 the parameters read between step and forward through every reader that must wait first, and the
-script's own reads that the guard catches, [Note: reads before the next forward] in
-core/read_guard.py); the gathers really are left in flight by step(); failures as in
-test_failures.py, where a rank that fails alone now names the error at the healthy rank's next
-forward, where it waits for its gather.
+script's own reads after `wait_parameters()`, [Note: reads before the next forward]); the gathers
+really are left in flight by step(); failures as in test_failures.py, where a rank that fails alone
+names the error at the healthy rank's next forward, where it waits for its gather.
 """
 from __future__ import annotations
 
@@ -103,8 +101,9 @@ class _Ema(list):
 
 
 def _script_reads_case(stage: int) -> None:
-    """With the default config, step() returns with the gathers in flight; each script read in
-    SCRIPT_READS sees what a run without the overlap sees, and only reads of values wait."""
+    """With the default config, step() returns with the gathers in flight; metadata reads leave them
+    so, and each script read in SCRIPT_READS, made after `engine.wait_parameters()` as the rule
+    says, sees what a run without the overlap sees."""
     runs = {}
     for overlap in (False, True):
         model = gpt_model_fn()()
@@ -117,74 +116,17 @@ def _script_reads_case(stage: int) -> None:
             engine.backward(gpt_loss(engine, *BATCHES(step, 0, engine.global_rank)))
             engine.step()
             gather = engine.sharded.deferred_gather
-            if overlap:
-                assert gather.pending and gather.guard.on_stack, f"step() waited for the gathers before: {what}"
-                waits_before = gather.guard.waits
+            assert not overlap or gather.pending, f"step() waited for the gathers: {what}"
+            if waits:
+                engine.wait_parameters()
             seen.append(read(model, ema))
-            if overlap:
-                waited = not gather.pending
-                assert waited == waits, f"{what}: waited for the gathers: {waited}, should have: {waits}"
-                assert gather.guard.waits == waits_before + waits, what
-        assert torch._C._len_torch_function_stack() == (1 if overlap else 0)
-        engine(BATCHES(0, 0, engine.global_rank)[0])  # the next forward takes the guard off
-        assert torch._C._len_torch_function_stack() == 0
+            assert not (overlap and waits) or not gather.pending, what
+            assert not (overlap and not waits) or gather.pending, f"{what} waited for the gathers"
+        engine(BATCHES(0, 0, engine.global_rank)[0])  # the next forward waits for the rest
         runs[overlap] = seen
         engine.destroy()
     for (what, _, _), plain, overlapped in zip(SCRIPT_READS, runs[False], runs[True]):
         assert all(torch.equal(a, b) for a, b in zip(plain, overlapped)), what
-
-
-class _UserMode(torch.overrides.TorchFunctionMode):
-    calls = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        _UserMode.calls += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _mode_stack_case(stage: int) -> None:
-    """The guard never disturbs the script's own modes: one entered after step() stays on the
-    stack when the forward inside it takes the guard off from under it; a step() taken inside a
-    mode (or `with torch.device`) waits for its gathers instead of pushing the guard."""
-    model = gpt_model_fn()()
-    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage))
-    gather = engine.sharded.deferred_gather
-
-    def step(i):
-        engine.backward(gpt_loss(engine, *BATCHES(i, 0, engine.global_rank)))
-        engine.step()
-
-    step(0)
-    user = _UserMode()
-    with user:
-        assert torch._C._get_function_stack_at(1) is user
-        engine(BATCHES(0, 0, engine.global_rank)[0])
-        assert torch._C._len_torch_function_stack() == 1 and torch._C._get_function_stack_at(0) is user
-    assert torch._C._len_torch_function_stack() == 0 and _UserMode.calls > 0
-    for outer in (_UserMode, lambda: torch.device("cpu")):
-        with outer():
-            step(1)
-            assert not gather.pending and not gather.guard.on_stack, "step() inside a mode left its gathers"
-            assert torch._C._len_torch_function_stack() == 1
-        assert torch._C._len_torch_function_stack() == 0
-    step(2)
-    assert gather.pending
-    engine.sharded.wait_parameters()  # issuing the queued gathers slices the buffers: not a script read
-    assert not gather.pending and gather.guard.waits == 0 and torch._C._len_torch_function_stack() == 0
-    # Two engines stepped in turn (a GAN's): each step pushes its own guard, each forward takes its own off.
-    other_model = gpt_model_fn()()
-    other, *_ = zeroshard.initialize(model=other_model, optimizer=adamw(other_model.parameters()),
-                                     config=make_config(stage))
-    step(3)
-    other.backward(gpt_loss(other, *BATCHES(3, 0, other.global_rank)))
-    other.step()
-    assert gather.pending and other.sharded.deferred_gather.pending
-    assert torch._C._len_torch_function_stack() == 2
-    engine(BATCHES(0, 0, engine.global_rank)[0])
-    assert torch._C._get_function_stack_at(0) is other.sharded.deferred_gather.guard
-    other.destroy()
-    engine.destroy()
-    assert torch._C._len_torch_function_stack() == 0, "destroy() left the guard on the stack"
 
 
 def _parity_worker(rank: int, world: int) -> None:
@@ -192,7 +134,6 @@ def _parity_worker(rank: int, world: int) -> None:
     subtests(cases, _parity_case)
     subtests([dict(stage=s) for s in (1, 2)], _readers_case)
     subtests([dict(stage=s) for s in (1, 2)], _script_reads_case)
-    subtests([dict(stage=s) for s in (1, 2)], _mode_stack_case)
 
 
 def test_overlapped_gather_matches_ddp_bit_for_bit():
@@ -234,7 +175,7 @@ def _optimizer_fails_on_one_rank(rank: int, world: int) -> dict:
     """Rank 1's step raises: it issues no gathers. Rank 0's step returns with its gathers in flight;
     its next forward waits for the first one and gets the CollectiveError, within comm_timeout_s."""
     failures.make_config = _overlap_config
-    engine = failures._engine(2, None, 1, "", None)
+    engine = failures._engine(2, None, 1, "", None, check_collectives=True)  # rank 1 goes on: the debug mode
     failures._micro(engine, 0, 0)
     failures.FlakyAdamW.armed = rank == 1
     results, started = [], time.monotonic()

@@ -4,10 +4,12 @@ Every collective goes through a `Communicator`, which
   * counts bytes per collective kind, in the ZeRO paper's convention (§7: an all-reduce of Ψ elements
     moves 2Ψ, a reduce-scatter or all-gather Ψ) and as a ring algorithm really sends them
     ((N-1)/N of that), so a run can report its volume against DESIGN.md's table;
-  * optionally checks that every rank runs the *same* collective (kind, size, description), with
-    a tag exchange issued just before it and verified when it is waited on ([Note: asynchronous
-    collective check] in consistency.py). Ranks that diverge (different unit order, a skipped
-    backward) would otherwise deadlock or, worse, silently exchange the wrong tensors of equal size;
+  * folds every collective's kind, size and description into a fingerprint that the optimizer
+    step compares across ranks ([Note: collective fingerprint] in consistency.py), and in the
+    debug mode (`check_collectives`) checks each collective across ranks with a tag exchange
+    issued just before it and verified when it is waited on ([Note: asynchronous collective
+    check]). Ranks that diverge (different unit order, a skipped backward) would otherwise
+    deadlock or, worse, silently exchange the wrong tensors of equal size;
   * runs on its own process group with a bounded timeout, and turns every failure into a
     `CollectiveError` naming the rank, the collective and what it was for;
   * moves every tensor on the backend's device ([Note: staging host tensors] in staging.py).
@@ -182,7 +184,7 @@ class Handle:
 class Communicator:
     """Collectives over one process group, with byte counting, consistency checks and timeouts."""
 
-    def __init__(self, timeout_s: float = 300.0, check_collectives: bool = True, group=None):
+    def __init__(self, timeout_s: float = 300.0, check_collectives: bool = False, group=None):
         """Over the whole world by default, on a group of our own so that the timeout is ours, not
         the launcher's default of 30 minutes. `group`: an existing process group to run on instead
         (the data-parallel group of a device mesh); its timeout is the one it was created with."""
@@ -193,6 +195,7 @@ class Communicator:
             )
         self.timeout_s = timeout_s
         self.check_collectives = check_collectives
+        self.fingerprint = 0  # of every collective run so far: [Note: collective fingerprint]
         self._owns_group = group is None
         self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) \
             if group is None else group
@@ -371,6 +374,7 @@ class Communicator:
     def _start_check(self, kind: str, nbytes: int, what: str) -> _Check | None:
         """Launch the exchange of every rank's tag for the collective about to run (see
         [Note: asynchronous collective check] in consistency.py)."""
+        self.fingerprint = consistency.fold(self.fingerprint, KIND_ID[kind], nbytes, what)
         if not self.check_collectives or self.world_size == 1:
             return None
         tag = consistency.encode(KIND_ID[kind], nbytes, what, self.device)

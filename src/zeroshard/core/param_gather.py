@@ -4,7 +4,7 @@ next forward.
 [Note: deferred parameter gather]
 At stages 1/2 each rank updates only its slice of a unit's full parameter buffer; the step then
 all-gathers the other slices. Waiting for that at the end of step() leaves the link busy and the
-CPU idle, then the CPU busy and the link idle (issue 15: 1.45x DDP at 1 Gbit/s). With
+CPU idle, then the CPU busy and the link idle (1.45x DDP at 1 Gbit/s, docs/multinode.md). With
 `overlap_param_gather` (Megatron's option of the same name) step() only *issues* the gathers, unit by
 unit with at most `max_inflight` in flight, and each unit's forward
 pre-hook waits for its own gather just before the unit computes, then issues the next ones. The
@@ -13,16 +13,23 @@ first, then the other units in their order (for a transformer, the order of its 
 is fixed when the model is sharded, not recorded from a forward: a data-dependent forward could run
 units in different orders on different ranks, and the ranks must issue the same collectives in the
 same order. A unit running out of that order waits for the gathers queued before its own.
-Everything else that reads or writes parameters or masters between a step and the next forward
-waits for every gather first, through `wait_all`: state_dict / load_state_dict, checkpoints,
-gathered_parameters, refresh_parameters, the module's own state_dict() (a hook), destroy; and the
-script's own reads of parameters (an EMA update right after step()) are caught by a guard on
-torch calls, which waits for every gather before the first that touches a parameter ([Note: reads
-before the next forward] in read_guard.py). That guard is what lets the option be on by default.
-zero_grad() touches gradients only and does not wait.
+Everything of zeroshard's that reads or writes parameters or masters between a step and the next
+forward waits for every gather first, through `wait_all`: state_dict / load_state_dict,
+checkpoints, gathered_parameters, refresh_parameters, the module's own state_dict() (a hook),
+destroy. zero_grad() touches gradients only and does not wait.
+
 A failed wait is a CollectiveError like any other ([Note: failed steps] in sharded.py): the forward
 that met it aborts, and `abort` issues and completes (or abandons) what is left, so that a rank
 that failed alone still pairs its collectives with its peers'.
+
+[Note: reads before the next forward]
+A script's own read of parameter values between step() and the next forward (an EMA update
+`ema_p.lerp_(p, 1e-3)`, `p.data.clamp_(...)`, `p.norm()` for a log line) must call
+`wait_parameters()` first, or it reads slices the other ranks have not sent yet. Megatron's
+overlap_param_gather has the same rule. zeroshard does not watch for such reads: doing so means
+routing every torch call of the script through Python (a TorchFunctionMode) on private torch APIs.
+`overlap_param_gather: false` makes step() wait for the gathers, for scripts that cannot follow
+the rule (reads from another thread, code that is not theirs).
 """
 from __future__ import annotations
 
@@ -34,7 +41,6 @@ import torch
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.lifecycle import Phase
-from zeroshard.core.read_guard import ReadGuard
 from zeroshard.core.unit import Unit
 from zeroshard.core.wrap import ROOT
 
@@ -66,7 +72,7 @@ def refresh_parameters(groups: list[FlatGroup], comm: Communicator, deferred=Non
 
 
 class DeferredGather:
-    def __init__(self, units: list[Unit], max_inflight: int = 2, wait=None):
+    def __init__(self, units: list[Unit], max_inflight: int = 2):
         gathered = [u for u in units if any(_gathers(g) for g in u.groups)]
         roots = [u for u in gathered if u.name == ROOT]
         self.units = roots + [u for u in gathered if u.name != ROOT]  # the issue order, on every rank
@@ -75,18 +81,14 @@ class DeferredGather:
         self._queue: list[Unit] = []  # gathers not issued yet, in order
         self._inflight: dict[int, list] = {}  # id(unit) -> handles, oldest first
         self._handles = []
-        groups = [g for u in self.units for g in u.groups if _gathers(g)]
-        self.guard = ReadGuard(wait or self.wait_all)  # [Note: reads before the next forward]
-        self.guard.watch([g.full for g in groups], [p for g in groups for p in g.params])
 
     @classmethod
-    def attach(cls, units: list[Unit], model: torch.nn.Module, optimizer, policy, enabled: bool, wait=None):
+    def attach(cls, units: list[Unit], model: torch.nn.Module, optimizer, policy, enabled: bool):
         """The deferred gather of a sharded model, hooked in, or None: only stages 1/2 gather after a
-        step (stage 0 gathers nothing, stage 3 before each use anyway). `wait`: how a read caught by
-        the guard completes the gathers (Sharded.wait_parameters); default `wait_all`."""
+        step (stage 0 gathers nothing, stage 3 before each use anyway)."""
         if not enabled or optimizer is None or not policy.shard_optimizer or policy.shard_parameters:
             return None
-        gather = cls(units, wait=wait)
+        gather = cls(units)
         for unit in gather.units:
             module = unit.module if unit.module is not None else model
             gather._handles.append(module.register_forward_pre_hook(functools.partial(gather._pre_forward, unit)))
@@ -113,8 +115,6 @@ class DeferredGather:
         self._comm = comm
         self._queue = list(self.units)
         self._top_up()
-        if self.pending and not self.guard.push():  # other modes on the stack: no overlap this step
-            self.wait_all()
 
     @torch.no_grad()
     def _top_up(self) -> None:
@@ -134,7 +134,6 @@ class DeferredGather:
     # -- before the next forward ------------------------------------------------------------------
     def _pre_forward(self, unit: Unit, module, args) -> None:
         """Complete `unit`'s gather (and those queued before it), then issue the next ones."""
-        self.guard.pop()  # the forward reads each unit after its own wait: no guard needed
         while id(unit) not in self._inflight and any(u is unit for u in self._queue):
             self._wait_oldest() if self._inflight else self._top_up()
         for handle in self._inflight.pop(id(unit), ()):
@@ -142,7 +141,6 @@ class DeferredGather:
         self._top_up()
 
     def wait_all(self) -> None:
-        self.guard.pop()  # first: issuing the queued gathers slices the very buffers it watches
         while self._inflight or self._queue:
             self._wait_oldest() if self._inflight else self._top_up()
 
@@ -155,7 +153,6 @@ class DeferredGather:
         finally:
             self._queue.clear()
             self._inflight.clear()
-            self.guard.pop()
 
 
 class ParameterReaders:
@@ -193,8 +190,9 @@ class ParameterReaders:
                     unit.reshard(release=True)  # what the block took from them stays valid
 
     def wait_parameters(self) -> None:
-        """Complete the all-gathers of updated parameters still in flight after a step, before
-        anything reads parameters or masters; a failure is a failed collective ([Note: failed
+        """Complete the all-gathers of updated parameters still in flight after a step: call it
+        before a script reads parameter values between step() and the next forward ([Note: reads
+        before the next forward] in param_gather.py); zeroshard's own readers do. A failure is a failed collective ([Note: failed
         steps] in sharded.py): every later call refuses."""
         gather = self.deferred_gather
         if gather is None or not gather.pending:

@@ -53,7 +53,7 @@ class Partition:
     device: torch.device  # where shards (and, after the context, stubs) live
     dtype: torch.dtype | None  # shards are cast to it (Init(dtype=...)); None keeps each parameter's
     comm_timeout_s: float = 300.0
-    check_collectives: bool = True
+    check_collectives: bool = False
     comm: Communicator | None = None  # open only inside the Init context
     live: list = field(default_factory=list)  # parameters UNSHARDED by Init's initialisation tracking
 

@@ -35,11 +35,21 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zeroshard.config import ConfigKeyNotActedOnWarning, load_config
 from zeroshard.core import partition as part
-from zeroshard.core.read_guard import METADATA
 
 log = logging.getLogger(__name__)
 
 _T = torch.Tensor
+# Answered from a tensor's metadata or autograd state, which a stub has: they read no values.
+METADATA = frozenset(
+    [getattr(_T, name).__get__ for name in (
+        "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "is_cuda", "is_meta",
+        "is_sparse", "is_quantized", "is_nested", "layout", "names", "_version", "output_nr", "itemsize", "nbytes")
+     if hasattr(_T, name)]
+    + [_T.requires_grad.__set__, _T.grad.__set__, _T.dim, _T.size, _T.numel, _T.nelement, _T.element_size,
+       _T.is_floating_point, _T.is_complex, _T.get_device, _T.requires_grad_, _T.register_hook,
+       _T.register_post_accumulate_grad_hook, _T.new, _T.new_empty, _T.new_zeros, _T.new_ones, _T.new_full,
+       _T.__len__, _T.__hash__])
+
 # Overwrite every element whatever the old values: an empty full tensor is enough.
 _OVERWRITES = frozenset([_T.normal_, _T.uniform_, _T.fill_, _T.zero_, _T.random_, _T.exponential_, _T.cauchy_,
                          _T.log_normal_, _T.geometric_, _T.bernoulli_, _T.copy_, _T.data.__set__])
