@@ -73,8 +73,8 @@ def main() -> None:
     torch.manual_seed(pp_rank)  # each stage its own layers; zeroshard broadcasts within 'dp'
     per = DEPTH // args.pp
     part = Stage(pp_rank * per, (pp_rank + 1) * per, head=last).to(device)
-    sharded = zeroshard.shard(part, torch.optim.AdamW(part.parameters(), lr=3e-3), stage=args.stage, mesh=mesh,
-                              gradient_clipping=1.0)
+    sharded = zeroshard.shard(part, torch.optim.AdamW(part.parameters(), lr=3e-3), stage=args.stage, mesh=mesh)
+    sharded.set_gradient_clipping(1.0)
     pipe = PipelineStage(part, pp_rank, args.pp, device, group=mesh.get_group("pp"),
                          input_args=torch.empty(BATCH // MICRO, WIDTH, device=device))
     schedule = SCHEDULES[args.schedule](pipe, n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=False)

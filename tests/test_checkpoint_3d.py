@@ -98,7 +98,8 @@ def _full_params(engine) -> dict:
 def _pp_stage(mesh, stage: int):
     pp_rank, stages = mesh.get_local_rank("pp"), mesh["pp"].size()
     part = mm.Part(mm.model_fn()(), pp_rank, stages)
-    sharded = zeroshard.shard(part, mm.adamw(part.parameters()), stage=stage, mesh=mesh, comm_timeout_s=120)
+    sharded = zeroshard.shard(part, mm.adamw(part.parameters()), stage=stage, mesh=mesh,
+                              comm=zeroshard.CommPolicy(timeout_s=120))
     pipe = PipelineStage(part, pp_rank, stages, torch.device("cpu"), group=mesh.get_group("pp"),
                          input_args=torch.empty(mm.BATCH, mm.D))
     micro = 2 // mesh["dp"].size()
@@ -166,9 +167,8 @@ def _save_untrained(root: str, style: str) -> None:
         for block in model.blocks:
             block.up.weight.partition_dim = block.up.bias.partition_dim = 0
             block.down.weight.partition_dim = 1
-    group, model_parallel = from_mpu(Mpu(mesh), model)
-    sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=2, group=group,
-                              model_parallel=model_parallel, comm_timeout_s=120)
+    sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=2, mesh=from_mpu(Mpu(mesh), model),
+                              comm=zeroshard.CommPolicy(timeout_s=120))
     save_checkpoint(CheckpointableSharded(sharded), f"{root}/untrained_{style}", tag="t")
     sharded.destroy()
 

@@ -45,7 +45,8 @@ def build_stage(mesh, stage: int, *, blocks: int = 2, tensor_parallel=None):
     if tensor_parallel is not None:
         part = tensor_parallel(part)
     sharded = zeroshard.shard(part, mm.adamw(part.parameters()), stage=stage, mesh=mesh,
-                              gradient_clipping=CLIP, comm_timeout_s=120)
+                              comm=zeroshard.CommPolicy(timeout_s=120))
+    sharded.set_gradient_clipping(CLIP)
     pipe = PipelineStage(part, pp_rank, num_stages, torch.device("cpu"), group=mesh.get_group("pp"),
                          input_args=torch.empty(mm.BATCH, mm.D))
     return sharded, pipe

@@ -52,7 +52,7 @@ def _train(stage: int, dtype: str, placement: Placement | None):
     model = gpt_model_fn()()
     precision = PrecisionPolicy(DTYPES[dtype], DTYPES[dtype])
     sharded = zeroshard.shard(model, adamw(model.parameters()), stage=stage, precision=precision,
-                              placement=placement, comm_timeout_s=60)
+                              offload=placement, comm=zeroshard.CommPolicy(timeout_s=60))
     losses = []
     for step in range(STEPS):
         loss = gpt_loss(sharded, *BATCHES(step, 0, sharded.comm.rank))

@@ -154,12 +154,12 @@ def train(mesh, layout: str, stage: int) -> dict:
     if layout == "dtensor":
         model = dtensor_model(mesh)
         sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=stage, mesh=mesh,
-                                  gradient_clipping=CLIP, comm_timeout_s=120)
+                                  comm=zeroshard.CommPolicy(timeout_s=120))
     else:
         model = megatron_model(mesh)
-        group, model_parallel = from_mpu(Mpu(mesh), model)
-        sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=stage, group=group,
-                                  model_parallel=model_parallel, gradient_clipping=CLIP, comm_timeout_s=120)
+        sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=stage, mesh=from_mpu(Mpu(mesh), model),
+                                  comm=zeroshard.CommPolicy(timeout_s=120))
+    sharded.set_gradient_clipping(CLIP)
     dp_rank = mesh.get_local_rank("dp")
     out = {"losses": [], "grad_norms": []}
     for step in range(STEPS):

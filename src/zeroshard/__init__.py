@@ -1,7 +1,8 @@
 """zeroshard: ZeRO (Zero Redundancy Optimizer) data parallelism for PyTorch.
 
 Two ways in:
-  * `zeroshard.shard(model, optimizer, stage=...)` — the composable core (zeroshard/core/), no config;
+  * `zeroshard.shard(model, optimizer, stage=...)` — the composable core (zeroshard/core/), no config,
+    configured by policy objects (PrecisionPolicy, Placement, GatherPolicy, CommPolicy);
   * `zeroshard.initialize(model=..., config=...)` — DeepSpeed's call shape (zeroshard/compat/):
     `import zeroshard as deepspeed` runs a DeepSpeed ZeRO training script; see README.md.
 The layers are drawn in docs/architecture.md.
@@ -11,14 +12,26 @@ from zeroshard.compat.accelerator import get_accelerator
 from zeroshard.compat.api import add_config_arguments, init_distributed, initialize
 from zeroshard.compat.engine import ZeroEngine
 from zeroshard.config import ConfigError, load_config
-from zeroshard.core import STAGES, CollectiveError, Placement, PrecisionPolicy, Sharded, StagePolicy, shard, stage_policy
+from zeroshard.core import (
+    STAGES,
+    CollectiveError,
+    CommPolicy,
+    DynamicLossScaler,
+    GatherPolicy,
+    Placement,
+    PrecisionPolicy,
+    Sharded,
+    StagePolicy,
+    shard,
+    stage_policy,
+)
 
 from zeroshard.version import __version__
 
 _paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)
 
 __all__ = [
-    "CollectiveError", "ConfigError", "Placement", "PrecisionPolicy", "STAGES", "Sharded", "StagePolicy",
+    "CollectiveError", "CommPolicy", "ConfigError", "DynamicLossScaler", "GatherPolicy", "Placement", "PrecisionPolicy", "STAGES", "Sharded", "StagePolicy",
     "ZeroEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
     "init_distributed", "initialize", "load_config", "ops", "runtime", "shard", "stage_policy", "utils", "zero",
     "__version__",

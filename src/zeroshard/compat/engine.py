@@ -17,12 +17,11 @@ from zeroshard.compat.ds_params import register as register_ds_metadata, unregis
 from zeroshard.compat.views import ShardedViews
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
-from zeroshard.core.lifecycle import Phase, tensors_in
-from zeroshard.core.comm import Communicator
-from zeroshard.core.gathered import GatherLimits
-from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, cast_floating
-from zeroshard.config.schema import ZeroConfig
-from zeroshard.core.policy import CommPolicy, stage_policy
+from zeroshard.compat import policies
+from zeroshard.core.comm import CollectiveError, Communicator
+from zeroshard.core.policy import stage_policy
+from zeroshard.core.precision import cast_floating
+from zeroshard.core.rollback import UpdateFailed
 from zeroshard.core.sharded import Sharded
 from zeroshard.offload import build_placement
 
@@ -47,7 +46,8 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         self.config = config
         self.module = model
         extras = config.zeroshard
-        comm = Communicator(extras.comm_timeout_s, extras.check_collectives, group=group)
+        comm_policy = policies.comm_policy(zero, extras)
+        comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives, group=group)
         if zero.stage < 3 and zero.offload_param is not None:  # DeepSpeed ignores it below stage 3
             zero = zero.model_copy(update={"offload_param": None})
         if zero.stage == 0 and zero.offload_optimizer is not None:  # and this one at stage 0
@@ -56,23 +56,22 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
                                     comm.rank, comm.world_size,
                                     model_parallel.coordinate if model_parallel is not None else None,
                                     nvme_io=extras.nvme_io or "mapped")
-        self.sharded = Sharded(
-            model, optimizer, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
-            wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            gather_limits=GatherLimits.from_section(zero), overlap_comm=bool(zero.overlap_comm),
-            gradient_clipping=float(config.gradient_clipping or 0.0),
-            loss_scaler=DynamicLossScaler(config.fp16) if config.fp16.enabled else None,
-            model_parallel=model_parallel, comm_policy=comm_policy(zero),
-            overlap_param_gather=extras.overlap_param_gather)
+        with policies.config_terms():
+            self.sharded = Sharded(model, optimizer, comm, stage_policy(zero.stage), policies.precision_policy(config),
+                                   placement, gathering=policies.gather_policy(zero, extras),
+                                   comm_policy=comm_policy, model_parallel=model_parallel)
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
         if self.sharded.optimizer is not None:
-            self.sharded.optimizer.on_failed_update = extras.transactional_step
+            self.sharded.set_gradient_clipping(float(config.gradient_clipping or 0.0))
+            with policies.config_terms():
+                self.sharded.set_loss_scaler(policies.loss_scaler(config))
+            self.sharded.set_on_failed_update(extras.transactional_step)
         configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self._backward_done = False
+        self._backwards_at_step = 0  # sharded.completed_backwards when the last micro step ended
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._in_no_sync = False
         self._step_applied = False
@@ -130,42 +129,12 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         autocast = self.config.torch_autocast  # never a disabled autocast: it would undo the script's own
         context = torch.autocast(self.device.type, dtype=autocast.torch_dtype) if autocast.enabled \
             else contextlib.nullcontext()
+        # A loss.backward() on the outputs ([Note: loss.backward() on the outputs] in core/sharded.py)
+        # reduces at the accumulation boundary and divides each gradient by the accumulation steps.
+        self.sharded.set_requires_gradient_sync(self._reduce_in_this_backward())
+        self.sharded.set_gradient_scale(1.0 / self.gradient_accumulation_steps())
         with context:
-            output = self.sharded(*args, **kwargs)
-        if torch.is_grad_enabled():
-            self._hook_outputs_for_torch_backward(output)
-        return output
-
-    # [Note: loss.backward() on the engine's outputs]
-    # DeepSpeed (>= 0.17) lets a script call `loss.backward()` instead of `engine.backward(loss)`. The
-    # first gradient that reaches one of the engine's outputs (or, at stage 3, the unit that produced
-    # it: core/lifecycle.py's `backward_opener`) opens the engine's backward, and a callback queued on
-    # autograd's engine closes it when the whole backward is done. Each parameter's gradient is
-    # divided by the accumulation steps as it is taken, which is what engine.backward's division of
-    # the loss gives (bit for bit when the steps are a power of two). Inside engine.backward the hooks
-    # do nothing. fp16 needs the loss scaled before backward, so there it is refused, as DeepSpeed
-    # refuses it unless the script scales the loss itself.
-    def _hook_outputs_for_torch_backward(self, output) -> None:
-        hooked = [t.register_hook(self._torch_backward_grad) for t in tensors_in(output) if t.requires_grad]
-        if hooked:
-            self.lifecycle.backward_opener = self._open_torch_backward
-
-    def _torch_backward_grad(self, grad: torch.Tensor) -> None:
-        if self.lifecycle.phase is not Phase.BACKWARD:
-            self._open_torch_backward()
-
-    def _open_torch_backward(self) -> None:
-        if self.loss_scaler is not None:
-            raise RuntimeError("loss.backward() with fp16: the loss must be scaled before backward; call "
-                               "engine.backward(loss) instead")
-        self.lifecycle.begin_backward(self._reduce_in_this_backward())
-        self.lifecycle.grad_factor = 1.0 / self.gradient_accumulation_steps()
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
-
-    def _end_torch_backward(self) -> None:
-        self.lifecycle.grad_factor = 1.0
-        self.lifecycle.end_backward()
-        self._backward_done = True
+            return self.sharded(*args, **kwargs)
 
     def _reduce_in_this_backward(self) -> bool:
         return self.is_gradient_accumulation_boundary() and not self._in_no_sync
@@ -179,8 +148,12 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         if self.loss_scaler is not None:
             scaled = scaled.float() * self.loss_scaler.scale
         self.sharded.backward(scaled, boundary=self._reduce_in_this_backward(), retain_graph=retain_graph)
-        self._backward_done = True
         return loss
+
+    @property
+    def _backward_done(self) -> bool:
+        """Has a backward (engine.backward or loss.backward()) ended since the last micro step?"""
+        return self.sharded.completed_backwards > self._backwards_at_step
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Call after every micro step's backward; the optimizer steps at accumulation boundaries."""
@@ -192,10 +165,14 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
                 f"step {self.global_steps}): call engine.backward(loss) first on every rank, or loss.backward() on a "
                 "loss computed through engine(...) (gradients of a loss computed by calling the model itself stay "
                 "in the parameters' .grad, as in torch)")
-        self._backward_done = False
+        self._backwards_at_step = self.sharded.completed_backwards
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self._step_applied = self.sharded.step()  # a failure: [Note: failed steps], core/sharded.py
+            try:
+                self._step_applied = self.sharded.step()  # a failure: [Note: failed steps], core/sharded.py
+            except (UpdateFailed, CollectiveError) as error:  # they name what to set: in the config's words
+                error.args = (policies.in_config_terms(error),)
+                raise
             if self._step_applied and self.lr_scheduler is not None:  # DeepSpeed skips it on overflow too
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
@@ -210,7 +187,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         for param in self.module.parameters():  # gradients that arrived outside this engine's backward
             param.grad = None
         self.micro_steps = self.global_steps * self.gradient_accumulation_steps()
-        self._backward_done = False
+        self._backwards_at_step = self.sharded.completed_backwards
 
     # -- parameters outside forward -------------------------------------------------------------------
     def gathered_parameters(self, params, modifier_rank: int | None = None):
@@ -286,13 +263,3 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's class name, for isinstance checks in scripts and tests
 
-
-def comm_policy(zero: ZeroConfig) -> CommPolicy:
-    """ZeRO++ and MiCS keys as the core's communication policy (stage 3 only; below it they are
-    reported as not acted on, as DeepSpeed ignores them). hpZ sizes 0 and 1 mean off, as in DeepSpeed."""
-    if zero.stage < 3:
-        return CommPolicy()
-    return CommPolicy(shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
-                      secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
-                      quantize_weights=zero.zero_quantized_weights,
-                      quantize_gradients=zero.zero_quantized_gradients)

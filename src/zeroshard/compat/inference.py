@@ -25,12 +25,10 @@ import logging
 import torch
 from torch import nn
 
-from zeroshard.compat.engine import comm_policy
+from zeroshard.compat import policies
 from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import Communicator
-from zeroshard.core.gathered import GatherLimits
 from zeroshard.core.policy import stage_policy
-from zeroshard.core.precision import PrecisionPolicy
 from zeroshard.core.sharded import Sharded
 from zeroshard.core.unit import UnitState
 from zeroshard.offload import build_placement
@@ -62,16 +60,15 @@ class InferenceEngine(ShardedViews, nn.Module):
         if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
             log.warning("zero_optimization.offload_optimizer is not acted on: initialize() got no optimizer "
                         "(inference), so there are no optimizer states to offload")
-        comm = Communicator(extras.comm_timeout_s, extras.check_collectives)
+        # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
+        comm_policy = policies.comm_policy(zero, extras)
+        comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives)
         numel = sum(p.numel() for p in model.parameters())
         placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size,
                                     nvme_io=extras.nvme_io or "direct")
-        self.sharded = Sharded(
-            model, None, comm, stage_policy(zero.stage), PrecisionPolicy.from_config(config), placement,
-            wrap=extras.wrap_modules, persistence_threshold=int(zero.stage3_param_persistence_threshold),
-            gather_limits=GatherLimits.from_section(zero), overlap_comm=bool(zero.overlap_comm),
-            gradient_clipping=0.0, loss_scaler=None,
-            comm_policy=comm_policy(zero))  # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
+        with policies.config_terms():
+            self.sharded = Sharded(model, None, comm, stage_policy(zero.stage), policies.precision_policy(config),
+                                   placement, gathering=policies.gather_policy(zero, extras), comm_policy=comm_policy)
         model.eval()
         self._freeze(True)
         log.info("zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",

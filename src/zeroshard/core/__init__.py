@@ -5,10 +5,13 @@ It imports no other zeroshard layer (tests/test_layers.py checks this from the s
 nothing of configs, DeepSpeed names or files. docs/architecture.md walks through it.
 """
 from zeroshard.core.comm import CollectiveError, Communicator
+from zeroshard.core.gathered import GatherPolicy
+from zeroshard.core.mesh import ZeroGroups, from_mpu
 from zeroshard.core.placement import Placement, Store
-from zeroshard.core.policy import STAGES, Reduction, StagePolicy, stage_policy
+from zeroshard.core.policy import STAGES, CommPolicy, Reduction, StagePolicy, stage_policy
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy
 from zeroshard.core.sharded import Sharded, shard
 
-__all__ = ["CollectiveError", "Communicator", "DynamicLossScaler", "Placement", "PrecisionPolicy", "Reduction",
-           "STAGES", "Sharded", "StagePolicy", "Store", "shard", "stage_policy"]
+__all__ = ["CollectiveError", "CommPolicy", "Communicator", "DynamicLossScaler", "GatherPolicy", "Placement",
+           "PrecisionPolicy", "Reduction", "STAGES", "Sharded", "StagePolicy", "Store", "ZeroGroups", "from_mpu",
+           "shard", "stage_policy"]

@@ -1,4 +1,5 @@
-"""How much of the model is gathered at stage 3: the bounds a user sets, and the count they bound.
+"""Which modules are gathered together, and how much of the model is gathered at stage 3: the
+policy a user sets, and the count it bounds.
 
 [Note: bounded gathering]
 `live` elements are those of resharding units that are GATHERING or UNSHARDED ([Note: unit states]):
@@ -6,15 +7,15 @@ the unit being computed, the units enclosing it (the root unit stays gathered wh
 calls run), prefetched units and units kept for reuse. Units that never reshard (stages 0-2, the
 persistent unit of small parameters) are model states, not counted. Three bounds, all in elements:
 
-  * `prefetch_numel` (DeepSpeed: stage3_prefetch_bucket_size): what is gathered *ahead* of the unit
+  * `prefetch_numel`: what is gathered *ahead* of the unit
     being computed, in the recorded order. The next unit is always prefetched when this is above 0,
     even if it alone is larger (so that its all-gather overlaps the current unit's compute, as
     DeepSpeed's prefetch issues at least one); further units while the total fits. 0: no prefetch.
-  * `max_live_numel` (stage3_max_live_parameters): a prefetch or a reuse is only made while `live`
+  * `max_live_numel`: a prefetch or a reuse is only made while `live`
     stays within it. A unit about to be computed is always gathered, even if that alone takes `live`
     above the bound: computing it needs it (a bound below one unit means "no prefetch").
     None: no bound beyond the prefetch's.
-  * `reuse_distance` (stage3_max_reuse_distance): a unit whose forward ends is kept gathered for its
+  * `reuse_distance`: a unit whose forward ends is kept gathered for its
     backward when the units used in between (the rest of the forward, then the backward up to it, in
     the recorded orders) hold fewer than this many elements (DeepSpeed's test), and the next unit to
     run still fits within `max_live_numel` beside it. 0 frees every unit after its forward (the
@@ -24,10 +25,10 @@ persistent unit of small parameters) are model states, not counted. Three bounds
     after the root's: the root encloses it, so is not counted as used in between (`reuse_offsets`).
     Reuse inside one forward or one backward is not looked for.
 
-zeroshard's defaults (`GatherLimits()`): the next unit prefetched, no element bound beyond it, reuse
+zeroshard's defaults (`GatherPolicy()`): the next unit prefetched, no element bound beyond it, reuse
 distance 1; so at most the enclosing units + the current unit + the next one are live, FSDP2's
-shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse) apply when a config gives them,
-and then a small model may be gathered whole.
+shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse; its stage3_* keys) apply when a
+config gives them, and then a small model may be gathered whole.
 """
 from __future__ import annotations
 
@@ -37,24 +38,31 @@ from zeroshard.core.wrap import is_inside
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherLimits:
+class GatherPolicy:
+    """Which modules become units (gathered, freed and reduced together) and the bounds above.
+
+    `wrap`: class names of the modules that become units; None = the blocks of the model's largest
+    ModuleList (wrap.py). Every other parameter belongs to the root unit.
+    `persistence_threshold`: at stage 3, a parameter with fewer elements than this stays whole on
+    every rank (norms, biases), saving collectives on small tensors for a little memory.
+    `prefetch_numel`, `max_live_numel`, `reuse_distance`: [Note: bounded gathering]."""
+
+    wrap: tuple[str, ...] | None = None
+    persistence_threshold: int = 0
     prefetch_numel: int = 1  # below one unit's size: "the next unit only"
     max_live_numel: int | None = None
     reuse_distance: int = 1  # only a unit used again at once (the root) stays gathered
 
     def __post_init__(self):
-        for name in ("prefetch_numel", "max_live_numel", "reuse_distance"):
+        if self.wrap is not None:
+            if isinstance(self.wrap, str) or not all(isinstance(name, str) for name in self.wrap):
+                raise ValueError(f"GatherPolicy.wrap={self.wrap!r}: module class names (a list of str), or None")
+            object.__setattr__(self, "wrap", tuple(self.wrap))
+        for name in ("persistence_threshold", "prefetch_numel", "max_live_numel", "reuse_distance"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"{name} must be an integer >= 0 (elements){', or None' * (name == 'max_live_numel')}"
-                                 f", got {value!r}")
-
-    @classmethod
-    def from_section(cls, zero) -> "GatherLimits":
-        """From a parsed `zero_optimization` section (config/schema.py: ZeroConfig)."""
-        live = zero.stage3_max_live_parameters
-        return cls(int(zero.stage3_prefetch_bucket_size), None if live is None else int(live),
-                   int(zero.stage3_max_reuse_distance))
+                raise ValueError(f"GatherPolicy.{name} must be an integer >= 0 (elements)"
+                                 f"{', or None' * (name == 'max_live_numel')}, got {value!r}")
 
     def live_allows(self, live: int, numel: int) -> bool:
         """May `numel` more elements be gathered (or kept) beside `live`?"""

@@ -31,7 +31,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.comm import CollectiveError
-from zeroshard.core.gathered import GatherLimits, LiveCount, reuse_offsets
+from zeroshard.core.gathered import GatherPolicy, LiveCount, reuse_offsets
 from zeroshard.core.grad_buffers import SpentGradients
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import InflightReductions, Unit, UnitState
@@ -61,7 +61,7 @@ class Phase(enum.Enum):
 
 class Lifecycle:
     def __init__(self, units: list[Unit], policy: StagePolicy, rank: int, world_size: int, *,
-                 limits: GatherLimits, overlap_comm: bool, max_inflight_reductions: int = 1):
+                 limits: GatherPolicy, overlap_comm: bool, max_inflight_reductions: int = 1):
         self.units, self.policy, self.rank, self.world_size = units, policy, rank, world_size
         self.limits = limits if overlap_comm else dataclasses.replace(limits, prefetch_numel=0)
         self.live = LiveCount()  # gathered elements of this model's units, now and at most

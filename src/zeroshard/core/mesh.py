@@ -19,9 +19,12 @@ Everything here is data passed into `shard()`; the collectives stay in comm.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 MESH_DIMS = ("dp", "tp", "pp")
@@ -101,8 +104,31 @@ def replicated_names(model: nn.Module, tensor_parallel: bool) -> frozenset:
     return frozenset(names)
 
 
-def from_device_mesh(mesh, model: nn.Module):
-    """(dp process group, ModelParallel) of a DeviceMesh with named dimensions 'dp' and 'tp'/'pp'."""
+class ZeroGroups(NamedTuple):
+    """The process group ZeRO shards over (None: the world) and the model-parallel dimensions around
+    it (None: there are none)."""
+
+    dp: dist.ProcessGroup | None = None
+    model_parallel: ModelParallel | None = None
+
+
+def zero_groups(mesh, model: nn.Module) -> ZeroGroups:
+    """`shard(mesh=...)`: None (ZeRO over the world), a DeviceMesh with dimensions named from
+    MESH_DIMS, a ProcessGroup (ZeRO over it, no model parallelism), or ZeroGroups (`from_mpu`)."""
+    if mesh is None:
+        return ZeroGroups()
+    if isinstance(mesh, ZeroGroups):
+        return mesh
+    if isinstance(mesh, DeviceMesh):
+        return from_device_mesh(mesh, model)
+    if isinstance(mesh, dist.ProcessGroup):
+        return ZeroGroups(mesh)
+    raise TypeError(f"mesh={type(mesh).__name__}: expected None (the world), a DeviceMesh, a ProcessGroup or "
+                    "ZeroGroups (from_mpu)")
+
+
+def from_device_mesh(mesh, model: nn.Module) -> ZeroGroups:
+    """ZeRO's groups in a DeviceMesh with named dimensions 'dp' and 'tp'/'pp'."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if "dp" not in names or any(n not in MESH_DIMS for n in names) or len(set(names)) != len(names):
         raise ValueError(f"mesh dimensions {names or '(unnamed)'}: name them from {MESH_DIMS}, with 'dp' "
@@ -111,11 +137,11 @@ def from_device_mesh(mesh, model: nn.Module):
     sizes = {n: mesh[n].size() for n in names}
     others = [n for n in ("tp", "pp") if n in names]
     tp = sizes.get("tp", 1) > 1
-    return mesh.get_group("dp"), ModelParallel(
+    return ZeroGroups(mesh.get_group("dp"), ModelParallel(
         norm_groups=tuple(mesh.get_group(n) for n in others if sizes[n] > 1),
         replicated=replicated_names(model, tp),
         count_replicated=not tp or mesh.get_local_rank("tp") == 0,
-        sizes=sizes, coordinate={n: mesh.get_local_rank(n) for n in names})
+        sizes=sizes, coordinate={n: mesh.get_local_rank(n) for n in names}))
 
 
 _MPU_DP = ("get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size")
@@ -126,14 +152,14 @@ _MPU_PP = ("get_pipeline_model_parallel_group", "get_pipeline_model_parallel_ran
            "get_pipeline_model_parallel_world_size")
 
 
-def from_mpu(mpu, model: nn.Module):
-    """(dp process group, ModelParallel) of a DeepSpeed/Megatron `mpu` object. Tensor-parallel calls
+def from_mpu(mpu, model: nn.Module) -> ZeroGroups:
+    """ZeRO's groups in a DeepSpeed/Megatron `mpu` object. Tensor-parallel calls
     are Megatron's `get_tensor_model_parallel_*` or, as DeepSpeed names them, `get_model_parallel_*`;
     the pipeline's are optional."""
     missing = [m for m in _MPU_DP if not callable(getattr(mpu, m, None))]
     tp_calls = next((calls for calls in _MPU_TP if all(callable(getattr(mpu, c, None)) for c in calls)), None)
     if missing or tp_calls is None:
-        raise ValueError(f"initialize(mpu=...): {type(mpu).__name__} lacks {missing or []}"
+        raise ValueError(f"mpu: {type(mpu).__name__} lacks {missing or []}"
                          f"{'' if tp_calls else ' and one of ' + ' / '.join(c[0] + '/rank/world_size' for c in _MPU_TP)}"
                          "; zeroshard needs the data-parallel group and the tensor-model-parallel group")
     group, rank, size = (getattr(mpu, c)() for c in tp_calls)
@@ -144,11 +170,11 @@ def from_mpu(mpu, model: nn.Module):
     coordinate = {"dp": mpu.get_data_parallel_rank(), "tp": rank}
     if len(dims) > 1:
         coordinate["pp"] = mpu.get_pipeline_model_parallel_rank()
-    return mpu.get_data_parallel_group(), ModelParallel(
+    return ZeroGroups(mpu.get_data_parallel_group(), ModelParallel(
         norm_groups=tuple(g for _, g, s in dims if s > 1),
         replicated=replicated_names(model, size > 1),
         count_replicated=size == 1 or rank == 0,
-        sizes=sizes, coordinate=coordinate)
+        sizes=sizes, coordinate=coordinate))
 
 
 class NormScope:

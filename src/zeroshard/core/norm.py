@@ -52,7 +52,7 @@ class NormWhenAsked:
                 warnings.warn("get_global_grad_norm(): at stage 0 without gradient clipping the norm is "
                               "computed when asked, from the gradients the step used; they were overwritten "
                               "since (by a backward or a load), so it is None. Ask right after step(), or "
-                              "set gradient_clipping to have every step compute it", stacklevel=3)
+                              "set a gradient clipping to have every step compute it", stacklevel=3)
                 return None
             total = torch.zeros((), dtype=torch.float64, device=self.grads[0].device)
             for grad in self.grads:

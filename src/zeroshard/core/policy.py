@@ -53,25 +53,39 @@ STAGES: dict[int, StagePolicy] = {
 
 def stage_policy(stage: int) -> StagePolicy:
     if stage not in STAGES:
-        raise ValueError(f"zero_optimization.stage={stage!r} is not a ZeRO stage; allowed: 0, 1, 2, 3")
+        raise ValueError(f"stage={stage!r} is not a ZeRO stage; allowed: 0, 1, 2, 3")
     return STAGES[stage]
 
 
 @dataclass(frozen=True)
 class CommPolicy:
-    """How stage 3 communicates: ZeRO++ (Wang et al., arXiv 2306.10209) and MiCS (Zhang et al., arXiv
-    2205.00119). The defaults are plain stage 3. See [Note: ZeRO++ and MiCS] in unit.py.
+    """How the ranks communicate.
 
-    `shard_size` (MiCS, DeepSpeed's `mics_shard_size`): partition over groups of this many
-    consecutive ranks and replicate across the groups; None = over every rank.
-    `secondary_size` (hpZ, `zero_hpz_partition_size`): after a unit's forward keep a second copy of
-    its parameters partitioned over groups of this many consecutive ranks (a node), which the
-    backward gathers from; None = off.
-    `quantize_weights` (qwZ, `zero_quantized_weights`): the parameter all-gather sends int8 blocks.
-    `quantize_gradients` (qgZ, `zero_quantized_gradients`): the gradient reduce-scatter does too.
+    `timeout_s`: seconds a collective may take before it is reported as a hang (a CollectiveError
+    on every rank). `check_collectives`: the debug mode that checks every collective across ranks
+    before it is used ([Note: asynchronous collective check] in consistency.py); off, each step
+    still compares the ranks' collectives ([Note: collective fingerprint]).
+    `overlap_comm`: a unit's gradient reduction stays in flight while the next unit's backward
+    computes, and at stage 3 the next unit is gathered ahead ([Note: one reduction in flight] in
+    lifecycle.py); off, each reduction is waited for and nothing is gathered ahead.
+    `overlap_param_gather`: stages 1/2, step() only issues the all-gather of updated parameters and
+    each unit waits for its own before its next forward ([Note: deferred parameter gather]).
+
+    At stage 3, ZeRO++ (Wang et al., arXiv 2306.10209) and MiCS (Zhang et al., arXiv 2205.00119),
+    off by default ([Note: ZeRO++ and MiCS] in unit.py):
+    `shard_size` (MiCS): partition over groups of this many consecutive ranks and replicate across
+    the groups; None = over every rank.
+    `secondary_size` (hpZ): after a unit's forward keep a second copy of its parameters partitioned
+    over groups of this many consecutive ranks (a node), which the backward gathers from; None = off.
+    `quantize_weights` (qwZ): the parameter all-gather sends int8 blocks.
+    `quantize_gradients` (qgZ): the gradient reduce-scatter does too.
     `block`: elements per quantization block ([Note: block quantization] in quantize.py).
     `ranks_per_node`: for counting bytes over the slow link; None = torchrun's LOCAL_WORLD_SIZE."""
 
+    timeout_s: float = 300.0
+    check_collectives: bool = False
+    overlap_comm: bool = True
+    overlap_param_gather: bool = True
     shard_size: int | None = None
     secondary_size: int | None = None
     quantize_weights: bool = False
@@ -80,6 +94,8 @@ class CommPolicy:
     ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
+            raise ValueError(f"CommPolicy.timeout_s={self.timeout_s!r}: seconds, > 0")
         for name in ("shard_size", "secondary_size", "ranks_per_node"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -89,17 +105,18 @@ class CommPolicy:
 
     @property
     def plain(self) -> bool:
-        return self == CommPolicy(ranks_per_node=self.ranks_per_node)
+        """No ZeRO++ or MiCS: stage 3 as the paper has it."""
+        return (self.shard_size, self.secondary_size, self.quantize_weights, self.quantize_gradients) == \
+            (None, None, False, False)
 
     def check(self, stage: StagePolicy, world_size: int) -> None:
-        """Errors name DeepSpeed's keys: the engine's config reaches the core through this."""
         if not self.plain and not stage.shard_parameters:
-            raise ValueError("mics_shard_size / zero_hpz_partition_size / zero_quantized_weights / "
-                             f"zero_quantized_gradients act at ZeRO stage 3 only (got stage {stage.stage})")
+            raise ValueError("CommPolicy.shard_size / secondary_size / quantize_weights / quantize_gradients act "
+                             f"at ZeRO stage 3 only (got stage {stage.stage})")
         shard = self.shard_size or world_size
         if world_size % shard:
-            raise ValueError(f"zero_optimization.mics_shard_size={self.shard_size} must divide the data-parallel "
-                             f"world size {world_size}")
+            raise ValueError(f"CommPolicy.shard_size={self.shard_size} must divide the data-parallel world size "
+                             f"{world_size}")
         if self.secondary_size is not None and shard % self.secondary_size:
-            raise ValueError(f"zero_optimization.zero_hpz_partition_size={self.secondary_size} must divide the "
-                             f"partition group size {shard} (mics_shard_size, or the data-parallel world size)")
+            raise ValueError(f"CommPolicy.secondary_size={self.secondary_size} must divide the partition group "
+                             f"size {shard} (CommPolicy.shard_size, or the data-parallel world size)")

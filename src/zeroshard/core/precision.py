@@ -15,44 +15,34 @@ import torch
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
 @dataclass(frozen=True)
 class PrecisionPolicy:
+    """`param_dtype`: what parameters compute in; `reduce_dtype`: what gradients are accumulated and
+    reduced in. Master weights and optimizer states are fp32 whatever these are."""
+
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
 
-    @classmethod
-    def from_config(cls, config) -> "PrecisionPolicy":
-        if config.bf16.enabled:
-            param = torch.bfloat16
-        elif config.fp16.enabled:
-            param = torch.float16
-        else:
-            param = torch.float32
-        reduce = DTYPES[config.communication_data_type] if config.communication_data_type else param
-        return cls(param, reduce)
-
 
 class DynamicLossScaler:
-    """DeepSpeed's fp16 loss scaling (`fp16` config section), the same state machine.
+    """fp16 loss scaling, DeepSpeed's state machine (its `fp16` config section's keys in brackets).
 
     An overflow (inf/nan in any rank's gradients; all ranks agree through one all-reduce) skips the
-    step. After `hysteresis` consecutive overflows the scale is halved (never below
-    `min_loss_scale`); at the step after each `loss_scale_window` clean steps since the last
-    overflow it doubles.
-    `loss_scale > 0` is a static scale: overflowing steps are still skipped, the scale never moves.
+    step. After `hysteresis` consecutive overflows the scale is halved (never below `min_scale`,
+    [min_loss_scale]); at the step after each `window` [loss_scale_window] clean steps since the last
+    overflow it doubles. `dynamic=False` [loss_scale > 0] keeps `initial_scale` for good: overflowing
+    steps are still skipped, the scale never moves.
     """
 
-    def __init__(self, section):
-        self.dynamic = section.loss_scale == 0
-        self.scale = float(2 ** section.initial_scale_power if self.dynamic else section.loss_scale)
-        self.window = section.loss_scale_window
-        self.min_scale = float(section.min_loss_scale)
-        self.hysteresis = section.hysteresis
-        self.consecutive_hysteresis = section.consecutive_hysteresis
-        self.hysteresis_left = section.hysteresis
+    def __init__(self, initial_scale: float = 2.0**16, window: int = 1000, min_scale: float = 1.0,
+                 hysteresis: int = 2, consecutive_hysteresis: bool = False, dynamic: bool = True):
+        self.dynamic = dynamic
+        self.scale = float(initial_scale)
+        self.window = window
+        self.min_scale = float(min_scale)
+        self.hysteresis = hysteresis
+        self.consecutive_hysteresis = consecutive_hysteresis
+        self.hysteresis_left = hysteresis
         self.iteration = 0
         self.last_overflow = -1
 
@@ -99,13 +89,12 @@ def check_supported(dtype: torch.dtype, device: torch.device) -> None:
         torch.nn.functional.layer_norm(x @ w, (4,)).sum().backward()
     except (RuntimeError, NotImplementedError) as error:
         name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
-        raise RuntimeError(f"{name} is enabled in the config, but this torch ({torch.__version__}) cannot "
-                           f"train in {name} on {device.type}: {error}; disable '{name}' or use another "
-                           "precision") from error
+        raise RuntimeError(f"this torch ({torch.__version__}) cannot train in {name} on {device.type}: {error}; "
+                           "use another precision") from error
 
 
 def cast_floating(tree, dtype: torch.dtype):
-    """Floating tensors of a (nested) argument structure cast to `dtype` (fp16.auto_cast)."""
+    """Floating tensors of a (nested) argument structure cast to `dtype`."""
     from torch.utils._pytree import tree_map
 
     def cast(x):

@@ -13,7 +13,7 @@ pays. So a failure is handled in one of two ways, chosen by `ZeroOptimizer.on_fa
   nothing and can be retried after zero_grad(), as any failed step; one that raises after an update
   began marks the optimizer `UpdateFailed`: every later forward, backward and step refuses, naming
   the flat groups that changed, until a checkpoint is loaded. Nothing is silently half-applied.
-* "copy" (`zeroshard.transactional_step: "copy"`) copies each group's master and optimizer state
+* "copy" (a config's `zeroshard.transactional_step: "copy"`) copies each group's master and optimizer state
   just before that group's update (`Snapshot`) and puts them back if the update raises, so the step
   leaves them as they were and training can go on after zero_grad().
 
@@ -52,8 +52,8 @@ class UpdateFailed(RuntimeError):
         return cls(
             f"the optimizer step raised {type(error).__name__}: {error} after it began updating {len(updated)} of "
             f"{total} flat groups{first}: their master weights and optimizer state are partly updated and cannot "
-            "be put back. Load the last checkpoint to continue; zeroshard.transactional_step: \"copy\" keeps a "
-            "copy that undoes such a failure ([Note: failed optimizer steps] in core/rollback.py)"
+            'be put back. Load the last checkpoint to continue; on_failed_update="copy" keeps a copy that undoes '
+            "such a failure ([Note: failed optimizer steps] in core/rollback.py)"
         )
 
 

@@ -1,21 +1,22 @@
 """`zeroshard.shard`: ZeRO applied to a model and its optimizer, with no config and no engine.
 
 Like FSDP2's `fully_shard`, one call turns a plain model and a plain torch optimizer into their
-sharded form; what comes back owns everything ZeRO adds — the units and their flat groups, the
-lifecycle hooks, the sharded optimizer, the offload stores and the communicator — and is driven
-with four calls:
+sharded form, configured by a few policy objects; what comes back owns everything ZeRO adds (the
+units and their flat groups, the lifecycle hooks, the sharded optimizer, the offload stores and
+the communicator) and trains as a plain torch loop does:
 
     sharded = zeroshard.shard(model, torch.optim.AdamW(model.parameters()), stage=3)
-    loss = sharded(batch)            # forward through the model (gathers units at stage 3)
-    sharded.backward(loss)           # reduces each unit's gradients as its backward finishes
+    loss = sharded(batch).loss       # forward through the model (gathers units at stage 3)
+    loss.backward()                  # reduces each unit's gradients as its backward finishes
     sharded.step()                   # optimizer step on this rank's shards, parameters refreshed
     sharded.zero_grad()              # only needed to discard gradients (they are cleared by step)
 
-The DeepSpeed engine (compat/engine.py) is this object plus a config, accessors, gradient
-accumulation counters and checkpoints. With `optimizer=None` (ZeRO-Inference, compat/inference.py)
-nothing is trainable: no gradient buffers, no optimizer state, and at stage 3 the parameter shards
-are the only copy of the weights. `group` is the process group ZeRO shards over: the world,
-or the data-parallel dimension of a device mesh.
+Runtime knobs are methods: `set_gradient_clipping`, `set_loss_scaler` (fp16),
+`set_requires_gradient_sync` (accumulate without reducing at stages 0/1, as DDP's no_sync) and
+`set_gradient_scale`. The DeepSpeed engine (compat/engine.py) is this object plus a config,
+accessors, gradient accumulation counters and checkpoints. With `optimizer=None` (ZeRO-Inference,
+compat/inference.py) nothing is trainable: no gradient buffers, no optimizer state, and at stage 3
+the parameter shards are the only copy of the weights.
 """
 from __future__ import annotations
 
@@ -27,9 +28,9 @@ import torch
 from torch import nn
 
 from zeroshard.core.comm import CollectiveError, Communicator
-from zeroshard.core.gathered import GatherLimits
-from zeroshard.core.lifecycle import Lifecycle, Phase
-from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh
+from zeroshard.core.gathered import GatherPolicy
+from zeroshard.core.lifecycle import Lifecycle, Phase, tensors_in
+from zeroshard.core.mesh import ModelParallel, NormScope, zero_groups
 from zeroshard.core.optimizer import ZeroOptimizer
 from zeroshard.core.optimizer_groups import optimizer_group_index, repoint_optimizer
 from zeroshard.core.param_gather import DeferredGather, ParameterReaders, refresh_parameters
@@ -43,50 +44,31 @@ from zeroshard.core.unit import build_links
 
 log = logging.getLogger(__name__)
 
-# [Note: bounded gathering] in gathered.py: the next unit prefetched (any bound below one unit's size
-# means that), no element bound beyond it, only the root unit kept from forward to backward. DeepSpeed's
-# defaults (5e7, 1e9, 1e9) can gather a small model whole.
-DEFAULT_PREFETCH_NUMEL = GatherLimits().prefetch_numel
 
+def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | StagePolicy = 3,
+          mesh=None, precision: PrecisionPolicy | None = None, offload: Placement | None = None,
+          gathering: GatherPolicy | None = None, comm: CommPolicy | None = None) -> Sharded:
+    """Shard `model`'s states, and `optimizer`'s, over the data-parallel ranks at `stage` (0-3).
 
-def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: int | StagePolicy = 3,
-          precision: PrecisionPolicy | None = None, placement: Placement | None = None,
-          group=None, mesh=None, model_parallel: ModelParallel | None = None,
-          wrap: list[str] | None = None, persistence_threshold: int = 0,
-          prefetch_numel: int = DEFAULT_PREFETCH_NUMEL, max_live_numel: int | None = None,
-          reuse_distance: int = 1, overlap_comm: bool = True,
-          gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
-          comm_timeout_s: float = 300.0, check_collectives: bool = False,
-          comm_policy: CommPolicy | None = None, overlap_param_gather: bool = True) -> "Sharded":
-    """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
-
-    `optimizer` must be a torch optimizer over `model`'s parameters with an elementwise update (SGD,
-    Adam, AdamW, ...); it is kept (class, hyper-parameters, param-group dicts) and re-pointed at this
-    rank's fp32 master shards. `precision` sets the compute and reduce dtypes, `placement` the
-    offload stores, `wrap` the module classes that become units (default: the blocks of the largest
-    ModuleList). At stage 3, `prefetch_numel`, `max_live_numel` and `reuse_distance` bound the gathered
-    parameters ([Note: bounded gathering] in core/gathered.py). Rank 0's parameter values are broadcast first, as DDP does. `optimizer=None`: for
-    inference only (forward passes; `backward` and `step` raise).
-
-    Inside 3D parallelism, `mesh` is a DeviceMesh with dimensions named 'dp' and 'tp' and/or 'pp':
-    ZeRO shards over 'dp' only, and the gradient norm is completed over the others (or give
-    `group` and `model_parallel` yourself, e.g. from `zeroshard.core.mesh.from_mpu`). See
-    [Note: ZeRO over the data-parallel dimension] in core/mesh.py. `comm_policy`: ZeRO++ and MiCS at
-    stage 3 ([Note: ZeRO++ and MiCS] in core/unit.py).
-    `overlap_param_gather`: stages 1/2, [Note: deferred parameter gather] in core/param_gather.py.
+    `optimizer`: a torch optimizer over `model`'s parameters with an elementwise update (SGD, Adam,
+    AdamW, ...); it is kept (class, hyper-parameters, param-group dicts) and re-pointed at this
+    rank's fp32 master shards. None: for inference only (forward passes; `backward` and `step` raise).
+    `mesh`: where ZeRO shards: None (the world), a ProcessGroup, or a DeviceMesh with dimensions
+    named 'dp' and 'tp' and/or 'pp' (ZeRO shards over 'dp' and completes the gradient norm over the
+    others; ZeroGroups from `zeroshard.core.mesh.from_mpu` for a Megatron mpu), see [Note: ZeRO
+    over the data-parallel dimension] in core/mesh.py.
+    `precision`: compute and reduce dtypes (masters are fp32). `offload`: where optimizer states and
+    stage-3 parameter shards live (a Placement of stores). `gathering`: which modules become units
+    and how much stage 3 gathers ahead ([Note: bounded gathering] in core/gathered.py). `comm`:
+    timeouts, overlap, the debug check, ZeRO++ and MiCS (CommPolicy).
+    Rank 0's parameter values are broadcast first, as DDP does.
     """
-    if mesh is not None:
-        if group is not None or model_parallel is not None:
-            raise ValueError("shard(mesh=...) derives the dp group and the model-parallel groups from the "
-                             "mesh: pass either mesh or group/model_parallel, not both")
-        group, model_parallel = from_device_mesh(mesh, model)
-    comm = Communicator(comm_timeout_s, check_collectives, group=group)
+    groups = zero_groups(mesh, model)
+    comm = comm or CommPolicy()
+    communicator = Communicator(comm.timeout_s, comm.check_collectives, group=groups.dp)
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
-    return Sharded(model, optimizer, comm, policy, precision or PrecisionPolicy(), placement or Placement(),
-                   wrap=wrap, persistence_threshold=persistence_threshold,
-                   gather_limits=GatherLimits(prefetch_numel, max_live_numel, reuse_distance),
-                   overlap_comm=overlap_comm, gradient_clipping=gradient_clipping, loss_scaler=loss_scaler,
-                   model_parallel=model_parallel, comm_policy=comm_policy, overlap_param_gather=overlap_param_gather)
+    return Sharded(model, optimizer, communicator, policy, precision or PrecisionPolicy(), offload or Placement(),
+                   gathering=gathering or GatherPolicy(), comm_policy=comm, model_parallel=groups.model_parallel)
 
 
 class Sharded(ParameterReaders):
@@ -94,55 +76,90 @@ class Sharded(ParameterReaders):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
                  policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
-                 wrap: list[str] | None, persistence_threshold: int, gather_limits: GatherLimits, overlap_comm: bool,
-                 gradient_clipping: float, loss_scaler: DynamicLossScaler | None,
-                 model_parallel: ModelParallel | None = None, comm_policy: CommPolicy | None = None,
-                 overlap_param_gather: bool = True):
+                 gathering: GatherPolicy, comm_policy: CommPolicy, model_parallel: ModelParallel | None = None):
         self.module = model
         self.model_parallel = model_parallel
         self.comm = comm
         self.policy = policy
         self.precision = precision
         self.placement = placement
+        self.gathering = gathering
+        self.comm_policy = comm_policy
         device = next(model.parameters(), torch.empty(0)).device
         check_supported(precision.param_dtype, comm.device if device.type == "meta" else device)
         _cast_buffers(model, precision.param_dtype)
         optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
-        self.comm_policy = comm_policy or CommPolicy()
-        self.partition, self.links = build_links(comm, policy, self.comm_policy)
+        self.partition, self.links = build_links(comm, policy, comm_policy)
         self.units = shard_module(model, policy, comm, optimizer_groups=optimizer_groups,
                                   precision=precision, placement=placement,
-                                  persistence_threshold=persistence_threshold, wrap_modules=wrap,
+                                  persistence_threshold=gathering.persistence_threshold,
+                                  wrap_modules=list(gathering.wrap) if gathering.wrap else None,
                                   partition=self.partition, links=self.links)
         self.groups = [g for unit in self.units for g in unit.groups]
         self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
         register_engine(self)  # for zero.GatheredParameters, which gets parameters and nothing else
-        self.loss_scaler = loss_scaler
+        self.loss_scaler: DynamicLossScaler | None = None
         self.optimizer: ZeroOptimizer | None = None
         self.norm_comms = self._norm_comms(comm)
         if optimizer is not None:
             repoint_optimizer(optimizer, self.groups)
             norm = NormScope.build(model_parallel, self.groups, self.norm_comms)
-            self.optimizer = ZeroOptimizer(optimizer, self.groups, self.partition, policy, float(gradient_clipping),
-                                           loss_scaler, self._streamed_step(optimizer), norm=norm,
-                                           replica=self.links.replica)
-        # overlap_comm (DeepSpeed: overlap gradient reduction with backward): off, each unit's
-        # reduction is waited for before backward goes on (none in flight); on, one is in flight
-        # while the next unit's backward computes ([Note: one reduction in flight] in lifecycle.py).
-        self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size,
-                                   limits=gather_limits, overlap_comm=overlap_comm,
-                                   max_inflight_reductions=1 if overlap_comm else 0)
+            self.optimizer = ZeroOptimizer(optimizer, self.groups, self.partition, policy, 0.0, None,
+                                           self._streamed_step(optimizer), norm=norm, replica=self.links.replica)
+        # overlap_comm: off, each unit's reduction is waited for before backward goes on (none in
+        # flight); on, one is in flight while the next unit's backward computes ([Note: one
+        # reduction in flight] in lifecycle.py).
+        overlap = comm_policy.overlap_comm
+        self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size, limits=gathering,
+                                   overlap_comm=overlap, max_inflight_reductions=1 if overlap else 0)
         self.lifecycle.register()
-        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy, overlap_param_gather)
+        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy,
+                                                     comm_policy.overlap_param_gather)
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
+        self.requires_gradient_sync = True  # set_requires_gradient_sync
+        self.gradient_scale = 1.0  # set_gradient_scale
+        self.completed_backwards = 0  # backwards that ended, by backward() or loss.backward()
+
+    # -- runtime knobs ---------------------------------------------------------------------------------
+    def set_gradient_clipping(self, max_norm: float) -> None:
+        """Clip the global gradient norm to `max_norm` at each step (0: no clipping), as
+        torch.nn.utils.clip_grad_norm_ over the whole model would."""
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
+            raise ValueError(f"set_gradient_clipping({max_norm!r}): a norm >= 0 (0: no clipping)")
+        self._require_optimizer("set_gradient_clipping")
+        self.optimizer.clip = float(max_norm)
+
+    def set_loss_scaler(self, scaler: DynamicLossScaler | None) -> None:
+        """fp16's dynamic loss scaling: `backward(loss)` scales the loss, and a step whose gradients
+        overflowed on any rank is skipped on every rank."""
+        self._require_optimizer("set_loss_scaler")
+        if scaler is not None and self.norm_comms:  # its overflow vote runs over dp only: stages would disagree
+            raise ValueError("fp16 dynamic loss scaling is not supported with tensor or pipeline parallelism: "
+                             "use bf16 (no loss scaling) or fp32")
+        self.loss_scaler = scaler
+        self.optimizer.loss_scaler = scaler
+
+    def set_on_failed_update(self, mode: str) -> None:
+        """What a step that raises during its update leaves: "fail_stop" (the default: no copy, every
+        later call refuses until a checkpoint is loaded) or "copy" (masters and optimizer state are
+        copied before each group's update and put back): [Note: failed optimizer steps] in rollback.py."""
+        self._require_optimizer("set_on_failed_update")
+        self.optimizer.on_failed_update = mode
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        """Whether the next backward reduces gradients (True) or, at stages 0/1, only accumulates
+        them on this rank for a later backward to reduce (DDP's no_sync). Stages 2/3 always reduce."""
+        self.requires_gradient_sync = bool(sync)
+
+    def set_gradient_scale(self, factor: float) -> None:
+        """A `loss.backward()` multiplies each gradient by `factor` as it is taken (1 / the
+        accumulation steps, when the loss is not divided by them)."""
+        self.gradient_scale = float(factor)
 
     def _norm_comms(self, comm: Communicator) -> list[Communicator]:
         if self.model_parallel is None or not self.model_parallel.norm_groups:
             return []
-        if self.loss_scaler is not None:  # its overflow vote runs over dp only: stages would disagree
-            raise ValueError("fp16 dynamic loss scaling is not supported with tensor or pipeline parallelism: "
-                             "use bf16 (no loss scaling) or fp32")
         return [Communicator(comm.timeout_s, comm.check_collectives, group=g) for g in self.model_parallel.norm_groups]
 
     def _streamed_step(self, optimizer) -> StreamedStep | None:
@@ -176,14 +193,17 @@ class Sharded(ParameterReaders):
             self._abort(error)
             raise
         self.lifecycle.end_forward()
+        if torch.is_grad_enabled() and self.optimizer is not None:
+            self._hook_outputs(out)
         return out
 
-    def backward(self, loss: torch.Tensor, *, boundary: bool = True, retain_graph: bool = False) -> None:
-        """Backward of `loss` as it is (divide by the accumulation steps first). `boundary=False`
-        accumulates without reducing at stages 0/1 (DDP's no_sync); stages 2/3 always reduce."""
+    def backward(self, loss: torch.Tensor, *, boundary: bool | None = None, retain_graph: bool = False) -> None:
+        """Backward of `loss` as it is (divide by the accumulation steps first); `loss.backward()`
+        does the same. `boundary=False` accumulates without reducing at stages 0/1 (DDP's no_sync);
+        None: as `set_requires_gradient_sync` says; stages 2/3 always reduce."""
         self._require_optimizer("backward")
         self._check_usable("backward")
-        self.lifecycle.begin_backward(boundary)
+        self.lifecycle.begin_backward(self.requires_gradient_sync if boundary is None else boundary)
         try:
             loss.backward(retain_graph=retain_graph)
             self.lifecycle.end_backward()
@@ -191,6 +211,38 @@ class Sharded(ParameterReaders):
             self._grads_lost = f"backward raised {type(error).__name__}: {error}"
             self._abort(error)
             raise
+        self.completed_backwards += 1
+
+    # [Note: loss.backward() on the outputs]
+    # A torch loop calls `loss.backward()` on what the forward returned. The first gradient that
+    # reaches one of the outputs (or, at stage 3, the unit that produced it: the lifecycle's
+    # `backward_opener`) opens this object's backward, and a callback queued on autograd's engine
+    # closes it when the whole backward is done. Each gradient is multiplied by `gradient_scale`
+    # as it is taken (the engine's 1 / accumulation steps, which is what dividing the loss gives,
+    # bit for bit when the steps are a power of two). Inside `backward(loss)` the hooks do nothing.
+    # fp16 needs the loss scaled before backward, so there it is refused.
+    def _hook_outputs(self, output) -> None:
+        hooked = [t.register_hook(self._output_grad) for t in tensors_in(output) if t.requires_grad]
+        if hooked:
+            self.lifecycle.backward_opener = self._open_torch_backward
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        if self.lifecycle.phase is not Phase.BACKWARD:
+            self._open_torch_backward()
+
+    def _open_torch_backward(self) -> None:
+        if self.loss_scaler is not None:
+            raise RuntimeError("loss.backward() with fp16 loss scaling: the loss must be scaled before backward; "
+                               "call backward(loss) instead")
+        self._check_usable("backward")
+        self.lifecycle.begin_backward(self.requires_gradient_sync)
+        self.lifecycle.grad_factor = self.gradient_scale
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
+
+    def _end_torch_backward(self) -> None:
+        self.lifecycle.grad_factor = 1.0
+        self.lifecycle.end_backward()
+        self.completed_backwards += 1
 
     @contextlib.contextmanager
     def backward_by_caller(self, *, boundary: bool = True):
@@ -219,6 +271,7 @@ class Sharded(ParameterReaders):
             self.lifecycle.hold_gathered = False
         self.lifecycle.boundary = boundary or self.policy.shard_gradients
         self.lifecycle.end_backward()  # stages 0/1: every unit reduces its accumulated gradient now
+        self.completed_backwards += 1
 
     def step(self) -> bool:
         """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""

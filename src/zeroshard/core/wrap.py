@@ -36,7 +36,7 @@ def unit_modules(model: nn.Module, wrap_modules: list[str] | None = None) -> lis
         known = {type(m).__name__ for m in model.modules()}
         missing = wanted - known
         if missing:
-            raise ValueError(f"zeroshard.wrap_modules names {sorted(missing)}, which the model does not "
+            raise ValueError(f"GatherPolicy.wrap names {sorted(missing)}, which the model does not "
                              f"contain; module classes in the model: {sorted(known)}")
     else:
         lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
