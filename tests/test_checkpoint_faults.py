@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import os
 import shutil
 import time
 from pathlib import Path

@@ -38,7 +38,7 @@ import typing
 from pathlib import Path
 
 import zeroshard
-from zeroshard.config import not_acted_on, schema
+from zeroshard.config import not_acted_on
 from zeroshard.config.base import Section
 from zeroshard.config.parse import ZeroShardConfig
 

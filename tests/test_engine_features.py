@@ -4,7 +4,6 @@ DeepSpeed "Adam" semantics; and destroy() leaving nothing behind."""
 from __future__ import annotations
 
 import gc
-import os
 
 import psutil
 import torch

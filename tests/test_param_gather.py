@@ -20,7 +20,6 @@ import tests.test_failures as failures
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_ddp
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config, train_engine
-from zeroshard.core.comm import CollectiveError
 from zeroshard.tools.models.gpt import tiny_gpt_config
 import zeroshard
 

@@ -5,7 +5,7 @@ import torch
 
 import zeroshard
 from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
-from tests.reference import gpt_batches, gpt_loss
+from tests.reference import gpt_loss
 
 LR = 1e-2
 

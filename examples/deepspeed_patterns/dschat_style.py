@@ -16,7 +16,7 @@ import os
 
 import torch
 import transformers
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 import zeroshard as deepspeed
 import zeroshard.comm as dist

@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-import torch.distributed as dist
 
 from zeroshard.core.comm import Communicator
 
