@@ -125,7 +125,7 @@ class NetCluster:
         return [self.namespace(i) for i in range(self.nodes)] + ([self.hub] if self.nodes > 2 else [])
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    def __enter__(self) -> "NetCluster":
+    def __enter__(self) -> NetCluster:
         self._trap_signals()
         try:
             self.up()

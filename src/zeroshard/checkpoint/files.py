@@ -223,7 +223,7 @@ class SafetensorsReader:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "SafetensorsReader":
+    def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc) -> None:

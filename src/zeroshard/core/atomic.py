@@ -48,7 +48,7 @@ class StepNotUndone(RuntimeError):
     """An update that was taken without a copy failed after some groups were updated."""
 
     @classmethod
-    def after(cls, updated: list, total: int) -> "StepNotUndone":
+    def after(cls, updated: list, total: int) -> StepNotUndone:
         return cls(f"the optimizer step failed after updating {len(updated)} of {total} flat groups (the first "
                    f"holds '{updated[0].names[0]}'), which cannot be put back: the fused update took no copy "
                    "([Note: an update that cannot fail half-way] in core/atomic.py). Reload the last checkpoint; "

@@ -50,7 +50,7 @@ class GatherLimits:
                                  f", got {value!r}")
 
     @classmethod
-    def from_section(cls, zero) -> "GatherLimits":
+    def from_section(cls, zero) -> GatherLimits:
         """From a parsed `zero_optimization` section (config/schema.py: ZeroConfig)."""
         live = zero.stage3_max_live_parameters
         return cls(int(zero.stage3_prefetch_bucket_size), None if live is None else int(live),

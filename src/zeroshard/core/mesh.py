@@ -60,7 +60,7 @@ class TensorParallelSpec:
     stride: tuple
 
     @classmethod
-    def of(cls, param: torch.Tensor) -> "TensorParallelSpec | None":
+    def of(cls, param: torch.Tensor) -> TensorParallelSpec | None:
         if not isinstance(param, DTensor):
             return None
         if param.device_mesh.ndim != 1:
@@ -160,7 +160,7 @@ class NormScope:
         self.skip = skip or {}  # id(FlatGroup) -> [(lo, hi)] of its optimizer range not counted here
 
     @classmethod
-    def build(cls, model_parallel: ModelParallel | None, groups, comms) -> "NormScope":
+    def build(cls, model_parallel: ModelParallel | None, groups, comms) -> NormScope:
         if model_parallel is None or model_parallel.count_replicated:
             return cls(comms)
         skip = {}

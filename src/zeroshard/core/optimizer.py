@@ -40,7 +40,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
                  policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
-                 streamed: "StreamedStep | None" = None, norm: NormScope | None = None,
+                 streamed: StreamedStep | None = None, norm: NormScope | None = None,
                  replica: Communicator | None = None):
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()

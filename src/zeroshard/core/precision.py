@@ -24,7 +24,7 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
 
     @classmethod
-    def from_config(cls, config) -> "PrecisionPolicy":
+    def from_config(cls, config) -> PrecisionPolicy:
         if config.bf16.enabled:
             param = torch.bfloat16
         elif config.fp16.enabled:

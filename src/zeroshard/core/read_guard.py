@@ -28,7 +28,7 @@ nothing of torch is patched.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -57,7 +57,7 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, stage: i
           reuse_distance: int = 1, overlap_comm: bool = True,
           gradient_clipping: float = 0.0, loss_scaler: DynamicLossScaler | None = None,
           comm_timeout_s: float = 300.0, check_collectives: bool = True,
-          comm_policy: CommPolicy | None = None, overlap_param_gather: bool = True) -> "Sharded":
+          comm_policy: CommPolicy | None = None, overlap_param_gather: bool = True) -> Sharded:
     """Shard `model`'s states over the ranks of `group` (default: the world) at `stage`.
 
     `optimizer` must be a torch optimizer over `model`'s parameters with an elementwise update (SGD,

@@ -194,7 +194,7 @@ def open_direct(path: Path, mode: str = "direct") -> tuple[int, str]:
 class DirectFile:
     """Aligned, large requests on one swap file, `depth` of them in flight on a shared I/O pool."""
 
-    def __init__(self, path: Path, pool: "IOPool"):
+    def __init__(self, path: Path, pool: IOPool):
         self.path = path
         self.pool = pool
         self.fd, self.mode = open_direct(path, pool.mode)

@@ -33,7 +33,7 @@ class GatheredParameters:
                           "used in another module's forward is not registered to be gathered there",
                           ConfigKeyNotActedOnWarning, stacklevel=2)
 
-    def __enter__(self) -> "GatheredParameters":
+    def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
         engines: dict[int, tuple[object, list]] = {}

@@ -138,7 +138,7 @@ class Init:
                 self._rehome()
 
     # -- the context ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Init:
         if not self.enabled:
             return self
         self.partition.comm = self.partition.communicator()
