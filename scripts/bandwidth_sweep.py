@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netcluster, beside this file
-import netcluster  # noqa: E402
+import netcluster
 
-from zeroshard.tools.bench.plot import BANDWIDTH_RUNS, write_bandwidth_chart  # noqa: E402 (matplotlib: when drawn)
+from zeroshard.tools.bench.plot import BANDWIDTH_RUNS, write_bandwidth_chart  # (matplotlib: when drawn)
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bandwidth_sweep:begin -->", "<!-- bandwidth_sweep:end -->"

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns, beside this file
-from netns import (IFNAME, PREFIX, ClusterError, IP_TIMEOUT_S, run_ip, capability_problem,  # noqa: E402
+from netns import (IFNAME, PREFIX, ClusterError, IP_TIMEOUT_S, run_ip, capability_problem,
                    clean_stale, kill_namespace, list_namespaces, namespace_pids, our_namespaces, parse_rate,
                    tbf_argv)
 

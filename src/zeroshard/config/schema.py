@@ -17,7 +17,7 @@ import torch
 from pydantic import AliasChoices, Field
 from pydantic import field_validator, model_validator
 
-from zeroshard.config.base import (Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section,  # noqa: F401
+from zeroshard.config.base import (Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section,
                           canonical_name)
 from zeroshard.config.offload import (AioConfig, OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig,  # noqa: F401
                              _check_nvme_path)
