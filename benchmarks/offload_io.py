@@ -18,8 +18,8 @@ import os
 import re
 import subprocess
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 

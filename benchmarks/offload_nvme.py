@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+
 try:
     from zeroshard.offload.blockio import union_s
 except ImportError:  # an older zeroshard (before/after runs): it has no clock, so no spans to join

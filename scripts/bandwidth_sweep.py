@@ -24,7 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netcluster, beside this file
 import netcluster
-
 from zeroshard.tools.bench.plot import BANDWIDTH_RUNS, write_bandwidth_chart  # (matplotlib: when drawn)
 
 REPO = Path(__file__).resolve().parent.parent

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from zeroshard.config import load_config
 from zeroshard.compat.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from zeroshard.config import load_config
 
 
 class DuckOptimizer:

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import zeroshard
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_batches, gpt_loss, train_ddp
+from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
 from zeroshard.config import ConfigKeyNotActedOnWarning, load_config
 from zeroshard.core import quantize
 from zeroshard.tools.demo.corpus import Batches, CharTokenizer, load_corpus
 from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
-from tests.harness import run_distributed, subtests
-from tests.reference import gpt_batches, gpt_loss, train_ddp
-from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
 
 STEPS, GAS, CLIP = 3, 2, 0.05  # the clip binds: the norm is large at the start
 NODE = {"LOCAL_WORLD_SIZE": "2"}

@@ -11,8 +11,16 @@ from zeroshard.compat.accelerator import get_accelerator
 from zeroshard.compat.api import add_config_arguments, init_distributed, initialize
 from zeroshard.compat.engine import ZeroEngine
 from zeroshard.config import ConfigError, load_config
-from zeroshard.core import STAGES, CollectiveError, Placement, PrecisionPolicy, Sharded, StagePolicy, shard, stage_policy
-
+from zeroshard.core import (
+    STAGES,
+    CollectiveError,
+    Placement,
+    PrecisionPolicy,
+    Sharded,
+    StagePolicy,
+    shard,
+    stage_policy,
+)
 from zeroshard.version import __version__
 
 _paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)

@@ -3,6 +3,7 @@ each flat group sits."""
 from __future__ import annotations
 
 import traceback
+
 import torch
 
 from zeroshard.checkpoint.files import CheckpointError

@@ -19,8 +19,15 @@ from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.deepspeed_convert import consolidate_deepspeed
 from zeroshard.checkpoint.files import CheckpointError, dtype_name
 from zeroshard.checkpoint.joined import consolidate_layout
-from zeroshard.checkpoint.manifest import (BUFFERS, MANIFEST, check_files, checkpoint_path, is_layout, read_manifest,
-                                           resolve_tag)
+from zeroshard.checkpoint.manifest import (
+    BUFFERS,
+    MANIFEST,
+    check_files,
+    checkpoint_path,
+    is_layout,
+    read_manifest,
+    resolve_tag,
+)
 from zeroshard.checkpoint.output import FullModelWriter, format_for
 from zeroshard.checkpoint.reader import CheckpointReader
 

@@ -25,9 +25,21 @@ from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.layout import Layout, check_same_model_parallel, layout_of
-from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_file, check_files,
-                                           checkpoint_path, grad_key, is_layout, persistent_buffers, rank_file,
-                                           read_manifest, resolve_tag, state_key)
+from zeroshard.checkpoint.manifest import (
+    MANIFEST,
+    OBJECTS,
+    check_compatible,
+    check_file,
+    check_files,
+    checkpoint_path,
+    grad_key,
+    is_layout,
+    persistent_buffers,
+    rank_file,
+    read_manifest,
+    resolve_tag,
+    state_key,
+)
 from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.core.masked import PER_PARAMETER

@@ -14,16 +14,16 @@ from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpo
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
 from zeroshard.compat.ds_params import register as register_ds_metadata, unregister as unregister_ds_metadata
-from zeroshard.compat.views import ShardedViews
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
+from zeroshard.compat.views import ShardedViews
+from zeroshard.config.schema import ZeroConfig
 from zeroshard.core.atomic import held_interrupts
-from zeroshard.core.lifecycle import Phase, tensors_in
 from zeroshard.core.comm import Communicator
 from zeroshard.core.gathered import GatherLimits
-from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, cast_floating
-from zeroshard.config.schema import ZeroConfig
+from zeroshard.core.lifecycle import Phase, tensors_in
 from zeroshard.core.policy import CommPolicy, stage_policy
+from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, cast_floating
 from zeroshard.core.sharded import Sharded
 from zeroshard.offload import build_placement
 

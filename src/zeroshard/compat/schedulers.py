@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Protocol
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 

@@ -29,8 +29,20 @@ from pydantic import AliasChoices, Field, ValidationError, model_validator
 
 from zeroshard.config.not_acted_on import reported_keys, unparsed_keys
 from zeroshard.config.schema import (
-    ActivationCheckpointingConfig, AioConfig, BF16Config, FP16Config, NonNegFloat, OptimizerConfig,
-    PosFloat, PosInt, SchedulerConfig, Section, TorchAutocastConfig, ZeroConfig, ZeroShardExtConfig, canonical_name,
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    FP16Config,
+    NonNegFloat,
+    OptimizerConfig,
+    PosFloat,
+    PosInt,
+    SchedulerConfig,
+    Section,
+    TorchAutocastConfig,
+    ZeroConfig,
+    ZeroShardExtConfig,
+    canonical_name,
 )
 
 __all__ = ["ConfigError", "ConfigKeyNotActedOnWarning", "ZeroShardConfig", "load_config", "read_config",

@@ -14,13 +14,11 @@ from __future__ import annotations
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import AliasChoices, Field
-from pydantic import field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from zeroshard.config.base import (Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section,
-                          canonical_name)
-from zeroshard.config.offload import (AioConfig, OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig,  # noqa: F401
-                             _check_nvme_path)
+from zeroshard.config import offload
+from zeroshard.config.base import Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section, canonical_name
+from zeroshard.config.offload import AioConfig, OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig  # noqa: F401
 
 # --- optimizer -----------------------------------------------------------------------------------
 
@@ -338,8 +336,8 @@ class ZeroConfig(Section):
         # and not_acted_on.py reports them.
         if opt is not None and opt.ratio < 1.0 and self.stage != 3:
             raise ValueError(f"offload_optimizer.ratio < 1 needs stage 3 (got stage {self.stage})")
-        _check_nvme_path(opt, "offload_optimizer")
-        _check_nvme_path(par, "offload_param")
+        offload._check_nvme_path(opt, "offload_optimizer")
+        offload._check_nvme_path(par, "offload_param")
         return self
 
 

@@ -17,16 +17,17 @@ import torch
 from zeroshard.core.atomic import StepNotUndone, held_interrupts, why_not_atomic
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.mesh import NormScope
-from zeroshard.core.policy import StagePolicy
-from zeroshard.core.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.mesh import NormScope
+from zeroshard.core.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.optimizer_groups import keeps_state
 from zeroshard.core.optimizer_state import CheckpointState
 from zeroshard.core.param_gather import refresh_parameters
+from zeroshard.core.policy import StagePolicy
+from zeroshard.core.precision import DynamicLossScaler
 from zeroshard.core.rollback import Snapshot, SnapshotBuffers, steps_apart_alike
 from zeroshard.core.streamed import StreamedStep, is_elementwise
-from zeroshard.core.precision import DynamicLossScaler
+
 
 class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
     """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards.

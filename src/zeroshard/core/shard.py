@@ -13,12 +13,12 @@ from torch import nn
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import local_tensor
-from zeroshard.core.policy import StagePolicy
+from zeroshard.core.partition import materialize
 from zeroshard.core.placement import Placement
+from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import PrecisionPolicy
 from zeroshard.core.unit import Links, Unit
 from zeroshard.core.wrap import assign_owners, unit_modules
-from zeroshard.core.partition import materialize
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-from zeroshard.compat.api import initialize
 from zeroshard.checkpoint import full_state_dict
+from zeroshard.compat.api import initialize
 from zeroshard.config import ConfigError, read_config
 from zeroshard.core.unit import UnitState
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.offload.split import ResidentFirstStore
-from zeroshard.offload.blockio import IOPool
-from zeroshard.offload.store import CPUStore, NVMeStore, StoreError
 from zeroshard.core.placement import Placement
+from zeroshard.offload.blockio import IOPool
+from zeroshard.offload.split import ResidentFirstStore
+from zeroshard.offload.store import CPUStore, NVMeStore, StoreError
 
 __all__ = ["CPUStore", "NVMeStore", "ResidentFirstStore", "StoreError", "build_placement"]
 

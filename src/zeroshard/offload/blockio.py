@@ -24,9 +24,9 @@ import ctypes
 import errno
 import logging
 import os
+import queue
 import threading
 import time
-import queue
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path

@@ -32,16 +32,21 @@ import os
 import shutil
 import time
 import weakref
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
+from concurrent.futures import Future, wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zeroshard.offload.blockio import ALIGN, DirectFile, IOPool, Workers, round_up
-from zeroshard.offload.cleanup import (create_locked_dir, describe_others, keep_on_sigterm, reclaim_dead, release_root,
-                                       remove_on_sigterm)
+from zeroshard.offload.cleanup import (
+    create_locked_dir,
+    describe_others,
+    keep_on_sigterm,
+    reclaim_dead,
+    release_root,
+    remove_on_sigterm,
+)
 from zeroshard.offload.errors import StoreError
 from zeroshard.offload.swapfile import Home, SwapFile, make_writable, read_ahead, read_into_buffer, write_back
 

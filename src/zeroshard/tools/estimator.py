@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroshard.core.policy import stage_policy
-# Re-exported: callers read and print sizes through the estimator (est.parse_bytes, est.format_bytes).
-from zeroshard.tools.units import format_bytes, format_count, parse_bytes, parse_count  # noqa: F401
+from zeroshard.tools.units import format_bytes, format_count, parse_bytes, parse_count  # noqa: F401 - re-exported: est.parse_bytes, ...
 
 OFFLOAD_TARGETS = ("cpu", "nvme")
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of a parameter held for compute

@@ -28,12 +28,12 @@ from pathlib import Path
 
 from zeroshard.tools import estimator as est
 from zeroshard.tools.bench.capped import ALLOCATION_MARKERS
+from zeroshard.tools.bench.family import HEAD_DIM
 from zeroshard.tools.bench.launch import Outcome, failure_message, run_ranks
 from zeroshard.tools.commands import CommandError
 
 log = logging.getLogger(__name__)
 
-from zeroshard.tools.bench.family import HEAD_DIM
 ASSUMED_BASELINE = 300 * 10**6  # bytes a rank maps before the model (torch, gloo); only seeds the first guess
 
 # The configurations searched: stages 0-3, then stage 3 with both offloads to CPU and to NVMe.

@@ -19,7 +19,6 @@ import importlib.util
 import torch
 
 from zeroshard.core.comm import Communicator
-
 from zeroshard.tools.bench import measure
 from zeroshard.tools.bench.subject import Subject
 
