@@ -49,7 +49,7 @@ def test_quantize_zero_block_and_rows():
     rows = [torch.randn(10), torch.randn(10)]
     encoded = [quantize.quantize(r, 4) for r in rows]
     both = quantize.dequantize_rows(torch.cat([e[0] for e in encoded]), torch.cat([e[1] for e in encoded]), 2, 10, 4)
-    for row, (q, s), out in zip(rows, encoded, both):
+    for (q, s), out in zip(encoded, both):
         assert torch.equal(out, quantize.dequantize(q, s, 10, 4))
 
 

@@ -92,7 +92,7 @@ class PartitionedParameter(nn.Parameter):
         is in the compute dtype; zeroshard keeps no other copy). Empty where the rank holds none."""
         _, group, index = _place(self)
         slot = group.layout.slots[index]
-        for piece, lo, hi, view in group.master_pieces():
+        for piece, _lo, _hi, view in group.master_pieces():
             if piece is slot:
                 return view.detach()
         return group.master.detach()[:0]
