@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -264,8 +265,11 @@ class Sharded(ParameterReaders):
                 part.abort(wait=self._broken is None)
             except CollectiveError as drained:
                 self._broken = str(drained)
-                if error is not None:
-                    error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+                note = f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}"
+                if error is not None and sys.version_info >= (3, 11):
+                    error.add_note(note)
+                elif error is not None:  # Python 3.10 has no add_note: say it in the log instead
+                    log.error("%s (while handling %s: %s)", note, type(error).__name__, error)
 
     def _finish_interrupted_backward(self) -> None:
         """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)
