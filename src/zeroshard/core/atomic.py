@@ -69,7 +69,7 @@ def why_not_atomic(optimizer: torch.optim.Optimizer, masters: list[torch.Tensor]
              torch_optimizer._global_optimizer_pre_hooks, torch_optimizer._global_optimizer_post_hooks)
     if any(hooks):
         return "the optimizer has step hooks"
-    twins = {}
+    twins: dict = {}
     for master, grad in zip(masters, grads if grads is not None else [None] * len(masters)):
         reason = _tensors(master, grad) or _state(optimizer.state.get(master), master, _twin_state(optimizer, twins))
         if reason:
@@ -104,7 +104,7 @@ def _step_twin(optimizer: torch.optim.Optimizer, param_group: dict, dtype: torch
     they raised (the real update would raise too, maybe after another group was updated)."""
     try:
         param = torch.zeros(3, dtype=dtype, requires_grad=True)
-        twin = type(optimizer)([{**{k: v for k, v in param_group.items() if k != "params"}, "params": [param]}])
+        twin = type(optimizer)([{**{k: v for k, v in param_group.items() if k != "params"}, "params": [param]}])  # type: ignore[call-arg]  # the subclass's constructor: its defaults are its own arguments
         for _ in range(2):
             param.grad = torch.ones(3, dtype=dtype)
             twin.step()

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 MESH_DIMS = ("dp", "tp", "pp")
@@ -54,7 +55,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 class TensorParallelSpec:
     """How to rebuild a DTensor parameter around a local tensor (its mesh, placements, global shape)."""
 
-    mesh: object
+    mesh: DeviceMesh
     placements: tuple
     shape: torch.Size
     stride: tuple

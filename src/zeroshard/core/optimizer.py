@@ -173,7 +173,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         n, rank, world = piece.numel(), self.comm.rank, self.comm.world_size
         return piece[n * rank // world: n * (rank + 1) // world]
 
-    def step(self) -> bool:
+    def step(self) -> bool:  # type: ignore[override]  # no closure; says whether the step was applied
         """One optimizer step on this rank's shards; False when fp16 overflow skipped it."""
         if self.deferred_gather is not None:  # the update writes the masters the gathers read
             self.deferred_gather.wait_all()
@@ -227,8 +227,9 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         uniform = {id(g): self._uniform_state(g) for g in self.groups}
         plans = {id(g): self.slot_states.plan(g, seen[id(g)], uniform[id(g)]) for g in self.groups}
         if self.streamed is not None:
-            for group in self.groups if snapshot is not None else ():
-                snapshot.keep(group, self._stepping_params(group))
+            if snapshot is not None:
+                for group in self.groups:
+                    snapshot.keep(group, self._stepping_params(group))
             results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)},
                                         plans)
         else:
@@ -245,8 +246,9 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         results = {}
         for batch in ([[i] for i in indices] if self._steps_per_group() else [indices]):
             batch_groups = [self.groups[i] for i in batch]
-            for group in batch_groups if snapshot is not None else ():
-                snapshot.keep(group, [group.master])
+            if snapshot is not None:
+                for group in batch_groups:
+                    snapshot.keep(group, [group.master])
             for group, i in zip(batch_groups, batch):
                 group.master.grad = grads[i] if plans[id(group)] is None else None  # torch skips grad None
             try:

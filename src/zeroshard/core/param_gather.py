@@ -58,6 +58,7 @@ def refresh_parameters(groups: list[FlatGroup], comm: Communicator, deferred=Non
             continue
         if group.sharded_master and deferred is None:
             what = f"all-gather of updated parameters ({group.names[0]}...)"
+            assert group.full is not None  # kept: it does not reshard
             handles.append(comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True))
     for handle in handles:
         handle.wait()
@@ -74,7 +75,7 @@ class DeferredGather:
         self._comm = None
         self._queue: list[Unit] = []  # gathers not issued yet, in order
         self._inflight: dict[int, list] = {}  # id(unit) -> handles, oldest first
-        self._handles = []
+        self._handles: list = []
         groups = [g for u in self.units for g in u.groups if _gathers(g)]
         self.guard = ReadGuard(wait or self.wait_all)  # [Note: reads before the next forward]
         self.guard.watch([g.full for g in groups], [p for g in groups for p in g.params])

@@ -41,7 +41,7 @@ METADATA = frozenset(
         "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "is_cuda", "is_meta",
         "is_sparse", "is_quantized", "is_nested", "layout", "names", "_version", "output_nr", "itemsize", "nbytes")
      if hasattr(_T, name)]
-    + [_T.requires_grad.__set__, _T.grad.__set__, _T.dim, _T.size, _T.numel, _T.nelement, _T.element_size,
+    + [_T.requires_grad.__set__, _T.grad.__set__, _T.dim, _T.size, _T.numel, _T.nelement, _T.element_size,  # type: ignore[attr-defined, union-attr]  # descriptors: torch's stubs type them as their values
        _T.is_floating_point, _T.is_complex, _T.get_device, _T.requires_grad_, _T.register_hook,
        _T.register_post_accumulate_grad_hook, _T.new, _T.new_empty, _T.new_zeros, _T.new_ones, _T.new_full,
        _T.__len__, _T.__hash__])
@@ -69,12 +69,12 @@ class ReadGuard(TorchFunctionMode):
         self._handling = False
         self.waits = 0  # reads that waited (tests count them)
 
-    def watch(self, buffers: list[torch.Tensor], params: list[torch.Tensor]) -> None:
+    def watch(self, buffers: list[torch.Tensor | None], params: list[torch.Tensor]) -> None:
         self._storages = frozenset(filter(None, (_storage_ptr(b) for b in buffers)))
         self._params = frozenset(id(p) for p in params if _storage_ptr(p) is None)
 
     # -- on the stack ------------------------------------------------------------------------------
-    def push(self) -> bool:
+    def push(self) -> bool:  # type: ignore[override]  # ours arms this guard; torch's is a deprecated classmethod
         """Arm the guard on this thread's mode stack, empty but for other engines' guards; False
         (nothing pushed) where other modes are."""
         if self.on_stack:

@@ -158,7 +158,7 @@ class Snapshot:
         self.state: dict = {}  # param -> {key: copy} for the entries of the groups kept
         self.nbytes = 0  # bytes copied (kept buffers included)
 
-    def _copy(self, key: tuple, value):
+    def _copy(self, key: tuple | None, value):
         if not isinstance(value, torch.Tensor):
             return copy.deepcopy(value)
         self.nbytes += value.numel() * value.element_size()
@@ -239,7 +239,7 @@ def _alike(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
         twins = []
         for _ in range(2):
             params = [torch.linspace(-1.0, 1.0, 3, device=device).requires_grad_() for _ in range(2)]
-            twins.append((params, type(optimizer)([{**copy.deepcopy(hyper), "params": params}])))
+            twins.append((params, type(optimizer)([{**copy.deepcopy(hyper), "params": params}])))  # type: ignore[call-arg]  # the subclass's constructor: its defaults are its own arguments
         (together, one), (apart, other) = twins
         for grads in rounds:
             for param, grad in zip(together, grads):

@@ -117,7 +117,8 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
 
 def _chunks(items: list[tuple[str, nn.Parameter]], max_numel: int) -> list[list]:
     """`items` in order, cut into runs of at most `max_numel` elements (a larger parameter alone)."""
-    chunks, numel = [[]], 0
+    chunks: list[list] = [[]]
+    numel = 0
     for name, param in items:
         size = local_tensor(param).numel()
         if chunks[-1] and numel + size > max_numel:

@@ -230,6 +230,7 @@ class Sharded(ParameterReaders):
     def step(self) -> bool:
         """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""
         self._require_optimizer("step")
+        assert self.optimizer is not None  # _require_optimizer raised otherwise
         self._check_usable("step")
         self.lifecycle.release_retained()  # the shards change under them
         try:
@@ -260,7 +261,10 @@ class Sharded(ParameterReaders):
         links = [c for u in self.units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
         for comm in {id(c): c for c in [self.comm, *self.norm_comms, *links]}.values():
             comm.verify_before_launch = True  # peers may still be in this pass: see its comment in comm.py
-        for part in filter(None, (self.lifecycle, self.deferred_gather)):
+        parts: list[Lifecycle | DeferredGather] = [self.lifecycle]
+        if self.deferred_gather is not None:
+            parts.append(self.deferred_gather)
+        for part in parts:
             try:
                 part.abort(wait=self._broken is None)
             except CollectiveError as drained:
