@@ -279,7 +279,7 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
                 for slot in group.layout.slots}
     first_name = group.layout.slots[0].name
     if len({_status_key(status) for status in statuses.values()}) > 1:
-        state = {PER_PARAMETER: copy.deepcopy(statuses)}
+        state: dict = {PER_PARAMETER: copy.deepcopy(statuses)}
     elif PER_PARAMETER in scalars[sources[first_name]]:
         state = copy.deepcopy(statuses[first_name])
     else:

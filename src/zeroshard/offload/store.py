@@ -240,8 +240,8 @@ class NVMeStore:
         try:
             for item in self._mapped(tensors):
                 reading, item.reading = item.reading, None
-                if reading is not None and reading.exception() is not None:  # exception() waits
-                    raise reading.exception()
+                if reading is not None and (error := reading.exception()) is not None:  # exception() waits
+                    raise error
         finally:
             self.counters.wait_s += time.perf_counter() - started
 
@@ -282,7 +282,7 @@ class NVMeStore:
         """Until every write-back has finished; the first failure is raised once (a retried step
         writes its tensors back again)."""
         pending, self._pending = self._pending, []
-        errors = [f.exception() for f, _ in pending if f.exception() is not None]  # exception() waits
+        errors = [error for f, _ in pending if (error := f.exception()) is not None]  # exception() waits
         if errors:
             raise errors[0]
 
