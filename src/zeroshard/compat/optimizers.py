@@ -37,7 +37,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
 )
 
-ParamsArg = Iterable[torch.Tensor | dict[str, Any]]
+ParamsArg = Iterable[torch.Tensor] | Iterable[dict[str, Any]]  # tensors or param-group dicts, as torch.optim.Optimizer
 
 
 class OptimizerNotShardableError(ValueError):

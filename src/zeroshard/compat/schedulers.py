@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -104,7 +104,7 @@ def _per_group(value: float | Sequence[float], groups: int, name: str) -> list[f
         if len(value) != groups:
             raise ValueError(f"expected {groups} values for {name} (one per param group), got {len(value)}")
         return [float(v) for v in value]
-    return [float(value)] * groups
+    return [float(cast(float, value))] * groups  # one number (a list or tuple was handled above)
 
 
 class WarmupLR(_Schedule):

@@ -23,7 +23,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError, model_validator
 
@@ -236,7 +236,10 @@ def _exact_div(tb: int, divisor: int, divisor_text: str, derived: str) -> int:
 # --- sections -------------------------------------------------------------------------------------
 
 
-def _parse_section(model: type[Section], raw: Any, extra: dict[str, Any] | None = None) -> Section:
+_S = TypeVar("_S", bound=Section)
+
+
+def _parse_section(model: type[_S], raw: Any, extra: dict[str, Any] | None = None) -> _S:
     """Check the keys of ``raw`` against ``model``, parse nested sections, then validate."""
     path = model.section_path
     if model is ZeroConfig:
@@ -282,7 +285,7 @@ def _checked_keys(model: type[Section], raw: Mapping[str, Any]) -> tuple[dict[st
 def _accepted_keys(model: type[Section]) -> tuple[set[str], list[tuple[str, ...]]]:
     accepted: set[str] = set()
     groups: list[tuple[str, ...]] = []
-    internal = getattr(model, "internal_keys", frozenset())
+    internal: frozenset[str] = getattr(model, "internal_keys", frozenset())
     for name, field in model.model_fields.items():
         alias = field.validation_alias
         names = tuple(alias.choices) if isinstance(alias, AliasChoices) else (name,)

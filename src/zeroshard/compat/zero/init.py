@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 _T = torch.Tensor
 # Overwrite every element whatever the old values: an empty full tensor is enough.
 _OVERWRITES = frozenset([_T.normal_, _T.uniform_, _T.fill_, _T.zero_, _T.random_, _T.exponential_, _T.cauchy_,
-                         _T.log_normal_, _T.geometric_, _T.bernoulli_, _T.copy_, _T.data.__set__])
+                         _T.log_normal_, _T.geometric_, _T.bernoulli_, _T.copy_, _T.data.__set__])  # type: ignore[attr-defined]  # a descriptor: torch's stubs type the attribute as its value
 _DESCRIBES = frozenset([_T.__repr__, _T.__format__])
 
 
@@ -89,8 +89,8 @@ def _contiguous_strides(shape: torch.Size, dim: int | None = None):
     for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
-    strides = tuple(reversed(strides))
-    return strides if dim is None else strides[dim]
+    ordered = tuple(reversed(strides))
+    return ordered if dim is None else ordered[dim]
 
 
 class Init:
@@ -151,6 +151,7 @@ class Init:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
+        assert self._mode is not None  # entered
         self._mode.__exit__(exc_type, exc, tb)
         for handle in self._handles:
             handle.remove()
@@ -163,6 +164,7 @@ class Init:
                     self._partition_all(list(self._pending.keys()))
                     self._rehome()
         finally:
+            assert self.partition.comm is not None  # opened by __enter__
             self.partition.comm.destroy()
             self.partition.comm = None
 
@@ -193,6 +195,7 @@ class Init:
     def _partition_all(self, params) -> None:
         for param in params:
             if part.record_of(param) is None and param.is_floating_point():
+                assert self.partition.comm is not None  # open: inside the context
                 part.partition_param(param, self.partition, self.partition.comm, f"a {tuple(param.shape)} parameter")
             self._pending.pop(param, None)
 
