@@ -212,9 +212,9 @@ def largest_model(memory_bytes: int, ranks: int, stage: int, recipe: Recipe = MI
     if step_copy:  # the copy lives where the optimizer state does: the device, or the host it is offloaded to
         _, added, sharded, tier = _step_copy(ranks, stage, recipe, offload_optimizer)
         coefficients[tier][int(sharded)] += added
-    limits = [_largest_within(rep, shd, budgets[tier], ranks)
-              for tier, (rep, shd) in coefficients.items() if budgets[tier] is not None]
-    limits = [limit for limit in limits if limit is not None]
+    found = [_largest_within(rep, shd, budget, ranks)
+             for tier, (rep, shd) in coefficients.items() if (budget := budgets[tier]) is not None]
+    limits = [limit for limit in found if limit is not None]
     if not limits:
         raise ValueError("nothing bounds the model size: all model states are offloaded; give a cpu/nvme budget")
     return min(limits)

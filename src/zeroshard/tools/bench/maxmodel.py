@@ -193,6 +193,7 @@ def find_boundary(fits: Callable[[int], Trial], guess: int, ceiling: int) -> Bou
             low, high = (step, high) if attempt(step) else (None, step)
         if low is None:
             return Boundary(None, high, _ordered(trials))
+    assert low is not None and high is not None  # both found, or returned above
     while high - low > 1:  # invariant: low fits, high does not; both were run
         middle = (low + high) // 2
         low, high = (middle, high) if attempt(middle) else (low, middle)

@@ -15,6 +15,7 @@ their communication is counted by `measure.C10dByteCounter` from the outside.
 from __future__ import annotations
 
 import importlib.util
+from typing import cast
 
 import torch
 
@@ -99,7 +100,7 @@ def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict,
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in cast(torch.nn.ModuleList, model.blocks):  # the GPT's
             fully_shard(block)
         fully_shard(model)
         return _torch_subject(model, make_optimizer(model.parameters()), device, params, bf16, clip)
