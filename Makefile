@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv test test-fast lint demo bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,12 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# ruff (lint, then formatting) and mypy; settings in pyproject.toml ([tool.ruff], [tool.mypy]).
+lint: venv
+	$(BIN)/ruff check src tests benchmarks examples scripts
+	$(BIN)/ruff format --check src tests benchmarks examples scripts
+	$(BIN)/mypy src
 
 demo: venv
 	$(BIN)/zeroshard train

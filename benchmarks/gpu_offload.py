@@ -187,7 +187,7 @@ def run(args) -> dict:
         try:
             record["run"] = train(args, args.mode, shape, micro, gas, device)
             break
-        except Exception as error:  # noqa: BLE001 - out of memory is a result here, anything else is not
+        except Exception as error:  # out of memory is a result here, anything else is re-raised
             if not _out_of_memory(error):
                 raise
             record.setdefault("out_of_memory", []).append(dict(micro_batch=micro, gradient_accumulation=gas,

@@ -18,8 +18,8 @@ import os
 import re
 import subprocess
 import time
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -101,7 +101,7 @@ def direct(path: str, nbytes: int, write: bool) -> float:
 
 
 def dd(path: str, nbytes: int, write: bool) -> float:
-    flags = [f"if=/dev/zero", f"of={path}", "oflag=direct", "conv=notrunc"] if write else \
+    flags = ["if=/dev/zero", f"of={path}", "oflag=direct", "conv=notrunc"] if write else \
         [f"if={path}", "of=/dev/null", "iflag=direct"]
     result = subprocess.run(["dd", *flags, "bs=16M", f"count={nbytes // 2**24}"], capture_output=True, text=True)
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", result.stderr)

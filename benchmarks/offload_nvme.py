@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
+
 try:
     from zeroshard.offload.blockio import union_s
 except ImportError:  # an older zeroshard (before/after runs): it has no clock, so no spans to join
@@ -231,7 +232,7 @@ def main() -> None:
                        achieved_of_dd=disk / seconds / 1e9 / ((dd["read"] + dd["write"]) / 2) if seconds else None,
                        optimizer_phase_gb_per_s=opt_disk / opt_seconds / 1e9 if opt_seconds else None,
                        store_io=io, io_mode=getattr(store, "io_mode", "memory-mapped (no aligned path)"),
-                       command="torchrun --nproc_per_node %d benchmarks/offload_nvme.py %s" % (
+                       command="torchrun --nproc_per_node {} benchmarks/offload_nvme.py {}".format(
                            world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)))
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=2)

@@ -23,9 +23,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netcluster, beside this file
-import netcluster  # noqa: E402
-
-from zeroshard.tools.bench.plot import BANDWIDTH_RUNS, write_bandwidth_chart  # noqa: E402 (matplotlib: when drawn)
+import netcluster
+from zeroshard.tools.bench.plot import BANDWIDTH_RUNS, write_bandwidth_chart  # (matplotlib: when drawn)
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- bandwidth_sweep:begin -->", "<!-- bandwidth_sweep:end -->"

@@ -45,9 +45,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns, beside this file
-from netns import (IFNAME, PREFIX, ClusterError, IP_TIMEOUT_S, run_ip, capability_problem,  # noqa: E402
-                   clean_stale, kill_namespace, list_namespaces, namespace_pids, our_namespaces, parse_rate,
-                   tbf_argv)
+from netns import (
+    IFNAME,
+    IP_TIMEOUT_S,
+    PREFIX,
+    ClusterError,
+    capability_problem,
+    clean_stale,
+    kill_namespace,
+    list_namespaces,
+    namespace_pids,
+    our_namespaces,
+    parse_rate,
+    run_ip,
+    tbf_argv,
+)
 
 SUBNET = "10.213.0"  # a private /24 that exists only inside our namespaces
 RDZV_PORT = 29400  # on node 0's address, inside its namespace: cannot collide with the host's ports
@@ -125,7 +137,7 @@ class NetCluster:
         return [self.namespace(i) for i in range(self.nodes)] + ([self.hub] if self.nodes > 2 else [])
 
     # -- lifecycle ------------------------------------------------------------------------------------
-    def __enter__(self) -> "NetCluster":
+    def __enter__(self) -> NetCluster:
         self._trap_signals()
         try:
             self.up()

@@ -33,7 +33,7 @@ from zeroshard.tools.bench.worker import bench_optimizer
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # netns, beside this file
-import netns  # noqa: E402
+import netns
 
 LR = 1e-3
 # "1o"/"2o": stages 1/2 with zeroshard.overlap_param_gather ([Note: deferred parameter gather]);

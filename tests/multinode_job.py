@@ -131,7 +131,7 @@ def main(argv=None) -> None:
     try:
         for stage in args.stages:
             train_stage(stage, args, report, deadline)
-    except Exception as exc:  # report the named error, then leave without gloo's teardown
+    except Exception as exc:  # noqa: BLE001 - report the named error, then leave without gloo's teardown
         report.error(exc)
         traceback.print_exc()
         sys.stderr.flush()

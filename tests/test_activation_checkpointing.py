@@ -15,8 +15,8 @@ from tests.reference import gpt_batches, gpt_loss, train_single
 from tests.zs_common import adamw, assert_close, make_config, train_engine
 from zeroshard import checkpointing
 from zeroshard.config import ConfigKeyNotActedOnWarning
-from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
 from zeroshard.core.unit import UnitState
+from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
 
 STEPS = 3
 CONFIG = tiny_gpt_config(n_layer=4)

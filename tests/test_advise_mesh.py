@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from zeroshard.tools import cli
-from zeroshard.tools import estimator as est
+from zeroshard.tools import cli, estimator as est
 from zeroshard.tools.bench import advisor as advise
 
 MESH = ["--model", "gpt-7.5b", "--memory", "24GB", "--bandwidth", "25GB/s", "--json"]

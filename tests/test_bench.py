@@ -9,8 +9,7 @@ import textwrap
 
 import pytest
 
-from zeroshard.tools import cli
-from zeroshard.tools import estimator as est
+from zeroshard.tools import cli, estimator as est
 from zeroshard.tools.bench import advisor as advise, family, maxmodel
 from zeroshard.tools.bench.launch import Outcome
 from zeroshard.tools.commands import CommandError

@@ -21,8 +21,7 @@ import time
 import pytest
 import torch
 
-from zeroshard.offload import NVMeStore, StoreError
-from zeroshard.offload import blockio
+from zeroshard.offload import NVMeStore, StoreError, blockio
 from zeroshard.offload.blockio import ALIGN, BlockIOError, IOClock, IOPool, union_s
 from zeroshard.offload.swapfile import Home
 

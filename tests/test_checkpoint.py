@@ -13,12 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.checkpoint_helpers import (assert_equal_params, build_engine, full_params, tiny_batches,
-                                      train_micro_steps)
+from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params, tiny_batches, train_micro_steps
 from tests.harness import run_distributed, subtests
-from zeroshard.tools import cli
 from zeroshard.checkpoint import CheckpointError, consolidate, full_state_dict, load_full_weights
 from zeroshard.checkpoint.files import SafetensorsReader
+from zeroshard.tools import cli
 from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
 
 STEPS = 10

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tests.checkpoint_helpers import (assert_equal_params, build_engine, full_params, tiny_batches,
-                                      train_micro_steps)
+from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params, tiny_batches, train_micro_steps
 from tests.harness import run_distributed, run_distributed_expect_failure
 from zeroshard.checkpoint import save as save_module
 from zeroshard.checkpoint.files import SafetensorsWriter

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import os
 import shutil
 import time
 from pathlib import Path
@@ -26,13 +25,9 @@ import torch
 
 from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params, tiny_batches, train_micro_steps
 from tests.harness import run_distributed, subtests
-from zeroshard.checkpoint import CheckpointError
-from zeroshard.checkpoint import files as files_module
+from zeroshard.checkpoint import CheckpointError, files as files_module, load as load_module, save as save_module
 from zeroshard.core.comm import CollectiveError
-from zeroshard.checkpoint import load as load_module
-from zeroshard.checkpoint import save as save_module
-from zeroshard.offload import StoreError
-from zeroshard.offload import store as store_module
+from zeroshard.offload import StoreError, store as store_module
 
 BOUND_S = 15.0  # the process group's timeout is 30 s (checkpoint_helpers): a hang would exceed this
 

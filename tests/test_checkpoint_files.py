@@ -9,11 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from zeroshard.tools import cli
 from zeroshard.checkpoint.files import CheckpointError, SafetensorsReader, SafetensorsWriter, write_safetensors
 from zeroshard.checkpoint.manifest import manifest_text, master_key, rank_file, state_key
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.core.flat import FlatLayout
+from zeroshard.tools import cli
 
 
 def _sample_tensors() -> dict[str, torch.Tensor]:

@@ -6,9 +6,13 @@ import warnings
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from zeroshard.config import schema
 from zeroshard.config import (
-    ConfigError, ConfigKeyNotActedOnWarning, ZeroShardConfig, load_config, warn_not_acted_on,
+    ConfigError,
+    ConfigKeyNotActedOnWarning,
+    ZeroShardConfig,
+    load_config,
+    schema,
+    warn_not_acted_on,
 )
 
 

@@ -38,7 +38,7 @@ import typing
 from pathlib import Path
 
 import zeroshard
-from zeroshard.config import not_acted_on, schema
+from zeroshard.config import not_acted_on
 from zeroshard.config.base import Section
 from zeroshard.config.parse import ZeroShardConfig
 
@@ -106,7 +106,7 @@ def _annotation_classes(node) -> set[type[Section]]:
 class _Function:
     """One function (or a module body) and what its local names may hold."""
 
-    def __init__(self, node, parent: "_Function | None", is_method: bool):
+    def __init__(self, node, parent: _Function | None, is_method: bool):
         self.node, self.parent = node, parent
         args = node.args if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
         self.params: list[str] = []

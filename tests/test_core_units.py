@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+
 import pytest
 import torch
 from torch import nn

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import zeroshard
-from tests.harness import grid, run_distributed, subtests
+from tests.harness import run_distributed, subtests
 from zeroshard.checkpoint import CheckpointError, consolidate
 from zeroshard.checkpoint.deepspeed import DeepSpeedCheckpoint, find
 from zeroshard.checkpoint.deepspeed_convert import convert_deepspeed

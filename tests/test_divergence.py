@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import zeroshard
-from tests.harness import run_distributed_expect_failure
 from tests.hard_models import LM, VOCAB
+from tests.harness import run_distributed_expect_failure
 from tests.zs_common import make_config
 
 COMM_TIMEOUT_S = 8

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import zeroshard as deepspeed
+from tests.checkpoint_helpers import tiny_batches
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_loss
 from tests.zs_common import gpt_model_fn, make_config
-from tests.checkpoint_helpers import tiny_batches
 
 
 def _z3_params_to_fetch(param_list):

@@ -11,9 +11,17 @@ import zeroshard as deepspeed
 import zeroshard.comm as dist
 from tests.harness import run_distributed, subtests
 from zeroshard.accelerator import get_accelerator
-from zeroshard.utils import (safe_get_full_fp32_param, safe_get_full_grad, safe_get_full_optimizer_state,
-                             safe_get_local_fp32_param, safe_get_local_grad, safe_get_local_optimizer_state,
-                             safe_set_full_fp32_param, safe_set_full_grad, safe_set_full_optimizer_state)
+from zeroshard.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+)
 
 HIDDEN = 8
 

@@ -4,7 +4,6 @@ DeepSpeed "Adam" semantics; and destroy() leaving nothing behind."""
 from __future__ import annotations
 
 import gc
-import os
 
 import psutil
 import torch
@@ -13,8 +12,8 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_single
 from tests.zs_common import adamw, assert_close, gpt_model_fn, make_config, train_engine
-from zeroshard.tools.models.gpt import tiny_gpt_config
 from zeroshard.compat.schedulers import WarmupLR
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 6
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)

@@ -26,7 +26,6 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import gpt_model_fn, make_config
-from zeroshard.core.comm import CollectiveError
 from zeroshard.core.rollback import UpdateFailed
 from zeroshard.tools.models.gpt import tiny_gpt_config
 

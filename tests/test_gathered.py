@@ -10,8 +10,8 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_single
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
-from zeroshard.tools.models.gpt import tiny_gpt_config
 from zeroshard.compat.zero import GatheredParameters
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 2
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)

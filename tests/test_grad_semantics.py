@@ -25,12 +25,11 @@ import warnings
 
 import torch
 
+import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_single
 from tests.zs_common import adamw, assert_close, gpt_model_fn, make_config
 from zeroshard.tools.models.gpt import tiny_gpt_config
-
-import zeroshard
 
 STEPS = 3
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)

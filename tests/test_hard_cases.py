@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.harness import run_distributed, subtests
+import zeroshard
 from tests.hard_models import LM, VARIANTS, VOCAB
+from tests.harness import run_distributed, subtests
 from tests.reference import train_single
 from tests.zs_common import assert_close, make_config, train_engine
-
-import zeroshard
 
 STEPS = 6
 

@@ -18,11 +18,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
+import torch
 
-import zeroshard  # noqa: E402
-from tests.harness import grid, run_distributed, subtests  # noqa: E402
-from zeroshard.compat.inference import InferenceEngine  # noqa: E402
+import zeroshard
+from tests.harness import grid, run_distributed, subtests
+from zeroshard.compat.inference import InferenceEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 96

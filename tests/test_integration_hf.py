@@ -17,13 +17,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
+import torch
 
-import zeroshard  # noqa: E402
-from tests.harness import run_distributed, subtests  # noqa: E402
-from tests.reference import train_ddp  # noqa: E402
-from tests.zs_common import adamw, assert_close, full_params, make_config  # noqa: E402
-from zeroshard.core.unit import UnitState  # noqa: E402
+import zeroshard
+from tests.harness import run_distributed, subtests
+from tests.reference import train_ddp
+from tests.zs_common import adamw, assert_close, full_params, make_config
+from zeroshard.core.unit import UnitState
 
 ROOT = Path(__file__).resolve().parent.parent
 TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work

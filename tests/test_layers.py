@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "zeroshard"
 
 RANK = {"version": 0, "config": 0, "core": 1, "offload": 2, "checkpoint": 2, "compat": 3,

@@ -35,10 +35,15 @@ from safetensors.torch import load_file
 from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_loss
-from tests.test_checkpoint_reshard import (GLOBAL_BATCH, OPTIMIZERS, RTOL, _check_same_states, _rank_batch,
-                                           _train, assert_close_run)
-from zeroshard.checkpoint import CheckpointError, consolidate, full_state_dict
-from zeroshard.checkpoint import save as save_module
+from tests.test_checkpoint_reshard import (
+    GLOBAL_BATCH,
+    OPTIMIZERS,
+    _check_same_states,
+    _rank_batch,
+    _train,
+    assert_close_run,
+)
+from zeroshard.checkpoint import CheckpointError, consolidate, full_state_dict, save as save_module
 
 BEFORE, AFTER = 2, 3
 K = 2

@@ -17,8 +17,8 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches
 from tests.zs_common import adamw, assert_close, gpt_model_fn, make_config, train_engine
-from zeroshard.tools.models.gpt import tiny_gpt_config
 from zeroshard.offload import StoreError
+from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 10
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)

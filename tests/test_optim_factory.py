@@ -3,10 +3,13 @@
 import pytest
 import torch
 
-from zeroshard.config import load_config
 from zeroshard.compat.optimizers import (
-    ELEMENTWISE_OPTIMIZERS, OptimizerNotShardableError, build_optimizer, check_shardable,
+    ELEMENTWISE_OPTIMIZERS,
+    OptimizerNotShardableError,
+    build_optimizer,
+    check_shardable,
 )
+from zeroshard.config import load_config
 
 
 def _params(n=2):

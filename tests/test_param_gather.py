@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import tests.test_failures as failures
+import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_ddp
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config, train_engine
-from zeroshard.core.comm import CollectiveError
 from zeroshard.tools.models.gpt import tiny_gpt_config
-import zeroshard
 
 STEPS = 4
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)

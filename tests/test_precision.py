@@ -15,7 +15,7 @@ import torch
 import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
-from tests.zs_common import full_params, gpt_model_fn, make_config
+from tests.zs_common import gpt_model_fn, make_config
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 20

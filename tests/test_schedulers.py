@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from zeroshard.config import load_config
 from zeroshard.compat.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from zeroshard.config import load_config
 
 
 class DuckOptimizer:
@@ -95,7 +95,10 @@ def test_warmup_cosine_lr():
     s = WarmupCosineLR(opt, total_num_steps=20, warmup_min_ratio=0.1, warmup_num_steps=10,
                        cos_min_ratio=0.01, warmup_type="linear")
     assert opt.param_groups[0]["lr"] == 0.0  # iteration -1, as DeepSpeed
-    cosine = lambda k: 0.01 + 0.99 * (1 + math.cos(math.pi * k / 10)) / 2  # k = i - W + 1
+
+    def cosine(k):  # k = i - W + 1
+        return 0.01 + 0.99 * (1 + math.cos(math.pi * k / 10)) / 2
+
     expected = {0: 0.1 * 0.1,
                 5: 0.1 * (0.1 + 0.9 * 0.5),
                 10: 0.1 * cosine(1),  # 0.0975773...

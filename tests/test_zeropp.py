@@ -9,13 +9,13 @@ import pytest
 import torch
 
 import zeroshard
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_batches, gpt_loss, train_ddp
+from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
 from zeroshard.config import ConfigKeyNotActedOnWarning, load_config
 from zeroshard.core import quantize
 from zeroshard.tools.demo.corpus import Batches, CharTokenizer, load_corpus
 from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
-from tests.harness import run_distributed, subtests
-from tests.reference import gpt_batches, gpt_loss, train_ddp
-from tests.zs_common import LR, adamw, assert_close, full_params, gpt_model_fn, make_config
 
 STEPS, GAS, CLIP = 3, 2, 0.05  # the clip binds: the norm is large at the start
 NODE = {"LOCAL_WORLD_SIZE": "2"}
@@ -49,7 +49,7 @@ def test_quantize_zero_block_and_rows():
     rows = [torch.randn(10), torch.randn(10)]
     encoded = [quantize.quantize(r, 4) for r in rows]
     both = quantize.dequantize_rows(torch.cat([e[0] for e in encoded]), torch.cat([e[1] for e in encoded]), 2, 10, 4)
-    for row, (q, s), out in zip(rows, encoded, both):
+    for (q, s), out in zip(encoded, both):
         assert torch.equal(out, quantize.dequantize(q, s, 10, 4))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 import zeroshard
+from tests.reference import gpt_loss
 from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
-from tests.reference import gpt_batches, gpt_loss
 
 LR = 1e-2
 

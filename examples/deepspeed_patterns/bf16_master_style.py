@@ -75,7 +75,7 @@ def run(args, config_path):
     loss_fn = nn.CrossEntropyLoss()
     losses = []
     generator = torch.Generator().manual_seed(local_rank)
-    for step in range(args.num_steps):
+    for _step in range(args.num_steps):
         input_ids = torch.randint(0, 64, (4, 16), generator=generator).to(device)
         labels = torch.roll(input_ids, -1, dims=1)
         if use_autocast:

@@ -115,8 +115,8 @@ def train(args, stage):
         target_dtype = torch.half
     criterion = nn.CrossEntropyLoss()
     losses = []
-    for epoch in range(args.epochs):
-        for i, data in enumerate(trainloader):
+    for _epoch in range(args.epochs):
+        for _i, data in enumerate(trainloader):
             inputs, labels = data[0].to(local_device), data[1].to(local_device)
             if target_dtype is not None:
                 inputs = inputs.to(target_dtype)

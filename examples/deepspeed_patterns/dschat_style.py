@@ -16,7 +16,7 @@ import os
 
 import torch
 import transformers
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 import zeroshard as deepspeed
 import zeroshard.comm as dist
@@ -115,7 +115,7 @@ def train(args, stage, device):
     def evaluation(model, eval_dataloader):
         model.eval()
         losses = 0
-        for step, batch in enumerate(eval_dataloader):
+        for step, batch in enumerate(eval_dataloader):  # noqa: B007 - read after the loop: the batch count
             batch = to_device(batch, device)
             with torch.no_grad():
                 outputs = model(**batch)
@@ -135,7 +135,7 @@ def train(args, stage, device):
     model.gradient_checkpointing_enable() if args.gradient_checkpointing else None
     perplexity_before, _ = evaluation(model, eval_dataloader)
     losses = []
-    for epoch in range(args.num_train_epochs):
+    for _epoch in range(args.num_train_epochs):
         model.train()
         for step, batch in enumerate(train_dataloader):
             batch = to_device(batch, device)

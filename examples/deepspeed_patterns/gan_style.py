@@ -73,7 +73,7 @@ def train(args, stage):
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
     history = []
     try:
-        for i in range(args.steps):
+        for _i in range(args.steps):
             real = torch.randn(args.batchSize, 6, generator=generator) * 0.3 + 0.5
             netD.zero_grad()
             label = torch.full((args.batchSize,), real_label)

@@ -25,7 +25,6 @@ from zeroshard.core import (
     shard,
     stage_policy,
 )
-
 from zeroshard.version import __version__
 
 _paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)

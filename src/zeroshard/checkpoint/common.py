@@ -3,6 +3,8 @@ each flat group sits."""
 from __future__ import annotations
 
 import traceback
+from typing import Any
+
 import torch
 
 from zeroshard.checkpoint.files import CheckpointError
@@ -27,7 +29,7 @@ def agree(comm, error: str | None, what: str) -> None:
     raise CheckpointError(f"{what} failed on ranks {ranks}:\n{lines}")
 
 
-def attempt(fn, *args, **kwargs) -> tuple[object, str | None]:
+def attempt(fn, *args, **kwargs) -> tuple[Any, str | None]:
     """(fn's result, None), or (None, the error as one message) when it raised."""
     try:
         return fn(*args, **kwargs), None

@@ -19,8 +19,15 @@ from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.deepspeed_convert import consolidate_deepspeed
 from zeroshard.checkpoint.files import CheckpointError, dtype_name
 from zeroshard.checkpoint.joined import consolidate_layout
-from zeroshard.checkpoint.manifest import (BUFFERS, MANIFEST, check_files, checkpoint_path, is_layout, read_manifest,
-                                           resolve_tag)
+from zeroshard.checkpoint.manifest import (
+    BUFFERS,
+    MANIFEST,
+    check_files,
+    checkpoint_path,
+    is_layout,
+    read_manifest,
+    resolve_tag,
+)
 from zeroshard.checkpoint.output import FullModelWriter, format_for
 from zeroshard.checkpoint.reader import CheckpointReader
 
@@ -72,12 +79,13 @@ def consolidate(checkpoint_dir, output, tag=None, dtype: torch.dtype = torch.flo
     with CheckpointReader(path, manifest) as reader:
         buffers = manifest.get("buffers") or []
         buffer_file = reader.file(BUFFERS) if buffers else None
-        buffer_specs = {n: (buffer_file.dtype(n), buffer_file.shape(n)) for n in buffers}
+        buffer_specs = {n: (buffer_file.dtype(n), buffer_file.shape(n)) for n in buffers if buffer_file is not None}
         writer = FullModelWriter(output, params, manifest["aliases"], buffer_specs, dtype,
                                  format_for(output, fmt))
         try:
             _write_groups(reader, groups, writer, progress)
             for name in buffers:
+                assert buffer_file is not None  # opened: there are buffers
                 writer.add_buffer(name, buffer_file.read(name).view(buffer_file.shape(name)))
             writer.close()
         except BaseException:

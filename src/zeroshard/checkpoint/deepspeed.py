@@ -307,7 +307,8 @@ def _state_value(state: dict, key: str, file: Path) -> torch.Tensor:
 def _segment(source, index: int, count: int, file: Path, key: str) -> torch.Tensor:
     """Elements [index, index + count) of a 1-D tensor, or of a list of them taken back to back."""
     tensors = source if isinstance(source, list) else [source]
-    pieces, skip = [], index
+    pieces: list[torch.Tensor] = []
+    skip = index
     for tensor in tensors:
         flat = tensor.reshape(-1)
         if skip >= flat.numel():

@@ -18,8 +18,18 @@ import torch
 
 from zeroshard.checkpoint.deepspeed import FP32, DeepSpeedCheckpoint
 from zeroshard.checkpoint.files import CheckpointError, SafetensorsWriter, dtype_name, write_atomic, write_safetensors
-from zeroshard.checkpoint.manifest import (BUFFERS, FORMAT, FORMAT_VERSION, MANIFEST, OBJECTS, check_tag, manifest_text,
-                                           master_key, rank_file, state_key)
+from zeroshard.checkpoint.manifest import (
+    BUFFERS,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    OBJECTS,
+    check_tag,
+    manifest_text,
+    master_key,
+    rank_file,
+    state_key,
+)
 from zeroshard.checkpoint.output import FullModelWriter, format_for
 from zeroshard.checkpoint.save import publish
 

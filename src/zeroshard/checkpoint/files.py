@@ -56,7 +56,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
     """The tensor's bytes without a copy (a CPU tensor that is already contiguous)."""
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
 
 
 class SafetensorsWriter:
@@ -212,7 +212,7 @@ class SafetensorsReader:
         dtype, shape, start = self.entries[name]
         if not 0 <= lo <= hi <= math.prod(shape):
             raise IndexError(f"{self.path}: elements [{lo}, {hi}) outside tensor '{name}' {list(shape)}")
-        buffer = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+        buffer = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
         position, done = start + lo * dtype.itemsize, 0
         while done < buffer.nbytes:
             got = os.preadv(self._file.fileno(), [buffer[done:]], position + done)
@@ -223,7 +223,7 @@ class SafetensorsReader:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> "SafetensorsReader":
+    def __enter__(self) -> SafetensorsReader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -95,7 +95,8 @@ def consolidate_layout(path: Path, manifest: dict, output, dtype: torch.dtype, f
     planned = _plan(path, mesh, parts)
     readers = {key: CheckpointReader(part_path, part_manifest) for key, (part_path, part_manifest) in parts.items()}
     try:
-        aliases, buffers = {}, {}  # name -> (reader, dtype, shape), from the first stage that has it
+        aliases: dict[str, str] = {}
+        buffers: dict[str, tuple] = {}  # name -> (reader, dtype, shape), from the first stage that has it
         for pp in range(mesh["pp"]):
             reader = readers[(0, pp)]
             for alias, name in reader.manifest["aliases"].items():
@@ -132,4 +133,4 @@ def _joined(param: _Param, readers: list[CheckpointReader]) -> torch.Tensor:
         value = torch.empty(torch.Size(shape).numel(), dtype=torch.float32)  # 1-D, this slice
         reader.read_param(param.name, "master", 0, value.numel(), value)
         slices.append(value.view(shape))
-    return slices[0] if count == 1 else torch.cat(slices, dim=param.split)
+    return slices[0] if count == 1 or param.split is None else torch.cat(slices, dim=param.split)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 from torch.distributed.tensor import Replicate, Shard
 
@@ -137,7 +138,7 @@ def check_same_model_parallel(path, manifest: dict, engine, layout: Layout | Non
             "layout (zeroshard.checkpoint.load_full_weights); optimizer state does not carry over")
 
 
-def tp_split_dim(param, spec) -> int | str | None:
+def tp_split_dim(param, spec) -> int | Literal["unknown"] | None:
     """The dim along which tensor parallelism cut `param` (its tp slices join in tp-rank order),
     None where every tp rank holds it whole, "unknown" where the model does not say. `spec`: the
     group's TensorParallelSpec of a DTensor parameter, None for a plain one."""

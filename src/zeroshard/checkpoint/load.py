@@ -25,9 +25,21 @@ from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.layout import Layout, check_same_model_parallel, layout_of
-from zeroshard.checkpoint.manifest import (MANIFEST, OBJECTS, check_compatible, check_file, check_files,
-                                           checkpoint_path, grad_key, is_layout, persistent_buffers, rank_file,
-                                           read_manifest, resolve_tag, state_key)
+from zeroshard.checkpoint.manifest import (
+    MANIFEST,
+    OBJECTS,
+    check_compatible,
+    check_file,
+    check_files,
+    checkpoint_path,
+    grad_key,
+    is_layout,
+    persistent_buffers,
+    rank_file,
+    read_manifest,
+    resolve_tag,
+    state_key,
+)
 from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.core.masked import PER_PARAMETER
@@ -267,7 +279,7 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
                 for slot in group.layout.slots}
     first_name = group.layout.slots[0].name
     if len({_status_key(status) for status in statuses.values()}) > 1:
-        state = {PER_PARAMETER: copy.deepcopy(statuses)}
+        state: dict = {PER_PARAMETER: copy.deepcopy(statuses)}
     elif PER_PARAMETER in scalars[sources[first_name]]:
         state = copy.deepcopy(statuses[first_name])
     else:

@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from zeroshard.checkpoint.common import agree, attempt
-from zeroshard.checkpoint.deepspeed import FP32, DeepSpeedCheckpoint
-from zeroshard.checkpoint.deepspeed import find as find_deepspeed
+from zeroshard.checkpoint.deepspeed import FP32, DeepSpeedCheckpoint, find as find_deepspeed
 from zeroshard.checkpoint.load import find_checkpoint
 from zeroshard.checkpoint.manifest import check_files
 from zeroshard.checkpoint.reader import CheckpointReader

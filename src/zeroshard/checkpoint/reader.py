@@ -63,7 +63,7 @@ class CheckpointReader:
             file.close()
         self._files.clear()
 
-    def __enter__(self) -> "CheckpointReader":
+    def __enter__(self) -> CheckpointReader:
         return self
 
     def __exit__(self, *exc) -> None:

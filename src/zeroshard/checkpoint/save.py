@@ -41,15 +41,37 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint.common import (agree, attempt, compute_dtype, optimizer_states, own_range_in_master,
-                                         partition_of, replica_of)
+from zeroshard.checkpoint.common import (
+    agree,
+    attempt,
+    compute_dtype,
+    optimizer_states,
+    own_range_in_master,
+    partition_of,
+    replica_of,
+)
 from zeroshard.checkpoint.files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
 from zeroshard.checkpoint.layout import LAYOUT_FORMAT_VERSION, Layout, layout_of, tp_split_dim
+from zeroshard.checkpoint.manifest import (
+    BUFFERS,
+    FORMAT,
+    FORMAT_VERSION,
+    LATEST,
+    MANIFEST,
+    OBJECTS,
+    check_tag,
+    describe_groups,
+    grad_key,
+    is_elementwise,
+    manifest_text,
+    master_key,
+    model_aliases,
+    persistent_buffers,
+    rank_file,
+    state_key,
+)
 from zeroshard.checkpoint.objects import objects_bytes
 from zeroshard.core.mesh import MESH_DIMS
-from zeroshard.checkpoint.manifest import (BUFFERS, FORMAT, FORMAT_VERSION, LATEST, MANIFEST, OBJECTS, check_tag, describe_groups,
-                       grad_key, is_elementwise, manifest_text, master_key, model_aliases, persistent_buffers,
-                       rank_file, state_key)
 
 log = logging.getLogger(__name__)
 

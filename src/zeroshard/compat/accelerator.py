@@ -32,6 +32,15 @@ class _Accelerator:
     def current_device_name(self) -> str:
         return f"{self._name}:{self.current_device()}" if self._name != "cpu" else "cpu"
 
+    def current_device(self) -> int:  # each device kind's own, as the two below
+        raise NotImplementedError
+
+    def is_bf16_supported(self) -> bool:
+        raise NotImplementedError
+
+    def is_fp16_supported(self) -> bool:
+        raise NotImplementedError
+
     def is_synchronized_device(self) -> bool:
         return self._name == "cpu"
 

@@ -11,12 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.compat.comm import init_distributed
-from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
-from zeroshard.core.mesh import from_device_mesh, from_mpu
 from zeroshard.compat.engine import ZeroEngine
 from zeroshard.compat.inference import InferenceEngine
 from zeroshard.compat.optimizers import build_optimizer, check_shardable
 from zeroshard.compat.schedulers import build_scheduler
+from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
+from zeroshard.core.mesh import from_device_mesh, from_mpu
 from zeroshard.core.optimizer import ZeroOptimizer
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from datetime import timedelta
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -59,7 +60,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         timeout = timedelta(seconds=timeout_s if timeout_s is not None else 1800.0)
     elif not isinstance(timeout, timedelta):
         raise TypeError(f"init_distributed(timeout=...) takes a datetime.timedelta, got {type(timeout).__name__}")
-    kwargs = {"init_method": init_method} if init_method is not None else {}
+    kwargs: dict[str, Any] = {"init_method": init_method} if init_method is not None else {}
     if verbose:
         log.info("initialising torch.distributed with backend %s", backend)
     dist.init_process_group(backend, timeout=timeout, **kwargs)
@@ -87,7 +88,8 @@ def get_local_rank() -> int:
 
 
 def get_global_rank(group=None, group_rank: int = 0) -> int:
-    return dist.get_global_rank(group or dist.group.WORLD, group_rank)
+    # dist.group.WORLD is None only before init_process_group, when torch raises anyway
+    return dist.get_global_rank(cast(dist.ProcessGroup, group or dist.group.WORLD), group_rank)
 
 
 def get_all_ranks_from_group(group=None) -> list[int]:

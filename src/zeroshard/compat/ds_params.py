@@ -92,7 +92,7 @@ class PartitionedParameter(nn.Parameter):
         is in the compute dtype; zeroshard keeps no other copy). Empty where the rank holds none."""
         _, group, index = _place(self)
         slot = group.layout.slots[index]
-        for piece, lo, hi, view in group.master_pieces():
+        for piece, _lo, _hi, view in group.master_pieces():
             if piece is slot:
                 return view.detach()
         return group.master.detach()[:0]
@@ -115,7 +115,7 @@ class PartitionedParameter(nn.Parameter):
         memo[id(self)] = copied
         return copied
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # type: ignore[override]  # DeepSpeed's repr: no tensor_contents
         try:
             unit, group, index = _place(self)
         except AttributeError:
@@ -152,7 +152,7 @@ def unregister(sharded) -> None:
         if entry[0]() is sharded or entry[0]() is None:
             del _PLACES[param]
             if type(param) is PartitionedParameter:
-                param.__class__ = nn.Parameter
+                param.__class__ = nn.Parameter  # type: ignore[assignment]  # a plain Parameter again: the point
 
 
 def _check_state_dict(module, state_dict, prefix, local_metadata) -> None:

@@ -12,12 +12,12 @@ from torch import nn
 
 from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
 from zeroshard.checkpoint.contract import Counters
+from zeroshard.compat import policies
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
 from zeroshard.compat.ds_params import register as register_ds_metadata, unregister as unregister_ds_metadata
-from zeroshard.compat.views import ShardedViews
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
-from zeroshard.compat import policies
+from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.precision import cast_floating

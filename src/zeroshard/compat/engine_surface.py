@@ -16,6 +16,8 @@ from zeroshard.compat.accelerator import get_accelerator
 
 
 class DeepSpeedAccessors:
+    _boundary_override: bool | None  # set_gradient_accumulation_boundary(); None: the micro-step counter decides
+
     # -- precision ------------------------------------------------------------------------------------
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16.enabled)

@@ -19,7 +19,8 @@ def is_moe_param(param: torch.Tensor) -> bool:
 
 
 def split_params_into_shared_and_expert_params(params) -> tuple[list, list]:
-    shared, expert = [], []
+    shared: list = []
+    expert: list = []
     for param in params:
         (expert if is_moe_param(param) else shared).append(param)
     return shared, expert

@@ -18,7 +18,7 @@ DeepSpeed semantics (``DeepSpeedEngine._configure_basic_optimizer``):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -37,7 +37,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.ASGD,
 )
 
-ParamsArg = Iterable[Union[torch.Tensor, dict[str, Any]]]
+ParamsArg = Iterable[torch.Tensor] | Iterable[dict[str, Any]]  # tensors or param-group dicts, as torch.optim.Optimizer
 
 
 class OptimizerNotShardableError(ValueError):

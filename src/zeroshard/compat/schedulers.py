@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Optional, Protocol, Sequence, Union
+from collections.abc import Sequence
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -36,7 +37,7 @@ class HasParamGroups(Protocol):
     param_groups: list[dict[str, Any]]
 
 
-def build_scheduler(section: Optional[SchedulerConfig], optimizer: HasParamGroups):
+def build_scheduler(section: SchedulerConfig | None, optimizer: HasParamGroups):
     """The schedule described by the config's ``scheduler`` section, or None when there is none."""
     if section is None:
         return None
@@ -58,12 +59,12 @@ class _Schedule:
         self.warmup_num_steps = max(2, warmup_num_steps)
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self.last_batch_iteration = last_batch_iteration
-        self._last_lr: Optional[list[float]] = None
+        self._last_lr: list[float] | None = None
 
     def get_lr(self) -> list[float]:
         raise NotImplementedError
 
-    def step(self, last_batch_iteration: Optional[int] = None) -> None:
+    def step(self, last_batch_iteration: int | None = None) -> None:
         """Advance to the next iteration (or to ``last_batch_iteration``) and write its lr."""
         if last_batch_iteration is None:
             last_batch_iteration = self.last_batch_iteration + 1
@@ -98,12 +99,12 @@ class _Schedule:
         self._last_lr = [float(group["lr"]) for group in self.optimizer.param_groups]
 
 
-def _per_group(value: Union[float, Sequence[float]], groups: int, name: str) -> list[float]:
+def _per_group(value: float | Sequence[float], groups: int, name: str) -> list[float]:
     if isinstance(value, (list, tuple)):
         if len(value) != groups:
             raise ValueError(f"expected {groups} values for {name} (one per param group), got {len(value)}")
         return [float(v) for v in value]
-    return [float(value)] * groups
+    return [float(cast(float, value))] * groups  # one number (a list or tuple was handled above)
 
 
 class WarmupLR(_Schedule):
@@ -112,8 +113,8 @@ class WarmupLR(_Schedule):
     ``warmup_max_lr=None`` takes the lr of param group 0 (DeepSpeed's WarmupLR).
     """
 
-    def __init__(self, optimizer: HasParamGroups, warmup_min_lr: Union[float, Sequence[float]] = 0.0,
-                 warmup_max_lr: Union[float, Sequence[float], None] = None, warmup_num_steps: int = 1000,
+    def __init__(self, optimizer: HasParamGroups, warmup_min_lr: float | Sequence[float] = 0.0,
+                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
                  warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         groups = len(optimizer.param_groups)
@@ -141,8 +142,8 @@ class WarmupDecayLR(WarmupLR):
     """WarmupLR, then gamma = (T - i) / max(1, T - W) decaying linearly to 0 at T = total_num_steps."""
 
     def __init__(self, optimizer: HasParamGroups, total_num_steps: int,
-                 warmup_min_lr: Union[float, Sequence[float]] = 0.0,
-                 warmup_max_lr: Union[float, Sequence[float]] = 0.001, warmup_num_steps: int = 1000,
+                 warmup_min_lr: float | Sequence[float] = 0.0,
+                 warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
                  warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,

@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from zeroshard.compat import zero_to_fp32  # noqa: F401 - deepspeed.utils.zero_to_fp32
+from zeroshard.compat import zero_to_fp32  # deepspeed.utils.zero_to_fp32
 from zeroshard.core import partition as part
 
 __all__ = ["log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",

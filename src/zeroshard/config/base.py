@@ -10,7 +10,7 @@ Keys accepted but not acted on are not declared here but in one table (``not_act
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Union
+from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -35,7 +35,7 @@ PosInt = Annotated[int, BeforeValidator(_reject_bool), Field(gt=0)]
 NonNegFloat = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0.0)]
 PosFloat = Annotated[float, BeforeValidator(_reject_bool), Field(gt=0.0)]
 Fraction = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0.0, le=1.0)]
-LrValue = Union[NonNegFloat, list[NonNegFloat]]
+LrValue = NonNegFloat | list[NonNegFloat]
 
 
 def canonical_name(value: Any, allowed: tuple[str, ...], what: str) -> str:
@@ -53,4 +53,4 @@ class Section(BaseModel):
 
     section_path: ClassVar[str] = ""
     auto_keys: ClassVar[frozenset[str]] = frozenset()
-    sections: ClassVar[dict[str, type["Section"]]] = {}
+    sections: ClassVar[dict[str, type[Section]]] = {}

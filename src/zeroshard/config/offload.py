@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, Field
 
@@ -19,7 +19,7 @@ class OffloadOptimizerConfig(Section):
 
     device: OffloadDevice = "none"
     """Where optimizer state lives: none, cpu or nvme."""
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     """Directory for the NVMe store (required when device is nvme)."""
     pin_memory: bool = False
     """Use page-locked CPU buffers (faster host-device copies, more pinned memory)."""
@@ -38,7 +38,7 @@ class OffloadParamConfig(Section):
 
     device: OffloadDevice = "none"
     """Where parameter shards live: none, cpu or nvme."""
-    nvme_path: Optional[str] = None
+    nvme_path: str | None = None
     """Directory for the NVMe store (required when device is nvme)."""
     pin_memory: bool = False
     """Use page-locked CPU buffers."""

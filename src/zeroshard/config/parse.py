@@ -23,14 +23,26 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import AliasChoices, Field, ValidationError, model_validator
 
 from zeroshard.config.not_acted_on import reported_keys, unparsed_keys
 from zeroshard.config.schema import (
-    ActivationCheckpointingConfig, AioConfig, BF16Config, FP16Config, NonNegFloat, OptimizerConfig,
-    PosFloat, PosInt, SchedulerConfig, Section, TorchAutocastConfig, ZeroConfig, ZeroShardExtConfig, canonical_name,
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    FP16Config,
+    NonNegFloat,
+    OptimizerConfig,
+    PosFloat,
+    PosInt,
+    SchedulerConfig,
+    Section,
+    TorchAutocastConfig,
+    ZeroConfig,
+    ZeroShardExtConfig,
+    canonical_name,
 )
 
 __all__ = ["ConfigError", "ConfigKeyNotActedOnWarning", "ZeroShardConfig", "load_config", "read_config",
@@ -76,15 +88,15 @@ class ZeroShardConfig(Section):
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient norm to this value; 0 = off. DeepSpeed 0.19.8's default is 1.0
     (``GRADIENT_CLIPPING_DEFAULT`` in deepspeed/runtime/constants.py): a config without the key clips."""
-    communication_data_type: Optional[Literal["fp32", "fp16", "bf16"]] = None
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
     """Dtype of gradient reduction; None = the training dtype."""
     prescale_gradients: bool = False
     """DeepSpeed: divide gradients before rather than after the reduction (accepted, not acted on)."""
     gradient_predivide_factor: PosFloat = 1.0
     """DeepSpeed: factor divided out before the reduction (accepted, not acted on)."""
-    optimizer: Optional[OptimizerConfig] = None
+    optimizer: OptimizerConfig | None = None
     """Optimizer built by the engine; None = the client passes one."""
-    scheduler: Optional[SchedulerConfig] = None
+    scheduler: SchedulerConfig | None = None
     """Lr schedule built by the engine; None = none, or the client passes one."""
     fp16: FP16Config = FP16Config()
     """fp16 mixed precision."""
@@ -102,7 +114,7 @@ class ZeroShardConfig(Section):
     """torch.autocast around the forward."""
 
     @model_validator(mode="after")
-    def _one_half_precision(self) -> "ZeroShardConfig":
+    def _one_half_precision(self) -> ZeroShardConfig:
         if self.fp16.enabled and self.bf16.enabled:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
         return self
@@ -114,7 +126,7 @@ _HINTS = {"max_grad_norm": "use the top-level key 'gradient_clipping' instead"}
 _AUTO_HINT = ' ("auto" is only filled in by the Hugging Face Trainer; give a value)'
 
 
-def load_config(config: Union[Mapping[str, Any], str, os.PathLike, ZeroShardConfig, None],
+def load_config(config: Mapping[str, Any] | str | os.PathLike | ZeroShardConfig | None,
                 world_size: int) -> ZeroShardConfig:
     """Parse ``config`` (dict, path to a JSON file, or None for all defaults) for ``world_size`` ranks.
 
@@ -224,7 +236,10 @@ def _exact_div(tb: int, divisor: int, divisor_text: str, derived: str) -> int:
 # --- sections -------------------------------------------------------------------------------------
 
 
-def _parse_section(model: type[Section], raw: Any, extra: Optional[dict[str, Any]] = None) -> Section:
+_S = TypeVar("_S", bound=Section)
+
+
+def _parse_section(model: type[_S], raw: Any, extra: dict[str, Any] | None = None) -> _S:
     """Check the keys of ``raw`` against ``model``, parse nested sections, then validate."""
     path = model.section_path
     if model is ZeroConfig:
@@ -270,7 +285,7 @@ def _checked_keys(model: type[Section], raw: Mapping[str, Any]) -> tuple[dict[st
 def _accepted_keys(model: type[Section]) -> tuple[set[str], list[tuple[str, ...]]]:
     accepted: set[str] = set()
     groups: list[tuple[str, ...]] = []
-    internal = getattr(model, "internal_keys", frozenset())
+    internal: frozenset[str] = getattr(model, "internal_keys", frozenset())
     for name, field in model.model_fields.items():
         alias = field.validation_alias
         names = tuple(alias.choices) if isinstance(alias, AliasChoices) else (name,)

@@ -11,16 +11,19 @@ The shared base and number types are in ``config_base``, the offload and ``aio``
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
-from pydantic import AliasChoices, Field
-from pydantic import field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from zeroshard.config.base import (Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section,  # noqa: F401
-                          canonical_name)
-from zeroshard.config.offload import (AioConfig, OffloadDevice, OffloadOptimizerConfig, OffloadParamConfig,  # noqa: F401
-                             _check_nvme_path)
+from zeroshard.config.base import Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section, canonical_name
+from zeroshard.config.offload import (  # noqa: F401
+    AioConfig,
+    OffloadDevice,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+    _check_nvme_path,
+)
 
 # --- optimizer -----------------------------------------------------------------------------------
 
@@ -67,7 +70,7 @@ class SGDParams(Section):
     """Nesterov momentum; needs momentum > 0 and dampening = 0."""
 
     @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> "SGDParams":
+    def _nesterov_needs_momentum(self) -> SGDParams:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("nesterov=true needs momentum > 0 and dampening = 0 "
                              f"(got momentum={self.momentum}, dampening={self.dampening})")
@@ -85,7 +88,7 @@ class OptimizerConfig(Section):
 
     type: str
     """One of Adam, AdamW, SGD (case-insensitive in the JSON; stored canonically)."""
-    params: Union[AdamParams, SGDParams]
+    params: AdamParams | SGDParams
     """Hyperparameters; which keys are valid depends on ``type``."""
 
     @field_validator("type", mode="before")
@@ -108,7 +111,7 @@ class WarmupLRParams(Section):
 
     warmup_min_lr: LrValue = 0.0
     """Starting lr (one value, or one per param group)."""
-    warmup_max_lr: Optional[LrValue] = None
+    warmup_max_lr: LrValue | None = None
     """Lr reached after warmup; None = the optimizer's lr of param group 0 (DeepSpeed's WarmupLR)."""
     warmup_num_steps: NonNegInt = 1000
     """Steps of warmup; values below 2 are treated as 2 (DeepSpeed)."""
@@ -160,7 +163,7 @@ class SchedulerConfig(Section):
 
     type: str
     """One of WarmupLR, WarmupDecayLR, WarmupCosineLR (case-insensitive; stored canonically)."""
-    params: Union[WarmupDecayLRParams, WarmupLRParams, WarmupCosineLRParams]
+    params: WarmupDecayLRParams | WarmupLRParams | WarmupCosineLRParams
     """Schedule parameters; which keys are valid depends on ``type``."""
 
     @field_validator("type", mode="before")
@@ -217,7 +220,7 @@ class BF16Config(Section):
     acted on: states stay fp32)."""
 
     @model_validator(mode="after")
-    def _optimizer_states_need_master(self) -> "BF16Config":
+    def _optimizer_states_need_master(self) -> BF16Config:
         if self.bf16_optimizer_states and not self.bf16_master_weights_and_grads:
             raise ValueError("bf16_optimizer_states needs bf16_master_weights_and_grads: true (as in DeepSpeed)")
         return self
@@ -236,22 +239,22 @@ class TorchAutocastConfig(Section):
 
     enabled: bool = False
     """Wrap the forward in torch.autocast (parameters, masters and gradients stay in their dtype)."""
-    dtype: Optional[str] = None
+    dtype: str | None = None
     """Autocast dtype: bfloat16 / bf16 / torch.bfloat16 or float16 / fp16 / half / torch.float16;
     None = torch's default for the device (bf16 on CPU, fp16 on CUDA)."""
-    lower_precision_safe_modules: Optional[list[str]] = None
+    lower_precision_safe_modules: list[str] | None = None
     """DeepSpeed: module classes whose gradients are reduced in the autocast dtype (accepted, not acted
     on: gradients are reduced in the reduce dtype)."""
 
     @field_validator("dtype")
     @classmethod
-    def _known_dtype(cls, value: Optional[str]) -> Optional[str]:
+    def _known_dtype(cls, value: str | None) -> str | None:
         if value is not None and value not in _AUTOCAST_DTYPES:
             raise ValueError(f"torch_autocast.dtype {value!r} is not one of {', '.join(_AUTOCAST_DTYPES)}")
         return value
 
     @property
-    def torch_dtype(self) -> Optional[torch.dtype]:
+    def torch_dtype(self) -> torch.dtype | None:
         return None if self.dtype is None else _AUTOCAST_DTYPES[self.dtype]
 
 
@@ -295,7 +298,7 @@ class ZeroConfig(Section):
     is 5e7). 0: no prefetch. See [Note: bounded gathering] in core/gathered.py."""
     stage3_param_persistence_threshold: NonNegInt = 100_000
     """Stage 3: parameters with fewer elements stay unsharded."""
-    stage3_max_live_parameters: Optional[NonNegInt] = None
+    stage3_max_live_parameters: NonNegInt | None = None
     """Stage 3: most parameter elements gathered at once (prefetches and reuse stop there; the unit
     being computed is gathered regardless). Unset: no bound beyond the prefetch's (DeepSpeed: 1e9)."""
     stage3_max_reuse_distance: NonNegInt = 1
@@ -308,9 +311,9 @@ class ZeroConfig(Section):
     stage3_gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(
         "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
     """Stage 3: gather full 16-bit weights when saving the model."""
-    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    offload_optimizer: OffloadOptimizerConfig | None = None
     """Optimizer-state offload (stages 1-3)."""
-    offload_param: Optional[OffloadParamConfig] = None
+    offload_param: OffloadParamConfig | None = None
     """Parameter offload (stage 3 only)."""
     zero_hpz_partition_size: NonNegInt = 1
     """ZeRO++ hpZ (stage 3): ranks per secondary partition group (one node); the backward gathers
@@ -332,7 +335,7 @@ class ZeroConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _offload_fits_stage(self) -> "ZeroConfig":
+    def _offload_fits_stage(self) -> ZeroConfig:
         opt, par = self.offload_optimizer, self.offload_param
         # offload_optimizer at stage 0, offload_param below stage 3: DeepSpeed ignores them; so do we,
         # and not_acted_on.py reports them.
@@ -354,7 +357,7 @@ class ActivationCheckpointingConfig(Section):
     """Keep checkpointed activations in CPU memory."""
     contiguous_memory_optimization: bool = False
     """Copy checkpointed activations into one contiguous buffer."""
-    number_checkpoints: Optional[PosInt] = None
+    number_checkpoints: PosInt | None = None
     """Number of checkpoints (sizes the contiguous buffer)."""
     synchronize_checkpoint_boundary: bool = False
     """Synchronise the device at each checkpoint boundary."""
@@ -387,9 +390,9 @@ class ZeroShardExtConfig(Section):
     changes nothing either way). "copy": masters and optimizer state are copied before the update
     (12 bytes an element with Adam, while the step runs) and put back if it raises, so training can
     go on after zero_grad() ([Note: failed optimizer steps] in core/rollback.py)."""
-    wrap_modules: Optional[list[str]] = None
+    wrap_modules: list[str] | None = None
     """Module class names that become sharding units; None = chosen automatically."""
-    nvme_io: Optional[Literal["direct", "buffered", "mapped"]] = None
+    nvme_io: Literal["direct", "buffered", "mapped"] | None = None
     """How the NVMe store reads and writes the tensors it is told of ahead of time (the optimizer's
     sub-group stream, ZeRO-Inference's weights): "direct" (aligned O_DIRECT requests into buffers,
     past the page cache; a file system that refuses it falls back to buffered), "buffered" (the

@@ -44,7 +44,7 @@ class CollectiveError(RuntimeError):
 class _Check:
     """The tag exchange of one collective, in flight ([Note: asynchronous collective check])."""
 
-    def __init__(self, comm: "Communicator", work, tags: torch.Tensor, what: str, started: float):
+    def __init__(self, comm: Communicator, work, tags: torch.Tensor, what: str, started: float):
         self.comm, self.work, self.tags, self.what, self.started = comm, work, tags, what, started
 
     def verify(self) -> None:
@@ -145,7 +145,7 @@ class Handle:
     """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, first
     verifies the cross-rank check issued with it, and last copies staged outputs back."""
 
-    def __init__(self, comm: "Communicator", work, what: str, started: float, check: _Check | None = None,
+    def __init__(self, comm: Communicator, work, what: str, started: float, check: _Check | None = None,
                  staging: Staging | None = None):
         self._comm, self._work, self.what, self._started, self._check = comm, work, what, started, check
         self._staging = staging
@@ -241,7 +241,7 @@ class Communicator:
         # [Note: pieces across a link, one message within a node]
         self.piece_bytes = PAIRWISE_PIECE_BYTES if local < self.world_size else None
 
-    def split(self, rank_sets: list[list[int]]) -> "Communicator":
+    def split(self, rank_sets: list[list[int]]) -> Communicator:
         """A communicator over the set of `rank_sets` (ranks of this communicator's group, disjoint,
         covering it) that holds this rank. Every rank calls this with the same sets: torch builds
         each process group on every rank, member or not."""

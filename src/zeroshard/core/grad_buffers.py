@@ -42,6 +42,13 @@ class SpentGradients:
 class GradientBuffers:
     """Mixed into FlatGroup: every gradient buffer of one flat group and how it changes."""
 
+    # The state it keeps, which FlatGroup.__init__ sets (declared here for the type checker).
+    full_grad: torch.Tensor | None
+    grad_shard: torch.Tensor | None
+    reduced_slice: torch.Tensor | None
+    _unwritten: list[bool] | None
+    _scaled: list[bool] | None
+
     @property
     def grads_persist_full(self) -> bool:
         """Stages 0/1: the full gradient buffer lives across micro steps."""
@@ -110,6 +117,7 @@ class GradientBuffers:
     def prescale(self, scale: float) -> None:
         """Multiply by `scale` what add_grad did not, before a reduction."""
         marks, self._scaled = self._scaled, None
+        assert self.full_grad is not None  # what is about to be reduced
         if marks is None:
             self.full_grad.mul_(scale)
             return
@@ -146,6 +154,7 @@ class GradientBuffers:
         as having had a gradient where the part held here is non-zero (the checkpoint does not say
         which had one; the step's all-reduce of these flags joins every rank's part)."""
         grad = self.grad()
+        assert grad is not None  # a trainable group's, which a checkpoint gave values
         start = 0 if self.grads_persist_full else self.layout.shard_range(self.rank)[0]
         end = start + grad.numel()
         for index, slot in enumerate(self.layout.slots):
@@ -196,6 +205,7 @@ class GradientBuffers:
             return self._own_grad_shard()
         self.complete_full_grad()  # [Note: zeroed when first read]
         start, end = self.opt_range
+        assert self.full_grad is not None  # stages 0/1 keep it
         return self.full_grad[start:end]
 
     def zero_grads(self) -> None:

@@ -133,6 +133,7 @@ class FlatGroup(GradientBuffers):
         if full_fp32 is None and self.keep_full:  # small (persistent) or unsharded groups only
             full_fp32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
         if self.keep_full and self.param_dtype == torch.float32 and self.master_store is None:
+            assert full_fp32 is not None  # made above when it keeps the full buffer
             self.full = full_fp32
             self.master = full_fp32[start:end]  # a view: the parameters *are* the master weights
             self.point_params_at_full()
@@ -147,6 +148,7 @@ class FlatGroup(GradientBuffers):
         else:
             self.master = full_fp32[start:end].clone()
         if self.keep_full:
+            assert full_fp32 is not None  # made above when it keeps the full buffer
             self.full = full_fp32.to(self.param_dtype)  # fp32 with an offloaded master: the buffer itself
             self.point_params_at_full()
             return
@@ -160,7 +162,9 @@ class FlatGroup(GradientBuffers):
     # -- parameter storage ----------------------------------------------------------------------------
     def point_params_at_full(self, full: torch.Tensor | None = None) -> None:
         swap = not self._swapped
-        for param, view, spec in zip(self.params, self.layout.views(self.full if full is None else full),
+        full = self.full if full is None else full
+        assert full is not None  # gathered, or given
+        for param, view, spec in zip(self.params, self.layout.views(full),
                                      self.tp_specs):
             if spec is None:
                 param.data = view
@@ -239,6 +243,7 @@ class FlatGroup(GradientBuffers):
 
     def own_slice_of_full(self) -> torch.Tensor:
         start, end = self.layout.shard_range(self.rank)
+        assert self.full is not None  # gathered
         return self.full[start:end]
 
     def master_is_view_of_full(self) -> bool:
@@ -256,6 +261,7 @@ class FlatGroup(GradientBuffers):
         this rank's master shard (and compute shard) take the new values."""
         start, end = self.opt_range
         self.drop_secondary()
+        assert self.full is not None  # gathered
         if not self.master_is_view_of_full():
             self.master.copy_(self.full[start:end])  # to the master's store and dtype
         if self.compute_shard is not None:
@@ -267,12 +273,14 @@ class FlatGroup(GradientBuffers):
         start, end = self.opt_range
         self.drop_secondary()
         if self.keep_full and not self.master_is_view_of_full():
+            assert self.full is not None  # kept
             self.full[start:end].copy_(self.master)  # casts to the compute dtype and device
         if self.compute_shard is not None:
             self.compute_shard.copy_(self.master)
 
     def keep_secondary(self, shards: list[int]) -> None:
         """hpZ: keep the gathered parameters' shards `shards` (partition-group shard indices), one row each."""
+        assert self.full is not None  # gathered
         self.secondary = self.full.view(-1, self.layout.shard_numel)[shards].clone()  # (len, shard_numel)
         self.secondary_valid = True
 

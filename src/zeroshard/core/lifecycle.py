@@ -25,7 +25,8 @@ import dataclasses
 import enum
 import functools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -77,7 +78,7 @@ class Lifecycle:
         # Set by the engine after a forward whose outputs it hooked: a gradient reaching a unit before
         # the engine's own output hook opens the backward through it ([Note: loss.backward() on the
         # engine's outputs], compat/engine.py). Cleared by the next forward or backward.
-        self.backward_opener = None
+        self.backward_opener: Callable[[], None] | None = None
         self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)
         # Keep units gathered until end_backward: a pipeline schedule's later micro-batches still
@@ -152,10 +153,10 @@ class Lifecycle:
             self._follow_inference_order(unit)
         unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
         training = self._training_forward() and self.forward_order is not None
-        if training:  # issued before this unit's wait: [Note: prefetch before the wait]
+        if training and self.forward_order is not None:  # issued before this unit's wait: [Note: prefetch before the wait]
             self._prefetch(self.forward_order, self._position, "forward")
         unit.wait_unshard()
-        if not training and inference and self._inference_next is not None:
+        if not training and inference and self._inference_next is not None and self.inference_order is not None:
             self._prefetch(self.inference_order, self._inference_next, "forward")
 
     def _follow_inference_order(self, unit: Unit) -> None:
@@ -221,7 +222,7 @@ class Lifecycle:
             for i in range(len(self.forward_order) - 1, -1, -1):
                 self._forward_suffix[i] = self._forward_suffix[i + 1] + self.forward_order[i].numel
         later_forward, before_backward = self._reuse.get(id(unit), (None, None))
-        if before_backward is None or later_forward >= self._position:
+        if before_backward is None or later_forward is None or later_forward >= self._position:
             return False  # no backward of its own, or it runs again in this forward: not looked for
         distance = self._forward_suffix[self._position] + before_backward
         if distance >= self.limits.reuse_distance:
@@ -259,7 +260,7 @@ class Lifecycle:
     # buffer with that backward's gradient (the post-accumulate-grad hook sees the sum). At stage 3 a
     # unit's parameters are gathered only inside this engine's forward and backward, so such a
     # backward cannot be run; it stops with the cause named.
-    def _outside_backward(self, unit: Unit) -> None:
+    def _outside_backward(self, unit: Unit) -> NoReturn:
         raise RuntimeError(
             f"rank {self.rank}: a backward reached unit '{unit.name}' of a stage-3 engine outside its "
             "engine.backward(): either another engine's backward flows through this model's parameters (a GAN's "

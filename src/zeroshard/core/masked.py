@@ -40,7 +40,7 @@ def is_elementwise(value, param: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == param.shape
 
 
-def scalars_of(state: dict, param: torch.Tensor) -> dict | None:
+def scalars_of(state: dict | None, param: torch.Tensor) -> dict | None:
     """The scalar part of one optimizer state entry; None when the parameter never stepped."""
     if not state:
         return None
@@ -148,18 +148,19 @@ class SlotStates:
         return rest
 
 
-def step_runs(optimizer: torch.optim.Optimizer, param_group: int, param: torch.Tensor, grad: torch.Tensor,
+def step_runs(optimizer: torch.optim.Optimizer, param_group: int | None, param: torch.Tensor, grad: torch.Tensor,
               runs, new_state) -> list[tuple[int, int, dict]]:
     """Step elements [a, b) of `param` for each run (a, b, status), as the torch optimizer steps
     a parameter of its own whose scalar state is `status` (None: never stepped) and whose
     elementwise state is that slice of `param`'s. `new_state(key, dtype)`: a zero tensor like
     `param`, for state the optimizer creates. Returns (a, b, new scalar state) per run."""
+    assert param_group is not None  # FlatGroup.optimizer_group: None only for a frozen group, never stepped
     results = []
     for a, b, status in runs:
         state = optimizer.state.get(param) or {}
         view = param[a:b]
         given = {} if status is None else {
-            **{k: v[a:b] for k, v in state.items() if is_elementwise(v, param)}, **_copy(status)}
+            **{k: v[a:b] for k, v in state.items() if is_elementwise(v, param)}, **(_copy(status) or {})}
         optimizer.state[view] = dict(given)
         view.grad = grad[a:b]
         saved = [pg["params"] for pg in optimizer.param_groups]

@@ -57,13 +57,13 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 class TensorParallelSpec:
     """How to rebuild a DTensor parameter around a local tensor (its mesh, placements, global shape)."""
 
-    mesh: object
+    mesh: DeviceMesh
     placements: tuple
     shape: torch.Size
     stride: tuple
 
     @classmethod
-    def of(cls, param: torch.Tensor) -> "TensorParallelSpec | None":
+    def of(cls, param: torch.Tensor) -> TensorParallelSpec | None:
         if not isinstance(param, DTensor):
             return None
         if param.device_mesh.ndim != 1:
@@ -186,7 +186,7 @@ class NormScope:
         self.skip = skip or {}  # id(FlatGroup) -> [(lo, hi)] of its optimizer range not counted here
 
     @classmethod
-    def build(cls, model_parallel: ModelParallel | None, groups, comms) -> "NormScope":
+    def build(cls, model_parallel: ModelParallel | None, groups, comms) -> NormScope:
         if model_parallel is None or model_parallel.count_replicated:
             return cls(comms)
         skip = {}

@@ -17,16 +17,17 @@ import torch
 from zeroshard.core import consistency
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.mesh import NormScope
-from zeroshard.core.policy import StagePolicy
-from zeroshard.core.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.mesh import NormScope
+from zeroshard.core.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.optimizer_groups import keeps_state
 from zeroshard.core.optimizer_state import CheckpointState
 from zeroshard.core.param_gather import refresh_parameters
+from zeroshard.core.policy import StagePolicy
+from zeroshard.core.precision import DynamicLossScaler
 from zeroshard.core.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
 from zeroshard.core.streamed import StreamedStep, is_elementwise
-from zeroshard.core.precision import DynamicLossScaler
+
 
 class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
     """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards.
@@ -40,7 +41,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
                  policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
-                 streamed: "StreamedStep | None" = None, norm: NormScope | None = None,
+                 streamed: StreamedStep | None = None, norm: NormScope | None = None,
                  replica: Communicator | None = None):
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
@@ -197,7 +198,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         if self.failed_update is not None:
             raise UpdateFailed(f"{what}() refused: {self.failed_update}")
 
-    def step(self) -> bool:
+    def step(self) -> bool:  # type: ignore[override]  # no closure; says whether the step was applied
         """One optimizer step on this rank's shards; False when fp16 overflow skipped it."""
         self.check_usable("step")
         if self.deferred_gather is not None:  # the update writes the masters the gathers read

@@ -12,7 +12,7 @@ def repoint_optimizer(optimizer: torch.optim.Optimizer, groups: list[FlatGroup])
         param_group["params"] = [g.master for g in groups if g.optimizer_group == index]
     # Some optimizers (Adagrad) create state in their constructor: build a throwaway twin over the
     # shards to get that initial state, keeping the user's object and param-group dicts.
-    twin = type(optimizer)([dict(g) for g in optimizer.param_groups])
+    twin = type(optimizer)([dict(g) for g in optimizer.param_groups])  # type: ignore[call-arg]  # the subclass's constructor: its defaults are its own arguments
     optimizer.state.clear()
     optimizer.state.update(twin.state)
 
@@ -34,7 +34,7 @@ def keeps_state(optimizer: torch.optim.Optimizer) -> bool:
     hyper-parameters, so that the user's optimizer is not touched."""
     for param_group in optimizer.param_groups:
         probe = torch.zeros(1, requires_grad=True)
-        twin = type(optimizer)([{**{k: v for k, v in param_group.items() if k != "params"}, "params": [probe]}])
+        twin = type(optimizer)([{**{k: v for k, v in param_group.items() if k != "params"}, "params": [probe]}])  # type: ignore[call-arg]  # the subclass's constructor: its defaults are its own arguments
         probe.grad = torch.ones(1)
         twin.step()
         if twin.state.get(probe):

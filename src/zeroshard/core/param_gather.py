@@ -64,6 +64,7 @@ def refresh_parameters(groups: list[FlatGroup], comm: Communicator, deferred=Non
             continue
         if group.sharded_master and deferred is None:
             what = f"all-gather of updated parameters ({group.names[0]}...)"
+            assert group.full is not None  # kept: it does not reshard
             handles.append(comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True))
     for handle in handles:
         handle.wait()
@@ -80,7 +81,7 @@ class DeferredGather:
         self._comm = None
         self._queue: list[Unit] = []  # gathers not issued yet, in order
         self._inflight: dict[int, list] = {}  # id(unit) -> handles, oldest first
-        self._handles = []
+        self._handles: list = []
 
     @classmethod
     def attach(cls, units: list[Unit], model: torch.nn.Module, optimizer, policy, enabled: bool):

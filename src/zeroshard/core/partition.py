@@ -142,6 +142,7 @@ def unshard_for_op(partition: Partition, params: list, overwritten) -> None:
         if param is overwritten:
             param.data = torch.empty(record.shape, dtype=record.dtype, device=record.device)
         else:
+            assert partition.comm is not None  # open: inside the Init context
             gather_param(param, record, partition.comm, "a parameter read during construction")
         record.state = ShardState.UNSHARDED
         partition.live.append(param)
@@ -150,6 +151,7 @@ def unshard_for_op(partition: Partition, params: list, overwritten) -> None:
 def repartition_live(partition: Partition, param: nn.Parameter) -> None:
     partition.live[:] = [p for p in partition.live if p is not param]  # by identity: `==` compares values
     if _SHARDS[param].state is ShardState.UNSHARDED:
+        assert partition.comm is not None  # open: inside the Init context
         partition_param(param, partition, partition.comm, "a parameter initialised during construction")
 
 

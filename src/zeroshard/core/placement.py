@@ -17,8 +17,15 @@ class Store(Protocol):
     """One home for offloaded tensors. Every method is safe to call on tensors the store does not
     hold (it ignores them), so callers never branch on the store's kind."""
 
-    bytes_held: int  # bytes of tensors created by `tensor()` and not yet destroyed
     in_memory: bool  # do its tensors live in this process's memory (host RAM), not in files?
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of tensors created by `tensor()` and not yet destroyed."""
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of its tensors that live in files (the memory report's `offloaded_nvme`)."""
 
     def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A new zero-filled 1-D tensor that lives in this store."""

@@ -128,7 +128,8 @@ def _alike(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
         twins = []
         for _ in range(2):
             params = [torch.linspace(-1.0, 1.0, 3, device=device).requires_grad_() for _ in range(2)]
-            twins.append((params, type(optimizer)([{**copy.deepcopy(hyper), "params": params}])))
+            # the subclass's constructor: its defaults are its own arguments
+            twins.append((params, type(optimizer)([{**copy.deepcopy(hyper), "params": params}])))  # type: ignore[call-arg]
         (together, one), (apart, other) = twins
         for grads in rounds:
             for param, grad in zip(together, grads):

@@ -13,12 +13,12 @@ from torch import nn
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import local_tensor
-from zeroshard.core.policy import StagePolicy
+from zeroshard.core.partition import materialize
 from zeroshard.core.placement import Placement
+from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import PrecisionPolicy
 from zeroshard.core.unit import Links, Unit
 from zeroshard.core.wrap import assign_owners, unit_modules
-from zeroshard.core.partition import materialize
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
 
 def _chunks(items: list[tuple[str, nn.Parameter]], max_numel: int) -> list[list]:
     """`items` in order, cut into runs of at most `max_numel` elements (a larger parameter alone)."""
-    chunks, numel = [[]], 0
+    chunks: list[list] = [[]]
+    numel = 0
     for name, param in items:
         size = local_tensor(param).numel()
         if chunks[-1] and numel + size > max_numel:

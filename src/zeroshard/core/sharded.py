@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 
 import torch
 from torch import nn
@@ -128,6 +129,7 @@ class Sharded(ParameterReaders):
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or max_norm < 0:
             raise ValueError(f"set_gradient_clipping({max_norm!r}): a norm >= 0 (0: no clipping)")
         self._require_optimizer("set_gradient_clipping")
+        assert self.optimizer is not None
         self.optimizer.clip = float(max_norm)
 
     def set_loss_scaler(self, scaler: DynamicLossScaler | None) -> None:
@@ -138,6 +140,7 @@ class Sharded(ParameterReaders):
             raise ValueError("fp16 dynamic loss scaling is not supported with tensor or pipeline parallelism: "
                              "use bf16 (no loss scaling) or fp32")
         self.loss_scaler = scaler
+        assert self.optimizer is not None
         self.optimizer.loss_scaler = scaler
 
     def set_on_failed_update(self, mode: str) -> None:
@@ -145,6 +148,7 @@ class Sharded(ParameterReaders):
         later call refuses until a checkpoint is loaded) or "copy" (masters and optimizer state are
         copied before each group's update and put back): [Note: failed optimizer steps] in rollback.py."""
         self._require_optimizer("set_on_failed_update")
+        assert self.optimizer is not None
         self.optimizer.on_failed_update = mode
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
@@ -278,6 +282,7 @@ class Sharded(ParameterReaders):
         self._require_optimizer("step")
         self._check_usable("step")
         self.lifecycle.release_retained()  # the shards change under them
+        assert self.optimizer is not None  # _require_optimizer raised otherwise
         try:
             return self.optimizer.step()
         except BaseException as error:
@@ -306,13 +311,19 @@ class Sharded(ParameterReaders):
         links = [c for u in self.units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
         for comm in {id(c): c for c in [self.comm, *self.norm_comms, *links]}.values():
             comm.verify_before_launch = True  # peers may still be in this pass: see its comment in comm.py
-        for part in filter(None, (self.lifecycle, self.deferred_gather)):
+        parts: list[Lifecycle | DeferredGather] = [self.lifecycle]
+        if self.deferred_gather is not None:
+            parts.append(self.deferred_gather)
+        for part in parts:
             try:
                 part.abort(wait=self._broken is None)
             except CollectiveError as drained:
                 self._broken = str(drained)
-                if error is not None:
-                    error.add_note(f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}")
+                note = f"rank {self.comm.rank}: completing the collectives in flight failed too: {drained}"
+                if error is not None and sys.version_info >= (3, 11):
+                    error.add_note(note)
+                elif error is not None:  # Python 3.10 has no add_note: say it in the log instead
+                    log.error("%s (while handling %s: %s)", note, type(error).__name__, error)
 
     def _finish_interrupted_backward(self) -> None:
         """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)

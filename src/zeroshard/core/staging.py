@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 class Staging:
     """The temporaries of one collective on the communicator's device ([Note: staging host tensors])."""
 
-    def __init__(self, comm: "Communicator"):
+    def __init__(self, comm: Communicator):
         self.comm = comm
         self.kept: list[torch.Tensor] = []  # alive until the collective completes
         self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, temporary)

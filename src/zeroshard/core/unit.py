@@ -124,8 +124,8 @@ class Unit:
         self.live = live if live is not None else LiveCount()  # shared by a model's units (Lifecycle)
         self._state = UnitState.SHARDED if reshards else UnitState.UNSHARDED
         self.trainable_params = sum(len(g.params) for g in groups if g.trainable)
-        self._gathers: list[Handle] = []
-        self._reductions: list[tuple[Handle, FlatGroup, torch.Tensor | None]] = []
+        self._gathers: list[Handle | quantize.Composite] = []
+        self._reductions: list[tuple[Handle | quantize.Composite, FlatGroup, torch.Tensor | None]] = []
         self.grads_pending = self.trainable_params
         self.reduced_this_backward = False
         self.abandoned: list[torch.Tensor] = []  # see abort()
@@ -190,6 +190,7 @@ class Unit:
         """hpZ: (the partition shards of this rank's strided piece, those of them it copies: all but
         its own primary shard); see [Note: ZeRO++ and MiCS]."""
         node = self.links.secondary
+        assert node is not None  # hpZ
         piece = list(range(node.rank, self.comm.world_size, node.world_size))
         assert self.comm.rank in piece, (self.comm.rank, piece)  # consecutive nodes, h divides N
         return piece, [shard for shard in piece if shard != self.comm.rank]
@@ -199,17 +200,19 @@ class Unit:
         gathered buffer's shards mh .. mh + h - 1), the own shard read from the primary shard,
         quantized again with qwZ (the same values as the forward's: quantization is deterministic)."""
         node, full = self.links.secondary, group.new_full()
+        assert node is not None and group.secondary is not None  # hpZ, with the copies the forward kept
         numel, h = group.layout.shard_numel, node.world_size
         quantized = group.secondary_scales is not None
-        own = quantize.quantize(group.gather_input(), self.links.block) if quantized else (group.gather_input(),)
-        copies = iter(zip(group.secondary, group.secondary_scales) if quantized else
+        own: tuple = quantize.quantize(group.gather_input(), self.links.block) if quantized else (group.gather_input(),)
+        copies = iter(zip(group.secondary, group.secondary_scales) if group.secondary_scales is not None else
                       ((row,) for row in group.secondary))
         handles = []
         for m, shard in enumerate(self._secondary_shards()[0]):
             out = full[m * h * numel:(m + 1) * h * numel]  # 1-D, numel = h x shard_numel
-            mine = own if shard == self.comm.rank else next(copies)
+            mine: tuple = own if shard == self.comm.rank else next(copies)
             if quantized:
-                handles.append(quantize.all_gather_encoded(node, out, *mine, f"{what} ({m})", h,
+                q, scales = mine
+                handles.append(quantize.all_gather_encoded(node, out, q, scales, f"{what} ({m})", h,
                                                            self.links.block, async_op=True))
             else:
                 handles.append(node.all_gather(out, mine[0], f"{what} ({m})", async_op=True))
@@ -245,6 +248,7 @@ class Unit:
 
     def _reduce_group(self, group: FlatGroup):
         what = f"gradient reduction of unit '{self.name}'"
+        assert group.full_grad is not None  # reduce_grads made it
         if group.reduction is Reduction.ALL_REDUCE:  # stage 0: every rank keeps everything, like DDP
             return self.comm.all_reduce(group.full_grad, what, async_op=True), group, None
         if group.reduction is Reduction.REDUCE_SCATTER_IN_PLACE:

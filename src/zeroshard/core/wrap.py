@@ -55,7 +55,7 @@ def _heads(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> list[
     least = sum(_numel(b) for b in blocks) / len(blocks) / 2
     named = list(model.named_modules())
     start = next(i for i, (n, _) in enumerate(named) if n == blocks_name) + 1
-    heads = []
+    heads: list[tuple[str, nn.Module]] = []
     for name, module in named[start:]:  # registered after the blocks
         if is_inside(name, blocks_name) or any(is_inside(name, h) for h, _ in heads):
             continue

@@ -16,8 +16,8 @@ import torch
 import transformers
 from transformers.trainer import SCHEDULER_NAME
 
-from zeroshard.compat.api import initialize
 from zeroshard.checkpoint import full_state_dict
+from zeroshard.compat.api import initialize
 from zeroshard.config import ConfigError, read_config
 from zeroshard.core.unit import UnitState
 
@@ -219,7 +219,7 @@ class ZeroShardTrainer(transformers.Trainer):
         if self.engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         self.engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
-        if self.args.should_save and not isinstance(self.lr_scheduler, _SteppedByEngine):
+        if self.args.should_save and self.lr_scheduler is not None and not isinstance(self.lr_scheduler, _SteppedByEngine):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -228,7 +228,8 @@ class ZeroShardTrainer(transformers.Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         path = os.path.join(checkpoint or "", SCHEDULER_NAME)
-        if checkpoint is not None and not isinstance(self.lr_scheduler, _SteppedByEngine) and os.path.isfile(path):
+        if (checkpoint is not None and self.lr_scheduler is not None and not isinstance(self.lr_scheduler, _SteppedByEngine)
+                and os.path.isfile(path)):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
 
     def _load_best_model(self) -> None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.offload.split import ResidentFirstStore
-from zeroshard.offload.blockio import IOPool
-from zeroshard.offload.store import CPUStore, NVMeStore, StoreError
 from zeroshard.core.placement import Placement
+from zeroshard.offload.blockio import IOPool
+from zeroshard.offload.split import ResidentFirstStore
+from zeroshard.offload.store import CPUStore, NVMeStore, StoreError
 
 __all__ = ["CPUStore", "NVMeStore", "ResidentFirstStore", "StoreError", "build_placement"]
 
@@ -51,6 +51,7 @@ def build_placement(zero, aio, optimizer: torch.optim.Optimizer | None, model_nu
     plan.param_store = plan.optimizer_store if same else _store(zero.offload_param, rank, param_bytes, aio,
                                                                 coordinate, nvme_io)
     if plan.param_store is not None and keeps_some_in_cpu(zero.offload_param):
+        assert isinstance(plan.param_store, NVMeStore)  # keeps_some_in_cpu: device nvme
         plan.param_store = ResidentFirstStore(CPUStore(pin_memory=zero.offload_param.pin_memory), plan.param_store,
                                               zero.offload_param.max_in_cpu, owns_nvme=not same)
     return plan

@@ -24,9 +24,9 @@ import ctypes
 import errno
 import logging
 import os
+import queue
 import threading
 import time
-import queue
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -194,7 +194,7 @@ def open_direct(path: Path, mode: str = "direct") -> tuple[int, str]:
 class DirectFile:
     """Aligned, large requests on one swap file, `depth` of them in flight on a shared I/O pool."""
 
-    def __init__(self, path: Path, pool: "IOPool"):
+    def __init__(self, path: Path, pool: IOPool):
         self.path = path
         self.pool = pool
         self.fd, self.mode = open_direct(path, pool.mode)

@@ -37,6 +37,7 @@ import signal
 import threading
 import uuid
 from pathlib import Path
+from typing import TypeGuard
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +151,7 @@ def keep_on_sigterm(root: Path) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _is_ours(handler) -> bool:
+def _is_ours(handler) -> TypeGuard[functools.partial]:
     return isinstance(handler, functools.partial) and handler.func is _on_sigterm
 
 

@@ -32,16 +32,21 @@ import os
 import shutil
 import time
 import weakref
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
+from concurrent.futures import Future, wait as wait_for
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zeroshard.offload.blockio import ALIGN, DirectFile, IOPool, Workers, round_up
-from zeroshard.offload.cleanup import (create_locked_dir, describe_others, keep_on_sigterm, reclaim_dead, release_root,
-                                       remove_on_sigterm)
+from zeroshard.offload.cleanup import (
+    create_locked_dir,
+    describe_others,
+    keep_on_sigterm,
+    reclaim_dead,
+    release_root,
+    remove_on_sigterm,
+)
 from zeroshard.offload.errors import StoreError
 from zeroshard.offload.swapfile import Home, SwapFile, make_writable, read_ahead, read_into_buffer, write_back
 
@@ -235,8 +240,8 @@ class NVMeStore:
         try:
             for item in self._mapped(tensors):
                 reading, item.reading = item.reading, None
-                if reading is not None and reading.exception() is not None:  # exception() waits
-                    raise reading.exception()
+                if reading is not None and (error := reading.exception()) is not None:  # exception() waits
+                    raise error
         finally:
             self.counters.wait_s += time.perf_counter() - started
 
@@ -277,7 +282,7 @@ class NVMeStore:
         """Until every write-back has finished; the first failure is raised once (a retried step
         writes its tensors back again)."""
         pending, self._pending = self._pending, []
-        errors = [f.exception() for f, _ in pending if f.exception() is not None]  # exception() waits
+        errors = [error for f, _ in pending if (error := f.exception()) is not None]  # exception() waits
         if errors:
             raise errors[0]
 

@@ -28,8 +28,7 @@ import logging
 import mmap
 import os
 import threading
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_for
+from concurrent.futures import Future, wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -45,7 +45,7 @@ def _present_modules(names: Sequence[str]) -> list:
             if importlib.util.find_spec(name) is None:
                 continue  # not written (yet): not offered
             modules.append(importlib.import_module(name))
-        except Exception as err:  # a broken command must not take the others down with it
+        except Exception as err:  # noqa: BLE001 - a broken command must not take the others down with it
             logger.warning("command module %s could not be loaded: %s", name, err)
     return modules
 
@@ -66,7 +66,7 @@ def _version() -> str:
     try:
         from importlib.metadata import version
         return version("zeroshard")
-    except Exception:  # running from a source tree that was never installed
+    except Exception:  # noqa: BLE001 - running from a source tree that was never installed
         return "unknown"
 
 

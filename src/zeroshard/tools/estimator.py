@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zeroshard.core.policy import stage_policy
+
 # Re-exported: callers read and print sizes through the estimator (est.parse_bytes, est.format_bytes).
 from zeroshard.tools.units import format_bytes, format_count, parse_bytes, parse_count  # noqa: F401
 
@@ -160,9 +161,9 @@ def largest_model(memory_bytes: int, ranks: int, stage: int, recipe: Recipe = MI
     coefficients = {tier: [0, 0] for tier in budgets}  # tier -> [replicated, sharded] bytes per param
     for term in _terms(stage, recipe, offload_optimizer, offload_param):
         coefficients[term.tier][int(term.sharded)] += term.bytes_per_param
-    limits = [_largest_within(rep, shd, budgets[tier], ranks)
-              for tier, (rep, shd) in coefficients.items() if budgets[tier] is not None]
-    limits = [limit for limit in limits if limit is not None]
+    found = [_largest_within(rep, shd, budget, ranks)
+             for tier, (rep, shd) in coefficients.items() if (budget := budgets[tier]) is not None]
+    limits = [limit for limit in found if limit is not None]
     if not limits:
         raise ValueError("nothing bounds the model size: all model states are offloaded; give a cpu/nvme budget")
     return min(limits)

@@ -16,6 +16,7 @@ def _parse(text: str, units: dict[str, int], what: str) -> int:
     if unit not in units:
         allowed = ", ".join(u for u in units if u) or "none"
         raise ValueError(f"cannot read {what} {text!r}: expected a number with an optional unit ({allowed})")
+    assert match is not None  # without a match unit is None, which is not in units
     return round(float(match.group(1)) * units[unit])
 
 

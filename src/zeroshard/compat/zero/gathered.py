@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,10 +34,10 @@ class GatheredParameters:
                           "used in another module's forward is not registered to be gathered there",
                           ConfigKeyNotActedOnWarning, stacklevel=2)
 
-    def __enter__(self) -> "GatheredParameters":
+    def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
-        engines: dict[int, tuple[object, list]] = {}
+        engines: dict[int, tuple[Any, list]] = {}  # id(engine) -> (a Sharded, its parameters)
         partitioned = []
         for param in self.params:  # the same order on every rank, so the same collectives
             if part.record_of(param) is not None:

@@ -45,14 +45,16 @@ METADATA = frozenset(
         "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "is_cuda", "is_meta",
         "is_sparse", "is_quantized", "is_nested", "layout", "names", "_version", "output_nr", "itemsize", "nbytes")
      if hasattr(_T, name)]
-    + [_T.requires_grad.__set__, _T.grad.__set__, _T.dim, _T.size, _T.numel, _T.nelement, _T.element_size,
+    # descriptors: torch's stubs type them as their values
+    + [_T.requires_grad.__set__, _T.grad.__set__,  # type: ignore[attr-defined, union-attr]
+       _T.dim, _T.size, _T.numel, _T.nelement, _T.element_size,
        _T.is_floating_point, _T.is_complex, _T.get_device, _T.requires_grad_, _T.register_hook,
        _T.register_post_accumulate_grad_hook, _T.new, _T.new_empty, _T.new_zeros, _T.new_ones, _T.new_full,
        _T.__len__, _T.__hash__])
 
 # Overwrite every element whatever the old values: an empty full tensor is enough.
 _OVERWRITES = frozenset([_T.normal_, _T.uniform_, _T.fill_, _T.zero_, _T.random_, _T.exponential_, _T.cauchy_,
-                         _T.log_normal_, _T.geometric_, _T.bernoulli_, _T.copy_, _T.data.__set__])
+                         _T.log_normal_, _T.geometric_, _T.bernoulli_, _T.copy_, _T.data.__set__])  # type: ignore[attr-defined]  # a descriptor: torch's stubs type the attribute as its value
 _DESCRIBES = frozenset([_T.__repr__, _T.__format__])
 
 
@@ -99,8 +101,8 @@ def _contiguous_strides(shape: torch.Size, dim: int | None = None):
     for size in reversed(shape):
         strides.append(step)
         step *= max(size, 1)
-    strides = tuple(reversed(strides))
-    return strides if dim is None else strides[dim]
+    ordered = tuple(reversed(strides))
+    return ordered if dim is None else ordered[dim]
 
 
 class Init:
@@ -148,7 +150,7 @@ class Init:
                 self._rehome()
 
     # -- the context ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "Init":
+    def __enter__(self) -> Init:
         if not self.enabled:
             return self
         self.partition.comm = self.partition.communicator()
@@ -161,6 +163,7 @@ class Init:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.enabled:
             return
+        assert self._mode is not None  # entered
         self._mode.__exit__(exc_type, exc, tb)
         for handle in self._handles:
             handle.remove()
@@ -173,6 +176,7 @@ class Init:
                     self._partition_all(list(self._pending.keys()))
                     self._rehome()
         finally:
+            assert self.partition.comm is not None  # opened by __enter__
             self.partition.comm.destroy()
             self.partition.comm = None
 
@@ -203,6 +207,7 @@ class Init:
     def _partition_all(self, params) -> None:
         for param in params:
             if part.record_of(param) is None and param.is_floating_point():
+                assert self.partition.comm is not None  # open: inside the context
                 part.partition_param(param, self.partition, self.partition.comm, f"a {tuple(param.shape)} parameter")
             self._pending.pop(param, None)
 

@@ -182,6 +182,7 @@ def explain(problem: Problem, best: Candidate | None, every: list[Candidate]) ->
 
 def _breakdown(p: Problem, c: Candidate) -> str:
     pred = c.prediction
+    assert pred is not None  # _predict set it
     hidden = sum(pred.comm_s.values()) - sum(pred.exposed_s.values())
     host = f" + {_seconds(c.host_bytes / p.host_bandwidth)} host link" if c.host_bytes else ""
     return (f"{c.name}: {_seconds(c.time_s)} = compute {_seconds(pred.compute_s)} + "
@@ -193,6 +194,7 @@ def _breakdown(p: Problem, c: Candidate) -> str:
 def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
     if not c.fits:
         return f"does not fit: {c.why_not}"
+    assert c.prediction is not None and best.prediction is not None  # _predict set them
     if c.time_s > best.time_s * (1 + _TIE):
         extra = c.time_s - best.time_s
         more_bytes = c.wire_bytes / best.wire_bytes - 1 if best.wire_bytes else 0

@@ -13,8 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from zeroshard.tools.bench.rank import RankContext, run_rank
 from zeroshard.core.comm import Communicator
+from zeroshard.tools.bench.rank import RankContext, run_rank
 
 
 def work(ctx: RankContext) -> dict:

@@ -28,12 +28,12 @@ from pathlib import Path
 
 from zeroshard.tools import estimator as est
 from zeroshard.tools.bench.capped import ALLOCATION_MARKERS
+from zeroshard.tools.bench.family import HEAD_DIM
 from zeroshard.tools.bench.launch import Outcome, failure_message, run_ranks
 from zeroshard.tools.commands import CommandError
 
 log = logging.getLogger(__name__)
 
-from zeroshard.tools.bench.family import HEAD_DIM
 ASSUMED_BASELINE = 300 * 10**6  # bytes a rank maps before the model (torch, gloo); only seeds the first guess
 
 # The configurations searched: stages 0-3, then stage 3 with both offloads to CPU and to NVMe.
@@ -191,6 +191,7 @@ def find_boundary(fits: Callable[[int], Trial], guess: int, ceiling: int) -> Bou
             low, high = (step, high) if attempt(step) else (None, step)
         if low is None:
             return Boundary(None, high, _ordered(trials))
+    assert low is not None and high is not None  # both found, or returned above
     while high - low > 1:  # invariant: low fits, high does not; both were run
         middle = (low + high) // 2
         low, high = (middle, high) if attempt(middle) else (low, middle)

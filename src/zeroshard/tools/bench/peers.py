@@ -15,12 +15,11 @@ their communication is counted by `measure.C10dByteCounter` from the outside.
 from __future__ import annotations
 
 import importlib.util
+from typing import cast
 
 import torch
-import torch.distributed as dist
 
 from zeroshard.core.comm import Communicator
-
 from zeroshard.tools.bench import measure
 from zeroshard.tools.bench.subject import Subject
 
@@ -101,7 +100,7 @@ def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict,
     if kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        for block in cast(torch.nn.ModuleList, model.blocks):  # the GPT's
             fully_shard(block)
         fully_shard(model)
         return _torch_subject(model, make_optimizer(model.parameters()), device, params, bf16, clip)

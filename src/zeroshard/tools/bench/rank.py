@@ -66,7 +66,7 @@ def run_rank(work: Callable[[RankContext], dict]) -> None:
     try:
         ctx = RankContext(run_dir)
         ctx.write_result(work(ctx))
-    except BaseException:  # report anything, KeyboardInterrupt included, then leave
+    except BaseException:  # noqa: BLE001 - report anything, KeyboardInterrupt included, then leave
         rank = os.environ.get("RANK", "0")
         (run_dir / f"error.rank{rank}.txt").write_text(traceback.format_exc())
         code = 1

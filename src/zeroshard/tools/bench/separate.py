@@ -55,6 +55,7 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
     for run in ready:
         launched = one(run, False, first_half)
         timed[run["name"]] = launched["runs"][0]
+    assert launched is not None  # `ready` is not empty
     tokens_per_step = spec["batch"] * spec["shape"]["block_size"] * launched["world_size"]
     for run in reversed(ready) if second_half else ():
         merged = timed[run["name"]]

@@ -41,7 +41,8 @@ _RATE = re.compile(r"^\s*(.+?)\s*(/s|ps)?\s*$", re.IGNORECASE)
 
 def parse_rate(text: str) -> float:
     """'25GB/s', '25 GB/s', '2.5e10', '100Gbit/s' -> bytes per second."""
-    body = _RATE.match(text).group(1)
+    match = _RATE.match(text)
+    body = match.group(1) if match else ""  # blank text: parse_bytes refuses it below
     bits = re.match(r"^(.*?)(gbit|mbit|gb?ps)$", body, re.IGNORECASE)
     try:
         if bits:

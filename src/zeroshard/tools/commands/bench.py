@@ -10,6 +10,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from zeroshard.tools import estimator as est
 from zeroshard.tools.commands import CommandError, add_command
@@ -171,7 +172,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="where bench.txt, bench.json, bench.png go (default: bench_out)")
     parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                         help="time limit of the whole run; the ranks are stopped when it runs out")
-    parser.epilog += ("\n\nMODE DEFAULTS (--seq-len, --batch, --steps, --warmup):\n"
+    parser.epilog = (parser.epilog or "") + ("\n\nMODE DEFAULTS (--seq-len, --batch, --steps, --warmup):\n"
                       + "\n".join(f"  {m}: {', '.join(f'{k}={v}' for k, v in d.items())}" for m, d in MODE_DEFAULTS.items()))
     parser.set_defaults(func=run)
 
@@ -255,6 +256,8 @@ def mode_command_line(args: argparse.Namespace) -> str:
 
 class StepBars:
     """One tqdm bar per configuration, fed by the ranks' progress lines."""
+
+    bar: Any  # the running configuration's tqdm bar; None between configurations
 
     def __init__(self, total_runs: int):
         from tqdm import tqdm

@@ -7,6 +7,7 @@ import logging
 import sys
 import time
 from pathlib import Path
+from typing import Any, cast
 
 from zeroshard.tools.commands import CommandError, add_command, bounded
 
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         engine = from_pretrained(args.model, config)
     except CheckpointError as error:
         raise CommandError(str(error)) from None
-    vocab = engine.module.config.vocab_size
+    vocab = cast(Any, engine.module).config.vocab_size  # a Hugging Face model's config
     if int(prompt.max()) >= vocab or int(prompt.min()) < 0:
         raise CommandError(f"prompt ids must lie in [0, {vocab}) for this model, got {prompt[0].tolist()}")
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,

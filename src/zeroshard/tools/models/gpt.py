@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -35,7 +36,7 @@ class GPTConfig:
 
 def tiny_gpt_config(**overrides) -> GPTConfig:
     """A model small enough for multi-rank CPU tests (~30k parameters, a step in milliseconds)."""
-    fields = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    fields: dict[str, Any] = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=32)
     fields.update(overrides)
     return GPTConfig(**fields)
 
