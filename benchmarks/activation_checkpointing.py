@@ -8,6 +8,7 @@ measured"). A rank resets its peak RSS (VmHWM, via /proc/self/clear_refs) after 
 reads it after the measured steps: the increase over the RSS at rest is what training needs on top of
 the model states, mostly activations. Reported: the largest over ranks.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,10 +42,14 @@ def worker(args) -> None:
     zeroshard.init_distributed()
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=8, n_embd=args.width))
-    config = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {"stage": 3},
-              "zeroshard": {"activation_checkpointing_units": bool(args.checkpoint)}}
-    engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
-                                      config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "zero_optimization": {"stage": 3},
+        "zeroshard": {"activation_checkpointing_units": bool(args.checkpoint)},
+    }
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
+    )
     gen = torch.Generator().manual_seed(engine.global_rank)
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=gen)  # (B, T + 1)
 
@@ -71,14 +76,31 @@ def worker(args) -> None:
 def run_setting(args, checkpoint: bool) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", __file__, "--worker",
-               "--checkpoint", str(int(checkpoint)), "--layers", str(args.layers), "--width", str(args.width),
-               "--seq", str(args.seq), "--batch", str(args.batch), "--steps", str(args.steps)]
+    command = [
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        __file__,
+        "--worker",
+        "--checkpoint",
+        str(int(checkpoint)),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--seq",
+        str(args.seq),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+    ]
     out = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(f"benchmark run failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -93,13 +115,17 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         return worker(args)
-    print(f"GPT: {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} tokens per rank; "
-          "stage 3, 2 ranks (gloo, CPU), MALLOC_MMAP_THRESHOLD_=65536")
+    print(
+        f"GPT: {args.layers} layers, width {args.width}, batch {args.batch} x {args.seq} tokens per rank; "
+        "stage 3, 2 ranks (gloo, CPU), MALLOC_MMAP_THRESHOLD_=65536"
+    )
     print(f"{'activation checkpointing':<26}{'RSS at rest':>14}{'peak RSS':>12}{'peak - rest':>14}{'step':>9}")
     for checkpoint in (False, True):
         r = run_setting(args, checkpoint)
-        print(f"{'units' if checkpoint else 'off':<26}{r['rest_mib']:>10.0f} MiB{r['peak_mib']:>8.0f} MiB"
-              f"{r['peak_mib'] - r['rest_mib']:>10.0f} MiB{r['step_s']:>8.2f}s")
+        print(
+            f"{'units' if checkpoint else 'off':<26}{r['rest_mib']:>10.0f} MiB{r['peak_mib']:>8.0f} MiB"
+            f"{r['peak_mib'] - r['rest_mib']:>10.0f} MiB{r['step_s']:>8.2f}s"
+        )
 
 
 if __name__ == "__main__":

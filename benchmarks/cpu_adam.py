@@ -6,6 +6,7 @@ warm-up; elements per second and effective memory bandwidth (AdamW touches 4 arr
 
     python benchmarks/cpu_adam.py --numel 16e6 --threads 1 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,15 @@ def main() -> None:
         for name, kwargs in VARIANTS.items():
             seconds = time_variant(numel, kwargs, args.repeats)
             rate = numel / seconds
-            rows.append(dict(threads=threads, implementation=name, seconds=seconds, elements_per_s=rate,
-                             gb_per_s=rate * 7 * 4 / 1e9))
+            rows.append(
+                dict(
+                    threads=threads,
+                    implementation=name,
+                    seconds=seconds,
+                    elements_per_s=rate,
+                    gb_per_s=rate * 7 * 4 / 1e9,
+                )
+            )
             print(f"{threads:>7}  {name:<26} {seconds:>9.4f} {rate / 1e6:>9.1f} {rate * 28 / 1e9:>7.2f}")
     if args.json:
         with open(args.json, "w") as handle:

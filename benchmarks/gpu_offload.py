@@ -21,6 +21,7 @@ optimizer's step (its step hooks), summed over the step's sub-groups; step time 
 forward+backward (all micro steps) and the engine's step (norm, Adam, copies back to the GPU).
 `--dry-run` runs a tiny model on the CPU (gloo) so that the script is known to work before a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,18 @@ import zeroshard
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 # (n_layer, n_embd, n_head), smallest first: GPT-3-like shapes from 0.35B to 13B parameters.
-SHAPES = [(24, 1024, 16), (24, 2048, 16), (32, 2560, 32), (36, 3072, 24), (40, 3072, 24), (32, 3584, 28),
-          (40, 3584, 28), (32, 4096, 32), (40, 4096, 32), (40, 5120, 40)]
+SHAPES = [
+    (24, 1024, 16),
+    (24, 2048, 16),
+    (32, 2560, 32),
+    (36, 3072, 24),
+    (40, 3072, 24),
+    (32, 3584, 28),
+    (40, 3584, 28),
+    (32, 4096, 32),
+    (40, 4096, 32),
+    (40, 5120, 40),
+]
 DRY_SHAPE = (2, 64, 4)
 # Bytes per parameter where each mode keeps the model states (stage 2, one rank, bf16, AdamW):
 #   offload, host: fp32 master 4 + exp_avg 4 + exp_avg_sq 4 + bf16 gradient shard 2 + its fp32 copy
@@ -55,7 +66,7 @@ GPU_FRACTION = 0.6  # of GPU memory for model states: the rest is activations an
 
 def num_params(shape, vocab: int, seq: int) -> int:
     n_layer, n_embd, _ = shape
-    return 12 * n_layer * n_embd ** 2 + (vocab + seq) * n_embd
+    return 12 * n_layer * n_embd**2 + (vocab + seq) * n_embd
 
 
 def fits(shape, mode: str, args, host: int, gpu: int) -> bool:
@@ -85,9 +96,14 @@ def config_for(args, mode: str, micro: int, gas: int) -> dict:
     zero = {"stage": 2, "overlap_comm": True}
     if mode == "offload":
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": args.device == "cuda"}
-    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": gas,
-            "bf16": {"enabled": True}, "zero_optimization": zero, "zeroshard": {"check_collectives": False},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}}}
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+        "zeroshard": {"check_collectives": False},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+    }
 
 
 class AdamClock:
@@ -117,8 +133,9 @@ def train(args, mode: str, shape, micro: int, gas: int, device: torch.device) ->
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with device:  # initialise on the device: no host copy of a model that may not fit there
-        model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=n_layer, n_head=n_head,
-                              n_embd=n_embd))
+        model = GPT(
+            GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
+        )
     built = time.perf_counter()
     engine, *_ = zeroshard.initialize(model=model, config=config_for(args, mode, micro, gas))
     init_s = time.perf_counter() - built
@@ -147,17 +164,30 @@ def train(args, mode: str, shape, micro: int, gas: int, device: torch.device) ->
     engine.destroy()
     median = statistics.median(steps)
     tokens = micro * gas * args.seq
-    flops = 6 * params * tokens + 12 * n_layer * n_embd * args.seq ** 2 * micro * gas
+    flops = 6 * params * tokens + 12 * n_layer * n_embd * args.seq**2 * micro * gas
     gpu_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return dict(mode=mode, shape=dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head), params=params,
-                micro_batch=micro, gradient_accumulation=gas, seq=args.seq, tokens_per_step=tokens,
-                init_s=init_s, median_step_s=median, step_s=steps,
-                median_forward_backward_s=statistics.median(forward_backward),
-                median_engine_step_s=median - statistics.median(forward_backward),
-                median_cpu_adam_s=statistics.median(adam) if mode == "offload" else None,
-                tokens_per_s=tokens / median, tflops=flops / median / 1e12,
-                fraction_of_peak=flops / median / 1e12 / args.peak_tflops, gpu_peak_bytes=gpu_peak,
-                host_peak_rss_bytes=_peak_rss(), model_states=memory, last_loss=last_loss)
+    return dict(
+        mode=mode,
+        shape=dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head),
+        params=params,
+        micro_batch=micro,
+        gradient_accumulation=gas,
+        seq=args.seq,
+        tokens_per_step=tokens,
+        init_s=init_s,
+        median_step_s=median,
+        step_s=steps,
+        median_forward_backward_s=statistics.median(forward_backward),
+        median_engine_step_s=median - statistics.median(forward_backward),
+        median_cpu_adam_s=statistics.median(adam) if mode == "offload" else None,
+        tokens_per_s=tokens / median,
+        tflops=flops / median / 1e12,
+        fraction_of_peak=flops / median / 1e12 / args.peak_tflops,
+        gpu_peak_bytes=gpu_peak,
+        host_peak_rss_bytes=_peak_rss(),
+        model_states=memory,
+        last_loss=last_loss,
+    )
 
 
 def _peak_rss() -> int:
@@ -179,10 +209,14 @@ def run(args) -> dict:
     else:
         shape = DRY_SHAPE if args.dry_run else _pick_shape(args, host, gpu)
         micro, gas = args.batch, args.gas
-    record = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  torch=torch.__version__, host_available_bytes=host, gpu_total_bytes=gpu,
-                  peak_tflops=args.peak_tflops,
-                  fits_estimate={m: fits(shape, m, args, host, gpu) for m in STATE_BYTES})
+    record = dict(
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        host_available_bytes=host,
+        gpu_total_bytes=gpu,
+        peak_tflops=args.peak_tflops,
+        fits_estimate={m: fits(shape, m, args, host, gpu) for m in STATE_BYTES},
+    )
     while True:
         try:
             record["run"] = train(args, args.mode, shape, micro, gas, device)
@@ -190,13 +224,19 @@ def run(args) -> dict:
         except Exception as error:  # out of memory is a result here, anything else is re-raised
             if not _out_of_memory(error):
                 raise
-            record.setdefault("out_of_memory", []).append(dict(micro_batch=micro, gradient_accumulation=gas,
-                                                               error=str(error)[:300]))
+            record.setdefault("out_of_memory", []).append(
+                dict(micro_batch=micro, gradient_accumulation=gas, error=str(error)[:300])
+            )
             _free(device)
             if micro == 1:
-                record["run"] = dict(mode=args.mode, shape=dict(zip(("n_layer", "n_embd", "n_head"), shape)),
-                                     params=num_params(shape, args.vocab, args.seq), micro_batch=micro,
-                                     gradient_accumulation=gas, does_not_fit=True)
+                record["run"] = dict(
+                    mode=args.mode,
+                    shape=dict(zip(("n_layer", "n_embd", "n_head"), shape)),
+                    params=num_params(shape, args.vocab, args.seq),
+                    micro_batch=micro,
+                    gradient_accumulation=gas,
+                    does_not_fit=True,
+                )
                 break
             micro, gas = micro // 2, gas * 2
     return record
@@ -225,7 +265,8 @@ def summarize(paths: list[str]) -> dict:
     if "tflops" in offload:
         out["offload_fraction_of_peak"] = offload["fraction_of_peak"]
         out["goal_40_percent_of_peak_on_a_model_that_needs_offload"] = (
-            offload["fraction_of_peak"] >= 0.4 and not out["plain_fits"])
+            offload["fraction_of_peak"] >= 0.4 and not out["plain_fits"]
+        )
     return out
 
 
@@ -256,9 +297,11 @@ def main() -> None:
         result = run(args)
         run_ = result["run"]
         if "tflops" in run_:
-            print(f"{args.mode}: {run_['params'] / 1e9:.2f}B params, micro {run_['micro_batch']} x gas "
-                  f"{run_['gradient_accumulation']}: step {run_['median_step_s']:.2f} s, {run_['tokens_per_s']:,.0f} "
-                  f"tokens/s, {run_['tflops']:.1f} TFLOP/s ({100 * run_['fraction_of_peak']:.1f}% of peak)")
+            print(
+                f"{args.mode}: {run_['params'] / 1e9:.2f}B params, micro {run_['micro_batch']} x gas "
+                f"{run_['gradient_accumulation']}: step {run_['median_step_s']:.2f} s, {run_['tokens_per_s']:,.0f} "
+                f"tokens/s, {run_['tflops']:.1f} TFLOP/s ({100 * run_['fraction_of_peak']:.1f}% of peak)"
+            )
         else:
             print(f"{args.mode}: {run_['params'] / 1e9:.2f}B params do not fit")
         dist.destroy_process_group()

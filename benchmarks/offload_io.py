@@ -10,6 +10,7 @@ every pass (posix_fadvise DONTNEED), so reads come from the disk. `dd` O_DIRECT 
 the same file runs in the same invocation, and the direct path says whether O_DIRECT was taken or
 the file system refused it (buffered fallback).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,7 +61,7 @@ def mapped(path: str, nbytes: int, write: bool) -> float:
     for i in range(nbytes // CHUNK):
         if i + 1 < nbytes // CHUNK:
             buffer.madvise(mmap.MADV_WILLNEED, (i + 1) * CHUNK, CHUNK)  # read ahead the next one
-        part = tensor[i * CHUNK // 4: (i + 1) * CHUNK // 4]
+        part = tensor[i * CHUNK // 4 : (i + 1) * CHUNK // 4]
         if write:
             part.fill_(1.0)
         else:
@@ -101,8 +102,11 @@ def direct(path: str, nbytes: int, write: bool) -> float:
 
 
 def dd(path: str, nbytes: int, write: bool) -> float:
-    flags = ["if=/dev/zero", f"of={path}", "oflag=direct", "conv=notrunc"] if write else \
-        [f"if={path}", "of=/dev/null", "iflag=direct"]
+    flags = (
+        ["if=/dev/zero", f"of={path}", "oflag=direct", "conv=notrunc"]
+        if write
+        else [f"if={path}", "of=/dev/null", "iflag=direct"]
+    )
     result = subprocess.run(["dd", *flags, "bs=16M", f"count={nbytes // 2**24}"], capture_output=True, text=True)
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", result.stderr)
     return int(match.group(1)) / float(match.group(2)) / 1e9
@@ -119,10 +123,16 @@ def main() -> None:
     os.posix_fallocate(fd, 0, nbytes)
     os.close(fd)
     print(f"{nbytes / 1e9:.1f} GB in 64 MiB tensors, page cache dropped before each pass")
-    print(f"$ python benchmarks/offload_io.py --path {args.path} --gigabytes {args.gigabytes}; "
-          f"load average {os.getloadavg()[0]:.1f} at the start")
-    methods = (("dd O_DIRECT, 16 MiB blocks", dd), ("thread pool (2 threads, pread/pwrite)", threadpool),
-               ("memory map + read-ahead", mapped), ("aligned direct (4 MiB x 8, store)", direct))
+    print(
+        f"$ python benchmarks/offload_io.py --path {args.path} --gigabytes {args.gigabytes}; "
+        f"load average {os.getloadavg()[0]:.1f} at the start"
+    )
+    methods = (
+        ("dd O_DIRECT, 16 MiB blocks", dd),
+        ("thread pool (2 threads, pread/pwrite)", threadpool),
+        ("memory map + read-ahead", mapped),
+        ("aligned direct (4 MiB x 8, store)", direct),
+    )
     for name, fn in methods:
         for write in (True, False):
             drop_cache(path)

@@ -16,6 +16,7 @@ bytes); hidden = the share of that busy time the training thread did not wait fo
 (1 - store wait / busy time). The NVMe store's I/O path (O_DIRECT, or buffered where the file
 system refuses it) is printed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,11 @@ import zeroshard
 try:
     from zeroshard.offload.blockio import union_s
 except ImportError:  # an older zeroshard (before/after runs): it has no clock, so no spans to join
+
     def union_s(spans, start=None, end=None) -> float:
         return 0.0
+
+
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 
@@ -46,8 +50,10 @@ def dd_throughput(path: str, gigabytes: int = 2) -> dict:
     target = os.path.join(path, "dd-probe.bin")
     count = gigabytes * 64  # 16 MiB blocks
     out = {}
-    for name, args in (("write", ["if=/dev/zero", f"of={target}", "oflag=direct"]),
-                       ("read", [f"if={target}", "of=/dev/null", "iflag=direct"])):
+    for name, args in (
+        ("write", ["if=/dev/zero", f"of={target}", "oflag=direct"]),
+        ("read", [f"if={target}", "of=/dev/null", "iflag=direct"]),
+    ):
         result = subprocess.run(["dd", *args, "bs=16M", f"count={count}"], capture_output=True, text=True)
         match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", result.stderr)
         out[name] = int(match.group(1)) / float(match.group(2)) / 1e9 if match else None
@@ -88,12 +94,17 @@ def io_summary(io: dict, wait_s: float, dd: dict) -> dict:
     """Throughput of the store's requests while they were in flight, against dd; share hidden."""
     read, write, busy = io["read_bytes"], io["write_bytes"], io["busy_s"]
     dd_time = read / 1e9 / dd["read"] + write / 1e9 / dd["write"]  # dd's seconds for the same bytes
-    out = dict(read_gb=read / 1e9, written_gb=write / 1e9, busy_s=busy, wait_s=wait_s,
-               hidden=max(0.0, 1 - wait_s / busy) if busy else None,
-               gb_per_s=(read + write) / busy / 1e9 if busy else None,
-               of_dd=dd_time / busy if busy else None,
-               read_gb_per_s=read / io["read_busy_s"] / 1e9 if io["read_busy_s"] else None,
-               write_gb_per_s=write / io["write_busy_s"] / 1e9 if io["write_busy_s"] else None)
+    out = dict(
+        read_gb=read / 1e9,
+        written_gb=write / 1e9,
+        busy_s=busy,
+        wait_s=wait_s,
+        hidden=max(0.0, 1 - wait_s / busy) if busy else None,
+        gb_per_s=(read + write) / busy / 1e9 if busy else None,
+        of_dd=dd_time / busy if busy else None,
+        read_gb_per_s=read / io["read_busy_s"] / 1e9 if io["read_busy_s"] else None,
+        write_gb_per_s=write / io["write_busy_s"] / 1e9 if io["write_busy_s"] else None,
+    )
     out["read_of_dd"] = out["read_gb_per_s"] / dd["read"] if out["read_gb_per_s"] else None
     out["write_of_dd"] = out["write_gb_per_s"] / dd["write"] if out["write_gb_per_s"] else None
     return out
@@ -102,17 +113,21 @@ def io_summary(io: dict, wait_s: float, dd: dict) -> dict:
 def headline(summary: dict) -> str:
     """The figures of the run in a few lines (steps after the first)."""
     dd = summary["dd_gb_per_s"]
-    lines = [f"dd O_DIRECT in this run: read {dd['read']:.2f} GB/s, write {dd['write']:.2f} GB/s; "
-             f"NVMe store I/O path: {summary['io_mode']}",
-             f"whole step (block-layer bytes of both ranks / step time): {summary['achieved_gb_per_s']:.2f} GB/s = "
-             f"{summary['achieved_of_dd']:.0%} of dd's mean of read and write; optimizer phase alone "
-             f"{summary['optimizer_phase_gb_per_s']:.2f} GB/s"]
+    lines = [
+        f"dd O_DIRECT in this run: read {dd['read']:.2f} GB/s, write {dd['write']:.2f} GB/s; "
+        f"NVMe store I/O path: {summary['io_mode']}",
+        f"whole step (block-layer bytes of both ranks / step time): {summary['achieved_gb_per_s']:.2f} GB/s = "
+        f"{summary['achieved_of_dd']:.0%} of dd's mean of read and write; optimizer phase alone "
+        f"{summary['optimizer_phase_gb_per_s']:.2f} GB/s",
+    ]
     for phase, io in summary["store_io"].items():
         if io.get("gb_per_s"):
-            lines.append(f"store I/O while busy ({phase}): {io['read_gb']:.1f} GB read + {io['written_gb']:.1f} GB "
-                         f"written in {io['busy_s']:.1f} s busy = {io['gb_per_s']:.2f} GB/s = {io['of_dd']:.0%} of dd "
-                         f"(read {io['read_of_dd'] or 0:.0%}, write {io['write_of_dd'] or 0:.0%}); "
-                         f"hidden {io['hidden']:.0%} (waited {io['wait_s']:.1f} s)")
+            lines.append(
+                f"store I/O while busy ({phase}): {io['read_gb']:.1f} GB read + {io['written_gb']:.1f} GB "
+                f"written in {io['busy_s']:.1f} s busy = {io['gb_per_s']:.2f} GB/s = {io['of_dd']:.0%} of dd "
+                f"(read {io['read_of_dd'] or 0:.0%}, write {io['write_of_dd'] or 0:.0%}); "
+                f"hidden {io['hidden']:.0%} (waited {io['wait_s']:.1f} s)"
+            )
     return "\n".join(lines)
 
 
@@ -132,8 +147,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="offload_nvme.json")
-    parser.add_argument("--nvme-io", choices=["direct", "buffered", "mapped"], default=None,
-                        help="zeroshard.nvme_io (default: unset, training's default, 'mapped')")
+    parser.add_argument(
+        "--nvme-io",
+        choices=["direct", "buffered", "mapped"],
+        default=None,
+        help="zeroshard.nvme_io (default: unset, training's default, 'mapped')",
+    )
     args = parser.parse_args()
 
     zeroshard.init_distributed()
@@ -148,14 +167,18 @@ def main() -> None:
     torch.manual_seed(0)
     started = time.monotonic()
     with zeroshard.zero.Init():  # no rank ever holds the whole model (issue 3, item 3)
-        model = GPT(GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer,
-                              n_head=args.n_head, n_embd=args.n_embd))
+        model = GPT(
+            GPTConfig(
+                vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+            )
+        )
     params = sum(p.numel() for p in model.parameters())
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
         "zero_optimization": {
-            "stage": 3, "overlap_comm": True,
+            "stage": 3,
+            "overlap_comm": True,
             "offload_optimizer": {"device": "nvme", "nvme_path": args.nvme},
             "offload_param": {"device": "nvme", "nvme_path": args.nvme},
         },
@@ -170,7 +193,9 @@ def main() -> None:
     clock.keep_spans = True
     steps = []
     for step in range(args.steps):
-        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step * world + rank))
+        tokens = torch.randint(
+            0, args.vocab, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(step * world + rank)
+        )
         read0, write0 = io_bytes()
         comm0, io_wait0 = engine.comm.counter.wait_s, store.counters.wait_s
         clock0, first_span = clock.snapshot(), len(clock.spans)
@@ -184,19 +209,41 @@ def main() -> None:
         read1, write1 = io_bytes()
         clock2 = clock.snapshot()
         comm = engine.comm.counter.wait_s - comm0
-        steps.append(dict(step=step, loss=loss.item(), total_s=t2 - t0, forward_backward_s=t1 - t0,
-                          optimizer_s=t2 - t1, comm_wait_s=comm, io_wait_s=store.counters.wait_s - io_wait0,
-                          optimizer_io_wait_s=store.counters.wait_s - io_wait1,
-                          compute_s=(t1 - t0) - comm, read_bytes=read1 - read0, written_bytes=write1 - write0,
-                          optimizer_read_bytes=read1 - opt_read0, optimizer_written_bytes=write1 - opt_write0,
-                          store_io=delta(clock2, clock0), optimizer_store_io=delta(clock2, clock1),
-                          step_window=(t0, t2), optimizer_window=(t1, t2),
-                          spans=clock.spans[first_span:]))
+        steps.append(
+            dict(
+                step=step,
+                loss=loss.item(),
+                total_s=t2 - t0,
+                forward_backward_s=t1 - t0,
+                optimizer_s=t2 - t1,
+                comm_wait_s=comm,
+                io_wait_s=store.counters.wait_s - io_wait0,
+                optimizer_io_wait_s=store.counters.wait_s - io_wait1,
+                compute_s=(t1 - t0) - comm,
+                read_bytes=read1 - read0,
+                written_bytes=write1 - write0,
+                optimizer_read_bytes=read1 - opt_read0,
+                optimizer_written_bytes=write1 - opt_write0,
+                store_io=delta(clock2, clock0),
+                optimizer_store_io=delta(clock2, clock1),
+                step_window=(t0, t2),
+                optimizer_window=(t1, t2),
+                spans=clock.spans[first_span:],
+            )
+        )
     sampler.stop = True
-    report = dict(rank=rank, params=params, model_state_bytes_fp32_adam=16 * params, build_s=build_s,
-                  peak_rss=sampler.peak, peak_rss_anon=sampler.peak_anon, peak_rss_after_build=peak_after_build,
-                  ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                  offloaded_bytes=engine.memory_report()["offloaded_nvme"], steps=steps)
+    report = dict(
+        rank=rank,
+        params=params,
+        model_state_bytes_fp32_adam=16 * params,
+        build_s=build_s,
+        peak_rss=sampler.peak,
+        peak_rss_anon=sampler.peak_anon,
+        peak_rss_after_build=peak_after_build,
+        ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        offloaded_bytes=engine.memory_report()["offloaded_nvme"],
+        steps=steps,
+    )
     reports = engine.comm.all_gather_objects(report, "benchmark report")
     if rank == 0:
         disk = sum(s["read_bytes"] + s["written_bytes"] for r in reports for s in r["steps"][1:])
@@ -205,8 +252,10 @@ def main() -> None:
         opt_disk = sum(s["optimizer_read_bytes"] + s["optimizer_written_bytes"] for _, s in later)
         opt_seconds = sum(s["optimizer_s"] for s in reports[0]["steps"][1:])
         io = {}
-        for phase, key, wait, window in (("all", "store_io", "io_wait_s", "step_window"),
-                                         ("optimizer", "optimizer_store_io", "optimizer_io_wait_s", "optimizer_window")):
+        for phase, key, wait, window in (
+            ("all", "store_io", "io_wait_s", "step_window"),
+            ("optimizer", "optimizer_store_io", "optimizer_io_wait_s", "optimizer_window"),
+        ):
             if not later:
                 continue
             total = {k: sum(s[key][k] for _, s in later) for k in ("read_bytes", "write_bytes")}
@@ -228,12 +277,18 @@ def main() -> None:
         for report in reports:
             for step in report["steps"]:
                 del step["spans"]  # thousands of intervals: joined above, not kept in the JSON
-        summary = dict(dd_gb_per_s=dd, ranks=reports, achieved_gb_per_s=disk / seconds / 1e9 if seconds else None,
-                       achieved_of_dd=disk / seconds / 1e9 / ((dd["read"] + dd["write"]) / 2) if seconds else None,
-                       optimizer_phase_gb_per_s=opt_disk / opt_seconds / 1e9 if opt_seconds else None,
-                       store_io=io, io_mode=getattr(store, "io_mode", "memory-mapped (no aligned path)"),
-                       command="torchrun --nproc_per_node {} benchmarks/offload_nvme.py {}".format(
-                           world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)))
+        summary = dict(
+            dd_gb_per_s=dd,
+            ranks=reports,
+            achieved_gb_per_s=disk / seconds / 1e9 if seconds else None,
+            achieved_of_dd=disk / seconds / 1e9 / ((dd["read"] + dd["write"]) / 2) if seconds else None,
+            optimizer_phase_gb_per_s=opt_disk / opt_seconds / 1e9 if opt_seconds else None,
+            store_io=io,
+            io_mode=getattr(store, "io_mode", "memory-mapped (no aligned path)"),
+            command="torchrun --nproc_per_node {} benchmarks/offload_nvme.py {}".format(
+                world, " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None)
+            ),
+        )
         with open(args.out, "w") as handle:
             json.dump(summary, handle, indent=2)
         print(json.dumps(summary, indent=2))

@@ -37,6 +37,7 @@ that do them (`Lifecycle._on_grad`, `FlatGroup.add_grad`, `Unit.reduce_grads`, `
 table of exclusive times (a phase minus the phases timed inside it), medians over the timed steps,
 averaged over the ranks, goes to stdout and, with `--doc`, between the markers of that file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,11 +57,33 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 BEGIN, END = "<!-- profile_phases:begin -->", "<!-- profile_phases:end -->"
-SYSTEMS = ("local", "ddp", "stage 0", "stage 1", "stage 2", "stage 1 overlap", "stage 2 overlap", "stage 3", "fsdp2",
-           "stage 1 step-gather", "stage 2 step-gather",
-           "stage 0 no-overlap", "stage 1 no-overlap", "stage 2 no-overlap", "stage 3 persist", "stage 2 2-in-flight",
-           "stage 3 2-in-flight", "stage 0 copy", "stage 1 copy", "stage 2 copy", "stage 3 copy",
-           "stage 0 no-check", "stage 1 no-check", "stage 2 no-check", "stage 3 no-check")
+SYSTEMS = (
+    "local",
+    "ddp",
+    "stage 0",
+    "stage 1",
+    "stage 2",
+    "stage 1 overlap",
+    "stage 2 overlap",
+    "stage 3",
+    "fsdp2",
+    "stage 1 step-gather",
+    "stage 2 step-gather",
+    "stage 0 no-overlap",
+    "stage 1 no-overlap",
+    "stage 2 no-overlap",
+    "stage 3 persist",
+    "stage 2 2-in-flight",
+    "stage 3 2-in-flight",
+    "stage 0 copy",
+    "stage 1 copy",
+    "stage 2 copy",
+    "stage 3 copy",
+    "stage 0 no-check",
+    "stage 1 no-check",
+    "stage 2 no-check",
+    "stage 3 no-check",
+)
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
 ROWS = [
@@ -181,19 +204,28 @@ def _system(kind: str, args, make_model, make_optimizer):
                 with SPANS.span("clip"):
                     clip_grad_norm_(model.parameters(), args.clip)
             opt.step()
+
         return step
 
     if kind == "local":
         opt = make_optimizer(model.parameters())
-        return (lambda x, y: model(x, y)[1], lambda loss: loss.backward(), torch_step(opt),
-                lambda: opt.zero_grad(set_to_none=True))
+        return (
+            lambda x, y: model(x, y)[1],
+            lambda loss: loss.backward(),
+            torch_step(opt),
+            lambda: opt.zero_grad(set_to_none=True),
+        )
     if kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
         opt = make_optimizer(ddp.parameters())
-        return (lambda x, y: ddp(x, y)[1], lambda loss: loss.backward(), torch_step(opt),
-                lambda: opt.zero_grad(set_to_none=True))
+        return (
+            lambda x, y: ddp(x, y)[1],
+            lambda loss: loss.backward(),
+            torch_step(opt),
+            lambda: opt.zero_grad(set_to_none=True),
+        )
     if kind == "fsdp2":  # torch's stage 3, as `zeroshard bench --peers` builds it
         from torch.distributed.fsdp import fully_shard
 
@@ -201,8 +233,12 @@ def _system(kind: str, args, make_model, make_optimizer):
             fully_shard(block)
         fully_shard(model)
         opt = make_optimizer(model.parameters())
-        return (lambda x, y: model(x, y)[1], lambda loss: loss.backward(), torch_step(opt),
-                lambda: opt.zero_grad(set_to_none=True))
+        return (
+            lambda x, y: model(x, y)[1],
+            lambda loss: loss.backward(),
+            torch_step(opt),
+            lambda: opt.zero_grad(set_to_none=True),
+        )
     import zeroshard
 
     stage = int(kind.split()[1])
@@ -212,8 +248,13 @@ def _system(kind: str, args, make_model, make_optimizer):
         zero["overlap_comm"] = False
     if stage == 3 and variant != "persist":  # as `zeroshard bench`: every parameter sharded (3 Psi)
         zero["stage3_param_persistence_threshold"] = 0
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": args.clip, "zero_optimization": zero, "bf16": {"enabled": False}}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": False},
+    }
     if variant in ("overlap", "step-gather"):  # [Note: deferred parameter gather]
         config["zeroshard"] = {"overlap_param_gather": variant == "overlap"}
     if variant == "copy":  # what the opt-in copy costs ([Note: failed optimizer steps])
@@ -237,8 +278,14 @@ def rank_main(args) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     instrument()
-    shape = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.layers,
-                      n_head=args.width // 64, n_embd=args.width, tie_weights=False)
+    shape = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq_len,
+        n_layer=args.layers,
+        n_head=args.width // 64,
+        n_embd=args.width,
+        tie_weights=False,
+    )
 
     def make_model():
         torch.manual_seed(0)
@@ -292,17 +339,20 @@ def summarise(per_rank: list[dict]) -> dict:
         slowest = [max(r[kind][i]["total"][0] for r in per_rank) for i in range(steps)]
         rows = {}
         for label, path in ROWS:
-            rows[label] = [statistics.mean(statistics.median(_exclusive(s["spans"], path, which)
-                                                             for s in r[kind]) for r in per_rank)
-                           for which in (0, 1)]
-        out[kind] = {"step_wall_s": statistics.median(slowest),
-                     "step_cpu_s": statistics.mean(statistics.median(s["total"][1] for s in r[kind])
-                                                   for r in per_rank),
-                     "process_cpu_s": statistics.mean(statistics.median(s["total"][2] for s in r[kind])
-                                                      for r in per_rank),
-                     "faults": statistics.mean(statistics.median(s["faults"] for s in r[kind])
-                                               for r in per_rank),
-                     "rows": rows, "losses": [s["loss"] for s in per_rank[0][kind]]}
+            rows[label] = [
+                statistics.mean(
+                    statistics.median(_exclusive(s["spans"], path, which) for s in r[kind]) for r in per_rank
+                )
+                for which in (0, 1)
+            ]
+        out[kind] = {
+            "step_wall_s": statistics.median(slowest),
+            "step_cpu_s": statistics.mean(statistics.median(s["total"][1] for s in r[kind]) for r in per_rank),
+            "process_cpu_s": statistics.mean(statistics.median(s["total"][2] for s in r[kind]) for r in per_rank),
+            "faults": statistics.mean(statistics.median(s["faults"] for s in r[kind]) for r in per_rank),
+            "rows": rows,
+            "losses": [s["loss"] for s in per_rank[0][kind]],
+        }
     return out
 
 
@@ -315,14 +365,25 @@ def table(summary: dict) -> str:
         if all(abs(w) < 5e-4 and abs(c) < 5e-4 for w, c in cells):
             continue
         lines.append(f"| {label} | " + " | ".join(f"{w * 1e3:.0f} / {c * 1e3:.0f}" for w, c in cells) + " |")
-    lines.append("| **step, wall (slowest rank, median)** | " +
-                 " | ".join(f"**{summary[k]['step_wall_s'] * 1e3:.0f}**" for k in kinds) + " |")
-    lines.append("| step, main-thread CPU | " + " | ".join(f"{summary[k]['step_cpu_s'] * 1e3:.0f}" for k in kinds) + " |")
-    lines.append("| step, process CPU (all threads) | " +
-                 " | ".join(f"{summary[k]['process_cpu_s'] * 1e3:.0f}" for k in kinds) + " |")
+    lines.append(
+        "| **step, wall (slowest rank, median)** | "
+        + " | ".join(f"**{summary[k]['step_wall_s'] * 1e3:.0f}**" for k in kinds)
+        + " |"
+    )
+    lines.append(
+        "| step, main-thread CPU | " + " | ".join(f"{summary[k]['step_cpu_s'] * 1e3:.0f}" for k in kinds) + " |"
+    )
+    lines.append(
+        "| step, process CPU (all threads) | "
+        + " | ".join(f"{summary[k]['process_cpu_s'] * 1e3:.0f}" for k in kinds)
+        + " |"
+    )
     # Minor faults, process-wide: first touches of fresh memory, which this VM makes expensive.
-    lines.append("| step, minor page faults (thousands, all threads) | " +
-                 " | ".join(f"{summary[k]['faults'] / 1e3:.1f}" for k in kinds) + " |")
+    lines.append(
+        "| step, minor page faults (thousands, all threads) | "
+        + " | ".join(f"{summary[k]['faults'] / 1e3:.1f}" for k in kinds)
+        + " |"
+    )
     if "ddp" in summary:
         ddp = summary["ddp"]["step_wall_s"]
         lines.append("| wall / DDP | " + " | ".join(f"{summary[k]['step_wall_s'] / ddp:.3f}" for k in kinds) + " |")
@@ -336,8 +397,12 @@ def tree(per_rank: list[dict]) -> str:
         paths = sorted({p for r in per_rank for s in r[kind] for p in s["spans"]})
         lines.append(f"{kind}:")
         for path in paths:
-            cells = [statistics.mean(statistics.median(_exclusive(s["spans"], path, which) for s in r[kind])
-                                     for r in per_rank) for which in (0, 1)]
+            cells = [
+                statistics.mean(
+                    statistics.median(_exclusive(s["spans"], path, which) for s in r[kind]) for r in per_rank
+                )
+                for which in (0, 1)
+            ]
             lines.append(f"  {path:60s} {cells[0] * 1e3:8.0f} / {cells[1] * 1e3:6.0f}")
     return "\n".join(lines)
 
@@ -350,8 +415,14 @@ def compare(args, versions: list[tuple[str, str]]) -> str:
         for name, src in versions:
             runs[name].append(summarise(_launch(args, {"PYTHONPATH": os.path.abspath(src)})))
     kinds = [k for k in args.systems if k != "local"]
-    lines = ["| version | " + " | ".join(f"{k} s/step (x DDP)" for k in kinds) + " | main-thread CPU s/step, "
-             + ", ".join(kinds) + " |", "|---" * (len(kinds) + 2) + "|"]
+    lines = [
+        "| version | "
+        + " | ".join(f"{k} s/step (x DDP)" for k in kinds)
+        + " | main-thread CPU s/step, "
+        + ", ".join(kinds)
+        + " |",
+        "|---" * (len(kinds) + 2) + "|",
+    ]
     for name, _ in versions:
         cells = []
         for kind in kinds:
@@ -367,8 +438,16 @@ def _launch(args, env_extra: dict) -> list[dict]:
     if args.link_rate:
         return _launch_on_netcluster(args, env_extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
-               "--rank", *_rank_args(args)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        __file__,
+        "--rank",
+        *_rank_args(args),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     return _result(done.stdout, f"the ranks failed ({done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
 
@@ -377,7 +456,7 @@ def _result(output: str, failure: str) -> list[dict]:
     lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
     if not lines:
         raise SystemExit(failure)
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _launch_on_netcluster(args, env_extra: dict) -> list[dict]:
@@ -395,9 +474,26 @@ def _launch_on_netcluster(args, env_extra: dict) -> list[dict]:
 
 
 def _rank_args(args) -> list[str]:
-    return ["--layers", str(args.layers), "--width", str(args.width), "--vocab", str(args.vocab), "--seq-len",
-            str(args.seq_len), "--batch", str(args.batch), "--steps", str(args.steps), "--warmup",
-            str(args.warmup), "--clip", str(args.clip), "--systems", ",".join(args.systems)]
+    return [
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+        "--vocab",
+        str(args.vocab),
+        "--seq-len",
+        str(args.seq_len),
+        "--batch",
+        str(args.batch),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--clip",
+        str(args.clip),
+        "--systems",
+        ",".join(args.systems),
+    ]
 
 
 def _load() -> str:
@@ -411,20 +507,32 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank")
-    parser.add_argument("--clip", type=float, default=1.0,
-                        help="gradient clipping for every system: zeroshard's `gradient_clipping` (its default "
-                             "1.0, DeepSpeed's), torch's clip_grad_norm_ for local, ddp and fsdp2; 0: none")
+    parser.add_argument(
+        "--clip",
+        type=float,
+        default=1.0,
+        help="gradient clipping for every system: zeroshard's `gradient_clipping` (its default "
+        "1.0, DeepSpeed's), torch's clip_grad_norm_ for local, ddp and fsdp2; 0: none",
+    )
     parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}")
+    parser.add_argument(
+        "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of: {', '.join(SYSTEMS)}"
+    )
     parser.add_argument("--doc", type=Path, help="rewrite the table between the markers of this file")
     parser.add_argument("--tree", action="store_true", help="also print every timed path's exclusive time")
     parser.add_argument("--json", type=Path, help="write the raw per-rank, per-step figures here")
-    parser.add_argument("--compare", help="NAME=SRC,NAME=SRC: source trees to launch in turn, A B A B "
-                        "(e.g. before=/path/to/main/src,after=src); prints a step-time table")
+    parser.add_argument(
+        "--compare",
+        help="NAME=SRC,NAME=SRC: source trees to launch in turn, A B A B "
+        "(e.g. before=/path/to/main/src,after=src); prints a step-time table",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="with --compare: launches per version")
-    parser.add_argument("--link-rate", help="run the ranks on two network namespaces joined by a link of this "
-                        "rate (e.g. 1gbit; scripts/netcluster.py, root only)")
+    parser.add_argument(
+        "--link-rate",
+        help="run the ranks on two network namespaces joined by a link of this "
+        "rate (e.g. 1gbit; scripts/netcluster.py, root only)",
+    )
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -440,21 +548,26 @@ def main() -> None:
         if any(len(v) != 2 or not Path(v[1]).is_dir() for v in versions):
             parser.error(f"--compare {args.compare!r}: expected NAME=SRC_DIR,NAME=SRC_DIR with existing directories")
         text = compare(args, versions)
-        print(text + f"\n\nload average before: {load_before}, after: {_load()}; {args.rounds} launches per version, "
-              f"A B A B; medians over launches of each launch's median step")
+        print(
+            text + f"\n\nload average before: {load_before}, after: {_load()}; {args.rounds} launches per version, "
+            f"A B A B; medians over launches of each launch's median step"
+        )
         return
     per_rank = _launch(args, {})
     summary = summarise(per_rank)
     text = table(summary)
-    where = f"2 network namespaces joined by a {args.link_rate} link (tbf), one rank each" if args.link_rate \
-        else "2 ranks"
-    machine = (f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, "
-               f"{os.cpu_count()} CPUs (shared with other jobs), torch gloo, {where} x 1 thread; load average "
-               f"(1, 5, 15 min) before: {load_before}, after: {_load()}. Command: `python benchmarks/profile_phases.py "
-               f"{shlex.join(sys.argv[1:])}`. Model: GPT {args.layers} layers x {args.width}, vocabulary {args.vocab} "
-               f"untied, seq {args.seq_len}, micro batch {args.batch}/rank, fp32, fused AdamW, "
-               f"{f'gradients clipped at {args.clip:g} by every system' if args.clip > 0 else 'no clipping'}; {args.steps} timed "
-               f"steps after {args.warmup}, interleaved.")
+    where = (
+        f"2 network namespaces joined by a {args.link_rate} link (tbf), one rank each" if args.link_rate else "2 ranks"
+    )
+    machine = (
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} on {platform.machine()}, "
+        f"{os.cpu_count()} CPUs (shared with other jobs), torch gloo, {where} x 1 thread; load average "
+        f"(1, 5, 15 min) before: {load_before}, after: {_load()}. Command: `python benchmarks/profile_phases.py "
+        f"{shlex.join(sys.argv[1:])}`. Model: GPT {args.layers} layers x {args.width}, vocabulary {args.vocab} "
+        f"untied, seq {args.seq_len}, micro batch {args.batch}/rank, fp32, fused AdamW, "
+        f"{f'gradients clipped at {args.clip:g} by every system' if args.clip > 0 else 'no clipping'}; {args.steps} timed "
+        f"steps after {args.warmup}, interleaved."
+    )
     print(text + "\n\n" + machine)
     if args.tree:
         print(tree(per_rank))

@@ -20,6 +20,7 @@ which takes no copy: [Note: failed optimizer steps] in core/rollback.py). `live`
 forward and backward ([Note: bounded gathering] in core/gathered.py). Memory does not depend on
 machine load: one measured step is enough.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,15 @@ import torch.multiprocessing as mp
 # engine's Lifecycle.max_inflight, 1 with overlap_comm since the ninth session, 2 before), not a config key.
 VARIANTS = {
     "default": ({}, {}, None),
-    "deepspeed-values": ({"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9,
-                          "stage3_max_reuse_distance": 10**9}, {}, None),
+    "deepspeed-values": (
+        {
+            "stage3_prefetch_bucket_size": 50_000_000,
+            "stage3_max_live_parameters": 10**9,
+            "stage3_max_reuse_distance": 10**9,
+        },
+        {},
+        None,
+    ),
     "default+copy": ({}, {"transactional_step": "copy"}, None),  # the opt-in copy of a failed step's state
     "default+1-in-flight": ({}, {}, 1),  # the default since the ninth session: kept for the older tables
     "default+2-in-flight": ({}, {}, 2),
@@ -59,10 +67,17 @@ def _zeroshard(args: dict, model, optimizer, zero: dict, extras: dict, inflight:
     zeroshard engine at stage args["stage"]."""
     import zeroshard
 
-    config = {"train_micro_batch_size_per_gpu": args["batch"], "gradient_accumulation_steps": 1,
-              "zero_optimization": {"stage": args["stage"], "overlap_comm": True,
-                                    "stage3_param_persistence_threshold": 0, **zero},
-              "zeroshard": extras}
+    config = {
+        "train_micro_batch_size_per_gpu": args["batch"],
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": {
+            "stage": args["stage"],
+            "overlap_comm": True,
+            "stage3_param_persistence_threshold": 0,
+            **zero,
+        },
+        "zeroshard": extras,
+    }
     engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
     if inflight is not None:
         engine.sharded.lifecycle.max_inflight = inflight
@@ -71,8 +86,15 @@ def _zeroshard(args: dict, model, optimizer, zero: dict, extras: dict, inflight:
     def grads() -> int:
         return _grad_bytes([t for g in groups for t in (g.grad_shard, g.full_grad)])
 
-    return (engine, engine.backward, engine.step, grads, lambda: getattr(engine.optimizer, "snapshot_peak_bytes", None),
-            engine.sharded.lifecycle.live, lambda: engine.memory_report()["total"])
+    return (
+        engine,
+        engine.backward,
+        engine.step,
+        grads,
+        lambda: getattr(engine.optimizer, "snapshot_peak_bytes", None),
+        engine.sharded.lifecycle.live,
+        lambda: engine.memory_report()["total"],
+    )
 
 
 def _fsdp2(model, optimizer_of):
@@ -116,7 +138,8 @@ def _rank(rank: int, world: int, port: int, args: dict, name: str, queue) -> Non
         forward, backward, step, grads, snapshot, live, states = _fsdp2(model, optimizer_of)
     else:
         forward, backward, step, grads, snapshot, live, states = _zeroshard(
-            args, model, optimizer_of(model.parameters()), *VARIANTS[name])
+            args, model, optimizer_of(model.parameters()), *VARIANTS[name]
+        )
         del model
     generator = torch.Generator().manual_seed(rank)
     meter = measure.PeakMemory(torch.device("cpu"))
@@ -141,8 +164,13 @@ def _rank(rank: int, world: int, port: int, args: dict, name: str, queue) -> Non
     report.update(backward_peak=meter.peak(), backward_rss=meter.current(), grads_after_backward=grads())
     meter.reset()
     step()
-    report.update(step_peak=meter.peak(), step_rss=meter.current(), snapshot=snapshot(),
-                  live_peak_numel=live.peak if live is not None else 0, model_states=states())
+    report.update(
+        step_peak=meter.peak(),
+        step_rss=meter.current(),
+        snapshot=snapshot(),
+        live_peak_numel=live.peak if live is not None else 0,
+        model_states=states(),
+    )
     report["peak"] = max(report["forward_peak"], report["backward_peak"], report["step_peak"])
     queue.put(report)
     dist.barrier()
@@ -198,10 +226,19 @@ def run_variant(args: dict, name: str, port: int, timeout_s: float) -> list[dict
     return sorted(reports, key=lambda r: r["rank"])
 
 
-COLUMNS = [("start", "start"), ("grads_at_forward", "grads@fwd"), ("forward_peak", "fwd peak"),
-           ("forward_rss", "fwd rss"), ("backward_peak", "bwd peak"), ("backward_rss", "bwd rss"),
-           ("grads_after_backward", "grads@bwd"), ("step_peak", "step peak"), ("snapshot", "snapshot"),
-           ("model_states", "states"), ("peak", "PEAK")]
+COLUMNS = [
+    ("start", "start"),
+    ("grads_at_forward", "grads@fwd"),
+    ("forward_peak", "fwd peak"),
+    ("forward_rss", "fwd rss"),
+    ("backward_peak", "bwd peak"),
+    ("backward_rss", "bwd rss"),
+    ("grads_after_backward", "grads@bwd"),
+    ("step_peak", "step peak"),
+    ("snapshot", "snapshot"),
+    ("model_states", "states"),
+    ("peak", "PEAK"),
+]
 
 
 def table(results: dict) -> str:
@@ -212,7 +249,10 @@ def table(results: dict) -> str:
         worst = max(reports, key=lambda r: r["peak"])
         cells = " ".join("         -" if worst[key] is None else f"{worst[key] / mb:>10.0f}" for key, _ in COLUMNS)
         lines.append(f"{name:22s} {worst['live_peak_numel']:>16,d} {cells}")
-    return "\n".join(lines) + "\n(MB per rank, the rank with the larger peak; each phase's peak is its own, reset at its start)"
+    return (
+        "\n".join(lines)
+        + "\n(MB per rank, the rank with the larger peak; each phase's peak is its own, reset at its start)"
+    )
 
 
 def main(argv=None) -> None:
@@ -221,8 +261,9 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank (default: 4)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default: 128)")
     parser.add_argument("--stage", type=int, default=3, choices=(0, 1, 2, 3), help="zeroshard's stage (default: 3)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)"
+    )
     parser.add_argument("--port", type=int, default=29613)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a variant may run (default: 1800)")
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.txt")

@@ -31,6 +31,7 @@ generate through /proc/self/clear_refs) with MALLOC_MMAP_THRESHOLD_=65536 in bot
 buffers), and whether the tokens equal those of the unsharded model (computed without a cap, in this
 process). Outputs: OUT.json, OUT.txt (table and command), OUT.png (tokens/s against batch size).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-       "MALLOC_MMAP_THRESHOLD_": "65536", "TOKENIZERS_PARALLELISM": "false"}
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "MALLOC_MMAP_THRESHOLD_": "65536",
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 # -- the model and the disk ---------------------------------------------------------------------------------
@@ -56,9 +62,17 @@ def build_model(args) -> int:
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64,
-        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
     marker = args.model_dir / "zero_inference.json"
     wanted = config.to_dict()
     if marker.is_file() and json.loads(marker.read_text()) == {k: wanted[k] for k in json.loads(marker.read_text())}:
@@ -68,18 +82,23 @@ def build_model(args) -> int:
     model.save_pretrained(args.model_dir, max_shard_size="500MB")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     (args.model_dir / "weights_bytes").write_text(json.dumps(weights))
-    marker.write_text(json.dumps({k: wanted[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                                          "num_hidden_layers")}))
+    marker.write_text(
+        json.dumps({k: wanted[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")})
+    )
     return weights
 
 
 def dd_read(path: Path, megabytes: int = 1024) -> float:
     """Sequential read with O_DIRECT (no page cache), GB/s."""
     target = path / "dd-probe.bin"
-    subprocess.run(["dd", "if=/dev/urandom", f"of={target}", "bs=16M", f"count={megabytes // 16}", "oflag=direct"],
-                   capture_output=True, check=True)
-    result = subprocess.run(["dd", f"if={target}", "of=/dev/null", "bs=16M", "iflag=direct"],
-                            capture_output=True, text=True, check=True)
+    subprocess.run(
+        ["dd", "if=/dev/urandom", f"of={target}", "bs=16M", f"count={megabytes // 16}", "oflag=direct"],
+        capture_output=True,
+        check=True,
+    )
+    result = subprocess.run(
+        ["dd", f"if={target}", "of=/dev/null", "bs=16M", "iflag=direct"], capture_output=True, text=True, check=True
+    )
     target.unlink()
     match = re.search(r"(\d+) bytes .* copied, ([\d.]+) s", result.stderr)
     return int(match.group(1)) / float(match.group(2)) / 1e9
@@ -106,8 +125,13 @@ def reference_tokens(args) -> dict[int, list]:
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
         for batch in missing:
             prompt = prompts(args, batch)
-            out[batch] = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                        max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens).tolist()
+            out[batch] = model.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                do_sample=False,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+            ).tolist()
         cache.write_text(json.dumps(out))
     return out
 
@@ -167,23 +191,35 @@ def load(system: str, args):
             window_mb = args.prefetch * 4 // 2**20
             resident_mb = max(0, cpu_budget_mb(args) - window_mb)
             offload["max_in_cpu"] = resident_mb * 2**20 // 4
-            print(f"zeroshard: max_in_cpu {offload['max_in_cpu']} elements ({resident_mb} MiB: the "
-                  f"{cpu_budget_mb(args)} MiB budget less the {window_mb} MiB prefetch window)", file=sys.stderr)
-        config = {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch,
-                                        "offload_param": offload},
-                  "zeroshard": {"wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"],
-                                "nvme_io": "buffered" if system.endswith("-buffered") else "direct"}}
+            print(
+                f"zeroshard: max_in_cpu {offload['max_in_cpu']} elements ({resident_mb} MiB: the "
+                f"{cpu_budget_mb(args)} MiB budget less the {window_mb} MiB prefetch window)",
+                file=sys.stderr,
+            )
+        config = {
+            "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch, "offload_param": offload},
+            "zeroshard": {
+                "wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"],
+                "nvme_io": "buffered" if system.endswith("-buffered") else "direct",
+            },
+        }
         engine = from_pretrained(args.model_dir, config)
         return engine.module, engine.placement.param_store
     budget = cpu_budget_mb(args)
     offload = tempfile.mkdtemp(dir=args.nvme)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.model_dir, device_map="auto", max_memory={"cpu": f"{budget}MiB"}, offload_folder=offload,
-        dtype=torch.float32)
+        args.model_dir,
+        device_map="auto",
+        max_memory={"cpu": f"{budget}MiB"},
+        offload_folder=offload,
+        dtype=torch.float32,
+    )
     device_map = getattr(model, "hf_device_map", {})  # absent when everything fits the budget
     on_disk = sum(1 for v in device_map.values() if v == "disk")
-    print(f"accelerate: {budget} MiB CPU budget, {on_disk} of {len(device_map)} device-map entries on disk",
-          file=sys.stderr)
+    print(
+        f"accelerate: {budget} MiB CPU budget, {on_disk} of {len(device_map)} device-map entries on disk",
+        file=sys.stderr,
+    )
     return model.eval(), None
 
 
@@ -213,29 +249,49 @@ def child(system: str, args) -> None:
             refs.write("5")  # resets VmHWM to the current RSS
         io_before = _store_io(store)
         read_before, started = _read_bytes(), time.perf_counter()
-        tokens = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, streamer=drop,
-                                max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+        tokens = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            streamer=drop,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+        )
         seconds = time.perf_counter() - started
         read = _read_bytes() - read_before
         io = {k: v - io_before[k] for k, v in _store_io(store).items()}
-        print(json.dumps({"system": system, "batch": batch, "seconds": seconds,
-                          "tokens_per_s": batch * args.new_tokens / seconds, "read_bytes": read,
-                          "read_gb_s": read / seconds / 1e9, "peak_rss": _status("VmHWM"),
-                          "store_io": io, "io_mode": io_mode,
-                          "store_read_gb_s": io["read_bytes"] / io["read_busy_s"] / 1e9 if io.get("read_busy_s") else None,
-                          "tokens": tokens.tolist()}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "system": system,
+                    "batch": batch,
+                    "seconds": seconds,
+                    "tokens_per_s": batch * args.new_tokens / seconds,
+                    "read_bytes": read,
+                    "read_gb_s": read / seconds / 1e9,
+                    "peak_rss": _status("VmHWM"),
+                    "store_io": io,
+                    "io_mode": io_mode,
+                    "store_read_gb_s": io["read_bytes"] / io["read_busy_s"] / 1e9 if io.get("read_busy_s") else None,
+                    "tokens": tokens.tolist(),
+                }
+            ),
+            flush=True,
+        )
 
 
 def run_capped(system: str, args, argv: list[str], capped: bool = True) -> list[dict]:
     """One process for `system`, under the cap (or, `capped=False`, with the same settings and no cap)."""
+
     def cap():
         resource.setrlimit(resource.RLIMIT_DATA, (args.cap, args.cap))
 
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONPATH=str(ROOT / "src"), **ENV)
     command = [sys.executable, __file__, *argv, "--child", system, "--cap", str(args.cap)]
     load_before, started = os.getloadavg()[0], time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env=env, preexec_fn=cap if capped else None,
-                            timeout=args.timeout)
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env, preexec_fn=cap if capped else None, timeout=args.timeout
+    )
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     notes = [line for line in result.stderr.splitlines() if line.startswith(("accelerate:", "zeroshard:", "INFO"))]
     if len(rows) < len(args.batches):
@@ -258,17 +314,20 @@ def run_system(system: str, args, argv: list[str]) -> list[dict]:
 
 # -- report -------------------------------------------------------------------------------------------------
 def report(args, weights: int, dd: float, reference: dict, rows: list[dict], command: str) -> str:
-    lines = [f"$ {command}",
-             "(a system marked 'uncapped' failed under the cap and ran again without it, same settings)",
-             f"model: Llama, {args.layers} layers, width {args.hidden}, MLP {args.intermediate}, vocab {args.vocab}: "
-             f"{weights / 1e9:.2f} GB of fp32 weights; cap RLIMIT_DATA = {args.cap / 1e9:.2f} GB "
-             f"({args.cap / weights:.2f} x the weights)",
-             f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; {args.threads} threads; "
-             f"dd O_DIRECT read: {dd:.2f} GB/s",
-             "disk GB/s: bytes the block layer read per second of generate; busy GB/s: the NVMe store's bytes "
-             "per second its reads were in flight",
-             "", f"{'system':<27} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
-             f"{'busy GB/s':>9} {'of dd':>6} {'peak RSS GB':>11} {'< cap':>5} {'tokens = unsharded':>18} {'load':>9}"]
+    lines = [
+        f"$ {command}",
+        "(a system marked 'uncapped' failed under the cap and ran again without it, same settings)",
+        f"model: Llama, {args.layers} layers, width {args.hidden}, MLP {args.intermediate}, vocab {args.vocab}: "
+        f"{weights / 1e9:.2f} GB of fp32 weights; cap RLIMIT_DATA = {args.cap / 1e9:.2f} GB "
+        f"({args.cap / weights:.2f} x the weights)",
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy; {args.threads} threads; "
+        f"dd O_DIRECT read: {dd:.2f} GB/s",
+        "disk GB/s: bytes the block layer read per second of generate; busy GB/s: the NVMe store's bytes "
+        "per second its reads were in flight",
+        "",
+        f"{'system':<27} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
+        f"{'busy GB/s':>9} {'of dd':>6} {'peak RSS GB':>11} {'< cap':>5} {'tokens = unsharded':>18} {'load':>9}",
+    ]
     for row in rows:
         name = row["system"] + ("" if row.get("capped", True) else " uncapped")
         if "error" in row:
@@ -277,13 +336,20 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
         same = row["tokens"] == reference[row["batch"]]
         busy = row.get("store_read_gb_s")
         busy_text = f"{busy:>9.2f} {busy / dd:>6.0%}" if busy else f"{'-':>9} {'-':>6}"
-        lines.append(f"{name:<27} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
-                     f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {busy_text} "
-                     f"{row['peak_rss'] / 1e9:>11.2f} {'yes' if row['peak_rss'] < args.cap else 'NO':>5} "
-                     f"{'yes' if same else 'NO':>18} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}")
+        lines.append(
+            f"{name:<27} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
+            f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {busy_text} "
+            f"{row['peak_rss'] / 1e9:>11.2f} {'yes' if row['peak_rss'] < args.cap else 'NO':>5} "
+            f"{'yes' if same else 'NO':>18} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}"
+        )
     modes = sorted({f"{r['system']}: {r['io_mode']}" for r in rows if r.get("io_mode")})
-    lines += [f"NVMe store I/O path: {', '.join(modes)} (direct = O_DIRECT; buffered = through the page cache: zeroshard.nvme_io, or the file system refused O_DIRECT)"] \
-        if modes else []
+    lines += (
+        [
+            f"NVMe store I/O path: {', '.join(modes)} (direct = O_DIRECT; buffered = through the page cache: zeroshard.nvme_io, or the file system refused O_DIRECT)"
+        ]
+        if modes
+        else []
+    )
     for system in dict.fromkeys(r["system"] for r in rows if r["system"].startswith("zeroshard")):
         speedups = []
         for batch in args.batches:
@@ -305,8 +371,12 @@ def plot(rows: list[dict], path: Path) -> None:
         print("matplotlib is not installed (pip install 'zeroshard[plot]'): no chart", file=sys.stderr)
         return
     figure, axis = plt.subplots(figsize=(6, 4))
-    for system, marker in (("zeroshard", "o"), ("zeroshard-resident", "^"), ("zeroshard-resident-buffered", "v"),
-                           ("accelerate", "s")):
+    for system, marker in (
+        ("zeroshard", "o"),
+        ("zeroshard-resident", "^"),
+        ("zeroshard-resident-buffered", "v"),
+        ("accelerate", "s"),
+    ):
         ok = [r for r in rows if r.get("system") == system and "error" not in r]
         points = sorted((r["batch"], r["tokens_per_s"]) for r in ok)
         if points:
@@ -325,8 +395,12 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "zero_inference_model")
-    parser.add_argument("--nvme", type=Path, default=Path(tempfile.gettempdir()) / "zero_inference_swap",
-                        help="directory of the NVMe store and of accelerate's offload folder")
+    parser.add_argument(
+        "--nvme",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "zero_inference_swap",
+        help="directory of the NVMe store and of accelerate's offload folder",
+    )
     parser.add_argument("--layers", type=int, default=36)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
@@ -335,12 +409,19 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prefetch", type=int, default=40_000_000,
-                        help="zeroshard's stage3_prefetch_bucket_size in elements (default: about three layers)")
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=40_000_000,
+        help="zeroshard's stage3_prefetch_bucket_size in elements (default: about three layers)",
+    )
     parser.add_argument("--cap", type=int, default=None, help="RLIMIT_DATA bytes (default: half the weights)")
-    parser.add_argument("--accelerate-cpu-mb", type=int, default=None,
-                        help="accelerate's max_memory for the CPU "
-                             "(default: what the cap leaves, less 300 MiB and the KV cache)")
+    parser.add_argument(
+        "--accelerate-cpu-mb",
+        type=int,
+        default=None,
+        help="accelerate's max_memory for the CPU (default: what the cap leaves, less 300 MiB and the KV cache)",
+    )
     parser.add_argument("--systems", default="zeroshard,zeroshard-resident,zeroshard-resident-buffered,accelerate")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=Path("zero_inference"))
@@ -361,9 +442,19 @@ def main() -> None:
     sys.stdout.write(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".txt").write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps(
-        {"command": command, "weights_bytes": weights, "cap": args.cap, "dd_read_gb_s": dd, "rows": rows,
-         "reference": {str(k): v for k, v in reference.items()}}, indent=1))
+    args.out.with_suffix(".json").write_text(
+        json.dumps(
+            {
+                "command": command,
+                "weights_bytes": weights,
+                "cap": args.cap,
+                "dd_read_gb_s": dd,
+                "rows": rows,
+                "reference": {str(k): v for k, v in reference.items()},
+            },
+            indent=1,
+        )
+    )
     plot(rows, args.out.with_suffix(".png"))
 
 

@@ -4,6 +4,7 @@
 
 Swap the import back to `import deepspeed` and it runs on DeepSpeed.
 """
+
 import argparse
 
 import torch
@@ -28,7 +29,8 @@ def main() -> None:
     dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
     engine, optimizer, loader, scheduler = deepspeed.initialize(
-        args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset
+    )
     step = 0
     while step < args.steps * engine.gradient_accumulation_steps():
         for inputs, targets in loader:

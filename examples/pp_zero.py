@@ -7,6 +7,7 @@ Each pp rank builds its stage of the model, `zeroshard.shard(..., mesh=...)` sha
 `PipelineStage` runs it. The schedule runs forward and backward of every micro-batch itself, so the
 step goes inside `sharded.backward_by_caller()`: the micro-batches are the gradient accumulation.
 """
+
 import argparse
 
 import torch
@@ -75,10 +76,16 @@ def main() -> None:
     part = Stage(pp_rank * per, (pp_rank + 1) * per, head=last).to(device)
     sharded = zeroshard.shard(part, torch.optim.AdamW(part.parameters(), lr=3e-3), stage=args.stage, mesh=mesh)
     sharded.set_gradient_clipping(1.0)
-    pipe = PipelineStage(part, pp_rank, args.pp, device, group=mesh.get_group("pp"),
-                         input_args=torch.empty(BATCH // MICRO, WIDTH, device=device))
+    pipe = PipelineStage(
+        part,
+        pp_rank,
+        args.pp,
+        device,
+        group=mesh.get_group("pp"),
+        input_args=torch.empty(BATCH // MICRO, WIDTH, device=device),
+    )
     schedule = SCHEDULES[args.schedule](pipe, n_microbatches=MICRO, loss_fn=loss_fn, scale_grads=False)
-    teacher = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(1)) / WIDTH ** 0.5
+    teacher = torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(1)) / WIDTH**0.5
 
     for step in range(args.steps):
         gen = torch.Generator().manual_seed(step * 1009 + dp_rank)  # data per dp rank

@@ -7,6 +7,7 @@ The model is parallelized first, as torch does it (`parallelize_module`: column-
 row-parallel `down`); `zeroshard.initialize(mesh=...)` then shards each rank's local tensor-parallel
 slice over 'dp'. Every rank of a dp group reads its own data; the ranks of a tp group read the same.
 """
+
 import argparse
 
 import torch
@@ -70,12 +71,16 @@ def main() -> None:
     for i in range(len(model.blocks)):
         plan[f"blocks.{i}.up"], plan[f"blocks.{i}.down"] = ColwiseParallel(), RowwiseParallel()
     parallelize_module(model, mesh["tp"], plan)
-    teacher = torch.randn(width, width, generator=torch.Generator().manual_seed(1)) / width ** 0.5
+    teacher = torch.randn(width, width, generator=torch.Generator().manual_seed(1)) / width**0.5
 
-    config = {"train_micro_batch_size_per_gpu": 16, "gradient_clipping": 1.0,
-              "zero_optimization": {"stage": args.stage}}
-    engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                                      mesh=mesh, config=config)
+    config = {
+        "train_micro_batch_size_per_gpu": 16,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.stage},
+    }
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3), mesh=mesh, config=config
+    )
     dp_rank = mesh.get_local_rank("dp")
     for step in range(args.steps):
         inputs, targets = batch(step, dp_rank, width, teacher, device)
@@ -85,8 +90,10 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"step {step:3d} loss {loss.item():.4f} grad_norm {engine.get_global_grad_norm():.4f}")
     if dist.get_rank() == 0:
-        print(f"model states on rank 0: {engine.memory_report()['total']} bytes "
-              f"(dp {mesh['dp'].size()} x tp {mesh['tp'].size()}, stage {args.stage})")
+        print(
+            f"model states on rank 0: {engine.memory_report()['total']} bytes "
+            f"(dp {mesh['dp'].size()} x tp {mesh['tp'].size()}, stage {args.stage})"
+        )
     engine.destroy()
     dist.destroy_process_group()
 

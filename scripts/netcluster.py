@@ -27,6 +27,7 @@ Namespaces of our prefix whose creating pid is dead (a run that was SIGKILLed) a
 once they are a minute old (netns.clean_stale says why).
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for `ip netns`); `capability_problem()` says what is missing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -110,14 +111,15 @@ class NetCluster:
         if self.rate_bps is not None and not 10**5 <= self.rate_bps <= 4 * 10**10:
             raise ValueError(f"rate_bps={self.rate_bps!r}: allowed 1e5 (100kbit) to 4e10 (40gbit), or None")
         if not self.latency_ms > 0 or (self.burst_bytes is not None and self.burst_bytes < 1500):
-            raise ValueError(f"latency_ms={self.latency_ms!r} must be > 0 and burst_bytes={self.burst_bytes!r}"
-                             " at least one packet (1500)")
+            raise ValueError(
+                f"latency_ms={self.latency_ms!r} must be > 0 and burst_bytes={self.burst_bytes!r}"
+                " at least one packet (1500)"
+            )
         self.base = f"{PREFIX}{os.getpid()}x{next(_counter)}"
         self._killed: set[int] = set()
         self._why, self._why_node = "", {}
         self._own_log_dir = self.log_dir is None
-        self.log_dir = Path(tempfile.mkdtemp(prefix="netcluster-")) if self.log_dir is None \
-            else Path(self.log_dir)
+        self.log_dir = Path(tempfile.mkdtemp(prefix="netcluster-")) if self.log_dir is None else Path(self.log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._saved_handlers: dict = {}
         self._stop_signal: int | None = None  # a signal that arrived, acted on between polls
@@ -155,15 +157,41 @@ class NetCluster:
         for name in self.namespaces():
             run_ip("ip", "netns", "add", name)
         if self.nodes == 2:
-            run_ip("ip", "-n", self.namespace(0), "link", "add", IFNAME, "type", "veth",
-                 "peer", "name", IFNAME, "netns", self.namespace(1))
+            run_ip(
+                "ip",
+                "-n",
+                self.namespace(0),
+                "link",
+                "add",
+                IFNAME,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                IFNAME,
+                "netns",
+                self.namespace(1),
+            )
         else:
             run_ip("ip", "-n", self.hub, "link", "add", "br0", "type", "bridge")
             run_ip("ip", "-n", self.hub, "link", "set", "br0", "up")
             for i in range(self.nodes):
                 port = f"p{i}"  # the node's switch port, in the hub namespace
-                run_ip("ip", "-n", self.hub, "link", "add", port, "type", "veth",
-                     "peer", "name", IFNAME, "netns", self.namespace(i))
+                run_ip(
+                    "ip",
+                    "-n",
+                    self.hub,
+                    "link",
+                    "add",
+                    port,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    IFNAME,
+                    "netns",
+                    self.namespace(i),
+                )
                 run_ip("ip", "-n", self.hub, "link", "set", port, "master", "br0")
                 run_ip("ip", "-n", self.hub, "link", "set", port, "up")
                 self._limit(self.hub, port)
@@ -186,8 +214,9 @@ class NetCluster:
         if rate_bps == self.rate_bps:
             return
         for i in range(self.nodes):
-            run_ip("ip", "netns", "exec", self.namespace(i), *tbf_argv(IFNAME, rate_bps, self.latency_ms,
-                                                                       self.burst_bytes))
+            run_ip(
+                "ip", "netns", "exec", self.namespace(i), *tbf_argv(IFNAME, rate_bps, self.latency_ms, self.burst_bytes)
+            )
         self.rate_bps = rate_bps
 
     def qdiscs(self, node: int) -> str:
@@ -202,21 +231,25 @@ class NetCluster:
 
     def run_in(self, node: int, cmd: list[str], **popen) -> subprocess.Popen:
         """Start `cmd` inside a node's namespace; teardown kills it if it still runs."""
-        return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *cmd],
-                                start_new_session=True, **popen)
+        return subprocess.Popen(["ip", "netns", "exec", self.namespace(node), *cmd], start_new_session=True, **popen)
 
     def throughput(self, src: int, dst: int, nbytes: int = 4_000_000, port: int = 5001) -> float:
         """Bytes per second one TCP stream moves from node `src` to node `dst` (python sockets)."""
-        receive = (f"import socket;s=socket.create_server(('0.0.0.0',{port}));c,_=s.accept();n=0\n"
-                   "while (b:=c.recv(1<<16)): n+=len(b)\nprint(n)")
-        send = (f"import socket,time;s=socket.create_connection(({self.address(dst)!r},{port}),timeout=60)\n"
-                f"t=time.monotonic();s.sendall(bytes({nbytes}));s.shutdown(socket.SHUT_WR);s.recv(1)\n"
-                "print(time.monotonic()-t)")
+        receive = (
+            f"import socket;s=socket.create_server(('0.0.0.0',{port}));c,_=s.accept();n=0\n"
+            "while (b:=c.recv(1<<16)): n+=len(b)\nprint(n)"
+        )
+        send = (
+            f"import socket,time;s=socket.create_connection(({self.address(dst)!r},{port}),timeout=60)\n"
+            f"t=time.monotonic();s.sendall(bytes({nbytes}));s.shutdown(socket.SHUT_WR);s.recv(1)\n"
+            "print(time.monotonic()-t)"
+        )
         server = self.run_in(dst, [sys.executable, "-c", receive], stdout=subprocess.PIPE, text=True)
         try:
             for _ in range(40):  # until the server listens; bounded
-                client = self.run_in(src, [sys.executable, "-c", send], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
+                client = self.run_in(
+                    src, [sys.executable, "-c", send], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                )
                 out, err = client.communicate(timeout=120)
                 if client.returncode == 0:
                     break
@@ -289,36 +322,86 @@ class NetCluster:
         self._saved_handlers.clear()
 
     # -- jobs -----------------------------------------------------------------------------------------
-    def torchrun_command(self, node: int, job: list[str], nproc_per_node: int, *, module: bool = False,
-                         monitor_interval_s: float = 0.1, join_timeout_s: float = 300.0) -> list[str]:
+    def torchrun_command(
+        self,
+        node: int,
+        job: list[str],
+        nproc_per_node: int,
+        *,
+        module: bool = False,
+        monitor_interval_s: float = 0.1,
+        join_timeout_s: float = 300.0,
+    ) -> list[str]:
         is_host = int(node == 0)
         return [
-            sys.executable, "-m", "torch.distributed.run",  # = torchrun, with this interpreter
-            "--nnodes", str(self.nodes), "--node_rank", str(node), "--nproc_per_node", str(nproc_per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.address(0)}:{RDZV_PORT}",
-            "--rdzv-id", self.base, "--rdzv-conf", f"is_host={is_host},join_timeout={join_timeout_s:g}",
-            "--local-addr", self.address(node), "--max-restarts", "0",
-            "--monitor-interval", f"{monitor_interval_s:g}",
-            *(["--module"] if module else []), *job,
+            sys.executable,
+            "-m",
+            "torch.distributed.run",  # = torchrun, with this interpreter
+            "--nnodes",
+            str(self.nodes),
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            str(nproc_per_node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{self.address(0)}:{RDZV_PORT}",
+            "--rdzv-id",
+            self.base,
+            "--rdzv-conf",
+            f"is_host={is_host},join_timeout={join_timeout_s:g}",
+            "--local-addr",
+            self.address(node),
+            "--max-restarts",
+            "0",
+            "--monitor-interval",
+            f"{monitor_interval_s:g}",
+            *(["--module"] if module else []),
+            *job,
         ]
 
-    def launch(self, job: list[str], nproc_per_node: int, *, module: bool = False, env: dict | None = None,
-               cwd: str | None = None, **torchrun) -> None:
+    def launch(
+        self,
+        job: list[str],
+        nproc_per_node: int,
+        *,
+        module: bool = False,
+        env: dict | None = None,
+        cwd: str | None = None,
+        **torchrun,
+    ) -> None:
         """Start one torchrun per node running `job` (a script and its arguments; `module`: python -m)."""
         if not job:
             raise ValueError("launch(job=[]): give a script (or, with module=True, a module) to run")
         if not 1 <= nproc_per_node <= 64:
             raise ValueError(f"nproc_per_node={nproc_per_node}: allowed 1 to 64")
-        node_env = {**os.environ, "GLOO_SOCKET_IFNAME": IFNAME, "TP_SOCKET_IFNAME": IFNAME,
-                    "OMP_NUM_THREADS": "1", **{k: str(v) for k, v in (env or {}).items()}}
+        node_env = {
+            **os.environ,
+            "GLOO_SOCKET_IFNAME": IFNAME,
+            "TP_SOCKET_IFNAME": IFNAME,
+            "OMP_NUM_THREADS": "1",
+            **{k: str(v) for k, v in (env or {}).items()},
+        }
         for i in range(self.nodes):
-            cmd = ["ip", "netns", "exec", self.namespace(i),
-                   *self.torchrun_command(i, job, nproc_per_node, module=module, **torchrun)]
+            cmd = [
+                "ip",
+                "netns",
+                "exec",
+                self.namespace(i),
+                *self.torchrun_command(i, job, nproc_per_node, module=module, **torchrun),
+            ]
             where = {"NETCLUSTER_NODE": str(i), "NETCLUSTER_ADDR": self.address(i)}  # for the job's reports
             with open(self.log_dir / f"node{i}.log", "wb") as log:
-                self.procs[i] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                                 stderr=subprocess.STDOUT, env={**node_env, **where},
-                                                 cwd=cwd, start_new_session=True)  # Ctrl-C: us, not them
+                self.procs[i] = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**node_env, **where},
+                    cwd=cwd,
+                    start_new_session=True,
+                )  # Ctrl-C: us, not them
 
     def kill_node(self, node: int) -> None:
         """SIGKILL the whole node: its torchrun agent and every worker (all of its namespace)."""
@@ -357,21 +440,35 @@ class NetCluster:
     def result(self, node: int) -> NodeResult:
         proc = self.procs[node]
         output = (self.log_dir / f"node{node}.log").read_text(errors="replace")
-        return NodeResult(node, proc.returncode, output, killed=node in self._killed,
-                          why=self._why_node.get(node, "killed by kill_node()" if node in self._killed else ""))
+        return NodeResult(
+            node,
+            proc.returncode,
+            output,
+            killed=node in self._killed,
+            why=self._why_node.get(node, "killed by kill_node()" if node in self._killed else ""),
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--nodes", type=int, default=2, help="network namespaces (machines), 2 to 64")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per node")
-    parser.add_argument("--rate", type=rate_argument, default=None,
-                        help="each node's link rate, e.g. 1gbit, 100mbit (default: unlimited)")
+    parser.add_argument(
+        "--rate",
+        type=rate_argument,
+        default=None,
+        help="each node's link rate, e.g. 1gbit, 100mbit (default: unlimited)",
+    )
     parser.add_argument("--latency-ms", type=_positive, default=50.0, help="tbf queue bound")
     parser.add_argument("--timeout", type=_positive, default=600.0, help="seconds before every node is killed")
-    parser.add_argument("--fail-grace", type=_positive, default=30.0,
-                        help="seconds the other nodes get after one fails, then they are killed")
+    parser.add_argument(
+        "--fail-grace",
+        type=_positive,
+        default=30.0,
+        help="seconds the other nodes get after one fails, then they are killed",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="keep node<i>.log here")
     parser.add_argument("--module", "-m", action="store_true", help="the job is a module (python -m)")
     parser.add_argument("job", nargs=argparse.REMAINDER, help="script (or module) and its arguments")

@@ -3,6 +3,7 @@
 Every namespace of ours is named PREFIX<pid>x<k>-<role> (pid: the creating process), so parallel runs
 never collide and a dead run's leftovers can be recognised. All `ip` / `tc` calls have a timeout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,8 +34,9 @@ def parse_rate(text: str) -> int | None:
         return None
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]+)\s*", text.lower())
     if not match or match.group(2) not in _RATE_UNITS:
-        raise ValueError(f"link rate {text!r}: expected a number and one of {list(_RATE_UNITS)} "
-                         "(e.g. '1gbit', '100mbit') or 'none'")
+        raise ValueError(
+            f"link rate {text!r}: expected a number and one of {list(_RATE_UNITS)} (e.g. '1gbit', '100mbit') or 'none'"
+        )
     bits = float(match.group(1)) * _RATE_UNITS[match.group(2)]
     if not 10**5 <= bits <= 4 * 10**10:
         raise ValueError(f"link rate {text!r}: allowed 100kbit to 40gbit")
@@ -50,8 +52,21 @@ def tbf_argv(dev: str, rate_bps: int | None, latency_ms: float = 50.0, burst_byt
     if rate_bps is None:
         return ["tc", "qdisc", "del", "dev", dev, "root"]
     burst = burst_bytes or max(MIN_BURST_BYTES, rate_bps // 8 // 250)
-    return ["tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{rate_bps}bit", "burst", str(burst),
-            "latency", f"{latency_ms:g}ms"]
+    return [
+        "tc",
+        "qdisc",
+        "replace",
+        "dev",
+        dev,
+        "root",
+        "tbf",
+        "rate",
+        f"{rate_bps}bit",
+        "burst",
+        str(burst),
+        "latency",
+        f"{latency_ms:g}ms",
+    ]
 
 
 def run_ip(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -146,8 +161,25 @@ def capability_problem() -> str | None:
         run_ip("ip", "netns", "add", probe)
         run_ip("ip", "-n", probe, "link", "add", IFNAME, "type", "veth", "peer", "name", "zs1")
         run_ip("ip", "-n", probe, "link", "set", IFNAME, "up")
-        run_ip("ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf",
-             "rate", "1gbit", "burst", "256kb", "latency", "50ms")
+        run_ip(
+            "ip",
+            "netns",
+            "exec",
+            probe,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            IFNAME,
+            "root",
+            "tbf",
+            "rate",
+            "1gbit",
+            "burst",
+            "256kb",
+            "latency",
+            "50ms",
+        )
     except ClusterError as e:
         return str(e)
     finally:

@@ -11,6 +11,7 @@ really sent through this node's interface (`/sys/class/net/$GLOO_SOCKET_IFNAME/s
 `ip netns exec` shows for the node's own namespace) during the timed steps, per node.
 Rank 0 writes one JSON object to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,17 +73,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch", type=int, default=4, help="micro batch per rank")
-    parser.add_argument("--untied", action="store_true", help="separate input embedding and LM head "
-                        "(the 33.7M GPT of docs/performance.md: --n-layer 8 --n-embd 512 --n-head 8 --seq-len 128)")
+    parser.add_argument(
+        "--untied",
+        action="store_true",
+        help="separate input embedding and LM head "
+        "(the 33.7M GPT of docs/performance.md: --n-layer 8 --n-embd 512 --n-head 8 --seq-len 128)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--interleave", action="store_true",
-                        help="build every run at once and take their timed steps in turn (more memory: "
-                             "every run's model states at once), instead of one run after the other")
-    parser.add_argument("--link-rates", type=_link_rates, default=None,
-                        help="comma-separated link rates (as netcluster's --rate, 'none' included) to take in "
-                             "turn in every round, changing this node's tbf in between (two nodes, run as root "
-                             "in netcluster's namespaces); implies --interleave")
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="build every run at once and take their timed steps in turn (more memory: "
+        "every run's model states at once), instead of one run after the other",
+    )
+    parser.add_argument(
+        "--link-rates",
+        type=_link_rates,
+        default=None,
+        help="comma-separated link rates (as netcluster's --rate, 'none' included) to take in "
+        "turn in every round, changing this node's tbf in between (two nodes, run as root "
+        "in netcluster's namespaces); implies --interleave",
+    )
     args = parser.parse_args(argv)
     for key in ("n_layer", "n_embd", "n_head", "vocab", "seq_len", "batch", "steps"):
         if getattr(args, key) < 1:
@@ -97,9 +109,13 @@ def _config(run: str, batch: int) -> dict:
         zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
     if run in ("3h", "3pp"):  # "3h": hpZ alone (its secondary copy in fp32)
         zero["zero_hpz_partition_size"] = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1,
-            "bf16": {"enabled": False}, "zero_optimization": zero,
-            "zeroshard": {"comm_timeout_s": 600, **({"overlap_param_gather": run.endswith("o")} if run[0] in "12" else {})}}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": False},
+        "zero_optimization": zero,
+        "zeroshard": {"comm_timeout_s": 600, **({"overlap_param_gather": run.endswith("o")} if run[0] in "12" else {})},
+    }
 
 
 def _vmhwm_bytes() -> int:
@@ -120,11 +136,11 @@ def _subject(run: str, model, device, batch: int):
     make_optimizer = bench_optimizer({"lr": LR})
     if run == "ddp":
         return peers.build({"kind": "ddp"}, model, device, _config("0", batch), make_optimizer)
+
     def in_flight(engine):
         engine.sharded.lifecycle.max_inflight = 1 if run.endswith("i") else 2
 
-    return zeroshard_subject(model, _config(run, batch), device, make_optimizer,
-                             in_flight if run[-1] in "it" else None)
+    return zeroshard_subject(model, _config(run, batch), device, make_optimizer, in_flight if run[-1] in "it" else None)
 
 
 def _batch(args, gpt: GPTConfig, rank: int):
@@ -147,12 +163,17 @@ def _result(run: str, subject, paper: dict, times: list[float], tx_per_step: flo
     node_tx = subject.gather((os.environ.get("NETCLUSTER_NODE", "0"), tx_per_step))
     subject.settle()
     states = subject.states()  # at rest, after a step (an hpZ secondary copy lives from forward to step)
-    return {"run": run, "params": subject.params, "median_s": statistics.median(times), "times_s": times,
-            "paper_bytes_per_step": sum(paper.values()), "paper_bytes_by_kind": paper,
-            "link_tx_bytes_per_step": dict(sorted(node_tx)),  # node -> bytes (its ranks read one counter)
-            "states_bytes": states.get("total"),
-            "vmhwm_bytes_by_rank": subject.gather(_vmhwm_bytes()),  # the process's peak so far
-            }
+    return {
+        "run": run,
+        "params": subject.params,
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "paper_bytes_per_step": sum(paper.values()),
+        "paper_bytes_by_kind": paper,
+        "link_tx_bytes_per_step": dict(sorted(node_tx)),  # node -> bytes (its ranks read one counter)
+        "states_bytes": states.get("total"),
+        "vmhwm_bytes_by_rank": subject.gather(_vmhwm_bytes()),  # the process's peak so far
+    }
 
 
 def measure(run: str, args, gpt: GPTConfig, rank: int) -> dict:
@@ -179,14 +200,16 @@ class _Link:
 
     def set(self, rate_bps: int | None) -> None:
         if rate_bps != self.rate_bps and self.leader:
-            subprocess.run(netns.tbf_argv(os.environ["GLOO_SOCKET_IFNAME"], rate_bps), check=True, timeout=20,
-                           capture_output=True)
+            subprocess.run(
+                netns.tbf_argv(os.environ["GLOO_SOCKET_IFNAME"], rate_bps), check=True, timeout=20, capture_output=True
+            )
         self.rate_bps = rate_bps
         dist.barrier()
 
 
-def measure_interleaved(runs: list[str], args, gpt: GPTConfig, rank: int,
-                        rates: list[tuple[str, int | None]] | None = None) -> dict[str | None, list[dict]]:
+def measure_interleaved(
+    runs: list[str], args, gpt: GPTConfig, rank: int, rates: list[tuple[str, int | None]] | None = None
+) -> dict[str | None, list[dict]]:
     """Every run built at once, then round after round one timed step of each in turn, so that the
     box's load drifts over all of them alike (DESIGN.md: side by side in the same invocation); with
     `rates` (label, bits/s) each round takes them in turn too, the link limit changed in between.
@@ -217,8 +240,13 @@ def measure_interleaved(runs: list[str], args, gpt: GPTConfig, rank: int,
                 subject.settle()
                 tx[label, run] += (_link_tx_bytes() - tx_before) / (2 if primed else 1)
     link.set(None)
-    results = {label: [_result(run, subject, paper, times[label, run], tx[label, run] / args.steps)
-                       for run, (subject, paper) in built.items()] for label, _ in rates}
+    results = {
+        label: [
+            _result(run, subject, paper, times[label, run], tx[label, run] / args.steps)
+            for run, (subject, paper) in built.items()
+        ]
+        for label, _ in rates
+    }
     for subject, _ in built.values():
         subject.close()
     return results
@@ -242,15 +270,27 @@ def main(argv=None) -> None:
     zeroshard.init_distributed(timeout_s=600)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
-    gpt = GPTConfig(vocab_size=args.vocab, block_size=args.seq_len, n_layer=args.n_layer,
-                    n_head=args.n_head, n_embd=args.n_embd, tie_weights=not args.untied)
+    gpt = GPTConfig(
+        vocab_size=args.vocab,
+        block_size=args.seq_len,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        tie_weights=not args.untied,
+    )
     reduce_scatter = _reduce_scatter_algorithm()
-    common = {"world": world, "gpt": vars(gpt), "batch": args.batch, "backend": dist.get_backend(),
-              "reduce_scatter": reduce_scatter, "interleaved": bool(args.interleave or args.link_rates),
-              # > 0: stage 3 keeps the unit last in forward gathered for backward
-              "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance,
-              # and the unit last in forward too (core/gathered.py, reuse_offsets)
-              "keeps_last_forward_unit": True}
+    common = {
+        "world": world,
+        "gpt": vars(gpt),
+        "batch": args.batch,
+        "backend": dist.get_backend(),
+        "reduce_scatter": reduce_scatter,
+        "interleaved": bool(args.interleave or args.link_rates),
+        # > 0: stage 3 keeps the unit last in forward gathered for backward
+        "stage3_max_reuse_distance": ZeroConfig().stage3_max_reuse_distance,
+        # and the unit last in forward too (core/gathered.py, reuse_offsets)
+        "keeps_last_forward_unit": True,
+    }
     if args.link_rates:  # one row per rate, every rate in every round
         by_rate = measure_interleaved(args.runs, args, gpt, rank, args.link_rates)
         document = {**common, "rows": [{"rate": label, "runs": by_rate[label]} for label, _ in args.link_rates]}

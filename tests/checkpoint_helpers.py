@@ -1,4 +1,5 @@
 """Shared by the checkpoint tests: build an engine like a user does, train micro steps, read back."""
+
 from __future__ import annotations
 
 import torch
@@ -8,13 +9,25 @@ from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import adamw, gpt_model_fn, make_config
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
-SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
-                                            "warmup_num_steps": 6, "warmup_type": "linear"}}
+SCHEDULER = {
+    "type": "WarmupLR",
+    "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 6, "warmup_type": "linear"},
+}
 
 
-def build_engine(stage: int, *, seed: int = 0, gas: int = 1, clip: float = 0.0, micro: int = 4,
-                 scheduler: bool = True, optimizer_fn=adamw, zero: dict | None = None, precision: str = "fp32",
-                 **model_overrides):
+def build_engine(
+    stage: int,
+    *,
+    seed: int = 0,
+    gas: int = 1,
+    clip: float = 0.0,
+    micro: int = 4,
+    scheduler: bool = True,
+    optimizer_fn=adamw,
+    zero: dict | None = None,
+    precision: str = "fp32",
+    **model_overrides,
+):
     model = gpt_model_fn(seed, **model_overrides)()
     config = make_config(stage, gas, clip, micro, **(zero or {}))
     if precision != "fp32":  # fp16: a short window, so that the loss scale moves within a test

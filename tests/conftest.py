@@ -1,5 +1,6 @@
 """Suite-wide settings: one intra-op thread in the pytest process too (CI has 2 cores and ranks
 run beside it; two threads were 4x slower under that load)."""
+
 import torch
 
 torch.set_num_threads(1)

@@ -21,6 +21,7 @@ machine are slow). At the deadline, unreported ranks dump their Python stacks (f
 quoted in the error), then every rank's process tree is SIGKILLed. A rank also exits if its parent dies.
 The process group timeout is `timeout`, so a stuck collective raises instead of waiting 30 min.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,14 +68,20 @@ class RankReport:
     notes: list[str] = dataclasses.field(default_factory=list)  # sent early, e.g. by subtests()
 
     def describe(self) -> str:
-        head = (f"returned {self.value!r:.200}" if self.ok else self.message if not self.exc_type
-                else f"raised {self.exc_type}" if self.traceback else f"{self.exc_type}: {self.message}")
+        head = (
+            f"returned {self.value!r:.200}"
+            if self.ok
+            else self.message
+            if not self.exc_type
+            else f"raised {self.exc_type}"
+            if self.traceback
+            else f"{self.exc_type}: {self.message}"
+        )
         notes = [] if self.reported else self.notes  # a final report repeats what its notes said
         return "\n".join(p for p in [f"rank {self.rank}: {head}", *notes, self.traceback] if p).rstrip()
 
 
-def run_distributed(fn, world_size: int, *, timeout: float = 120.0, env: dict | None = None,
-                    **kwargs) -> list:
+def run_distributed(fn, world_size: int, *, timeout: float = 120.0, env: dict | None = None, **kwargs) -> list:
     """Run fn(rank, world_size, **kwargs) on `world_size` gloo ranks; return the values in rank order.
 
     `timeout` counts from when every rank has initialised its process group (starting has its own
@@ -87,8 +94,9 @@ def run_distributed(fn, world_size: int, *, timeout: float = 120.0, env: dict | 
     return [r.value for r in reports]
 
 
-def run_distributed_expect_failure(fn, world_size: int, timeout: float = 60.0, *,
-                                   env: dict | None = None, **kwargs) -> list[RankReport]:
+def run_distributed_expect_failure(
+    fn, world_size: int, timeout: float = 60.0, *, env: dict | None = None, **kwargs
+) -> list[RankReport]:
     """Every rank's RankReport, never raising for a rank's failure. Waits for every rank (up to
     `timeout`), so a test that expects failures can assert that *all* ranks detected the problem."""
     return _run(fn, world_size, timeout, env, kwargs, fail_fast=False)
@@ -98,11 +106,19 @@ def _run(fn, world_size, timeout, env, kwargs, *, fail_fast) -> list[RankReport]
     try:
         payload = pickle.dumps((fn, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
-        raise TypeError(f"{fn!r} and its kwargs must be picklable: define the worker at module level "
-                        f"of an importable module (e.g. tests.test_x) and pass picklable kwargs ({e})") from e
+        raise TypeError(
+            f"{fn!r} and its kwargs must be picklable: define the worker at module level "
+            f"of an importable module (e.g. tests.test_x) and pass picklable kwargs ({e})"
+        ) from e
     # The parent hosts the rendezvous store: binding port 0 cannot race another test for a "free" port.
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S))
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S),
+    )
     ctx, procs, conns = get_context("spawn"), [], []
     with tempfile.TemporaryDirectory(prefix="zeroshard-ranks-") as tmp:
         stack_files = [os.path.join(tmp, f"rank{rank}.stacks") for rank in range(world_size)]
@@ -128,8 +144,15 @@ def _run(fn, world_size, timeout, env, kwargs, *, fail_fast) -> list[RankReport]
 def _rank_environ(rank, world_size, port, extra):
     """One rank's environment, set around its start so that what is read then (MALLOC_*, OMP_*) counts."""
     saved = dict(os.environ)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+    )
     os.environ.update({k: str(v) for k, v in (extra or {}).items()})
     try:
         yield
@@ -226,10 +249,12 @@ def _child_main(rank, world_size, port, timeout, stack_file, payload, conn) -> N
     torch.set_num_threads(1)  # ranks share few cores; oversubscription makes CPU tests crawl
     try:
         fn, kwargs = pickle.loads(payload)
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
+        )
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+        )
         conn.send_bytes(pickle.dumps(("started", None)))
         message = ("ok", fn(rank, world_size, **kwargs))
     except BaseException as e:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
@@ -261,6 +286,7 @@ def _arm_guards(backstop_s: float, stack_file: str) -> None:
 
 
 # ---------------------------------------------------------------- sub-cases inside one rank group
+
 
 def grid(**axes) -> list[dict]:
     """Every combination: grid(stage=[0, 1], accum=[1, 2]) -> 4 case dicts."""

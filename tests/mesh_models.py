@@ -6,6 +6,7 @@ parallelism), a column-parallel `up` and a row-parallel `down` linear (whose bia
 a head. The oracle is `tests.reference.train_single` with `world_size` = the dp degree: the same math
 as DDP over the data-parallel ranks, on the whole model in one process.
 """
+
 from __future__ import annotations
 
 import torch
@@ -61,6 +62,7 @@ def model_fn(seed: int = 0, blocks: int = 2):
     def build():
         torch.manual_seed(seed)
         return TinyNet(blocks)
+
     return build
 
 
@@ -78,8 +80,16 @@ def adamw(params):
 
 
 def reference(dp: int, *, steps: int, gas: int, clip: float, blocks: int = 2) -> dict:
-    return train_single(model_fn(blocks=blocks), batches, optimizer_fn=adamw, steps=steps, grad_accum=gas,
-                        clip=clip, world_size=dp, loss_fn=mse)
+    return train_single(
+        model_fn(blocks=blocks),
+        batches,
+        optimizer_fn=adamw,
+        steps=steps,
+        grad_accum=gas,
+        clip=clip,
+        world_size=dp,
+        loss_fn=mse,
+    )
 
 
 def assert_rel_close(ours: dict, ref: dict, *, rtol: float = 1e-5, what: str = "") -> None:
@@ -110,8 +120,16 @@ def run_example(script: str, *args: str, nproc: int = 4) -> list[float]:
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-               str(root / "examples" / script), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        str(root / "examples" / script),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root / "src"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=root)
     teardown = "terminate called without an active exception"

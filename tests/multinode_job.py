@@ -13,6 +13,7 @@ Data is a fixed function of (step, rank) (tests.reference.gpt_batches), so any l
 size — one node, two nodes, a resumed run — sees the same batches at the same global rank and step.
 Runs on the repository root's sys.path: launch with `-m` from the repository root.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,8 +76,14 @@ class Reporter:
 
     def __init__(self, out: Path, rank: int, world: int):
         self.path, self.last_step = out / f"rank{rank}.json", time.monotonic()
-        self.body = {"rank": rank, "world": world, "node": int(os.environ.get("NETCLUSTER_NODE", 0)),
-                     "local_rank": int(os.environ.get("LOCAL_RANK", 0)), "stages": {}, "done": False}
+        self.body = {
+            "rank": rank,
+            "world": world,
+            "node": int(os.environ.get("NETCLUSTER_NODE", 0)),
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "stages": {},
+            "done": False,
+        }
 
     def write(self, path: Path | None = None, body: dict | None = None) -> None:
         path = path or self.path
@@ -85,9 +92,10 @@ class Reporter:
         os.replace(tmp, path)
 
     def error(self, exc: BaseException) -> None:
-        self.write(self.path.with_suffix(".error.json"),
-                   {"type": type(exc).__name__, "message": str(exc),
-                    "since_last_step_s": time.monotonic() - self.last_step})
+        self.write(
+            self.path.with_suffix(".error.json"),
+            {"type": type(exc).__name__, "message": str(exc), "since_last_step_s": time.monotonic() - self.last_step},
+        )
 
 
 def train_stage(stage: int, args, report: Reporter, deadline: float) -> None:

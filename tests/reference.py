@@ -14,6 +14,7 @@ Gradient clipping uses the library's definition, in float64:
     if coef < 1: g.mul_(float(coef))   # a python float, so an fp32 multiply
 The norm is recorded every step, clipped or not.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +45,20 @@ def gpt_batches(config, batch_size: int = 4, seed: int = 0):
     return batches
 
 
-def train_ddp(model_fn, batches, *, optimizer_fn, steps: int, grad_accum: int = 1, clip: float = 0.0,
-              reduce_every_micro_step: bool = False, lr_scheduler_fn=None, loss_fn=gpt_loss,
-              record_params: bool = False, record_grads: bool = False) -> dict:
+def train_ddp(
+    model_fn,
+    batches,
+    *,
+    optimizer_fn,
+    steps: int,
+    grad_accum: int = 1,
+    clip: float = 0.0,
+    reduce_every_micro_step: bool = False,
+    lr_scheduler_fn=None,
+    loss_fn=gpt_loss,
+    record_params: bool = False,
+    record_grads: bool = False,
+) -> dict:
     """Train with DistributedDataParallel (CPU, gloo, defaults) in the current process group.
 
     model_fn() must build the same model on every rank (same seed); DDP also broadcasts rank 0's.
@@ -74,13 +86,24 @@ def train_ddp(model_fn, batches, *, optimizer_fn, steps: int, grad_accum: int = 
                 losses.append(micro_backward(step, micro))
         return losses
 
-    return _train(ddp.module, step_grads, optimizer_fn, lr_scheduler_fn, steps, clip,
-                  record_params, record_grads)
+    return _train(ddp.module, step_grads, optimizer_fn, lr_scheduler_fn, steps, clip, record_params, record_grads)
 
 
-def train_single(model_fn, batches, *, optimizer_fn, steps: int, grad_accum: int = 1, clip: float = 0.0,
-                 reduce_every_micro_step: bool = False, lr_scheduler_fn=None, loss_fn=gpt_loss,
-                 world_size: int = 1, record_params: bool = False, record_grads: bool = False) -> dict:
+def train_single(
+    model_fn,
+    batches,
+    *,
+    optimizer_fn,
+    steps: int,
+    grad_accum: int = 1,
+    clip: float = 0.0,
+    reduce_every_micro_step: bool = False,
+    lr_scheduler_fn=None,
+    loss_fn=gpt_loss,
+    world_size: int = 1,
+    record_params: bool = False,
+    record_grads: bool = False,
+) -> dict:
     """train_ddp's math in one process, for `world_size` emulated ranks; losses are rank 0's."""
     model = model_fn()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -95,8 +118,10 @@ def train_single(model_fn, batches, *, optimizer_fn, steps: int, grad_accum: int
     def all_reduce_mean(per_rank: list[list]) -> list:
         # As DDP's reducer: each rank's gradient multiplied by 1/N while copied into the bucket (so at
         # N = 3 this is not g / 3), then the buckets are summed in rank order.
-        return [_sum([g[i] * (1.0 / world_size) if g[i] is not None else None for g in per_rank])
-                for i in range(len(params))]
+        return [
+            _sum([g[i] * (1.0 / world_size) if g[i] is not None else None for g in per_rank])
+            for i in range(len(params))
+        ]
 
     def step_grads(step: int) -> list[float]:
         losses, local = [], [None] * world_size
@@ -107,21 +132,22 @@ def train_single(model_fn, batches, *, optimizer_fn, steps: int, grad_accum: int
             if reduce_every_micro_step:
                 acc = [_sum([a, r]) for a, r in zip(acc, all_reduce_mean([g for _, g in per_rank]))]
             else:  # no_sync: each rank's .grad accumulates locally (autograd: old + new)
-                local = [g if prev is None else [_sum(pair) for pair in zip(prev, g)]
-                         for prev, (_, g) in zip(local, per_rank)]
+                local = [
+                    g if prev is None else [_sum(pair) for pair in zip(prev, g)]
+                    for prev, (_, g) in zip(local, per_rank)
+                ]
         grads = acc if reduce_every_micro_step else all_reduce_mean(local)
         for p, g in zip(params, grads):
             p.grad = g
         return losses
 
-    return _train(model, step_grads, optimizer_fn, lr_scheduler_fn, steps, clip,
-                  record_params, record_grads)
+    return _train(model, step_grads, optimizer_fn, lr_scheduler_fn, steps, clip, record_params, record_grads)
 
 
 # ---------------------------------------------------------------- shared by both
 
-def _train(model, step_grads, optimizer_fn, lr_scheduler_fn, steps, clip, record_params,
-           record_grads) -> dict:
+
+def _train(model, step_grads, optimizer_fn, lr_scheduler_fn, steps, clip, record_params, record_grads) -> dict:
     optimizer = optimizer_fn(model.parameters())
     scheduler = lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None
     out = {"losses": [], "grad_norms": [], "params_per_step": [], "grads_per_step": []}

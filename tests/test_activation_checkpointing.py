@@ -2,6 +2,7 @@
 `checkpoint(fn, *args)` API give results bit-for-bit equal to the oracle at stages 0-3 (2 ranks, fp32);
 under stage 3 recomputation runs on gathered parameters, costs no extra all-gather, and every unit is
 freed after backward; fewer activations are kept; options that mean nothing here are reported."""
+
 from __future__ import annotations
 
 import warnings
@@ -43,6 +44,7 @@ def _model_fn(cls=GPT, **overrides):
     def build():
         torch.manual_seed(0)
         return cls(tiny_gpt_config(n_layer=4, **overrides))
+
     return build
 
 
@@ -53,13 +55,21 @@ def _checkpointed_config(stage: int) -> dict:
 
 
 def _against_oracle(stage: int, api: str) -> None:
-    ref = train_single(_model_fn(), BATCHES, optimizer_fn=adamw, steps=STEPS, world_size=2,
-                       reduce_every_micro_step=True, record_params=True)
+    ref = train_single(
+        _model_fn(),
+        BATCHES,
+        optimizer_fn=adamw,
+        steps=STEPS,
+        world_size=2,
+        reduce_every_micro_step=True,
+        record_params=True,
+    )
     if api == "units":
         ours = train_engine(_model_fn(), BATCHES, config=_checkpointed_config(stage), steps=STEPS, record_params=True)
     else:
-        ours = train_engine(_model_fn(PairCheckpointedGPT), BATCHES, config=make_config(stage), steps=STEPS,
-                            record_params=True)
+        ours = train_engine(
+            _model_fn(PairCheckpointedGPT), BATCHES, config=make_config(stage), steps=STEPS, record_params=True
+        )
     if torch.distributed.get_rank() != 0:  # train_single reports rank 0's losses
         ours["losses"] = ref["losses"]
     assert_close(ours, ref, exact=True, what=f"checkpointing ({api}) at stage {stage}")
@@ -129,12 +139,28 @@ def test_options_without_effect_are_reported_once_by_name():
     checkpointing.reset()
     try:
         with pytest.warns(ConfigKeyNotActedOnWarning) as caught:
-            policy = checkpointing.configure(None, deepspeed_config={"activation_checkpointing": {
-                "partition_activations": True, "cpu_checkpointing": True, "number_checkpoints": 4,
-                "contiguous_memory_optimization": True, "synchronize_checkpoint_boundary": True, "profile": True}})
+            policy = checkpointing.configure(
+                None,
+                deepspeed_config={
+                    "activation_checkpointing": {
+                        "partition_activations": True,
+                        "cpu_checkpointing": True,
+                        "number_checkpoints": 4,
+                        "contiguous_memory_optimization": True,
+                        "synchronize_checkpoint_boundary": True,
+                        "profile": True,
+                    }
+                },
+            )
         messages = " ".join(str(w.message) for w in caught)
-        for key in ("partition_activations", "cpu_checkpointing", "number_checkpoints",
-                    "contiguous_memory_optimization", "synchronize_checkpoint_boundary", "profile"):
+        for key in (
+            "partition_activations",
+            "cpu_checkpointing",
+            "number_checkpoints",
+            "contiguous_memory_optimization",
+            "synchronize_checkpoint_boundary",
+            "profile",
+        ):
             assert f"activation_checkpointing.{key}'" in messages, key
         assert checkpointing.is_configured() and not policy.cpu_checkpointing  # CPU run: a no-op
         with warnings.catch_warnings():
@@ -151,7 +177,8 @@ def test_checkpoint_function_single_process():
     layer = torch.nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
     expected = torch.autograd.grad(layer(x).tanh().sum(), (x, layer.weight))
-    got = torch.autograd.grad(checkpointing.checkpoint(lambda t, scale: layer(t).tanh() * scale, x, 1.0).sum(),
-                              (x, layer.weight))
+    got = torch.autograd.grad(
+        checkpointing.checkpoint(lambda t, scale: layer(t).tanh() * scale, x, 1.0).sum(), (x, layer.weight)
+    )
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
     assert zeroshard.checkpointing.non_reentrant_checkpoint is checkpointing.checkpoint

@@ -3,6 +3,7 @@ the estimator's for the same mesh (`zeroshard estimate --tp --pp --dp`, whose nu
 measures against real dp x tp and dp x pp runs), its communication is ZeRO's on the rank's Ψ_local,
 and the recommendation follows: what needs stage 2 over 16 data-parallel ranks fits at stage 1 once
 tp 2 x pp 2 have split the model."""
+
 from __future__ import annotations
 
 import json
@@ -58,18 +59,33 @@ def test_problem_without_a_mesh_is_unchanged():
 
 
 def test_activations_shrink_with_tensor_parallelism(capsys):
-    args = ["advise", "--model", "gpt-7.5b", "--memory", "80GB", "--bandwidth", "25GB/s", "--batch", "1",
-            "--seq-len", "2048", "--json"]
+    args = [
+        "advise",
+        "--model",
+        "gpt-7.5b",
+        "--memory",
+        "80GB",
+        "--bandwidth",
+        "25GB/s",
+        "--batch",
+        "1",
+        "--seq-len",
+        "2048",
+        "--json",
+    ]
     one = json.loads(_run(capsys, *args, "--ranks", "8")[1])["activations_bytes"]
     two = json.loads(_run(capsys, *args, "--ranks", "8", "--tp", "2")[1])["activations_bytes"]
     assert 0 < two < one
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--params", "1B", "--memory", "8GB", "--bandwidth", "1GB/s"], "--ranks"),
-    (["--params", "1B", "--ranks", "4", "--dp", "2", "--memory", "8GB", "--bandwidth", "1GB/s"], "--dp"),
-    (["--params", "1B", "--ranks", "4", "--tp", "0", "--memory", "8GB", "--bandwidth", "1GB/s"], "--tp"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--params", "1B", "--memory", "8GB", "--bandwidth", "1GB/s"], "--ranks"),
+        (["--params", "1B", "--ranks", "4", "--dp", "2", "--memory", "8GB", "--bandwidth", "1GB/s"], "--dp"),
+        (["--params", "1B", "--ranks", "4", "--tp", "0", "--memory", "8GB", "--bandwidth", "1GB/s"], "--tp"),
+    ],
+)
 def test_mesh_errors_name_the_flag(capsys, argv, named):
     code, out, err = _run(capsys, "advise", *argv)
     assert code == 2 and out == "" and named in err and "Traceback" not in err

@@ -3,6 +3,7 @@ pick is the measured fastest stage that fits, and its step time per stage is wit
 median. Compute time per stage is calibrated on the unlimited-rate row only; the rate-limited rows are
 the check ([Note: the advisor's time model], tools/bench/sweepcheck.py). No processes: the sweep is
 recorded by scripts/bandwidth_sweep.py (docs/multinode.md)."""
+
 from __future__ import annotations
 
 import copy
@@ -86,8 +87,13 @@ def test_pick_is_the_measured_fastest_stage_that_fits(sweep, fit):
 
 
 def test_noise_is_overlapping_timed_steps():
-    row = {"runs": [{"run": "1", "times_s": [1.0, 1.2, 1.1]}, {"run": "2", "times_s": [1.15, 1.3, 1.4]},
-                    {"run": "3", "times_s": [1.3, 1.5, 1.6]}]}
+    row = {
+        "runs": [
+            {"run": "1", "times_s": [1.0, 1.2, 1.1]},
+            {"run": "2", "times_s": [1.15, 1.3, 1.4]},
+            {"run": "3", "times_s": [1.3, 1.5, 1.6]},
+        ]
+    }
     assert sweepcheck.indistinguishable(row, 1, 2) and not sweepcheck.indistinguishable(row, 1, 3)
 
 
@@ -143,7 +149,9 @@ def test_overlap_efficiency_scales_the_windows():
 
 def test_the_overlap_efficiency_is_fitted_on_its_row_only(sweep):
     rows = [c for c in sweepcheck.check(sweep) if c.calibration]
-    assert {c.rate for c in rows} <= {sweepcheck.OVERLAP_RATE} | {r["rate"] for r in sweep["rates"] if r["rate_bps"] is None}
+    assert {c.rate for c in rows} <= {sweepcheck.OVERLAP_RATE} | {
+        r["rate"] for r in sweep["rates"] if r["rate_bps"] is None
+    }
     assert sweepcheck.efficiency(sweep) in sweepcheck.EFFICIENCIES
 
 
@@ -169,15 +177,20 @@ def test_advise_sweep_command(capsys, sweep):
     assert code == 0 and "(calibration)" in out and "| 3 |" in out
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--sweep", str(SWEEP), "--params", "1B"], "--params"),
-    (["--sweep", str(SWEEP), "--compute-time", "1"], "--compute-time"),
-    (["--sweep", "/nonexistent/sweep.json"], "/nonexistent/sweep.json"),
-    (["--params", "1B", "--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s", "--compute-time", "-1"],
-     "--compute-time"),
-    (["--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s"], "--params"),
-    (["--params", "1B", "--ranks", "2", "--bandwidth", "1GB/s"], "--memory"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--sweep", str(SWEEP), "--params", "1B"], "--params"),
+        (["--sweep", str(SWEEP), "--compute-time", "1"], "--compute-time"),
+        (["--sweep", "/nonexistent/sweep.json"], "/nonexistent/sweep.json"),
+        (
+            ["--params", "1B", "--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s", "--compute-time", "-1"],
+            "--compute-time",
+        ),
+        (["--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s"], "--params"),
+        (["--params", "1B", "--ranks", "2", "--bandwidth", "1GB/s"], "--memory"),
+    ],
+)
 def test_advise_errors_name_the_flag(capsys, argv, named):
     code, out, err = _run(capsys, "advise", *argv)
     assert code == 2 and out == "" and named in err and "Traceback" not in err
@@ -203,7 +216,9 @@ def test_the_200m_sweep_is_predicted_too():
     checked = [c for c in sweepcheck.check(sweep) if not c.calibration]
     assert [c.rate for c in checked] == ["10gbit"]
     errors = {run: checked[0].error(run) for run in checked[0].predicted_s}
-    assert set(errors) == {"ddp", "0", "1", "2", "3"} and max(abs(e) for e in errors.values()) <= sweepcheck.TIME_TOLERANCE, errors
+    assert (
+        set(errors) == {"ddp", "0", "1", "2", "3"} and max(abs(e) for e in errors.values()) <= sweepcheck.TIME_TOLERANCE
+    ), errors
     for c in sweepcheck.check(sweep):
         for run, predicted in c.predicted_sent.items():
             assert predicted == pytest.approx(c.measured_sent[run], rel=0.1), (c.rate, run)
@@ -238,10 +253,15 @@ def test_the_last_forward_unit_is_not_regathered_in_backward():
         assert abs(o.kept_unit - kept / params) < 1e-12, (tied, o)
 
         def backward_gather(comm):
-            return next(t.full_bytes for t in steptime.transfers(3, params, 2, 4, 4, o.last_unit, comm, o.kept_unit)  # noqa: B023 - called within this iteration only
-                        if t.what == "backward all-gather")
+            return next(
+                t.full_bytes
+                for t in steptime.transfers(3, params, 2, 4, 4, o.last_unit, comm, o.kept_unit)  # noqa: B023 - called within this iteration only
+                if t.what == "backward all-gather"
+            )
+
         saved = backward_gather(steptime.Comm(keep_last_forward_unit=False)) - backward_gather(steptime.Comm())
         assert abs(saved - 4 * kept) < 1e-6, (tied, saved, kept)
     assert not sweepcheck.comm_of({"stage3_max_reuse_distance": 1}, "3").keep_last_forward_unit
-    assert sweepcheck.comm_of({"stage3_max_reuse_distance": 1, "keeps_last_forward_unit": True},
-                              "3").keep_last_forward_unit
+    assert sweepcheck.comm_of(
+        {"stage3_max_reuse_distance": 1, "keeps_last_forward_unit": True}, "3"
+    ).keep_last_forward_unit

@@ -2,6 +2,7 @@
 against the paper's formulas; `bench --max-model` (the search, its classification of real allocation
 failures under RLIMIT_DATA, a real 2-rank search) and `bench --sweep`; the advisor's choices on the
 paper's example, help and errors."""
+
 import json
 import subprocess
 import sys
@@ -27,8 +28,24 @@ def run(capsys, *argv):
 def bench(tmp_path_factory):
     """One bench of every stage and the peers on 2 ranks; ~20 s on 2 cores."""
     out = tmp_path_factory.mktemp("bench")
-    code = cli.main(["bench", "--size", "1", "--seq-len", "32", "--batch", "4", "--steps", "2", "--warmup", "1",
-                     "--peers", "--out", str(out)])
+    code = cli.main(
+        [
+            "bench",
+            "--size",
+            "1",
+            "--seq-len",
+            "32",
+            "--batch",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--peers",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     return out, json.loads((out / "bench.json").read_text())
 
@@ -88,8 +105,12 @@ def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measu
     bench_command.check_mode(args)  # the mode's defaults, as `zeroshard bench` fills them first
     result, rows = bench_command.run_bench(args)
     names = ["stage 0", "stage 3", "torch DDP", "torch ZeroRedundancyOpt", "torch FSDP2"]
-    assert calls == ([("stage 0", 1, False)] + [(name, 3, False) for name in names]  # a warm-up launch first
-                     + [(name, 2, False) for name in reversed(names)] + [(name, 2, True) for name in names])
+    assert calls == (
+        [("stage 0", 1, False)]
+        + [(name, 3, False) for name in names]  # a warm-up launch first
+        + [(name, 2, False) for name in reversed(names)]
+        + [(name, 2, True) for name in names]
+    )
     ran = [row for row in rows if "skipped" not in row]
     assert [row["peak_memory"] for row in ran] == [123] * 5  # from the memory launch
     # Every configuration's 5 timed steps, 3 from the first pass and 2 from the reversed second.
@@ -161,6 +182,7 @@ def test_bench_points_to_the_tried_largest_model(bench):
 
 # ---- bench --max-model ----
 
+
 def _oracle(largest_that_fits):
     """A stand-in for real trials: sizes up to `largest_that_fits` fit; records what was asked."""
     asked = []
@@ -168,6 +190,7 @@ def _oracle(largest_that_fits):
     def fits(layers):
         asked.append(layers)
         return maxmodel.Trial(layers, layers <= largest_that_fits, "" if layers <= largest_that_fits else "oom", 0.0)
+
     return fits, asked
 
 
@@ -195,8 +218,9 @@ def test_search_reports_the_ends_of_its_range():
 def test_estimator_prediction_per_configuration():
     rec, cap = est.recipe("fp32", "adamw"), 10**9
     for stage in range(4):
-        assert maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS[str(stage)], rec) == \
-            est.largest_model(cap, 2, stage, rec)
+        assert maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS[str(stage)], rec) == est.largest_model(
+            cap, 2, stage, rec
+        )
     # The paper's model states alone: fp32 AdamW 16 B/param at stage 0, 16/2 = 8 at stage 3 over 2 ranks
     assert abs(maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["0"], rec) - cap // 16) <= 1
     assert abs(maxmodel.predicted_params(cap, 2, maxmodel.CONFIGS["3"], rec) - cap // 8) <= 2
@@ -224,23 +248,36 @@ _ALLOCATE_UNDER_A_CAP = textwrap.dedent("""
 
 
 def test_rlimit_data_makes_a_real_allocation_fail():
-    done = subprocess.run([sys.executable, "-c", _ALLOCATE_UNDER_A_CAP], capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    done = subprocess.run(
+        [sys.executable, "-c", _ALLOCATE_UNDER_A_CAP],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["FAILED", "RuntimeError", "True", "LIFTED"]
 
 
-_TORCH_OOM = ("RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
-              "memory: you tried to allocate 12609536 bytes. Error code 12 (Cannot allocate memory)")
+_TORCH_OOM = (
+    "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+    "memory: you tried to allocate 12609536 bytes. Error code 12 (Cannot allocate memory)"
+)
 
 
 def test_allocation_failure_is_does_not_fit_and_anything_else_a_crash():
     fits = Outcome({"fits": True}, 0)
     assert maxmodel.classify(fits) == (maxmodel.FITS, "")
-    reported = Outcome(None, 1, {"rank 1": f"Traceback ...\n{_TORCH_OOM}\n\nThe above exception was the direct cause"
-                                           f"\nzeroshard.tools.bench.capped.AllocationFailure: step 2 optimizer: "
-                                           f"RuntimeError: DefaultCPUAllocator: can't allocate memory"},
-                       log="rank 0 exitcode  : -11 (pid: 3)  (SIGSEGV)")
+    reported = Outcome(
+        None,
+        1,
+        {
+            "rank 1": f"Traceback ...\n{_TORCH_OOM}\n\nThe above exception was the direct cause"
+            f"\nzeroshard.tools.bench.capped.AllocationFailure: step 2 optimizer: "
+            f"RuntimeError: DefaultCPUAllocator: can't allocate memory"
+        },
+        log="rank 0 exitcode  : -11 (pid: 3)  (SIGSEGV)",
+    )
     verdict, detail = maxmodel.classify(reported)
     assert verdict == maxmodel.NO_FIT and detail.startswith("rank 1, step 2 optimizer")
     # a C++ thread that aborts on std::bad_alloc leaves no traceback file, only the log
@@ -259,6 +296,7 @@ def test_a_crash_under_the_cap_is_told_apart_from_a_defect_by_a_run_without_it(m
     def fake_run_ranks(module, spec, ranks, **kwargs):  # the second launch is the one without the cap
         launched.append(spec["cap_bytes"])
         return crashed if len(launched) == 1 else uncapped
+
     monkeypatch.setattr(maxmodel, "run_ranks", fake_run_ranks)
     spec = {"width": 64, "seq_len": 16, "cap_bytes": 2**28, "run": {"name": "stage 3"}}
     uncapped = Outcome({"fits": True}, 0)
@@ -273,8 +311,22 @@ def test_a_crash_under_the_cap_is_told_apart_from_a_defect_by_a_run_without_it(m
 @pytest.mark.slow
 def test_max_model_finds_a_boundary_by_running_both_sides(tmp_path, capsys):
     """~50 s: real 2-rank trials of a width-256 GPT under a 340 MiB cap (the process baseline is ~265 MB)."""
-    code = cli.main(["bench", "--max-model", "--configs", "0", "--width", "256", "--memory", "340MiB",
-                     "--max-layers", "6", "--out", str(tmp_path)])
+    code = cli.main(
+        [
+            "bench",
+            "--max-model",
+            "--configs",
+            "0",
+            "--width",
+            "256",
+            "--memory",
+            "340MiB",
+            "--max-layers",
+            "6",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     document = json.loads((tmp_path / "max_model.json").read_text())
     (row,) = document["rows"]
@@ -293,7 +345,9 @@ def test_max_model_finds_a_boundary_by_running_both_sides(tmp_path, capsys):
 @pytest.mark.slow
 def test_sweep_writes_memory_against_parameters(tmp_path):
     """~30 s: family members 1 and 2 at stages 0 and 3 in one launch."""
-    code = cli.main(["bench", "--sweep", "--sizes", "1,2", "--stages", "0,3", "--seq-len", "32", "--out", str(tmp_path)])
+    code = cli.main(
+        ["bench", "--sweep", "--sizes", "1,2", "--stages", "0,3", "--seq-len", "32", "--out", str(tmp_path)]
+    )
     assert code == 0
     document = json.loads((tmp_path / "sweep.json").read_text())
     points = {(p["size"], p["stage"]): p for p in document["points"]}
@@ -332,16 +386,18 @@ def test_advise_prefers_least_sharding_among_equals_and_offload_when_needed():
 
 
 def test_advise_command(capsys):
-    code, out, err = run(capsys, "advise", "--params", "7.5B", "--ranks", "64", "--memory", "32GB",
-                         "--bandwidth", "25GB/s", "--json")
+    code, out, err = run(
+        capsys, "advise", "--params", "7.5B", "--ranks", "64", "--memory", "32GB", "--bandwidth", "25GB/s", "--json"
+    )
     document = json.loads(out)
     assert code == 0 and document["recommendation"] == "stage 2"
     assert document["deepspeed_config"] == {"zero_optimization": {"stage": 2}}
 
 
 def test_advise_measures_bandwidth(capsys):
-    code, out, _ = run(capsys, "advise", "--model", "gpt-tiny", "--ranks", "2", "--memory", "1GiB",
-                       "--measure-bandwidth")
+    code, out, _ = run(
+        capsys, "advise", "--model", "gpt-tiny", "--ranks", "2", "--memory", "1GiB", "--measure-bandwidth"
+    )
     assert code == 0 and "measured: all-reduce" in out and "recommend stage" in out
 
 
@@ -351,26 +407,31 @@ def test_help_has_examples(capsys, command):
     assert code == 0 and "examples:" in out and f"zeroshard {command}" in out
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["bench", "--stages", "0,5"], "--stages"),
-    (["bench", "--size", "0"], "--size"),
-    (["bench", "--memory", "12XB"], "--memory"),
-    (["bench", "--memory", "1GiB"], "--memory"),  # the cap belongs to --max-model
-    (["bench", "--max-model", "--configs", "0,9"], "--configs"),
-    (["bench", "--max-model", "--width", "100"], "--width"),
-    (["bench", "--max-model", "--max-layers", "0"], "--max-layers"),
-    (["bench", "--max-model", "--steps", "1"], "--steps"),
-    (["bench", "--max-model", "--peers"], "--peers"),
-    (["bench", "--max-model", "--nvme-path", "/nonexistent/dir"], "--nvme-path"),
-    (["bench", "--max-model", "--sweep"], "--sweep"),
-    (["bench", "--sweep", "--sizes", "0"], "--sizes"),
-    (["bench", "--sweep", "--configs", "0"], "--configs"),
-    (["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB"], "--bandwidth"),
-    (["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB", "--bandwidth", "fast"], "--bandwidth"),
-    (["advise", "--model", "nope", "--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s"], "--model"),
-    (["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s", "--reserve", "2"],
-     "--reserve"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["bench", "--stages", "0,5"], "--stages"),
+        (["bench", "--size", "0"], "--size"),
+        (["bench", "--memory", "12XB"], "--memory"),
+        (["bench", "--memory", "1GiB"], "--memory"),  # the cap belongs to --max-model
+        (["bench", "--max-model", "--configs", "0,9"], "--configs"),
+        (["bench", "--max-model", "--width", "100"], "--width"),
+        (["bench", "--max-model", "--max-layers", "0"], "--max-layers"),
+        (["bench", "--max-model", "--steps", "1"], "--steps"),
+        (["bench", "--max-model", "--peers"], "--peers"),
+        (["bench", "--max-model", "--nvme-path", "/nonexistent/dir"], "--nvme-path"),
+        (["bench", "--max-model", "--sweep"], "--sweep"),
+        (["bench", "--sweep", "--sizes", "0"], "--sizes"),
+        (["bench", "--sweep", "--configs", "0"], "--configs"),
+        (["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB"], "--bandwidth"),
+        (["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB", "--bandwidth", "fast"], "--bandwidth"),
+        (["advise", "--model", "nope", "--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s"], "--model"),
+        (
+            ["advise", "--params", "1B", "--ranks", "2", "--memory", "8GB", "--bandwidth", "1GB/s", "--reserve", "2"],
+            "--reserve",
+        ),
+    ],
+)
 def test_errors_name_the_flag(capsys, argv, named):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and named in err and "Traceback" not in err

@@ -8,6 +8,7 @@ refuses O_DIRECT falls back to buffered requests and says so, and an I/O error i
 names the file, raised by `ready`, not a hang. The training and inference parity suites
 (tests/test_offload.py, tests/test_inference.py) run the same path end to end.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -110,10 +111,12 @@ def test_frozen_reads_skip_write_back_and_a_write_faults(store, tmp_path):
     store.wait()
     assert tensor[0] == 7.0 and store.io.clock.snapshot()["write_bytes"] > written
     # A write to a frozen tensor's buffer is a fault that stops the process, never a lost write.
-    script = (f"import torch; from zeroshard.offload import NVMeStore\n"
-              f"s = NVMeStore({str(tmp_path / 'child')!r}, 0, 2**20); t = s.tensor('w', 1024, torch.float32)\n"
-              f"s.release([t]); s.wait(); s.freeze([t]); s.prefetch([t]); s.ready([t]); t[0] = 1.0\n"
-              f"print('write went through')\n")
+    script = (
+        f"import torch; from zeroshard.offload import NVMeStore\n"
+        f"s = NVMeStore({str(tmp_path / 'child')!r}, 0, 2**20); t = s.tensor('w', 1024, torch.float32)\n"
+        f"s.release([t]); s.wait(); s.freeze([t]); s.prefetch([t]); s.ready([t]); t[0] = 1.0\n"
+        f"print('write went through')\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert child.returncode == -11 and "went through" not in child.stdout, (child.returncode, child.stderr[-500:])
@@ -275,10 +278,17 @@ def test_nvme_io_setting(tmp_path):
     with pytest.raises(ConfigError, match="nvme_io") as info:
         load_config({"zeroshard": {"nvme_io": "fast"}}, 1)
     assert "'fast'" in str(info.value) and "direct" in str(info.value) and "buffered" in str(info.value)
-    with pytest.raises(StoreError, match=r"zeroshard.nvme_io must be one of \['direct', 'buffered', 'mapped'\], got 'fast'"):
+    with pytest.raises(
+        StoreError, match=r"zeroshard.nvme_io must be one of \['direct', 'buffered', 'mapped'\], got 'fast'"
+    ):
         IOPool(mode="fast")
-    config = load_config({"zero_optimization": {"stage": 3, "offload_param": {
-        "device": "nvme", "nvme_path": str(tmp_path)}}, "zeroshard": {"nvme_io": "buffered"}}, 1)
+    config = load_config(
+        {
+            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": str(tmp_path)}},
+            "zeroshard": {"nvme_io": "buffered"},
+        },
+        1,
+    )
     plan = build_placement(config.zero_optimization, config.aio, None, 1000, 0, 1, nvme_io=config.zeroshard.nvme_io)
     try:
         tensor = _filled(plan.param_store)

@@ -4,6 +4,7 @@ Exact resume: 10 steps straight == 5 steps, save, *fresh processes*, load, 5 ste
 (losses, learning rates, parameters; fp32), with gradient accumulation, clipping, a warmup schedule
 and saves in the middle of an accumulation.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -23,11 +24,16 @@ from zeroshard.tools.models.gpt import GPT, tiny_gpt_config
 STEPS = 10
 # split: micro steps done before the save; split % gas != 0 saves in the middle of an accumulation.
 # Mixed precision cases: bf16 parameters, fp16 with a dynamic loss scale whose state must resume too.
-RESUME_CASES = [dict(stage=0, gas=1, clip=0.0, split=5), dict(stage=1, gas=2, clip=0.05, split=10),
-                dict(stage=2, gas=1, clip=0.05, split=5), dict(stage=3, gas=2, clip=0.0, split=10),
-                dict(stage=1, gas=2, clip=0.0, split=11), dict(stage=3, gas=2, clip=0.05, split=9),
-                dict(stage=2, gas=1, clip=0.0, split=5, precision="bf16"),
-                dict(stage=3, gas=1, clip=0.0, split=5, precision="fp16")]
+RESUME_CASES = [
+    dict(stage=0, gas=1, clip=0.0, split=5),
+    dict(stage=1, gas=2, clip=0.05, split=10),
+    dict(stage=2, gas=1, clip=0.05, split=5),
+    dict(stage=3, gas=2, clip=0.0, split=10),
+    dict(stage=1, gas=2, clip=0.0, split=11),
+    dict(stage=3, gas=2, clip=0.05, split=9),
+    dict(stage=2, gas=1, clip=0.0, split=5, precision="bf16"),
+    dict(stage=3, gas=1, clip=0.0, split=5, precision="fp16"),
+]
 
 
 def _case_dir(root: str, case: dict) -> str:
@@ -45,8 +51,10 @@ def _first_half(rank: int, world: int, *, root: str) -> list:
         half = build_engine(stage, gas=gas, clip=clip, precision=precision)
         train_micro_steps(half, batches, 0, split)
         case = dict(stage=stage, gas=gas, clip=clip, split=split)
-        half.save_checkpoint(_case_dir(root, case if precision == "fp32" else {**case, "precision": precision}),
-                             client_state={"split": split, "note": ("any", "picklable")})
+        half.save_checkpoint(
+            _case_dir(root, case if precision == "fp32" else {**case, "precision": precision}),
+            client_state={"split": split, "note": ("any", "picklable")},
+        )
         half.destroy()
         return reference
 
@@ -85,6 +93,7 @@ def test_resume_is_bit_exact_at_every_stage(tmp_path):
 
 
 # ---------------------------------------------------------------- full weights out and in
+
 
 def _count_reads(counter: list):
     original = SafetensorsReader._read_raw
@@ -172,6 +181,7 @@ def test_full_weights_consolidate_and_load(tmp_path):
 
 # ---------------------------------------------------------------- damage is reported, not loaded
 
+
 def _damage(path: Path, case: str) -> None:
     tag = path / "global_step2"
     if case == "missing_shard":
@@ -258,6 +268,7 @@ def test_damage_is_reported_with_the_file_and_the_problem(tmp_path):
 
 # ---------------------------------------------------------------- tags and `latest`
 
+
 def _tags_worker(rank: int, world: int, *, root: str) -> None:
     root = Path(root)
     engine = build_engine(1)
@@ -299,7 +310,9 @@ def _fail_one_shard_write(engine, root: Path) -> None:
     if engine.global_rank == 1:
         save_module.write_safetensors = full_disk
     try:
-        with pytest.raises(CheckpointError, match=r"saving checkpoint .*never failed on rank \[1\]: OSError: .*No space left on device"):
+        with pytest.raises(
+            CheckpointError, match=r"saving checkpoint .*never failed on rank \[1\]: OSError: .*No space left on device"
+        ):
             engine.save_checkpoint(root, tag="never")
     finally:
         save_module.write_safetensors = original

@@ -13,6 +13,7 @@ And 1 -> tp 2 / pp 2: the full weights load into each layout, each rank taking i
 In the parent: consolidation of dp2 x tp2 before any step equals the single-process model's
 state dict bit for bit, and the zero_to_fp32 compat reads it too.
 """
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,12 @@ def _mesh(dp: int, other: str):
 
 
 def _config(stage: int, gas: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": mm.BATCH, "gradient_accumulation_steps": gas,
-            "zero_optimization": {"stage": stage}, "zeroshard": {"comm_timeout_s": 120}}
+    return {
+        "train_micro_batch_size_per_gpu": mm.BATCH,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": stage},
+        "zeroshard": {"comm_timeout_s": 120},
+    }
 
 
 def _batch(step: int, dp_rank: int, micro: int, dp: int):
@@ -64,11 +69,13 @@ def _batch(step: int, dp_rank: int, micro: int, dp: int):
 
 # ---------------------------------------------------------------- tensor parallelism (engine)
 
+
 def _tp_engine(mesh, stage: int):
     model = dtensor_model(mesh)
     gas = 2 // mesh["dp"].size()
-    engine, *_ = zeroshard.initialize(model=model, optimizer=mm.adamw(model.parameters()), mesh=mesh,
-                                      config=_config(stage, gas))
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=mm.adamw(model.parameters()), mesh=mesh, config=_config(stage, gas)
+    )
     return engine
 
 
@@ -89,23 +96,26 @@ def _tp_steps(engine, mesh, first: int, last: int) -> list[list[float]]:
 def _full_params(engine) -> dict:
     module = engine.module
     with engine.gathered_parameters(list(module.parameters())):
-        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for n, p in module.named_parameters()}
+        return {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()
+        }
 
 
 # ---------------------------------------------------------------- pipeline parallelism (core)
 
+
 def _pp_stage(mesh, stage: int):
     pp_rank, stages = mesh.get_local_rank("pp"), mesh["pp"].size()
     part = mm.Part(mm.model_fn()(), pp_rank, stages)
-    sharded = zeroshard.shard(part, mm.adamw(part.parameters()), stage=stage, mesh=mesh,
-                              comm=zeroshard.CommPolicy(timeout_s=120))
-    pipe = PipelineStage(part, pp_rank, stages, torch.device("cpu"), group=mesh.get_group("pp"),
-                         input_args=torch.empty(mm.BATCH, mm.D))
+    sharded = zeroshard.shard(
+        part, mm.adamw(part.parameters()), stage=stage, mesh=mesh, comm=zeroshard.CommPolicy(timeout_s=120)
+    )
+    pipe = PipelineStage(
+        part, pp_rank, stages, torch.device("cpu"), group=mesh.get_group("pp"), input_args=torch.empty(mm.BATCH, mm.D)
+    )
     micro = 2 // mesh["dp"].size()
     loss_fn = lambda out, y: F.mse_loss(out, y) / micro  # noqa: E731 - scale_grads=False: zeroshard's accumulation
-    return CheckpointableSharded(sharded), ScheduleGPipe(pipe, n_microbatches=micro, loss_fn=loss_fn,
-                                                         scale_grads=False)
+    return CheckpointableSharded(sharded), ScheduleGPipe(pipe, n_microbatches=micro, loss_fn=loss_fn, scale_grads=False)
 
 
 def _pp_steps(state, schedule, mesh, first: int, last: int) -> list[list[float]]:
@@ -127,6 +137,7 @@ def _pp_steps(state, schedule, mesh, first: int, last: int) -> list[list[float]]
 
 
 # ---------------------------------------------------------------- phase 1: four ranks
+
 
 def _phase1_case(root: str, layout: str, stage: int) -> dict:
     dims = ("dp", layout)
@@ -167,8 +178,13 @@ def _save_untrained(root: str, style: str) -> None:
         for block in model.blocks:
             block.up.weight.partition_dim = block.up.bias.partition_dim = 0
             block.down.weight.partition_dim = 1
-    sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=2, mesh=from_mpu(Mpu(mesh), model),
-                              comm=zeroshard.CommPolicy(timeout_s=120))
+    sharded = zeroshard.shard(
+        model,
+        mm.adamw(model.parameters()),
+        stage=2,
+        mesh=from_mpu(Mpu(mesh), model),
+        comm=zeroshard.CommPolicy(timeout_s=120),
+    )
     save_checkpoint(CheckpointableSharded(sharded), f"{root}/untrained_{style}", tag="t")
     sharded.destroy()
 
@@ -206,6 +222,7 @@ def _phase1(rank, world_size, root):
 
 
 # ---------------------------------------------------------------- phase 2: two ranks
+
 
 def _phase2_case(root: str, layout: str, stage: int, expected: dict) -> None:
     """dp1 x <layout>2 resumes at step 3: the same losses as the run that never stopped."""
@@ -292,14 +309,17 @@ def _refusal_case(root: str) -> None:
 
 
 def _phase2(rank, world_size, root, expected):
-    subtests(grid(layout=["tp", "pp"], stage=STAGES),
-             lambda layout, stage: _phase2_case(root, layout, stage, expected[f"{layout}{stage}"]))
+    subtests(
+        grid(layout=["tp", "pp"], stage=STAGES),
+        lambda layout, stage: _phase2_case(root, layout, stage, expected[f"{layout}{stage}"]),
+    )
     subtests(grid(layout=["tp", "pp"]), lambda layout: _consolidated_case(root, layout, expected[f"{layout}1"]))
     subtests(grid(layout=["tp", "pp"]), lambda layout: _into_layout_case(root, layout, expected[f"{layout}1"]))
     _refusal_case(root)
 
 
 # ---------------------------------------------------------------- the test
+
 
 def _states(path) -> dict:
     """Every part's masters and Adam moments, whole per parameter: {(part, name, key): tensor}."""
@@ -360,6 +380,7 @@ def test_consolidation_of_dp2_tp2_equals_the_single_process_model(saved, tmp_pat
         summary = consolidate(root / f"untrained_{style}", out, tag="t", progress=False)
         assert summary["parts"] == 2
         from safetensors.torch import load_file
+
         full = load_file(out)
         assert full.keys() == reference.keys(), style
         for name, value in reference.items():
@@ -372,8 +393,9 @@ def test_consolidate_command_and_a_damaged_part(saved, tmp_path, capsys):
     from zeroshard.tools import cli
 
     root, _ = saved
-    code = cli.main(["consolidate", str(root / "untrained_dtensor"), str(tmp_path / "m.pt"), "--tag", "t", "--json",
-                     "--quiet"])
+    code = cli.main(
+        ["consolidate", str(root / "untrained_dtensor"), str(tmp_path / "m.pt"), "--tag", "t", "--json", "--quiet"]
+    )
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["parts"] == 2 and summary["tensors"] == len(mm.model_fn()().state_dict())
     damaged = tmp_path / "damaged"

@@ -7,6 +7,7 @@ process group, each followed by fresh processes that load what `latest` names:
      that replaces the tag `latest` names): loading falls back on the old copy;
   3. rank 0 dies after publishing a new tag, before moving `latest`.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,6 +48,7 @@ def _arm(rank: int, crash: str) -> None:
             if calls[0] == 2:  # the old copy is already renamed away
                 _die()
             rename(source, target)
+
         save_module._rename = dying_rename
     elif crash == "latest" and rank == 0:
         write_atomic = save_module.write_atomic
@@ -55,11 +57,13 @@ def _arm(rank: int, crash: str) -> None:
             if Path(path).name == "latest":
                 _die()
             return write_atomic(path, data)
+
         save_module.write_atomic = dying_write_atomic
 
 
-def _crash_worker(rank: int, world: int, *, root: str, load: str | None, tag: str, step: int,
-                  crash: str, crash_tag: str) -> str:
+def _crash_worker(
+    rank: int, world: int, *, root: str, load: str | None, tag: str, step: int, crash: str, crash_tag: str
+) -> str:
     """Load the checkpoint `latest` names (it must hold the weights recorded when it was saved),
     train a step, save `tag` cleanly, train a step, then save `crash_tag` and die in it."""
     root = Path(root)

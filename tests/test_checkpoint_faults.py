@@ -12,6 +12,7 @@ write-back in the middle of a step. In every case:
 Saves run on `engine` (trained 3 steps); loads run on `probe`, which holds checkpoint "good" and is
 made to load "other" (one step later), so a half-done load would show as changed weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,6 +58,7 @@ def _patched(owner, name, replacement, active: bool):
 
 def _after(count: int, fault):
     """A replacement that lets `count` calls through, then faults."""
+
     def wrap(original):
         calls = [0]
 
@@ -65,18 +67,23 @@ def _after(count: int, fault):
             if calls[0] > count:
                 fault()
             return original(*args, **kwargs)
+
         return patched
+
     return wrap
 
 
 def _named(name: str, fault=_raise):
     """Fault when write_atomic / the writer is asked for the file called `name`."""
+
     def wrap(original):
         def patched(path, *args, **kwargs):
             if Path(path).name == name:
                 fault()
             return original(path, *args, **kwargs)
+
         return patched
+
     return wrap
 
 
@@ -103,14 +110,16 @@ def _snapshot(engine) -> dict:
     def copied(value):
         return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
-    return {"masters": [g.master.detach().clone() for g in engine.groups],
-            "optimizer": [{k: copied(v) for k, v in engine.optimizer.group_state(g).items()}
-                          for g in engine.groups if g.trainable],
-            "param_groups": [{k: copied(v) for k, v in g.items() if k != "params"}
-                             for g in engine.optimizer.param_groups],
-            "counters": engine.counters(),
-            "scheduler": copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
-            "params": full_params(engine)}
+    return {
+        "masters": [g.master.detach().clone() for g in engine.groups],
+        "optimizer": [
+            {k: copied(v) for k, v in engine.optimizer.group_state(g).items()} for g in engine.groups if g.trainable
+        ],
+        "param_groups": [{k: copied(v) for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+        "counters": engine.counters(),
+        "scheduler": copy.deepcopy(engine.lr_scheduler.state_dict()) if engine.lr_scheduler else None,
+        "params": full_params(engine),
+    }
 
 
 def _differences(a: dict, b: dict) -> list[str]:
@@ -122,6 +131,7 @@ def _differences(a: dict, b: dict) -> list[str]:
         if isinstance(x, (list, tuple)):
             return isinstance(y, (list, tuple)) and len(x) == len(y) and all(same(p, q) for p, q in zip(x, y))
         return x == y
+
     return [key for key in a if not same(a[key], b[key])]
 
 
@@ -181,8 +191,9 @@ def _faults_worker(rank: int, world: int, *, root: str) -> dict:
         with _patched(owner, name, replacement, rank == on_rank):
             raised = _raised(probe.load_checkpoint, root, tag="other")
         timings[f"load {phase} on rank {on_rank}"] = _check_failure(phase, raised, on_rank, world, "injected fault")
-        assert not _differences(before, _snapshot(probe)), \
+        assert not _differences(before, _snapshot(probe)), (
             f"load {phase}: a failed load changed {_differences(before, _snapshot(probe))}"
+        )
         latest_is_good()
 
     def deleted_case(name: str, verify: bool) -> None:
@@ -207,8 +218,11 @@ def _faults_worker(rank: int, world: int, *, root: str) -> dict:
 
     cases = [dict(kind="save", phase=p, on_rank=r) for p, f in SAVE_FAULTS.items() for r in f[3] if r < world]
     cases += [dict(kind="load", phase=p, on_rank=r) for p, f in LOAD_FAULTS.items() for r in f[3] if r < world]
-    cases += [dict(kind="deleted", phase=n, on_rank=v) for n in ("rank_00001.safetensors", "objects.pt")
-              for v in (True, False)] + [dict(kind="deleted", phase="manifest.json", on_rank=True)]
+    cases += [
+        dict(kind="deleted", phase=n, on_rank=v)
+        for n in ("rank_00001.safetensors", "objects.pt")
+        for v in (True, False)
+    ] + [dict(kind="deleted", phase="manifest.json", on_rank=True)]
     run = {"save": save_case, "load": load_case, "deleted": deleted_case}
     subtests(cases, lambda kind, phase, on_rank: run[kind](phase, on_rank))
     probe.destroy()
@@ -225,9 +239,11 @@ def test_checkpoint_faults_are_named_and_change_nothing(tmp_path):
 
 # ---------------------------------------------------------------- NVMe write-back, mid-step
 
+
 def _write_back_worker(rank: int, world: int, *, nvme: str, on_rank: int) -> dict:
-    engine = build_engine(2, scheduler=False, zero={"offload_optimizer": {"device": "nvme", "nvme_path": nvme},
-                                                    "sub_group_size": 1000})
+    engine = build_engine(
+        2, scheduler=False, zero={"offload_optimizer": {"device": "nvme", "nvme_path": nvme}, "sub_group_size": 1000}
+    )
     engine.sharded.optimizer.on_failed_update = "copy"  # as "zeroshard": {"transactional_step": "copy"} sets it
     batches = tiny_batches()
     train_micro_steps(engine, batches, 0, 1)
@@ -238,8 +254,12 @@ def _write_back_worker(rank: int, world: int, *, nvme: str, on_rank: int) -> dic
         # which waits for them, meets the error ([Note: deferred parameter gather])
         raised = _raised(train_micro_steps, engine, batches, 1, 2)
     kind, message, elapsed = raised
-    report = {"kind": kind, "message": message.splitlines()[0], "elapsed": elapsed,
-              "changed": _differences(before, _snapshot(engine))}
+    report = {
+        "kind": kind,
+        "message": message.splitlines()[0],
+        "elapsed": elapsed,
+        "changed": _differences(before, _snapshot(engine)),
+    }
     engine.destroy()
     return report
 
@@ -252,8 +272,9 @@ def test_full_disk_in_nvme_write_back_is_named(tmp_path):
     the step is undone although the write-back failed after every sub-group was updated. The other
     rank's step completed, so the ranks are no longer in step: every later call raises."""
     for on_rank in (0, 1):
-        reports = run_distributed(_write_back_worker, 2, timeout=120, nvme=str(tmp_path / f"nvme{on_rank}"),
-                                  on_rank=on_rank)
+        reports = run_distributed(
+            _write_back_worker, 2, timeout=120, nvme=str(tmp_path / f"nvme{on_rank}"), on_rank=on_rank
+        )
         for rank, report in enumerate(reports):
             assert report["elapsed"] < BOUND_S, report
             if rank == on_rank:

@@ -1,5 +1,6 @@
 """Checkpoint files in one process: our safetensors writer/reader against the reference library, and
 re-slicing a checkpoint written at N ranks for M ranks (every N, M in 1..5, regrouped parameters)."""
+
 from __future__ import annotations
 
 import json
@@ -85,9 +86,18 @@ def test_damaged_files_name_the_file_and_the_problem(tmp_path, damage):
 
 
 def test_manifest_text_round_trips():
-    manifest = {"format": "zeroshard.checkpoint", "files": {"a": {"bytes": 1}}, "groups": [
-        {"unit": "u", "numel": 3, "state": [["step", "scalar"]],
-         "params": [{"name": "x", "shape": [3], "offset": 0, "numel": 3}]}]}
+    manifest = {
+        "format": "zeroshard.checkpoint",
+        "files": {"a": {"bytes": 1}},
+        "groups": [
+            {
+                "unit": "u",
+                "numel": 3,
+                "state": [["step", "scalar"]],
+                "params": [{"name": "x", "shape": [3], "offset": 0, "numel": 3}],
+            }
+        ],
+    }
     assert json.loads(manifest_text(manifest)) == manifest
 
 
@@ -109,10 +119,17 @@ def _write_checkpoint(path, world: int) -> dict:
     groups, files = [], {}
     layouts = [FlatLayout(names, [SHAPES[n] for n in names], world) for names in SOURCE_GROUPS]
     for layout in layouts:
-        groups.append({"unit": "u", "numel": layout.numel, "shard_numel": layout.shard_numel,
-                       "state": [["exp_avg", "elementwise"]],
-                       "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel}
-                                  for s in layout.slots]})
+        groups.append(
+            {
+                "unit": "u",
+                "numel": layout.numel,
+                "shard_numel": layout.shard_numel,
+                "state": [["exp_avg", "elementwise"]],
+                "params": [
+                    {"name": s.name, "shape": list(s.shape), "offset": s.offset, "numel": s.numel} for s in layout.slots
+                ],
+            }
+        )
     for rank in range(world):
         tensors = {}
         for index, layout in enumerate(layouts):
@@ -138,18 +155,24 @@ def test_reslicing_every_world_size_and_grouping(tmp_path, source_world):
                         start, end = layout.shard_range(rank)
                         got = torch.zeros(end - start)
                         for slot, lo, hi in layout.pieces_in(start, end):
-                            dest = got[slot.offset + lo - start: slot.offset + hi - start]
+                            dest = got[slot.offset + lo - start : slot.offset + hi - start]
                             reader.read_param(slot.name, key, lo, hi, dest)
                         assert torch.equal(got, expected[start:end]), (source_world, target_world, names, rank)
 
 
 # ---------------------------------------------------------------- the CLI's surface
 
+
 def test_consolidate_cli_help_and_errors(capsys, tmp_path):
     assert cli.main(["consolidate", "--help"]) == 0
     out = capsys.readouterr().out
-    for text in ("examples:", "zeroshard consolidate checkpoints/ model.safetensors", "--dtype {fp32,bf16,fp16}",
-                 "--format {safetensors,pt}", "--tag"):
+    for text in (
+        "examples:",
+        "zeroshard consolidate checkpoints/ model.safetensors",
+        "--dtype {fp32,bf16,fp16}",
+        "--format {safetensors,pt}",
+        "--tag",
+    ):
         assert text in out, text
     assert cli.main(["consolidate", str(tmp_path / "nowhere"), str(tmp_path / "out.safetensors")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err

@@ -5,6 +5,7 @@ stage 3; a fresh process then consolidates it while its peak RSS (VmHWM) is comp
 just before. MALLOC_MMAP_THRESHOLD_=65536 makes glibc hand freed buffers back to the system, so
 RSS follows live memory (DESIGN.md, "How performance is measured").
 """
+
 from __future__ import annotations
 
 import json
@@ -56,14 +57,22 @@ def test_consolidation_peak_memory_is_about_one_unit(tmp_path, record_property):
     assert len(units) >= 8 and model_bytes >= 200e6 and largest * 8 < model_bytes
     out = tmp_path / "full.safetensors"
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path / "ckpt"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(tmp_path / "ckpt"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     growth = result["peak"] - result["baseline"]
-    measured = (f"consolidating {model_bytes / 1e6:.1f} MB in {len(units)} units (largest "
-                f"{largest / 1e6:.1f} MB): peak RSS {result['peak'] / 1e6:.1f} MB, {growth / 1e6:.1f} MB "
-                f"over the {result['baseline'] / 1e6:.1f} MB before, {result['seconds']:.1f} s")
+    measured = (
+        f"consolidating {model_bytes / 1e6:.1f} MB in {len(units)} units (largest "
+        f"{largest / 1e6:.1f} MB): peak RSS {result['peak'] / 1e6:.1f} MB, {growth / 1e6:.1f} MB "
+        f"over the {result['baseline'] / 1e6:.1f} MB before, {result['seconds']:.1f} s"
+    )
     record_property("consolidation_memory", measured)
     print(measured)
     assert growth < LIMIT_UNITS * largest, measured

@@ -12,6 +12,7 @@ padding), stages 0-3 -> saved again there -> loaded at 4 ranks, stage 3. At ever
     (measured: 1.5e-4 relative on `qkv.bias` after 3 steps, 4 -> 2 ranks), which is Adam's
     conditioning, not resharding; AdamW's resharded state is checked bit for bit instead.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,7 +45,7 @@ def _rank_batch(step: int, rank: int, world: int):
     start = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, 1), generator=gen)
     tokens = (start + torch.arange(config.block_size + 1)) % config.vocab_size  # (B, T + 1)
     per = GLOBAL_BATCH // world
-    mine = tokens[rank * per:(rank + 1) * per]
+    mine = tokens[rank * per : (rank + 1) * per]
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -61,16 +62,24 @@ def _train(engine, first_step: int, steps: int) -> dict:
 
 
 def _engine(optimizer: str, stage: int, world: int, seed: int = 0, persistence: int = 0):
-    return build_engine(stage, seed=seed, micro=GLOBAL_BATCH // world, optimizer_fn=OPTIMIZERS[optimizer],
-                        zero={"stage3_param_persistence_threshold": persistence})
+    return build_engine(
+        stage,
+        seed=seed,
+        micro=GLOBAL_BATCH // world,
+        optimizer_fn=OPTIMIZERS[optimizer],
+        zero={"stage3_param_persistence_threshold": persistence},
+    )
 
 
 def checkpoint_states(directory) -> dict:
     """Everything a checkpoint says about the training state, by parameter name (read offline)."""
     path, manifest = open_checkpoint(directory)
     objects = torch.load(path / "objects.pt", weights_only=False)
-    out = {"steps": (manifest["global_steps"], manifest["micro_steps"]), "scheduler": objects["lr_scheduler"],
-           "param_groups": objects["optimizer"]["param_groups"]}
+    out = {
+        "steps": (manifest["global_steps"], manifest["micro_steps"]),
+        "scheduler": objects["lr_scheduler"],
+        "param_groups": objects["optimizer"]["param_groups"],
+    }
     with CheckpointReader(path, manifest) as reader:
         for index, group in enumerate(manifest["groups"]):
             for param in group["params"]:
@@ -120,6 +129,7 @@ def assert_close_run(ours: dict, ref: dict, what: str) -> None:
 
 # ---------------------------------------------------------------- workers
 
+
 def _reference_worker(rank: int, world: int, *, root: str) -> dict:
     """4 ranks, stage 3: train, save, and (for the compared optimizer) train on."""
     result = None
@@ -135,6 +145,7 @@ def _reference_worker(rank: int, world: int, *, root: str) -> dict:
 
 def _from_four_worker(rank: int, world: int, *, root: str, reference: dict) -> list:
     """At 2 or 3 ranks: load the 4-rank stage-3 checkpoint at each stage, save it again, train on."""
+
     def case(optimizer, stage):
         engine = _engine(optimizer, stage, world, seed=stage + 1)
         engine.load_checkpoint(f"{root}/base-{optimizer}")
@@ -151,6 +162,7 @@ def _from_four_worker(rank: int, world: int, *, root: str, reference: dict) -> l
 
 def _to_four_worker(rank: int, world: int, *, root: str, continued: dict) -> None:
     """At 4 ranks, stage 3, grouped differently: load each checkpoint written at 2 or 3 ranks, train on."""
+
     def case(optimizer, source_world, source_stage):
         source = f"{root}/w{source_world}s{source_stage}-{optimizer}"
         engine = _engine(optimizer, 3, world, seed=7, persistence=PERSISTENCE)
@@ -168,8 +180,9 @@ def _to_four_worker(rank: int, world: int, *, root: str, continued: dict) -> Non
             assert steps == [BEFORE + 1] * len(engine.optimizer.groups), steps
         engine.destroy()
 
-    subtests([dict(optimizer=o, source_world=w, source_stage=s) for o in OPTIMIZERS for w in (2, 3)
-              for s in STAGES], case)
+    subtests(
+        [dict(optimizer=o, source_world=w, source_stage=s) for o in OPTIMIZERS for w in (2, 3) for s in STAGES], case
+    )
 
 
 def test_reshard_matrix(tmp_path):

@@ -11,6 +11,7 @@ sub-cases:
   * client state of tensors, dicts, lists, tuples and primitives round-trips; an arbitrary object is
     refused at save time with the key named, before anything is published.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -93,31 +94,44 @@ def _safety_worker(rank: int, world: int, *, root: str) -> None:
 
     def manifest_fields(kind):
         checkpoint = Path(engine.save_checkpoint(root / f"manifest-{kind}"))
-        edits = {"extra-top": lambda m: m.update(run_this="os.system('x')"),
-                 "extra-group": lambda m: m["groups"][0].update(hook="x"),
-                 "extra-param": lambda m: m["groups"][0]["params"][0].update(init="x"),
-                 "missing": lambda m: m.pop("world_size"),
-                 "wrong-type": lambda m: m.update(global_steps="2")}
+        edits = {
+            "extra-top": lambda m: m.update(run_this="os.system('x')"),
+            "extra-group": lambda m: m["groups"][0].update(hook="x"),
+            "extra-param": lambda m: m["groups"][0]["params"][0].update(init="x"),
+            "missing": lambda m: m.pop("world_size"),
+            "wrong-type": lambda m: m.update(global_steps="2"),
+        }
         if rank == 0:
             _edit_manifest(checkpoint, edits[kind])
         engine.comm.barrier("edited")
         message = _raised(engine.load_checkpoint, root / f"manifest-{kind}")
         assert str(checkpoint / "manifest.json") in message, message
-        field = {"extra-top": "run_this", "extra-group": "groups[0].hook", "extra-param": "groups[0].params[0].init",
-                 "missing": "world_size", "wrong-type": "global_steps"}[kind]
+        field = {
+            "extra-top": "run_this",
+            "extra-group": "groups[0].hook",
+            "extra-param": "groups[0].params[0].init",
+            "missing": "world_size",
+            "wrong-type": "global_steps",
+        }[kind]
         assert f"field '{field}'" in message, message
 
     def client_state_limits():
         _, state = engine.load_checkpoint(clean)
         assert state["epoch"] == 3 and state["ids"] == [1, 2] and torch.equal(state["t"], torch.ones(2))
-        message = _raised(engine.save_checkpoint, root / "objects", tag="user",
-                          client_state={"ok": 1, "obj": UserObject(1)})
+        message = _raised(
+            engine.save_checkpoint, root / "objects", tag="user", client_state={"ok": 1, "obj": UserObject(1)}
+        )
         assert "client_state['obj']" in message and "weights_only" in message, message
         assert not (root / "objects" / "user").exists() and not list((root / "objects").glob(".tmp-*"))
 
-    cases = {"pickle payload": pickle_payload, "client state": client_state_limits,
-             **{f"manifest {k}": (lambda k=k: manifest_fields(k))
-                for k in ("extra-top", "extra-group", "extra-param", "missing", "wrong-type")}}
+    cases = {
+        "pickle payload": pickle_payload,
+        "client state": client_state_limits,
+        **{
+            f"manifest {k}": (lambda k=k: manifest_fields(k))
+            for k in ("extra-top", "extra-group", "extra-param", "missing", "wrong-type")
+        },
+    }
     subtests([dict(case=name) for name in cases], lambda case: cases[case]())
     engine.destroy()
 

@@ -5,6 +5,7 @@ gradient accumulation and clipping, through `backward(loss, boundary=...)` and t
 `loss.backward()` with `set_requires_gradient_sync`; plus the shard-local `state_dict()` round trip,
 and the README's example, run as written.
 """
+
 from __future__ import annotations
 
 import re
@@ -29,12 +30,17 @@ def _gathered(sharded) -> dict:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def train_sharded(model_fn, batches, *, stage: int, gas: int, clip: float, steps: int,
-                  torch_backward: bool = False) -> dict:
+def train_sharded(
+    model_fn, batches, *, stage: int, gas: int, clip: float, steps: int, torch_backward: bool = False
+) -> dict:
     model = model_fn()
-    sharded = zeroshard.shard(model, adamw(model.parameters()), stage=stage,
-                              gathering=zeroshard.GatherPolicy(persistence_threshold=0),
-                              comm=zeroshard.CommPolicy(timeout_s=60))
+    sharded = zeroshard.shard(
+        model,
+        adamw(model.parameters()),
+        stage=stage,
+        gathering=zeroshard.GatherPolicy(persistence_threshold=0),
+        comm=zeroshard.CommPolicy(timeout_s=60),
+    )
     sharded.set_gradient_clipping(clip)
     rank = sharded.comm.rank
     out = {"losses": [], "params_per_step": []}
@@ -58,10 +64,19 @@ def train_sharded(model_fn, batches, *, stage: int, gas: int, clip: float, steps
 
 def _parity_case(stage: int, gas: int, clip: float, torch_backward: bool = False) -> dict:
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
-    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=adamw, steps=STEPS, grad_accum=gas, clip=clip,
-                    reduce_every_micro_step=stage >= 2, record_params=True)
-    ours = train_sharded(gpt_model_fn(), batches, stage=stage, gas=gas, clip=clip, steps=STEPS,
-                         torch_backward=torch_backward)
+    ref = train_ddp(
+        gpt_model_fn(),
+        batches,
+        optimizer_fn=adamw,
+        steps=STEPS,
+        grad_accum=gas,
+        clip=clip,
+        reduce_every_micro_step=stage >= 2,
+        record_params=True,
+    )
+    ours = train_sharded(
+        gpt_model_fn(), batches, stage=stage, gas=gas, clip=clip, steps=STEPS, torch_backward=torch_backward
+    )
     what = f"shard() stage {stage} gas {gas} clip {clip}{' loss.backward()' * torch_backward}"
     assert_close(ours, ref, exact=True, what=what)
     return {"stage": stage, "final_loss": ours["losses"][-1][-1]}
@@ -73,8 +88,9 @@ def _state_round_trip(stage: int) -> dict:
 
     def build():
         model = gpt_model_fn()()
-        return zeroshard.shard(model, adamw(model.parameters()), stage=stage,
-                               gathering=zeroshard.GatherPolicy(persistence_threshold=0))
+        return zeroshard.shard(
+            model, adamw(model.parameters()), stage=stage, gathering=zeroshard.GatherPolicy(persistence_threshold=0)
+        )
 
     def run(sharded, steps):
         losses = []
@@ -113,9 +129,11 @@ def _readme_example() -> dict:
 def _worker(rank: int, world: int) -> dict:
     cases = [dict(stage=s, gas=g, clip=c) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
     cases += [dict(stage=s, gas=2, clip=0.05, torch_backward=True) for s in range(4)]
-    return {"parity": subtests(cases, _parity_case),
-            "state": subtests([dict(stage=s) for s in range(4)], _state_round_trip),
-            "readme": _readme_example()}
+    return {
+        "parity": subtests(cases, _parity_case),
+        "state": subtests([dict(stage=s) for s in range(4)], _state_round_trip),
+        "readme": _readme_example(),
+    }
 
 
 def test_shard_matches_ddp_and_round_trips_its_state():

@@ -31,6 +31,7 @@ Limits (what the scan cannot see, so what a reviewer still checks by hand):
     counts as read. The test proves every key is looked at or named; the behaviour tests
     (test_config.py, test_offload.py, ...) prove it acts.
 """
+
 from __future__ import annotations
 
 import ast
@@ -48,6 +49,7 @@ ROOT_NAMES = {"config", "cfg"}
 
 
 # ---------------------------------------------------------------------------------------- the schema
+
 
 def _section_classes(annotation) -> set[type[Section]]:
     """The Section classes an annotation may hold (through Optional, Union, Annotated, list)."""
@@ -90,6 +92,7 @@ def schema_keys() -> list[tuple[type[Section], str]]:
 
 # ---------------------------------------------------------------------------------------- the scan
 
+
 def _annotation_classes(node) -> set[type[Section]]:
     if node is None:
         return set()
@@ -113,7 +116,7 @@ class _Function:
         self.env: dict[str, set] = {}
         if args is not None:
             every = [*args.posonlyargs, *args.args]
-            self.params = [a.arg for a in every][1 if is_method and every else 0:]
+            self.params = [a.arg for a in every][1 if is_method and every else 0 :]
             for a in [*every, *args.kwonlyargs]:
                 if classes := _annotation_classes(a.annotation):
                     self.env[a.arg] = set(classes)
@@ -247,8 +250,12 @@ class Scan:
                     self._read_all(base)
                 self.reads |= {(cls, node.attr) for cls in base if node.attr in cls.model_fields}
                 self.reads |= {(cls, name) for cls in base for name in _property_reads(cls, node.attr)}
-            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                  and len(node.args) >= 2):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id == "getattr"
+                and len(node.args) >= 2
+            ):
                 base = self.holds(node.args[0], function)
                 name = node.args[1]
                 if isinstance(name, ast.Constant) and isinstance(name.value, str):
@@ -272,14 +279,21 @@ def _property_reads(cls: type[Section], name: str) -> set[str]:
     import textwrap
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(prop.fget)))
-    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
-            and n.value.id == "self" and n.attr in cls.model_fields}
+    return {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+        and n.attr in cls.model_fields
+    }
 
 
 def _names_root(node) -> bool:
     """`config` / `cfg`, or `<anything>.config`: the root config by convention."""
-    return ((isinstance(node, ast.Name) and node.id in ROOT_NAMES)
-            or (isinstance(node, ast.Attribute) and node.attr in ROOT_NAMES))
+    return (isinstance(node, ast.Name) and node.id in ROOT_NAMES) or (
+        isinstance(node, ast.Attribute) and node.attr in ROOT_NAMES
+    )
 
 
 def source_scan() -> Scan:
@@ -291,6 +305,7 @@ def source_scan() -> Scan:
 
 
 # ---------------------------------------------------------------------------------------- the tests
+
 
 def _unaccounted(scan: Scan) -> list[str]:
     missing = []
@@ -307,7 +322,8 @@ def test_every_schema_key_is_read_or_in_the_table():
     assert not missing, (
         f"config keys neither read by the code outside config/ nor in not_acted_on.TABLE: {missing}; act on "
         "each as DeepSpeed documents, or add it to TABLE with the reason (see the limits of the scan in "
-        "this test's docstring)")
+        "this test's docstring)"
+    )
 
 
 def test_the_table_names_only_keys_that_exist():
@@ -319,7 +335,8 @@ def test_the_table_names_only_keys_that_exist():
 
 
 def test_scan_follows_sections_through_names_calls_and_annotations():
-    sources = {"m.py": '''
+    sources = {
+        "m.py": """
 def engine(config, model):
     zero = config.zero_optimization
     placement(zero, config.aio)
@@ -337,11 +354,18 @@ def typed(section: "FP16Config"):
 
 def dumped(cfg):
     return cfg.scheduler.params.model_dump()
-'''}
+"""
+    }
     reads = {key_path(cls, name) for cls, name in Scan(sources).reads}
-    for expected in ("zero_optimization.stage", "zero_optimization.offload_optimizer.device",
-                     "aio.thread_count", "fp16.hysteresis", "scheduler.params.warmup_num_steps",
-                     "scheduler.params.total_num_steps", "scheduler.params.cos_min_ratio"):
+    for expected in (
+        "zero_optimization.stage",
+        "zero_optimization.offload_optimizer.device",
+        "aio.thread_count",
+        "fp16.hysteresis",
+        "scheduler.params.warmup_num_steps",
+        "scheduler.params.total_num_steps",
+        "scheduler.params.cos_min_ratio",
+    ):
         assert expected in reads, expected
     for absent in ("aio.block_size", "zero_optimization.offload_param.device", "fp16.enabled"):
         assert absent not in reads, absent
@@ -349,13 +373,22 @@ def dumped(cfg):
 
 # ------------------------------------------------------------- the keys issue 11 found silent, acting
 
+
 def test_aio_request_knobs_are_reported_once_by_name():
     import warnings
 
     from zeroshard.config import load_config
     from zeroshard.config.parse import ConfigKeyNotActedOnWarning
-    config = {"aio": {"block_size": 262144, "queue_depth": 16, "single_submit": True, "overlap_events": False,
-                      "thread_count": 3}}
+
+    config = {
+        "aio": {
+            "block_size": 262144,
+            "queue_depth": 16,
+            "single_submit": True,
+            "overlap_events": False,
+            "thread_count": 3,
+        }
+    }
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         load_config(config, 1)
@@ -368,9 +401,18 @@ def test_aio_thread_count_is_the_number_of_write_back_threads(tmp_path):
 
     from zeroshard.config import load_config
     from zeroshard.offload import build_placement
+
     for threads in (1, 3):
-        cfg = load_config({"zero_optimization": {"stage": 2, "offload_optimizer": {
-            "device": "nvme", "nvme_path": str(tmp_path / f"t{threads}")}}, "aio": {"thread_count": threads}}, 1)
+        cfg = load_config(
+            {
+                "zero_optimization": {
+                    "stage": 2,
+                    "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / f"t{threads}")},
+                },
+                "aio": {"thread_count": threads},
+            },
+            1,
+        )
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(10))])
         store = build_placement(cfg.zero_optimization, cfg.aio, optimizer, 10, 0, 1).optimizer_store
         try:
@@ -382,6 +424,7 @@ def test_aio_thread_count_is_the_number_of_write_back_threads(tmp_path):
 def _order_of_reductions(engine) -> list[str]:
     """Run one micro step and return the events 'reduce <unit>' / 'wait <unit>' in order."""
     from tests.checkpoint_helpers import tiny_batches, train_micro_steps
+
     events = []
     for unit in engine.units:
         for method, word in (("reduce_grads", "reduce"), ("finish_reduce", "wait")):
@@ -390,6 +433,7 @@ def _order_of_reductions(engine) -> list[str]:
             def logged(*args, _original=original, _word=word, _name=unit.name, **kwargs):
                 events.append(f"{_word} {_name}")
                 return _original(*args, **kwargs)
+
             setattr(unit, method, logged)  # this engine's units only, inside this test rank
     train_micro_steps(engine, tiny_batches(), 0, 1)
     return events
@@ -399,6 +443,7 @@ def _acting_worker(rank: int, world: int, *, root: str) -> dict:
     from pathlib import Path
 
     from tests.checkpoint_helpers import build_engine, full_params, tiny_batches, train_micro_steps
+
     out = {}
     params = {}
     for overlap in (False, True):
@@ -408,7 +453,8 @@ def _acting_worker(rank: int, world: int, *, root: str) -> dict:
         # overlap_comm false: each unit's reduction is waited for before the next one is issued (a
         # wait with nothing in flight, before a unit's reduction, is a no-op and proves nothing)
         out[f"serial overlap={overlap}"] = bool(reduces) and all(
-            i + 1 < len(events) and events[i + 1] == "wait " + events[i].split(" ", 1)[1] for i in reduces)
+            i + 1 < len(events) and events[i + 1] == "wait " + events[i].split(" ", 1)[1] for i in reduces
+        )
         train_micro_steps(engine, tiny_batches(), 1, 2)
         params[overlap] = full_params(engine)
         engine.destroy()
@@ -423,11 +469,13 @@ def _acting_worker(rank: int, world: int, *, root: str) -> dict:
 
 def torch_equal(a, b) -> bool:
     import torch
+
     return torch.equal(a, b)
 
 
 def test_overlap_comm_and_16bit_save_do_what_deepspeed_documents(tmp_path):
     from tests.harness import run_distributed
+
     for report in run_distributed(_acting_worker, 2, timeout=120, root=str(tmp_path)):
         assert report["serial overlap=False"], "overlap_comm false: every reduction waited for before the next"
         assert not report["serial overlap=True"], "overlap_comm true: reductions overlap backward"

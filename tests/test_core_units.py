@@ -1,4 +1,5 @@
 """Single-process unit tests of the core's bookkeeping: nothing here needs a process group."""
+
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,7 @@ def test_flat_layout_offsets_padding_and_views():
     layout = FlatLayout(["a", "b"], [torch.Size([2, 3]), torch.Size([5])], world_size=4)  # 11 -> 12
     assert (layout.numel, layout.shard_numel, layout.padded_numel) == (11, 3, 12)
     assert [layout.shard_range(r) for r in range(4)] == [(0, 3), (3, 6), (6, 9), (9, 12)]
-    full = layout.flatten([torch.arange(6.).view(2, 3), torch.arange(6., 11.)], torch.float32)
+    full = layout.flatten([torch.arange(6.0).view(2, 3), torch.arange(6.0, 11.0)], torch.float32)
     assert full.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0], "zero padding at the end"
     a, b = layout.views(full)
     assert a.shape == (2, 3) and b.shape == (5,) and a.data_ptr() == full.data_ptr()
@@ -39,9 +40,17 @@ def test_pieces_in_cut_parameters_at_shard_boundaries():
 
 
 def _group(stage: int, world: int = 2, rank: int = 0, dtype=torch.float32):
-    params = [nn.Parameter(torch.arange(6.).view(2, 3)), nn.Parameter(torch.ones(3))]
-    return params, FlatGroup(["w", "b"], params, policy=stage_policy(stage), precision=PrecisionPolicy(dtype, dtype),
-                             world_size=world, rank=rank, reshards=stage == 3, optimizer_group=0)
+    params = [nn.Parameter(torch.arange(6.0).view(2, 3)), nn.Parameter(torch.ones(3))]
+    return params, FlatGroup(
+        ["w", "b"],
+        params,
+        policy=stage_policy(stage),
+        precision=PrecisionPolicy(dtype, dtype),
+        world_size=world,
+        rank=rank,
+        reshards=stage == 3,
+        optimizer_group=0,
+    )
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -74,8 +83,11 @@ def test_stage3_regathers_into_the_same_storage():
 
 def test_policy_chooses_the_reduction():
     assert [STAGES[s].reduction for s in range(4)] == [
-        Reduction.ALL_REDUCE, Reduction.REDUCE_SCATTER_IN_PLACE, Reduction.REDUCE_SCATTER_TO_SHARD,
-        Reduction.REDUCE_SCATTER_TO_SHARD]
+        Reduction.ALL_REDUCE,
+        Reduction.REDUCE_SCATTER_IN_PLACE,
+        Reduction.REDUCE_SCATTER_TO_SHARD,
+        Reduction.REDUCE_SCATTER_TO_SHARD,
+    ]
     assert [STAGES[s].stage for s in range(4)] == [0, 1, 2, 3]
     with pytest.raises(ValueError, match="requires sharding gradients"):
         StagePolicy(True, False, True)
@@ -124,12 +136,18 @@ def test_collective_tags_carry_what_each_rank_runs():
     assert not consistency.all_agree(tags), "same kind and size, another unit: a divergence"
     assert consistency.describe(tags, KINDS) == [
         f"{KINDS[2]} of 64 bytes for all-gather of unit 'blocks.0' parameters (forward)",
-        f"{KINDS[2]} of 64 bytes for all-gather of unit 'blocks.1' parameters (forward)"]
+        f"{KINDS[2]} of 64 bytes for all-gather of unit 'blocks.1' parameters (forward)",
+    ]
     long = "x" * 500
     assert len(consistency.encode(0, 1, long, torch.device("cpu"))) == consistency.TAG_BYTES
-    assert not consistency.all_agree(torch.cat([consistency.encode(0, 1, long, torch.device("cpu")),
-                                                consistency.encode(0, 1, long + "y", torch.device("cpu"))])), \
-        "descriptions longer than the carried text still differ by their hash"
+    assert not consistency.all_agree(
+        torch.cat(
+            [
+                consistency.encode(0, 1, long, torch.device("cpu")),
+                consistency.encode(0, 1, long + "y", torch.device("cpu")),
+            ]
+        )
+    ), "descriptions longer than the carried text still differ by their hash"
 
 
 def test_a_large_untied_head_is_a_unit_of_its_own():

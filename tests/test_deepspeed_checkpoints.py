@@ -19,6 +19,7 @@ its save; zeroshard, resuming from that save, must train the same steps to the s
 The masters and Adam moments zeroshard holds after loading are DeepSpeed's exactly (compared with
 zero_to_fp32's output, which make_checkpoints.py saved with DeepSpeed's own script).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -82,11 +83,15 @@ def _resume(source: str, stage: int, precision: str, converted: str | None = Non
     if variant == "fp32grads":  # DeepSpeed's BF16_Optimizer accumulates and reduces in fp32
         config["communication_data_type"] = "fp32"
     model = tm.build_model(variant)
-    engine, _, _, _ = zeroshard.initialize(model=model, model_parameters=tm.model_parameters(model, variant),
-                                           config=config)
+    engine, _, _, _ = zeroshard.initialize(
+        model=model, model_parameters=tm.model_parameters(model, variant), config=config
+    )
     path, client = engine.load_checkpoint(converted or str(DATA / source))
-    loaded = {"global_steps": engine.global_steps, "lr": engine.get_lr(),
-              "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None}
+    loaded = {
+        "global_steps": engine.global_steps,
+        "lr": engine.get_lr(),
+        "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+    }
     with engine.gathered_parameters(list(model.parameters())):
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     losses = _train(engine, precision, EXPECTED["steps_before_save"], tm.STEPS_AFTER_SAVE)
@@ -123,12 +128,14 @@ def _options(option: str) -> None:
 def _resave_with_frozen(save_dir: str) -> None:
     """A DeepSpeed checkpoint with a frozen parameter, saved again by zeroshard and loaded back at
     another stage: the frozen parameter's group (no optimizer group) survives zeroshard's manifest."""
+
     def engine_at(stage):
         config = tm.config(stage, "fp32", torch.distributed.get_world_size(), "groups")
         config["zeroshard"] = {"comm_timeout_s": 60}
         model = tm.build_model("groups")
-        return zeroshard.initialize(model=model, model_parameters=tm.model_parameters(model, "groups"),
-                                    config=config)[0]
+        return zeroshard.initialize(model=model, model_parameters=tm.model_parameters(model, "groups"), config=config)[
+            0
+        ]
 
     first = engine_at(2)
     first.load_checkpoint(str(DATA / "stage2_fp32_groups"))
@@ -157,11 +164,16 @@ def _cases(world: int, converted_dir: Path | None = None) -> list[dict]:
     if world == 2:  # every checkpoint at every stage
         cases = [dict(source=name, stage=t, precision=tm.CASES[name][1]) for name in CASES for t in (0, 1, 2, 3)]
     else:
-        cases = [dict(source=name, stage=t, precision=tm.CASES[name][1]) for name in CASES
-                 for t in sorted({tm.CASES[name][0], 3 if tm.CASES[name][0] != 3 else 1})]
+        cases = [
+            dict(source=name, stage=t, precision=tm.CASES[name][1])
+            for name in CASES
+            for t in sorted({tm.CASES[name][0], 3 if tm.CASES[name][0] != 3 else 1})
+        ]
     if converted_dir is not None:
-        cases += [dict(source=name, stage=tm.CASES[name][0], precision=tm.CASES[name][1],
-                       converted=str(converted_dir / name)) for name in CONVERTED]
+        cases += [
+            dict(source=name, stage=tm.CASES[name][0], precision=tm.CASES[name][1], converted=str(converted_dir / name))
+            for name in CONVERTED
+        ]
     return cases
 
 
@@ -174,7 +186,7 @@ def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
     for case, result in zip(cases, results):
         source, stage, precision = case["source"], case["stage"], case["precision"]
         expected = EXPECTED["cases"][source]
-        after = expected["losses"][EXPECTED["steps_before_save"]:]
+        after = expected["losses"][EXPECTED["steps_before_save"] :]
         what = f"{source} resumed at {world} ranks, stage {stage}{' (converted)' if case.get('converted') else ''}"
         assert result["loaded"]["global_steps"] == EXPECTED["steps_before_save"], what
         reference = _reference(source)
@@ -185,8 +197,10 @@ def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
         # BF16_Optimizer (fp32grads): the state loads exactly (the first loss is bit for bit), later
         # steps are within TOL_16 (measured 8e-5); its gradient path differs from zeroshard's with
         # fp32 communication in a way not identified here.
-        exact = world == 2 and (precision == "fp32" or (precision == "bf16" and stage == tm.CASES[source][0]
-                                                        and tm.CASES[source][2] != "fp32grads"))
+        exact = world == 2 and (
+            precision == "fp32"
+            or (precision == "bf16" and stage == tm.CASES[source][0] and tm.CASES[source][2] != "fp32grads")
+        )
         if exact and precision == "fp32" and result["losses"] != after:  # see TOL_FP32
             assert result["losses"][0] == after[0], f"{what}: the loaded state is not DeepSpeed's"
             alike = {tuple(r["losses"]) for c, r in zip(cases, results) if c["source"] == source}
@@ -198,7 +212,9 @@ def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
         if exact:
             assert result["losses"] == after, f"{what}: losses {result['losses']} != DeepSpeed's {after}"
         else:
-            assert error <= (TOL_FP32 if precision == "fp32" else TOL_16), f"{what}: {error:.2e} {result['losses']} {after}"
+            assert error <= (TOL_FP32 if precision == "fp32" else TOL_16), (
+                f"{what}: {error:.2e} {result['losses']} {after}"
+            )
         if precision == "fp16":  # DeepSpeed's scaler state as saved: scale, hysteresis, iteration, last overflow
             saved = DeepSpeedCheckpoint(find(DATA / source)).loss_scaler_state()
             assert saved["scale"] == 512.0 and result["loaded"]["scaler"] == saved, what

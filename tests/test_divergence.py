@@ -3,6 +3,7 @@ unit or the rank — instead of hanging or silently exchanging wrong tensors. Wi
 check (the debug mode) each rank names the first diverging collective; by default the step's
 fingerprint comparison ([Note: collective fingerprint] in core/consistency.py), a local check or
 the collective timeout stops them."""
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,7 @@ def _engine(stage: int, check: bool):
     config = make_config(stage)
     config["zeroshard"]["comm_timeout_s"] = COMM_TIMEOUT_S
     config["zeroshard"]["check_collectives"] = check
-    engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                      config=config)
+    engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
     return engine
 
 
@@ -70,8 +70,14 @@ def _worker(rank: int, world: int, case: str, stage: int, check: bool = True) ->
         assert elapsed < 3 * COMM_TIMEOUT_S, f"took {elapsed:.1f}s to fail"
 
 
-CASES = [("unit order", 3), ("unit order", 2), ("order changes later", 3), ("skipped backward", 3),
-         ("skipped backward", 1), ("rank raises", 3)]
+CASES = [
+    ("unit order", 3),
+    ("unit order", 2),
+    ("order changes later", 3),
+    ("skipped backward", 3),
+    ("skipped backward", 1),
+    ("rank raises", 3),
+]
 
 
 @pytest.mark.parametrize("case,stage", CASES)
@@ -100,8 +106,9 @@ DEFAULT_CASES = [("unit order", 3), ("order changes later", 3), ("skipped backwa
 @pytest.mark.parametrize("case,stage", DEFAULT_CASES)
 def test_divergence_fails_every_rank_without_the_check(case, stage):
     started = time.monotonic()
-    reports = run_distributed_expect_failure(_worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage,
-                                             check=False)
+    reports = run_distributed_expect_failure(
+        _worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage, check=False
+    )
     assert time.monotonic() - started < 6 * COMM_TIMEOUT_S
     for report in reports:
         assert report.reported and not report.ok, f"rank {report.rank} did not fail: {report.describe()}"

@@ -8,6 +8,7 @@ rank 0 torch.saves the dict), importing through the DeepSpeed paths. On CPU `.da
 copy: the saved tensors are views of the gathered buffer, which must keep their values after the
 gather ends. The oracle: the same model trained at stage 0 (DDP's math; bit for bit at 2 ranks).
 """
+
 from __future__ import annotations
 
 import io
@@ -57,8 +58,9 @@ def save_zero_three_model(model_ema, global_rank, save_dir, zero_stage=0):
 def _engine(stage: int):
     model = gpt_model_fn(0)()
     config = make_config(stage)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                           config=config)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config
+    )
     batches = tiny_batches()
     for step in range(2):
         loss = gpt_loss(engine, *batches(step, 0, engine.global_rank))
@@ -132,9 +134,15 @@ def _below_stage_3_nothing_is_exposed() -> None:
 
 
 def _worker(rank: int, world_size: int, save_dir: str):
-    return subtests([{"case": c} for c in ("save", "metadata", "refuse", "below")], lambda case: {
-        "save": lambda: _saves_full_weights(save_dir), "metadata": _metadata,
-        "refuse": _saving_outside_a_gather_fails, "below": _below_stage_3_nothing_is_exposed}[case]())
+    return subtests(
+        [{"case": c} for c in ("save", "metadata", "refuse", "below")],
+        lambda case: {
+            "save": lambda: _saves_full_weights(save_dir),
+            "metadata": _metadata,
+            "refuse": _saving_outside_a_gather_fails,
+            "below": _below_stage_3_nothing_is_exposed,
+        }[case](),
+    )
 
 
 def test_deepspeed_aware_code_at_stage_3():

@@ -1,6 +1,7 @@
 """Scripts written the way DeepSpeedExamples writes them (examples/deepspeed_patterns/), with only the
 import changed, run under torchrun at 2 ranks and ZeRO stages 0-3 (one torchrun per script, the
 stages looped inside): they start, train, save and resume (issue 13)."""
+
 from __future__ import annotations
 
 import json
@@ -17,11 +18,19 @@ TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + 
 
 
 def _torchrun(script: str, *args: str, cwd: Path) -> dict[int, dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(SCRIPTS / script), *args]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPTS / script),
+        *args,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
     result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=cwd)
-    results = [json.loads(line[len("RESULT "):]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[len("RESULT ") :]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     assert result.returncode == 0 or (TEARDOWN_ABORT in result.stderr and results), result.stderr[-4000:]
     return {(r["stage"], r.get("autocast")): r for r in results}
 
@@ -60,14 +69,18 @@ def test_bf16_master_style_torch_backward_and_autocast(tmp_path):
 
 @pytest.mark.slow
 def test_dschat_style_finetunes_and_saves(tmp_path):
-    runs = _torchrun("dschat_style.py", "--output_dir", str(tmp_path / "out"), "--stages", "0,1,2,3", "--offload",
-                     cwd=tmp_path)
+    runs = _torchrun(
+        "dschat_style.py", "--output_dir", str(tmp_path / "out"), "--stages", "0,1,2,3", "--offload", cwd=tmp_path
+    )
     for stage in (0, 1, 2, 3):
         run = runs[(stage, None)]
         assert run["ppl_after"] < 0.8 * run["ppl_before"], run
         assert run["epochs"] == 2 and run["lr"] == pytest.approx(0.0, abs=1e-9)  # cosine schedule ran to its end
         if stage < 3:
-            assert run["saved_numel"] == run["numel"] and (tmp_path / "out" / f"stage{stage}" / "pytorch_model.bin").exists()
+            assert (
+                run["saved_numel"] == run["numel"]
+                and (tmp_path / "out" / f"stage{stage}" / "pytorch_model.bin").exists()
+            )
 
 
 @pytest.mark.slow

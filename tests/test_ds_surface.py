@@ -4,6 +4,7 @@ one script (a GAN), the safe_get/set accessors and the config semantics of DeepS
 
 Each behaviour is checked against what plain torch computes on the same model and data, at 2 gloo
 ranks and stages 0-3, bit for bit in fp32 where the arithmetic is the same."""
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,7 @@ BATCHES = gpt_batches(tiny_gpt_config())
 def _engine(stage: int, **config):
     model = gpt_model_fn()()
     cfg = dict(make_config(stage), **config)
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()),
-                                                           config=cfg)
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=adamw(model.parameters()), config=cfg)
     return engine, optimizer, scheduler
 
 
@@ -46,6 +46,7 @@ def _train(engine, steps: int, torch_style: bool = False) -> list[float]:
 
 def _params(engine) -> dict[str, torch.Tensor]:
     from zeroshard.checkpoint import full_state_dict
+
     return {k: v.clone() for k, v in full_state_dict(engine).items()}
 
 
@@ -70,13 +71,13 @@ def _paths_case(stage: int) -> None:
     assert get_accelerator().device_name() in ("cpu", "cuda") and ZeroParamStatus.AVAILABLE.value == 1
     model = gpt_model_fn()()
     groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "weight_decay": 0.1})
+        {"params": list(model.parameters()), "weight_decay": 0.1}
+    )
     assert len(groups) == 1 and not any(is_moe_param(p) for p in groups[0]["params"])
     for cls in (FusedAdam, DeepSpeedCPUAdam):
         optimizer = cls(groups, lr=1e-2)
         assert isinstance(optimizer, torch.optim.Optimizer)
-        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                          config=make_config(stage))
+        engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=make_config(stage))
         scheduler = WarmupLR(ds_optimizer, warmup_min_lr=0.0, warmup_max_lr=1e-2, warmup_num_steps=4)
         engine.lr_scheduler = scheduler
         _train(engine, 2)
@@ -121,6 +122,7 @@ def _accessors_case(stage: int, tmp: str) -> None:
     engine.empty_partition_cache()
     path = engine.save_checkpoint(tmp)
     import os
+
     assert os.path.exists(engine._get_ckpt_name(tmp, "global_step2")), path
     assert os.path.exists(engine._get_zero_ckpt_name(tmp, "global_step2"))
     engine.destroy()
@@ -189,15 +191,18 @@ def _safe_accessors_case(stage: int) -> dict:
         safe_set_full_fp32_param,
         safe_set_full_optimizer_state,
     )
+
     engine, _, _ = _engine(stage)
     _train(engine, 2)
     inputs, targets = BATCHES(5, 0, engine.global_rank)
     engine.backward(gpt_loss(engine, inputs, targets))
     names = [n for n, _ in engine.module.named_parameters()]
     params = dict(engine.module.named_parameters())
-    out = {"master": {n: safe_get_full_fp32_param(params[n]) for n in names},
-           "grad": {n: safe_get_full_grad(params[n]) for n in names},
-           "exp_avg": {n: safe_get_full_optimizer_state(params[n], "exp_avg") for n in names}}
+    out = {
+        "master": {n: safe_get_full_fp32_param(params[n]) for n in names},
+        "grad": {n: safe_get_full_grad(params[n]) for n in names},
+        "exp_avg": {n: safe_get_full_optimizer_state(params[n], "exp_avg") for n in names},
+    }
     engine.step()
     first = names[0]
     new = torch.full_like(out["master"][first], 0.25)
@@ -273,8 +278,11 @@ def _gan_case(stage: int) -> None:
     torch.manual_seed(0)
     netG, netD = _G(), _D()
     refG, refD = copy.deepcopy(netG), copy.deepcopy(netD)
-    config = {"train_batch_size": 16, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
-              "optimizer": {"type": "Adam", "params": {"lr": 2e-3, "betas": [0.5, 0.999]}}}
+    config = {
+        "train_batch_size": 16,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "Adam", "params": {"lr": 2e-3, "betas": [0.5, 0.999]}},
+    }
     optD = torch.optim.Adam(netD.parameters(), lr=2e-3, betas=(0.5, 0.999))
     optG = torch.optim.Adam(netG.parameters(), lr=2e-3, betas=(0.5, 0.999))
     with pytest.warns(ConfigKeyNotActedOnWarning, match="the one passed is used"):
@@ -302,6 +310,7 @@ def _gan_case(stage: int) -> None:
                 grad = grad / 2
                 dist.all_reduce(grad)
                 p.grad = before[p] + grad
+
         return backward
 
     def clipped_step(model, optimizer):
@@ -312,13 +321,22 @@ def _gan_case(stage: int) -> None:
                 for g in grads:
                     g.mul_(1.0 / (norm + 1e-6))
             optimizer.step()
+
         return step
 
     for step in range(4):
         real, noise = _gan_data(step, engD.global_rank)
         ours = _gan_step(netD, netG, engD.backward, engG.backward, engD.step, engG.step, real, noise)
-        theirs = _gan_step(refD, refG, averaged_backward(refD), averaged_backward(refG), clipped_step(refD, ref_optD),
-                           clipped_step(refG, ref_optG), real, noise)
+        theirs = _gan_step(
+            refD,
+            refG,
+            averaged_backward(refD),
+            averaged_backward(refG),
+            clipped_step(refD, ref_optD),
+            clipped_step(refG, ref_optG),
+            real,
+            noise,
+        )
         assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-6), (step, ours, theirs)
     for ours, theirs in ((netD, refD), (netG, refG)):
         for p, q in zip(ours.parameters(), theirs.parameters()):
@@ -332,8 +350,9 @@ def _config_case(stage: int, tmp: str) -> None:
     with pytest.warns(ConfigKeyNotActedOnWarning, match="offload_param"):
         load_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, 2)
     with pytest.warns(ConfigKeyNotActedOnWarning, match="bf16_master_weights_and_grads"):
-        load_config({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True,
-                              "bf16_optimizer_states": True}}, 2)
+        load_config(
+            {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}}, 2
+        )
     engine, _, _ = _engine(stage, torch_autocast={"enabled": True, "dtype": "bfloat16"})
     logits, _ = engine(*BATCHES(0, 0, engine.global_rank))
     assert logits.dtype == torch.bfloat16 and engine.torch_autocast_enabled()
@@ -342,6 +361,7 @@ def _config_case(stage: int, tmp: str) -> None:
     engine, _, _ = _engine(stage)
     _train(engine, 1)
     from zeroshard.checkpoint import CheckpointError
+
     with pytest.raises(CheckpointError, match="ranks passed different checkpoint directories"):
         engine.save_checkpoint(f"{tmp}/run-{dist.get_rank()}")
     engine.destroy()
@@ -357,6 +377,7 @@ def _arguments_case() -> None:
 
 def _accelerator_case() -> None:
     from zeroshard.accelerator import get_accelerator
+
     acc = get_accelerator()
     acc.set_device(0)
     acc.manual_seed_all(0)

@@ -2,6 +2,7 @@
 `random_dataloader(model=..., device=model.device)`, `deepspeed.comm`, the safe_get/set tensor-fragment
 API, checkpoint round trips, client optimizers and schedulers), run with `import zeroshard as
 deepspeed` at 2 gloo ranks and ZeRO stages 0-3. The helpers are our own small versions of theirs."""
+
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,9 @@ class SimpleModel(torch.nn.Module):
 class FrozenModel(torch.nn.Module):
     def __init__(self, hidden_dim):
         super().__init__()
-        self.linears = torch.nn.ModuleList([torch.nn.Linear(hidden_dim, 1), torch.nn.Linear(1, 1),
-                                            torch.nn.Linear(1, hidden_dim)])
+        self.linears = torch.nn.ModuleList(
+            [torch.nn.Linear(hidden_dim, 1), torch.nn.Linear(1, 1), torch.nn.Linear(1, hidden_dim)]
+        )
         self.linears[0].weight.requires_grad = False
         self.linears[0].bias.requires_grad = False
         self.cel = torch.nn.CrossEntropyLoss()
@@ -62,21 +64,32 @@ def random_dataloader(model, total_samples, hidden_dim, device, dtype=torch.floa
 
 
 def config_dict(stage, **extra):
-    return {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1,
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
-            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}, **extra}
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
 
 
 def validate_tensor(model, api_type: str, opt_states: bool) -> None:
     for _, lp in model.named_parameters():
         if opt_states:
-            values = [safe_get_full_optimizer_state(lp, "exp_avg") if api_type == "full"
-                      else safe_get_local_optimizer_state(lp, "exp_avg"),
-                      safe_get_full_optimizer_state(lp, "exp_avg_sq") if api_type == "full"
-                      else safe_get_local_optimizer_state(lp, "exp_avg_sq")]
+            values = [
+                safe_get_full_optimizer_state(lp, "exp_avg")
+                if api_type == "full"
+                else safe_get_local_optimizer_state(lp, "exp_avg"),
+                safe_get_full_optimizer_state(lp, "exp_avg_sq")
+                if api_type == "full"
+                else safe_get_local_optimizer_state(lp, "exp_avg_sq"),
+            ]
         else:
-            values = [safe_get_full_fp32_param(lp) if api_type == "full" else safe_get_local_fp32_param(lp),
-                      safe_get_full_grad(lp) if api_type == "full" else safe_get_local_grad(lp)]
+            values = [
+                safe_get_full_fp32_param(lp) if api_type == "full" else safe_get_local_fp32_param(lp),
+                safe_get_full_grad(lp) if api_type == "full" else safe_get_local_grad(lp),
+            ]
         if lp.requires_grad:
             assert all(v is not None for v in values)
         else:
@@ -124,12 +137,15 @@ def _set_fragments(stage: int) -> None:
 def _checkpoint_correctness(stage: int, tmp: str) -> None:
     """checkpoint_correctness_verification: save, load into a fresh engine, compare every fp32 master
     and optimizer state, then both train on alike."""
+
     def build():
         torch.manual_seed(0)
         model = SimpleModel(HIDDEN, nlayers=2)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=config_dict(stage, scheduler={
-                                                   "type": "WarmupLR", "params": {"warmup_num_steps": 4}}))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            model_parameters=model.parameters(),
+            config=config_dict(stage, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}}),
+        )
         return engine
 
     trained = build()
@@ -145,8 +161,9 @@ def _checkpoint_correctness(stage: int, tmp: str) -> None:
     for (_, p0), (_, p1) in zip(trained.named_parameters(), loaded.named_parameters()):
         torch.testing.assert_close(safe_get_full_fp32_param(p0), safe_get_full_fp32_param(p1), rtol=0, atol=0)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(safe_get_full_optimizer_state(p0, key), safe_get_full_optimizer_state(p1, key),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(
+                safe_get_full_optimizer_state(p0, key), safe_get_full_optimizer_state(p1, key), rtol=0, atol=0
+            )
     for batch in data_loader:
         losses = []
         for engine in (trained, loaded):
@@ -169,8 +186,9 @@ def _client_optimizer(stage: int) -> None:
             client = lambda params: torch.optim.AdamW(params=params)  # noqa: E731
         else:
             client, config["optimizer"] = None, {"type": "Adam"}
-        engine, ds_optimizer, _, _ = deepspeed.initialize(config=config, model=model,
-                                                          model_parameters=list(model.parameters()), optimizer=client)
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            config=config, model=model, model_parameters=list(model.parameters()), optimizer=client
+        )
         assert isinstance(ds_optimizer, torch.optim.Optimizer)
         if kind == "instance":
             assert ds_optimizer.optimizer is client and ds_optimizer.param_groups is client.param_groups
@@ -184,8 +202,13 @@ def _client_optimizer(stage: int) -> None:
 def _lr_schedule_and_accelerator(stage: int) -> None:
     """test_lr_schedulers-style: the config's WarmupLR, read through get_lr(), on get_accelerator()'s device."""
     model = SimpleModel(HIDDEN)
-    config = config_dict(stage, scheduler={"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"}})
+    config = config_dict(
+        stage,
+        scheduler={
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"},
+        },
+    )
     model, _, _, lr_scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     assert model.device.type == get_accelerator().device_name()
     lrs = []

@@ -1,6 +1,7 @@
 """Engine options against the oracle (2 ranks, bit-for-bit): persistence threshold, no overlap,
 optimizer param groups, wrap by class name, optimizer + scheduler from the DeepSpeed config, the
 DeepSpeed "Adam" semantics; and destroy() leaving nothing behind."""
+
 from __future__ import annotations
 
 import gc
@@ -24,8 +25,9 @@ def _grouped_adamw(params):
     params = list(params)
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                              {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}], lr=1e-2
+    )
 
 
 def _fused_adamw(params):
@@ -56,10 +58,19 @@ def _against_oracle(stage: int, option: str) -> None:
         optimizer_fn = None
         ref_optimizer_fn = _fused_adamw
         scheduler_fn = lambda opt: WarmupLR(opt, warmup_max_lr=1e-2, warmup_num_steps=4)  # noqa: E731
-    ref = train_single(gpt_model_fn(), BATCHES, optimizer_fn=ref_optimizer_fn, steps=STEPS, world_size=2,
-                       reduce_every_micro_step=True, lr_scheduler_fn=scheduler_fn, record_params=True)
-    ours = train_engine(gpt_model_fn(), BATCHES, config=config, optimizer_fn=optimizer_fn, steps=STEPS,
-                        record_params=True)
+    ref = train_single(
+        gpt_model_fn(),
+        BATCHES,
+        optimizer_fn=ref_optimizer_fn,
+        steps=STEPS,
+        world_size=2,
+        reduce_every_micro_step=True,
+        lr_scheduler_fn=scheduler_fn,
+        record_params=True,
+    )
+    ours = train_engine(
+        gpt_model_fn(), BATCHES, config=config, optimizer_fn=optimizer_fn, steps=STEPS, record_params=True
+    )
     if torch.distributed.get_rank() != 0:  # train_single reports rank 0's losses
         ours["losses"] = ref["losses"]
     assert_close(ours, ref, exact=True, what=f"{option} at stage {stage}")
@@ -93,8 +104,14 @@ def train_engine_once(model, stage):
 
 
 def _worker(rank: int, world: int) -> dict:
-    options = ["persistence threshold", "no overlap", "param groups", "sgd momentum", "wrap by class",
-               "config optimizer and scheduler"]
+    options = [
+        "persistence threshold",
+        "no overlap",
+        "param groups",
+        "sgd momentum",
+        "wrap by class",
+        "config optimizer and scheduler",
+    ]
     subtests([dict(stage=s, option=o) for o in options for s in (1, 3)], _against_oracle)
     return {"rss": subtests([dict(stage=s) for s in (0, 3)], _destroy_releases_everything)}
 

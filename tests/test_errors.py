@@ -1,4 +1,5 @@
 """Issue 2, item 7: bad input is an error that names the key, the value and what is allowed."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,12 @@ def _expect(error, *needles, **kwargs):
 
 def _bad_config_case(name: str) -> None:
     if name == "typo":
-        _expect(zeroshard.ConfigError, "zero_optimization.stgae", "stage",
-                config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stgae": 3}})
+        _expect(
+            zeroshard.ConfigError,
+            "zero_optimization.stgae",
+            "stage",
+            config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stgae": 3}},
+        )
     elif name == "stage 4":
         _expect(zeroshard.ConfigError, "zero_optimization.stage", "4", "0, 1, 2", config=make_config(4))
     elif name == "negative size":
@@ -37,8 +42,12 @@ def _bad_config_case(name: str) -> None:
         config = dict(make_config(1, micro=4, gas=2), train_batch_size=32)
         _expect(zeroshard.ConfigError, "train_batch_size=32", "=4", "=2", "world_size=2", config=config)
     elif name == "no parameters":
-        _expect(ValueError, "no parameters", model=nn.ReLU(),
-                optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+        _expect(
+            ValueError,
+            "no parameters",
+            model=nn.ReLU(),
+            optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1),
+        )
     elif name == "unshardable optimizer":
         model = gpt_model_fn()()
         _expect(ValueError, "LBFGS", model=model, optimizer=torch.optim.LBFGS(model.parameters()))
@@ -46,8 +55,9 @@ def _bad_config_case(name: str) -> None:
         config = dict(make_config(1), optimizer={"type": "AdamW", "params": {"lr": 1e-3}})
         model = gpt_model_fn()()
         with pytest.warns(ConfigKeyNotActedOnWarning, match="the one passed is used"):
-            engine, optimizer, _, _ = _initialize(config=config, model=model,
-                                                  optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+            engine, optimizer, _, _ = _initialize(
+                config=config, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)
+            )
         assert isinstance(optimizer.optimizer, torch.optim.SGD)
         engine.destroy()
 
@@ -65,7 +75,9 @@ def _misuse_case(name: str, stage: int) -> None:
                 loss.backward()
         else:  # the gradients stay in .grad, as in torch; step() says what happened
             loss.backward()
-            with pytest.raises(RuntimeError, match=r"computed by calling the model itself stay in the parameters' .grad"):
+            with pytest.raises(
+                RuntimeError, match=r"computed by calling the model itself stay in the parameters' .grad"
+            ):
                 engine.step()
     elif name == "non-scalar loss":
         logits, _ = engine(tokens[:, :-1], tokens[:, 1:])
@@ -75,8 +87,15 @@ def _misuse_case(name: str, stage: int) -> None:
 
 
 def _worker(rank: int, world: int) -> None:
-    names = ["typo", "stage 4", "negative size", "batch sizes", "no parameters", "unshardable optimizer",
-             "optimizer twice"]
+    names = [
+        "typo",
+        "stage 4",
+        "negative size",
+        "batch sizes",
+        "no parameters",
+        "unshardable optimizer",
+        "optimizer twice",
+    ]
     subtests([dict(name=n) for n in names], _bad_config_case)
     misuse = ["step before backward", "loss.backward()", "non-scalar loss"]
     subtests([dict(name=n, stage=s) for n in misuse for s in (0, 3)], _misuse_case)

@@ -1,4 +1,5 @@
 """The estimator's formulas against ZeRO (arXiv 1910.02054) §5 / Figure 1 and against published counts."""
+
 import json
 
 import pytest
@@ -24,16 +25,29 @@ def test_generic_formula(stage, k, params, ranks):
     # a shard is ceil(Ψ/N) elements, the flat buffer padded to a multiple of N.
     rec = est.Recipe("custom", param_bytes=2, grad_bytes=2, k=k)
     shard = -(-params // ranks)
-    expect = {"params": 2 * (shard if stage >= 3 else params), "grads": 2 * (shard if stage >= 2 else params),
-              "optimizer": k * (shard if stage >= 1 else params)}
+    expect = {
+        "params": 2 * (shard if stage >= 3 else params),
+        "grads": 2 * (shard if stage >= 2 else params),
+        "optimizer": k * (shard if stage >= 1 else params),
+    }
     got = est.model_state_bytes(params, ranks, stage, rec)
     assert (got.params, got.grads, got.optimizer) == tuple(expect.values())
     assert got.total == sum(expect.values()) and got.offloaded_cpu == got.offloaded_nvme == 0
 
 
-@pytest.mark.parametrize("precision, optimizer, k", [
-    ("fp16", "adam", 12), ("bf16", "adamw", 12), ("fp32", "adam", 8), ("fp32", "adamw", 8),
-    ("fp32", "sgd_momentum", 4), ("bf16", "sgd_momentum", 8), ("fp32", "sgd", 0), ("fp16", "sgd", 4)])
+@pytest.mark.parametrize(
+    "precision, optimizer, k",
+    [
+        ("fp16", "adam", 12),
+        ("bf16", "adamw", 12),
+        ("fp32", "adam", 8),
+        ("fp32", "adamw", 8),
+        ("fp32", "sgd_momentum", 4),
+        ("bf16", "sgd_momentum", 8),
+        ("fp32", "sgd", 0),
+        ("fp16", "sgd", 4),
+    ],
+)
 def test_recipe_k(precision, optimizer, k):
     rec = est.recipe(precision, optimizer)
     assert rec.k == k
@@ -76,19 +90,26 @@ def test_offload_param_stage_3():
     assert (alone.params, alone.total, alone.offloaded_cpu) == (0, 14 * PSI // N, 2 * PSI // N)
 
 
-@pytest.mark.parametrize("stage, kwargs, message", [
-    (2, dict(offload_param="cpu"), "offload_param needs ZeRO stage 3"),
-    (0, dict(offload_optimizer="cpu"), "offload_optimizer needs ZeRO stage 1"),
-    (3, dict(offload_optimizer="gpu"), "offload_optimizer='gpu' unknown"),
-])
+@pytest.mark.parametrize(
+    "stage, kwargs, message",
+    [
+        (2, dict(offload_param="cpu"), "offload_param needs ZeRO stage 3"),
+        (0, dict(offload_optimizer="cpu"), "offload_optimizer needs ZeRO stage 1"),
+        (3, dict(offload_optimizer="gpu"), "offload_optimizer='gpu' unknown"),
+    ],
+)
 def test_offload_errors(stage, kwargs, message):
     with pytest.raises(ValueError, match=message):
         est.model_state_bytes(PSI, N, stage, **kwargs)
 
 
 def test_bad_sizes_and_stage():
-    for args, message in [((-1, 4, 0), "params"), ((1.5, 4, 0), "params"), ((10, 0, 0), "ranks"),
-                          ((10, 4, 4), "stage")]:
+    for args, message in [
+        ((-1, 4, 0), "params"),
+        ((1.5, 4, 0), "params"),
+        ((10, 0, 0), "ranks"),
+        ((10, 4, 4), "stage"),
+    ]:
         with pytest.raises(ValueError, match=message):
             est.model_state_bytes(*args)
 
@@ -113,8 +134,9 @@ def test_estimate_shows_the_largest_model_of_the_paper_formula(capsys):
     alone, 16 B/param at stage 0, 4 + 4 + 8/2 = 12 at stage 1, 4 + 12/2 = 10 at stage 2, 16/2 = 8 at stage 3."""
     from zeroshard.tools.cli import main
 
-    assert main(["estimate", "--params", "25M", "--ranks", "2", "--precision", "fp32", "--memory", "809MB",
-                 "--json"]) == 0
+    assert (
+        main(["estimate", "--params", "25M", "--ranks", "2", "--precision", "fp32", "--memory", "809MB", "--json"]) == 0
+    )
     rows = json.loads(capsys.readouterr().out)["stages"]
     assert [row["largest_params"] // 10**5 for row in rows] == [809 * 10**6 // b // 10**5 for b in (16, 12, 10, 8)]
     assert not [key for row in rows for key in row if "snapshot" in key or "step_" in key], "model states only"
@@ -123,8 +145,14 @@ def test_estimate_shows_the_largest_model_of_the_paper_formula(capsys):
     assert header.endswith("comm/step  largest model")
 
 
-@pytest.mark.parametrize("stage, offload", [(1, dict(offload_optimizer="cpu")), (2, dict(offload_optimizer="nvme")),
-                                            (3, dict(offload_optimizer="cpu", offload_param="nvme"))])
+@pytest.mark.parametrize(
+    "stage, offload",
+    [
+        (1, dict(offload_optimizer="cpu")),
+        (2, dict(offload_optimizer="nvme")),
+        (3, dict(offload_optimizer="cpu", offload_param="nvme")),
+    ],
+)
 def test_largest_model_with_offload(stage, offload):
     memory, cpu = 32 * 2**30, 256 * 2**30
     largest = est.largest_model(memory, 16, stage, cpu_bytes=cpu, **offload)
@@ -167,21 +195,50 @@ def test_units():
 # Published counts: GPT-2 (transformers' GPT2LMHeadModel, tied head); Llama-2-7B, TinyLlama-1.1B,
 # Llama-3-8B (GQA, untied) and Qwen2-0.5B (q/k/v biases, tied) from their model cards / safetensors indexes.
 GPT2 = dict(model_type="gpt2", vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12)
-LLAMA2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=32, vocab_size=32000)
+LLAMA2_7B = dict(
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vocab_size=32000,
+)
 
 
-@pytest.mark.parametrize("cfg, expected", [
-    (GPT2, 124_439_808),
-    ({**GPT2, "tie_word_embeddings": False}, 124_439_808 + 50257 * 768),
-    ({**GPT2, "n_embd": 1600, "n_layer": 48, "n_head": 25}, 1_557_611_200),
-    (LLAMA2_7B, 6_738_415_616),
-    ({**LLAMA2_7B, "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
-      "num_key_value_heads": 4}, 1_100_048_384),
-    ({**LLAMA2_7B, "intermediate_size": 14336, "num_key_value_heads": 8, "vocab_size": 128256}, 8_030_261_248),
-    (dict(model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True), 494_032_768),
-])
+@pytest.mark.parametrize(
+    "cfg, expected",
+    [
+        (GPT2, 124_439_808),
+        ({**GPT2, "tie_word_embeddings": False}, 124_439_808 + 50257 * 768),
+        ({**GPT2, "n_embd": 1600, "n_layer": 48, "n_head": 25}, 1_557_611_200),
+        (LLAMA2_7B, 6_738_415_616),
+        (
+            {
+                **LLAMA2_7B,
+                "hidden_size": 2048,
+                "intermediate_size": 5632,
+                "num_hidden_layers": 22,
+                "num_key_value_heads": 4,
+            },
+            1_100_048_384,
+        ),
+        ({**LLAMA2_7B, "intermediate_size": 14336, "num_key_value_heads": 8, "vocab_size": 128256}, 8_030_261_248),
+        (
+            dict(
+                model_type="qwen2",
+                hidden_size=896,
+                intermediate_size=4864,
+                num_hidden_layers=24,
+                num_attention_heads=14,
+                num_key_value_heads=2,
+                vocab_size=151936,
+                tie_word_embeddings=True,
+            ),
+            494_032_768,
+        ),
+    ],
+)
 def test_hf_config_counts(tmp_path, cfg, expected):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
@@ -194,14 +251,19 @@ def test_hf_config_errors(tmp_path):
     bad_type.write_text(json.dumps({"model_type": "t5"}))
     missing = tmp_path / "gpt2.json"
     missing.write_text(json.dumps({"model_type": "gpt2", "n_embd": 8}))
-    for target, message in [(bad_type, "model_type 't5' unsupported"), (missing, "lacks the key"),
-                            ("no-such-model", "neither a config file nor a built-in")]:
+    for target, message in [
+        (bad_type, "model_type 't5' unsupported"),
+        (missing, "lacks the key"),
+        ("no-such-model", "neither a config file nor a built-in"),
+    ]:
         with pytest.raises(ValueError, match=message):
             est.count_params_from_config(target)
 
 
-@pytest.mark.parametrize("name, expected", [("gpt-small", 124_439_808), ("gpt-medium", 354_823_168),
-                                            ("gpt-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
+@pytest.mark.parametrize(
+    "name, expected",
+    [("gpt-small", 124_439_808), ("gpt-medium", 354_823_168), ("gpt-large", 774_030_080), ("gpt2-xl", 1_557_611_200)],
+)
 def test_builtin_gpt_matches_published_gpt2(name, expected):
     assert est.BUILTIN_MODELS[name].num_params() == expected == est.count_params_from_config(name)
 
@@ -218,8 +280,10 @@ class _ReferenceGPT(torch.nn.Module):
         super().__init__()
         d, lin, norm = s.n_embd, torch.nn.Linear, torch.nn.LayerNorm
         self.wte, self.wpe = torch.nn.Embedding(s.vocab, d), torch.nn.Embedding(s.block_size, d)
-        self.blocks = torch.nn.ModuleList(torch.nn.ModuleList(
-            [norm(d), lin(d, 3 * d), lin(d, d), norm(d), lin(d, 4 * d), lin(4 * d, d)]) for _ in range(s.n_layer))
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.ModuleList([norm(d), lin(d, 3 * d), lin(d, d), norm(d), lin(d, 4 * d), lin(4 * d, d)])
+            for _ in range(s.n_layer)
+        )
         self.ln_f, self.head = norm(d), lin(d, s.vocab, bias=False)
         if s.tie:
             self.head.weight = self.wte.weight
@@ -232,6 +296,7 @@ def test_gptspec_counts_a_reference_module(tie):
 
 
 # ---- 3D parallelism (issue 14): tp and pp split Ψ first, ZeRO partitions each rank's part over dp ----
+
 
 def test_mesh_divides_states_by_tp_pp_then_zero_over_dp():
     layout = est.Layout(dp=16, tp=2, pp=2)
@@ -261,8 +326,10 @@ def test_mesh_layout_rejects_bad_sizes():
 def test_cli_estimate_mesh(capsys):
     from zeroshard.tools.cli import main
 
-    assert main(["estimate", "--model", "gpt-7.5b", "--tp", "2", "--pp", "2", "--dp", "16", "--tokens", "8192",
-                 "--json"]) == 0
+    assert (
+        main(["estimate", "--model", "gpt-7.5b", "--tp", "2", "--pp", "2", "--dp", "16", "--tokens", "8192", "--json"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["mesh"]["dp"] == 16 and result["ranks"] == 16
     row = result["stages"][3]

@@ -14,6 +14,7 @@ accumulation.
 One rank raises: it gets its own error, every other rank a CollectiveError within a bounded time
 (comm_timeout_s), and later calls raise at once instead of waiting again.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,16 @@ class FlakyAdamW(torch.optim.AdamW):
         return result
 
 
-def _engine(stage, offload, gas, nvme, precision=None, step_waits_for_gathers=False, on_failed_update="copy",
-            check_collectives=False):
+def _engine(
+    stage,
+    offload,
+    gas,
+    nvme,
+    precision=None,
+    step_waits_for_gathers=False,
+    on_failed_update="copy",
+    check_collectives=False,
+):
     model = gpt_model_fn()()
     zero = {"offload_optimizer": {"device": offload, "nvme_path": nvme}, "sub_group_size": 1000} if offload else {}
     config = make_config(stage, gas, **zero)
@@ -63,21 +72,26 @@ def _engine(stage, offload, gas, nvme, precision=None, step_waits_for_gathers=Fa
     config["zeroshard"]["check_collectives"] = check_collectives
     if precision:
         config[precision] = {"enabled": True, "loss_scale_window": 2, "initial_scale_power": 8}  # no overflow
-    engine, *_ = zeroshard.initialize(model=model, optimizer=FlakyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
-                                      config=config)
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=FlakyAdamW(model.parameters(), lr=1e-2, weight_decay=0.1), config=config
+    )
     return engine
 
 
 def _arm(engine, kind: str, armed: list) -> None:
     """Hooks that raise while `armed[0]`: in forward, or in backward once later units reduced."""
+
     def forward_hook(module, args, output):
         if armed[0] and kind == "forward hook":
             raise Injected("forward hook failed")
         if armed[0] and kind in ("backward", "loss.backward()"):
+
             def raise_in_backward(grad):
                 raise Injected("backward failed")
+
             output.register_hook(raise_in_backward)
         return output
+
     engine.module.blocks[0].register_forward_hook(forward_hook)
 
 
@@ -85,11 +99,17 @@ def _state(engine) -> dict:
     """Everything a failed call must leave as it was (gradients aside)."""
     with engine.gathered_parameters(list(engine.module.parameters())):
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    optimizer = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine.optimizer.group_state(g).items()}
-                 for g in engine.optimizer.groups]
-    return {"params": params, "masters": [g.master.clone() for g in engine.groups], "optimizer": optimizer,
-            "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "counters": (engine.global_steps, engine.micro_steps)}
+    optimizer = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine.optimizer.group_state(g).items()}
+        for g in engine.optimizer.groups
+    ]
+    return {
+        "params": params,
+        "masters": [g.master.clone() for g in engine.groups],
+        "optimizer": optimizer,
+        "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
+        "counters": (engine.global_steps, engine.micro_steps),
+    }
 
 
 def _assert_same(a: dict, b: dict, what: str) -> None:
@@ -128,7 +148,9 @@ def _micro(engine, step, micro, torch_backward=False):
 def _run(stage, offload, gas, nvme, kind, precision):
     """STEPS steps; with `kind`, the last micro step of FAILING_STEP fails once, then the step is redone.
     A failed forward or backward changes nothing by default; a failed update needs "copy"."""
-    engine = _engine(stage, offload, gas, nvme, precision, on_failed_update="copy" if kind == "optimizer" else "fail_stop")
+    engine = _engine(
+        stage, offload, gas, nvme, precision, on_failed_update="copy" if kind == "optimizer" else "fail_stop"
+    )
     armed = [False]
     _arm(engine, kind or "", armed)
     losses = []
@@ -159,8 +181,14 @@ def _all_ranks_case(stage, offload, gas, nvme, kind, precision=None) -> None:
     _assert_same(final, clean, f"{kind} then zero_grad()")
 
 
-SETTINGS = [dict(stage=0, offload=None), dict(stage=1, offload=None), dict(stage=2, offload=None),
-            dict(stage=3, offload=None), dict(stage=2, offload="cpu"), dict(stage=3, offload="nvme")]
+SETTINGS = [
+    dict(stage=0, offload=None),
+    dict(stage=1, offload=None),
+    dict(stage=2, offload=None),
+    dict(stage=3, offload=None),
+    dict(stage=2, offload="cpu"),
+    dict(stage=3, offload="nvme"),
+]
 KINDS = ["forward hook", "backward", "optimizer"]
 
 
@@ -207,6 +235,7 @@ def test_failed_calls_change_nothing_but_gradients(tmp_path):
 
 # ---------------------------------------------------------------- one rank raises
 
+
 def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
     # A step that fails on one rank: the healthy rank learns it in its own step when that waits for
     # the all-gathers; by default it learns it at its next forward (test_param_gather.py checks that).
@@ -239,8 +268,10 @@ def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
 @pytest.mark.parametrize("kind,stage", [("backward", 3), ("optimizer", 2), ("forward hook", 3), ("backward", 1)])
 def test_one_rank_failing_names_an_error_on_every_rank(kind, stage):
     healthy, failing = run_distributed(_one_rank_worker, 2, timeout=10 * COMM_TIMEOUT_S, kind=kind, stage=stage)
-    print(f"{kind} at stage {stage}: rank 1 {failing['first'][0]}; rank 0 {healthy['first'][0]} after "
-          f"{healthy['elapsed']:.1f}s, then {healthy['second'][0]} after {healthy['second_elapsed']:.3f}s")
+    print(
+        f"{kind} at stage {stage}: rank 1 {failing['first'][0]}; rank 0 {healthy['first'][0]} after "
+        f"{healthy['elapsed']:.1f}s, then {healthy['second'][0]} after {healthy['second_elapsed']:.3f}s"
+    )
     assert failing["first"][0] == "Injected", failing
     assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
     assert healthy["elapsed"] < 3 * COMM_TIMEOUT_S, healthy

@@ -2,6 +2,7 @@
 every rank sees after it, and what training continues from (bit-for-bit against the oracle started from
 the same change), at stages 0-3 on a live engine and on a model built under zero.Init before
 initialize; other ranks' changes, and all changes without a modifier rank, are discarded."""
+
 from __future__ import annotations
 
 import torch
@@ -39,6 +40,7 @@ def _changed_model_fn():
         model = gpt_model_fn()()
         _change(model, rank=0)
         return model
+
     return build
 
 
@@ -56,8 +58,9 @@ def _train(engine) -> dict:
 
 
 def _check_against_oracle(ours: dict, what: str) -> None:
-    ref = train_single(_changed_model_fn(), BATCHES, optimizer_fn=adamw, steps=STEPS, world_size=2,
-                       reduce_every_micro_step=True)
+    ref = train_single(
+        _changed_model_fn(), BATCHES, optimizer_fn=adamw, steps=STEPS, world_size=2, reduce_every_micro_step=True
+    )
     if torch.distributed.get_rank() != 0:  # train_single reports rank 0's losses
         ours["losses"] = ref["losses"]
     assert_close(ours, ref, exact=True, what=what)

@@ -12,6 +12,7 @@ work end to end before a GPU is lent. What they check on a GPU:
   * full weights and checkpoints gathered from host masters through NCCL.
 With ZEROSHARD_GPU_REPORT=path, the parity figures are appended to that JSON-lines file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,10 +33,14 @@ from zeroshard.core.comm import Communicator
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 DRY_RUN = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() and not DRY_RUN,
-    reason="needs a CUDA device (CI has none; benchmarks/gpu_check.sh runs these on a GPU, "
-           "GPU_CHECK_DRY_RUN=1 runs them on CPU)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() and not DRY_RUN,
+        reason="needs a CUDA device (CI has none; benchmarks/gpu_check.sh runs these on a GPU, "
+        "GPU_CHECK_DRY_RUN=1 runs them on CPU)",
+    ),
+]
 
 STEPS = 5
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
@@ -85,17 +90,24 @@ def _report(record: dict) -> None:
 
 
 def _relative_errors(ours: dict, ref: dict) -> dict:
-    return {name: float((ours[name].float() - value.float()).norm() / value.float().norm().clamp_min(1e-12))
-            for name, value in ref.items()}
+    return {
+        name: float((ours[name].float() - value.float()).norm() / value.float().norm().clamp_min(1e-12))
+        for name, value in ref.items()
+    }
 
 
 def _compare(ours: dict, ref: dict, what: str, dtype: str) -> dict:
     """Parity figures of one case; asserts they are within TOLERANCE."""
     errors = _relative_errors(ours["params"], ref["params"])
     losses = [a - b for a, b in zip(sum(ours["losses"], []), sum(ref["losses"], []))]
-    record = {"case": what, "max_param_rel_error": max(errors.values()), "max_loss_diff": max(map(abs, losses)),
-              "bit_exact": all(torch.equal(ours["params"][n].float(), v.float()) for n, v in ref["params"].items()),
-              "device": str(_device()), "backend": _backend()}
+    record = {
+        "case": what,
+        "max_param_rel_error": max(errors.values()),
+        "max_loss_diff": max(map(abs, losses)),
+        "bit_exact": all(torch.equal(ours["params"][n].float(), v.float()) for n, v in ref["params"].items()),
+        "device": str(_device()),
+        "backend": _backend(),
+    }
     _report(record)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= TOLERANCE[dtype], f"{what}: '{worst}' relative error {errors[worst]:.2e}"
@@ -146,13 +158,14 @@ def _gloo_worker(rank: int, world: int) -> list:
     comm.destroy()
 
     def case(stage):
-        ours = train_engine(_model_on_device(), BATCHES, config=make_config(stage), steps=STEPS,
-                            loss_fn=_on_device())
-        ref = train_single(_model_on_device(), BATCHES, optimizer_fn=adamw, steps=STEPS, world_size=world,
-                           loss_fn=_on_device())
+        ours = train_engine(_model_on_device(), BATCHES, config=make_config(stage), steps=STEPS, loss_fn=_on_device())
+        ref = train_single(
+            _model_on_device(), BATCHES, optimizer_fn=adamw, steps=STEPS, world_size=world, loss_fn=_on_device()
+        )
         if rank != 0:  # the reference's losses are rank 0's; parameters are every rank's
             ref["losses"] = ours["losses"]
         assert_close(ours, ref, exact=False, rtol=TOLERANCE["fp32"], what=f"gloo + {_device()} stage {stage}")
+
     return subtests([dict(stage=s) for s in (0, 1, 2, 3)], case)
 
 
@@ -201,8 +214,9 @@ def test_parity_stages_0_to_3_against_plain_training(tmp_path):
         for dtype in ("fp32", "bf16"):
             ref = _plain(dtype)
             for stage in (0, 1, 2, 3):
-                ours = train_engine(_model_on_device(), BATCHES, config=_config(stage, dtype), steps=STEPS,
-                                    loss_fn=_on_device())
+                ours = train_engine(
+                    _model_on_device(), BATCHES, config=_config(stage, dtype), steps=STEPS, loss_fn=_on_device()
+                )
                 _compare(ours, ref, f"stage {stage} {dtype} vs plain", dtype)
 
 
@@ -225,15 +239,17 @@ def _check_placement(engine, what: str) -> None:
                 assert group.compute_shard.device == group.device, what
         else:
             assert group.full.device == group.device, what
-    states = [v for s in engine.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.dim() == 1]
+    states = [
+        v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() == 1
+    ]
     assert states and all(store.holds(v) and v.device.type == "cpu" for v in states), f"{what}: optimizer states"
 
 
 def _offloaded_run(stage: int, dtype: str, kind: str, nvme: str) -> dict:
     model = _model_on_device()()
-    config = _config(stage, dtype, offload_optimizer={"device": kind, "nvme_path": nvme,
-                                                      "pin_memory": torch.cuda.is_available()})
+    config = _config(
+        stage, dtype, offload_optimizer={"device": kind, "nvme_path": nvme, "pin_memory": torch.cuda.is_available()}
+    )
     engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
     losses = []
     for step in range(STEPS):
@@ -251,8 +267,9 @@ def test_offload_places_states_in_host_memory_and_matches_no_offload(tmp_path):
     with _world_of_one(tmp_path):
         for dtype in ("fp32", "bf16"):
             for stage in (1, 2, 3):
-                plain = train_engine(_model_on_device(), BATCHES, config=_config(stage, dtype), steps=STEPS,
-                                     loss_fn=_on_device())
+                plain = train_engine(
+                    _model_on_device(), BATCHES, config=_config(stage, dtype), steps=STEPS, loss_fn=_on_device()
+                )
                 for kind in ("cpu", "nvme"):
                     ours = _offloaded_run(stage, dtype, kind, str(tmp_path / f"nvme-{stage}-{dtype}"))
                     _compare(ours, plain, f"stage {stage} {dtype} offload {kind} vs no offload", dtype)

@@ -9,6 +9,7 @@ The step frees each group's gradient shard once that group's update has read it,
 groups one at a time where that is the same update ([Note: one group at a time] in
 core/rollback.py); with `transactional_step: "copy"` a failure in a later group's update still
 undoes the earlier groups."""
+
 from __future__ import annotations
 
 import torch
@@ -36,14 +37,20 @@ def _held_grad_bytes(groups) -> int:
 def _case(stage: int, gas: int, offload: bool) -> dict:
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
     zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
-    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=adamw, steps=STEPS, grad_accum=gas,
-                    reduce_every_micro_step=True, record_params=True)
+    ref = train_ddp(
+        gpt_model_fn(),
+        batches,
+        optimizer_fn=adamw,
+        steps=STEPS,
+        grad_accum=gas,
+        reduce_every_micro_step=True,
+        record_params=True,
+    )
     model = gpt_model_fn()()
     engine, *_ = initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage, gas, **zero))
     groups = [g for g in engine.sharded.groups if g.trainable]
     seen: list[int] = []  # bytes held at each pre-forward of the current micro step
-    hooks = [m.register_forward_pre_hook(lambda *_: seen.append(_held_grad_bytes(groups)))
-             for m in model.modules()]
+    hooks = [m.register_forward_pre_hook(lambda *_: seen.append(_held_grad_bytes(groups))) for m in model.modules()]
     ours = {"losses": [], "params_per_step": []}
     held = []  # per micro step: the most gradient bytes held at a pre-forward
     for step in range(STEPS):
@@ -96,8 +103,15 @@ def _reuse_case(stage: int, gas: int) -> dict:
     buffer is kept past the backward."""
     config = tiny_gpt_config(n_layer=4)
     batches = gpt_batches(config, batch_size=4)
-    ref = train_ddp(gpt_model_fn(n_layer=4), batches, optimizer_fn=adamw, steps=STEPS, grad_accum=gas,
-                    reduce_every_micro_step=True, record_params=True)
+    ref = train_ddp(
+        gpt_model_fn(n_layer=4),
+        batches,
+        optimizer_fn=adamw,
+        steps=STEPS,
+        grad_accum=gas,
+        reduce_every_micro_step=True,
+        record_params=True,
+    )
     model = gpt_model_fn(n_layer=4)()
     engine, *_ = initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage, gas))
     spent = engine.sharded.lifecycle.spent
@@ -173,15 +187,19 @@ class CountsPerGroup(torch.optim.SGD):
 
 
 def _state(engine) -> dict:
-    return {"masters": [g.master.clone() for g in engine.groups],
-            "optimizer": [{k: torch.as_tensor(v).clone() for k, v in engine.optimizer.group_state(g).items()}
-                          for g in engine.optimizer.groups]}
+    return {
+        "masters": [g.master.clone() for g in engine.groups],
+        "optimizer": [
+            {k: torch.as_tensor(v).clone() for k, v in engine.optimizer.group_state(g).items()}
+            for g in engine.optimizer.groups
+        ],
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
-    return (all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
-            and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
-                    for x, y in zip(a["optimizer"], b["optimizer"])))
+    return all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"])) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a["optimizer"], b["optimizer"])
+    )
 
 
 def _failing_group_case(stage: int) -> dict:
@@ -193,8 +211,9 @@ def _failing_group_case(stage: int) -> dict:
         model = gpt_model_fn()()
         config = make_config(stage)
         config["zeroshard"]["transactional_step"] = "copy"
-        engine, *_ = initialize(model=model, optimizer=FailsAtCall(model.parameters(), lr=1e-2, weight_decay=0.1),
-                                config=config)
+        engine, *_ = initialize(
+            model=model, optimizer=FailsAtCall(model.parameters(), lr=1e-2, weight_decay=0.1), config=config
+        )
         losses, raised = [], None
         for step in range(3):
             loss = engine(*batches(step, 0, engine.global_rank))[1]
@@ -212,8 +231,15 @@ def _failing_group_case(stage: int) -> dict:
                 engine.backward(loss)
             engine.step()
             losses.append(loss.item())
-        runs.append({"losses": losses, "state": _state(engine), "per_group": engine.optimizer._per_group,
-                     "groups": len(engine.optimizer.groups), "copied": engine.optimizer.snapshot_peak_bytes})
+        runs.append(
+            {
+                "losses": losses,
+                "state": _state(engine),
+                "per_group": engine.optimizer._per_group,
+                "groups": len(engine.optimizer.groups),
+                "copied": engine.optimizer.snapshot_peak_bytes,
+            }
+        )
         engine.destroy()
     clean, failed = runs
     assert failed["losses"] == clean["losses"] and _same(failed["state"], clean["state"]), (clean, failed)
@@ -233,7 +259,12 @@ def test_a_later_group_failing_undoes_the_groups_stepped_before_it():
 
 def test_one_step_per_group_only_where_it_is_the_same_update():
     params = [torch.nn.Parameter(torch.ones(2))]
-    for optimizer in (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True), torch.optim.Adam(params),
-                      torch.optim.SGD(params, lr=0.1, momentum=0.9), torch.optim.Adagrad(params), FailsAtCall(params)):
+    for optimizer in (
+        torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+        torch.optim.Adam(params),
+        torch.optim.SGD(params, lr=0.1, momentum=0.9),
+        torch.optim.Adagrad(params),
+        FailsAtCall(params),
+    ):
         assert steps_apart_alike(optimizer, torch.device("cpu")), type(optimizer).__name__
     assert not steps_apart_alike(CountsPerGroup(params, lr=0.1), torch.device("cpu"))

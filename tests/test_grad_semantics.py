@@ -18,6 +18,7 @@ one rank alone right after step() it is the oracle's norm (no collective, so not
 run goes on equal to the oracle), and stays; first asked after the next backward it is None, with
 a warning.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,9 +34,16 @@ from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 3
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
-SETTINGS = [dict(stage=0, offload=None), dict(stage=1, offload=None), dict(stage=2, offload=None),
-            dict(stage=3, offload=None), dict(stage=1, offload="cpu"), dict(stage=2, offload="cpu"),
-            dict(stage=3, offload="cpu"), dict(stage=3, offload="nvme")]
+SETTINGS = [
+    dict(stage=0, offload=None),
+    dict(stage=1, offload=None),
+    dict(stage=2, offload=None),
+    dict(stage=3, offload=None),
+    dict(stage=1, offload="cpu"),
+    dict(stage=2, offload="cpu"),
+    dict(stage=3, offload="cpu"),
+    dict(stage=3, offload="nvme"),
+]
 
 
 def _config(stage: int, offload: str | None, nvme: str, gas: int = 1, clip: float = 0.0) -> dict:
@@ -47,8 +55,9 @@ def _config(stage: int, offload: str | None, nvme: str, gas: int = 1, clip: floa
 
 def _engine(stage, offload, nvme, gas=1, clip=0.0):
     model = gpt_model_fn()()
-    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
-                                      config=_config(stage, offload, nvme, gas, clip))
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=adamw(model.parameters()), config=_config(stage, offload, nvme, gas, clip)
+    )
     return engine
 
 
@@ -58,6 +67,7 @@ def _params(engine) -> dict:
 
 
 # ---------------------------------------------------------------- item 8
+
 
 def _two_backwards(stage, offload, nvme, retain_graph: bool) -> None:
     engine = _engine(stage, offload, nvme)
@@ -81,14 +91,23 @@ def _two_backwards(stage, offload, nvme, retain_graph: bool) -> None:
     out["params"] = _params(engine)
     engine.destroy()
     batches = (lambda step, micro, r: BATCHES(step, 0, r)) if retain_graph else BATCHES
-    ref = train_single(gpt_model_fn(), batches, optimizer_fn=adamw, steps=STEPS, grad_accum=2,
-                       reduce_every_micro_step=True, world_size=2, record_params=True)
+    ref = train_single(
+        gpt_model_fn(),
+        batches,
+        optimizer_fn=adamw,
+        steps=STEPS,
+        grad_accum=2,
+        reduce_every_micro_step=True,
+        world_size=2,
+        record_params=True,
+    )
     if rank != 0:  # train_single reports rank 0's losses
         out["losses"] = ref["losses"]
     assert_close(out, ref, exact=True, what=f"stage {stage} offload {offload} retain_graph {retain_graph}")
 
 
 # ---------------------------------------------------------------- item 3
+
 
 def _drop_run(stage, offload, nvme, gas: int, drop: str | None) -> dict:
     """STEPS steps; at step 1 a micro-batch is dropped: `drop` = "zero_grad" (its backward, then
@@ -131,6 +150,7 @@ def _zero_grad_case(stage, offload, nvme, gas) -> dict:
 
 # ---------------------------------------------------------------- the stage-0 norm, when asked
 
+
 def _norm_when_asked(clip: float) -> dict:
     engine = _engine(0, None, "", clip=clip)
     rank = engine.global_rank
@@ -165,8 +185,7 @@ def _norm_when_asked(clip: float) -> dict:
 
 def _worker(rank: int, world: int, *, tmp: str) -> dict:
     nvme = os.path.join(tmp, f"nvme{rank}")
-    backwards = subtests([dict(s, nvme=nvme, retain_graph=r) for s in SETTINGS for r in (False, True)],
-                         _two_backwards)
+    backwards = subtests([dict(s, nvme=nvme, retain_graph=r) for s in SETTINGS for r in (False, True)], _two_backwards)
     norms = subtests([dict(s, nvme=nvme, gas=g) for s in SETTINGS for g in (1, 2)], _zero_grad_case)
     asked = subtests([dict(clip=0.0), dict(clip=0.05)], _norm_when_asked)
     return {"backwards": backwards, "norms": norms, "asked": asked}

@@ -1,6 +1,7 @@
 """Issue 2, item 5: tied and shared parameters, frozen and unused parameters, a unit called twice,
 buffers, and parameters read outside forward — at every stage, against the single-process oracle
 emulating 2 ranks (bit-for-bit in fp32)."""
+
 from __future__ import annotations
 
 import functools
@@ -43,17 +44,26 @@ def _hard_case(variant: str, stage: int) -> None:
     # gas = 1: "reduce every micro step" and "reduce once" are the same math, so one oracle serves
     # all stages; an unused parameter keeps `.grad` None and is not stepped, as with DDP
     # (find_unused_parameters=True) and torch (issue 11, item 2; DeepSpeed steps it on a zero gradient).
-    ref = train_single(model_fn, _batches, optimizer_fn=_trainable_adamw, steps=STEPS, world_size=2,
-                       loss_fn=_loss, record_params=True)
-    ours = train_engine(model_fn, _batches, config=make_config(stage), optimizer_fn=_trainable_adamw,
-                        steps=STEPS, loss_fn=_loss, record_params=True)
+    ref = train_single(
+        model_fn, _batches, optimizer_fn=_trainable_adamw, steps=STEPS, world_size=2, loss_fn=_loss, record_params=True
+    )
+    ours = train_engine(
+        model_fn,
+        _batches,
+        config=make_config(stage),
+        optimizer_fn=_trainable_adamw,
+        steps=STEPS,
+        loss_fn=_loss,
+        record_params=True,
+    )
     # train_single reports rank 0's losses; ranks differ in data, so compare on rank 0 only.
     if torch.distributed.get_rank() != 0:
         ours["losses"] = ref["losses"]
     assert_close(ours, ref, exact=True, what=f"{variant} at stage {stage}")
     if variant == "frozen":
-        torch.testing.assert_close(ours["params"]["blocks.0.fc.weight"], _build("frozen").blocks[0].fc.weight,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            ours["params"]["blocks.0.fc.weight"], _build("frozen").blocks[0].fc.weight, rtol=0, atol=0
+        )
 
 
 def _read_outside_forward(stage: int) -> None:

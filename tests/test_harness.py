@@ -1,4 +1,5 @@
 """The multi-process harness itself: values come back, failures and hangs are reported, nothing leaks."""
+
 import os
 import time
 
@@ -23,6 +24,7 @@ def _spawned_ranks() -> list[psutil.Process]:
 
 
 # ---------------------------------------------------------------- workers (module level: spawn pickles them)
+
 
 def _all_reduce_worker(rank, world_size, *, scale):
     t = torch.tensor([float(rank + 1)]) * scale
@@ -75,14 +77,20 @@ def _four_outcomes(rank, world_size):
 
 # ---------------------------------------------------------------- tests
 
+
 def test_values_env_and_subtests_at_world_2():
     reports = run_distributed(_all_reduce_worker, 2, scale=2.0, env={"ZS_FLAG": "on"})
     assert len(reports) == 2
     for rank, r in enumerate(reports):
         assert torch.equal(r["sum"], torch.tensor([6.0]))  # 2*1 + 2*2
         assert r["cases"] == [3.0, 3.0, 2.0, 2.0]  # grid order: (SUM,1), (SUM,1000), (MAX,1), (MAX,1000)
-        assert r["env"] == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-                            "MASTER_PORT": r["env"]["MASTER_PORT"], "ZS_FLAG": "on"}
+        assert r["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_PORT": r["env"]["MASTER_PORT"],
+            "ZS_FLAG": "on",
+        }
         assert r["threads"] == 1
     assert "ZS_FLAG" not in os.environ  # env is set for the children only
 
@@ -135,8 +143,7 @@ def test_expect_failure_returns_every_outcome():
     assert "in _four_outcomes" in raised.traceback
     assert not hung.reported and "did not report within the 4 s timeout" in hung.message
     assert not died.reported and "exited with code 3 before reporting" in died.message
-    assert not any(psutil.pid_exists(r.pid) and psutil.Process(r.pid).status() != psutil.STATUS_ZOMBIE
-                   for r in reports)
+    assert not any(psutil.pid_exists(r.pid) and psutil.Process(r.pid).status() != psutil.STATUS_ZOMBIE for r in reports)
     assert _spawned_ranks() == []
 
 

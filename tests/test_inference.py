@@ -5,6 +5,7 @@ rank its own prompts), gathering one unit at a time with the next prefetched, an
 or optimizer memory. A process capped (RLIMIT_DATA) below what the unsharded model needs still
 generates with the NVMe store. Models are built from configs with random weights; nothing is downloaded.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,12 @@ from zeroshard.compat.inference import InferenceEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 96
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "TRANSFORMERS_VERBOSITY": "error"}
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
 TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
 
 
@@ -36,11 +41,20 @@ def hf_config(kind: str, layers: int = 3, width: int = 32):
 
     special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)
     if kind == "gpt2":  # tied embedding and LM head
-        return transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=width, n_layer=layers, n_head=2,
-                                       **special)
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width,
-                                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                    max_position_embeddings=64, tie_word_embeddings=False, **special)
+        return transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=64, n_embd=width, n_layer=layers, n_head=2, **special
+        )
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        **special,
+    )
 
 
 def build_model(kind: str, seed: int = 0):
@@ -55,9 +69,16 @@ def inference_config(store: str, swap: str, in_cpu: int = 0, **zero) -> dict:
     offload = {"device": "cpu"} if store == "cpu" else {"device": "nvme", "nvme_path": swap}
     if store == "nvme+cpu":
         offload["max_in_cpu"] = in_cpu
-    return {"zero_optimization": {"stage": 3, "offload_param": offload, "stage3_param_persistence_threshold": 0,
-                                  "stage3_prefetch_bucket_size": 1, **zero},  # prefetch: the next unit only
-            "zeroshard": {"comm_timeout_s": 60}}
+    return {
+        "zero_optimization": {
+            "stage": 3,
+            "offload_param": offload,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_prefetch_bucket_size": 1,
+            **zero,
+        },  # prefetch: the next unit only
+        "zeroshard": {"comm_timeout_s": 60},
+    }
 
 
 def prompts(rank: int) -> tuple[torch.Tensor, int]:
@@ -83,9 +104,10 @@ def _watch_prefetch(engine) -> list[tuple[str, str]]:
     layers = [u for u in engine.units if u.name != "<root>"]
     seen = []
     for index, unit in enumerate(layers[:-2]):
-        following = layers[index + 1: index + 3]
+        following = layers[index + 1 : index + 3]
         unit.module.register_forward_pre_hook(
-            lambda module, args, following=following: seen.append(tuple(u.state.value for u in following)))
+            lambda module, args, following=following: seen.append(tuple(u.state.value for u in following))
+        )
     return seen
 
 
@@ -95,8 +117,11 @@ def _watch_storage(engine) -> list[bool]:
     for unit in engine.units:
         masters = {g.master.untyped_storage().data_ptr() for g in unit.groups}
         params = [p for g in unit.groups for p in g.params]
-        unit.module.register_forward_pre_hook(lambda module, args, masters=masters, params=params: seen.append(
-            all(p.untyped_storage().data_ptr() in masters for p in params)))
+        unit.module.register_forward_pre_hook(
+            lambda module, args, masters=masters, params=params: seen.append(
+                all(p.untyped_storage().data_ptr() in masters for p in params)
+            )
+        )
     return seen
 
 
@@ -115,8 +140,11 @@ def _generate_case(source: str, kind: str, store: str, checkpoints: str, swap: s
     import transformers
 
     rank = torch.distributed.get_rank()
-    oracle = (transformers.AutoModelForCausalLM.from_pretrained(Path(checkpoints) / kind).eval()
-              if source == "pretrained" else build_model(kind))
+    oracle = (
+        transformers.AutoModelForCausalLM.from_pretrained(Path(checkpoints) / kind).eval()
+        if source == "pretrained"
+        else build_model(kind)
+    )
     in_cpu = sum(p.numel() for p in oracle.parameters()) // (2 * torch.distributed.get_world_size())  # half
     engine = _engine(source, kind, store, checkpoints, f"{swap}/{source}-{kind}-{store}", in_cpu)
     assert isinstance(engine, InferenceEngine)
@@ -156,12 +184,18 @@ def _quantized_case(swap: str) -> None:
     gathered = {}
     for quantized in (False, True):
         torch.manual_seed(0)
-        engine, _, _, _ = zeroshard.initialize(model=build_model("gpt2"), config=inference_config(
-            "cpu", swap, zero_quantized_weights=quantized))
+        engine, _, _, _ = zeroshard.initialize(
+            model=build_model("gpt2"), config=inference_config("cpu", swap, zero_quantized_weights=quantized)
+        )
         prompt, new_tokens = prompts(torch.distributed.get_rank())
         before = engine.comm_report()["paper_bytes"].get("all_gather", 0)
-        out = engine.generate(prompt, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                              attention_mask=torch.ones_like(prompt))
+        out = engine.generate(
+            prompt,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            attention_mask=torch.ones_like(prompt),
+        )
         gathered[quantized] = engine.comm_report()["paper_bytes"].get("all_gather", 0) - before
         assert out.shape == (prompt.shape[0], prompt.shape[1] + new_tokens), out.shape
         engine.destroy()
@@ -169,8 +203,9 @@ def _quantized_case(swap: str) -> None:
 
 
 def _generate_worker(rank: int, world_size: int, checkpoints: str, swap: str) -> None:
-    cases = (grid(source=["initialize", "pretrained"], kind=["gpt2", "llama"], store=["cpu", "nvme"])
-             + grid(source=["pretrained"], kind=["gpt2", "llama"], store=["nvme+cpu"]))
+    cases = grid(source=["initialize", "pretrained"], kind=["gpt2", "llama"], store=["cpu", "nvme"]) + grid(
+        source=["pretrained"], kind=["gpt2", "llama"], store=["nvme+cpu"]
+    )
     subtests(cases, lambda **case: _generate_case(checkpoints=checkpoints, swap=swap, **case))
     if world_size > 1:
         _quantized_case(swap)
@@ -186,8 +221,9 @@ def _save_checkpoints(root: Path) -> str:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_generate_matches_unsharded_model(world_size, tmp_path):
     checkpoints = _save_checkpoints(tmp_path / "models")
-    run_distributed(_generate_worker, world_size, timeout=300, env=ENV, checkpoints=checkpoints,
-                    swap=str(tmp_path / "swap"))
+    run_distributed(
+        _generate_worker, world_size, timeout=300, env=ENV, checkpoints=checkpoints, swap=str(tmp_path / "swap")
+    )
 
 
 # -- one process: what an inference engine refuses, and bad checkpoints ----------------------------------
@@ -204,8 +240,9 @@ def _misuse_worker(rank: int, world_size: int, tmp: str) -> None:
     assert not logits.requires_grad and engine.gathered_units() == []
     engine.destroy()
     with pytest.raises(zeroshard.ConfigError, match="scheduler was given but no optimizer"):
-        zeroshard.initialize(model=build_model("gpt2"), config=inference_config("cpu", ""),
-                             lr_scheduler=lambda optimizer: None)
+        zeroshard.initialize(
+            model=build_model("gpt2"), config=inference_config("cpu", ""), lr_scheduler=lambda optimizer: None
+        )
     root = Path(tmp)
     with pytest.raises(CheckpointError, match="no config.json"):
         from_pretrained(root)
@@ -230,11 +267,30 @@ def test_generate_command(tmp_path):
     model.save_pretrained(tmp_path / "m", max_shard_size="20KB")
     prompt = torch.tensor([[5, 6, 7, 8]])
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
-    command = [sys.executable, "-m", "zeroshard.tools.cli", "generate", str(tmp_path / "m"), "--prompt-ids",
-               "5,6,7,8", "--max-new-tokens", "6", "--offload", "nvme", "--nvme-path", str(tmp_path / "swap"),
-               "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), **ENV))
+    command = [
+        sys.executable,
+        "-m",
+        "zeroshard.tools.cli",
+        "generate",
+        str(tmp_path / "m"),
+        "--prompt-ids",
+        "5,6,7,8",
+        "--max-new-tokens",
+        "6",
+        "--offload",
+        "nvme",
+        "--nvme-path",
+        str(tmp_path / "swap"),
+        "--json",
+    ]
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), **ENV),
+    )
     assert result.returncode == 0 or TEARDOWN_ABORT in result.stderr, result.stdout + result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["tokens"] == expected.tolist(), report
@@ -284,8 +340,13 @@ def _capped(mode: str, path: Path, swap: Path, headroom: int) -> subprocess.Comp
     # raises that threshold to the largest block freed (up to 32 MiB), so freed layer buffers of a few MB
     # would stay in the heap and count against the cap.
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536", PYTHONPATH=str(ROOT / "src"), **ENV)
-    return subprocess.run([sys.executable, "-c", CAPPED, mode, str(path), str(swap), str(headroom)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", CAPPED, mode, str(path), str(swap), str(headroom)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -293,9 +354,16 @@ def test_capped_process_generates_a_model_larger_than_its_cap(tmp_path):
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=320, intermediate_size=1280, num_hidden_layers=24,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                                      tie_word_embeddings=False)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=320,
+        intermediate_size=1280,
+        num_hidden_layers=24,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = transformers.LlamaForCausalLM(config).eval()  # 24 layers of 6.6 MB: 158 MB of fp32 weights
     weights = sum(p.numel() * 4 for p in model.parameters())
     model.save_pretrained(tmp_path / "m", max_shard_size="40MB")
@@ -374,9 +442,16 @@ def _trained_checkpoint(root: Path) -> dict:
     from zeroshard.checkpoint import full_state_dict
 
     model = build_model("llama", seed=4).train()
-    engine, *_ = zeroshard.initialize(model=model, model_parameters=model.parameters(), config={
-        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "zeroshard": {"comm_timeout_s": 60}})
+    engine, *_ = zeroshard.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+            "zeroshard": {"comm_timeout_s": 60},
+        },
+    )
     gen = torch.Generator().manual_seed(200 + torch.distributed.get_rank())
     for _ in range(2):
         ids = torch.randint(2, VOCAB, (2, 6), generator=gen)
@@ -405,8 +480,14 @@ def _meta_engine(kind: str, config: dict) -> InferenceEngine:
 def _load_checkpoint_worker(rank: int, world_size: int, root: str, swap: str) -> None:
     box = [_trained_checkpoint(Path(root))]
     torch.distributed.broadcast_object_list(box, src=0)  # rank 0's full weights, the oracle's
-    subtests([{"case": "zeroshard"}, {"case": "deepspeed"}], lambda case: (
-        _case_load_checkpoint(root, swap, box[0]) if case == "zeroshard" else _case_load_deepspeed("stage3_fp32", swap)))
+    subtests(
+        [{"case": "zeroshard"}, {"case": "deepspeed"}],
+        lambda case: (
+            _case_load_checkpoint(root, swap, box[0])
+            if case == "zeroshard"
+            else _case_load_deepspeed("stage3_fp32", swap)
+        ),
+    )
 
 
 def _case_load_checkpoint(root: str, swap: str, full: dict) -> None:
@@ -420,8 +501,9 @@ def _case_load_checkpoint(root: str, swap: str, full: dict) -> None:
     assert path.endswith("trained") and client == {}, (path, client)
     prompt, new_tokens = prompts(rank)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, attention_mask=torch.ones_like(prompt))
-    assert torch.equal(engine.generate(prompt, do_sample=False, **kwargs),
-                       oracle.generate(prompt, do_sample=False, **kwargs)), f"rank {rank}: greedy differs"
+    assert torch.equal(
+        engine.generate(prompt, do_sample=False, **kwargs), oracle.generate(prompt, do_sample=False, **kwargs)
+    ), f"rank {rank}: greedy differs"
     assert engine.gathered_units() == [] and engine.memory_report()["offloaded_nvme"] > 0
     engine.destroy()
     other = _meta_engine("gpt2", inference_config("cpu", ""))
@@ -450,5 +532,11 @@ def test_load_checkpoint_streams_a_training_checkpoint_into_the_store(world_size
     """InferenceEngine.load_checkpoint over a model built on the meta device: a zeroshard checkpoint
     trained at these ranks generates the tokens of the plain model with its full weights; one
     DeepSpeed wrote loads its zero_to_fp32 weights; a checkpoint of another model, or none, is refused."""
-    run_distributed(_load_checkpoint_worker, world_size, timeout=300, env=ENV, root=str(tmp_path / "ckpt"),
-                    swap=str(tmp_path / "swap"))
+    run_distributed(
+        _load_checkpoint_worker,
+        world_size,
+        timeout=300,
+        env=ENV,
+        root=str(tmp_path / "ckpt"),
+        swap=str(tmp_path / "swap"),
+    )

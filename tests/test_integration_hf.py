@@ -5,6 +5,7 @@ returning ModelOutput; `generate` on the engine returns the tokens of the DDP-tr
 leaves nothing gathered. The Trainer: a stage-3 `ZeroShardTrainer` run saves a model.safetensors
 that `from_pretrained` loads with the engine's logits, and resuming from its checkpoint continues
 exactly where the uninterrupted run goes."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,12 @@ from zeroshard.core.unit import UnitState
 ROOT = Path(__file__).resolve().parent.parent
 TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
 VOCAB, SEQ, BATCH, STEPS = 96, 16, 4, 4
-ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-       "TRANSFORMERS_VERBOSITY": "error"}
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TRANSFORMERS_VERBOSITY": "error",
+}
 
 
 def model_fn(kind: str, seed: int = 0):
@@ -38,6 +43,7 @@ def model_fn(kind: str, seed: int = 0):
 
         torch.manual_seed(seed)
         return transformers.AutoModelForCausalLM.from_config(hf_config(kind))
+
     return build
 
 
@@ -46,11 +52,28 @@ def hf_config(kind: str):
 
     special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)
     if kind == "gpt2":  # tied embedding and LM head
-        return transformers.GPT2Config(vocab_size=VOCAB, n_positions=2 * SEQ, n_embd=32, n_layer=2, n_head=2,
-                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **special)
-    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2 * SEQ,
-                                    tie_word_embeddings=False, **special)
+        return transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=2 * SEQ,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            **special,
+        )
+    return transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQ,
+        tie_word_embeddings=False,
+        **special,
+    )
 
 
 def batches(step: int, micro: int, rank: int):
@@ -97,14 +120,18 @@ def _against_ddp(kind: str, stage: int) -> None:
     oracle.eval()
     engine.eval()
     prompt, new_tokens = prompt_and_length(rank)
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                  attention_mask=torch.ones_like(prompt))
+    kwargs = dict(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, attention_mask=torch.ones_like(prompt)
+    )
     expected = oracle.generate(prompt, **kwargs)
     layers = [unit for unit in engine.units if unit.name != "<root>"]
     gathered_layers = []  # at each layer's forward: how many layers are gathered
-    probes = [unit.module.register_forward_pre_hook(
-        lambda module, args: gathered_layers.append(sum(u.state is UnitState.UNSHARDED for u in layers)))
-        for unit in layers]
+    probes = [
+        unit.module.register_forward_pre_hook(
+            lambda module, args: gathered_layers.append(sum(u.state is UnitState.UNSHARDED for u in layers))
+        )
+        for unit in layers
+    ]
     got = generate(engine, prompt, **kwargs)
     for probe in probes:
         probe.remove()
@@ -144,12 +171,31 @@ def _trainer(output_dir: str):
     from zeroshard.integrations.hf import ZeroShardTrainer
 
     args = transformers.TrainingArguments(
-        output_dir=output_dir, per_device_train_batch_size=2, max_steps=4, save_steps=2, logging_steps=1,
-        learning_rate=1e-2, warmup_steps=1, weight_decay=0.1, report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-              "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"}
-    return ZeroShardTrainer(model=model_fn("gpt2")(), args=args, train_dataset=CountingDataset(),
-                            eval_dataset=CountingDataset(), zeroshard_config=config)
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        max_steps=4,
+        save_steps=2,
+        logging_steps=1,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        weight_decay=0.1,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        seed=0,
+    )
+    config = {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_clipping": "auto",
+    }
+    return ZeroShardTrainer(
+        model=model_fn("gpt2")(),
+        args=args,
+        train_dataset=CountingDataset(),
+        eval_dataset=CountingDataset(),
+        zeroshard_config=config,
+    )
 
 
 def _losses(trainer) -> dict[int, float]:
@@ -212,8 +258,14 @@ def test_documented_example_runs_under_torchrun(script, tmp_path):
     _documented_scripts(tmp_path)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
     # Unbuffered: what a rank printed survives if torchrun stops it after another rank failed.
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **ENV))
+    result = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **ENV),
+    )
     assert result.returncode == 0 or TEARDOWN_ABORT in result.stderr, result.stdout + result.stderr[-3000:]
     if script == "hf_train.py":  # the reloaded model generates what the engine generated on rank 0
         generated = re.search(r"rank 0: \[[\d, ]+\] -> (\[[\d, ]+\])", result.stdout)

@@ -3,6 +3,7 @@ run inside the harness's ranks (Lightning finds LOCAL_RANK set and launches noth
 losses and parameters of the same training written as a plain engine loop, bit for bit, at stages
 2 and 3, with gradient accumulation and clipping; Lightning's checkpoints are the engine's, and
 resuming from one continues exactly where the uninterrupted run goes."""
+
 from __future__ import annotations
 
 import os
@@ -63,10 +64,19 @@ def strategy_config(stage: int) -> dict:
 def lightning_trainer(stage: int, accumulate: int, clip: float, steps: int, root: str, **kwargs):
     from zeroshard.integrations.lightning import ZeroShardStrategy
 
-    return L.Trainer(strategy=ZeroShardStrategy(stage=stage, config=strategy_config(stage)), accelerator="cpu",
-                     devices=2, max_steps=steps, accumulate_grad_batches=accumulate, gradient_clip_val=clip or None,
-                     logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
-                     **kwargs)
+    return L.Trainer(
+        strategy=ZeroShardStrategy(stage=stage, config=strategy_config(stage)),
+        accelerator="cpu",
+        devices=2,
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip or None,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        **kwargs,
+    )
 
 
 def plain_loop(stage: int, accumulate: int, clip: float, steps: int) -> dict:
@@ -111,8 +121,9 @@ def _resume(root: str) -> None:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     loader = DataLoader(dataset(rows=4 * MICRO), batch_size=MICRO, shuffle=False)  # 2 batches per rank
-    periodic = ModelCheckpoint(dirpath=os.path.join(root, "periodic"), every_n_train_steps=1, save_top_k=2,
-                               monitor="step", mode="max")
+    periodic = ModelCheckpoint(
+        dirpath=os.path.join(root, "periodic"), every_n_train_steps=1, save_top_k=2, monitor="step", mode="max"
+    )
     uninterrupted = TinyGPT()
     trainer = lightning_trainer(3, 1, 0.0, -1, root, max_epochs=2, callbacks=[periodic])
     trainer.fit(uninterrupted, loader)
@@ -132,16 +143,22 @@ def _resume(root: str) -> None:
     resumed = TinyGPT()
     trainer = lightning_trainer(3, 1, 0.0, -1, root, max_epochs=2, enable_checkpointing=False)
     trainer.fit(resumed, loader, ckpt_path=checkpoint)
-    assert trainer.global_step == 4 and half.losses + resumed.losses == uninterrupted.losses, \
-        (half.losses, resumed.losses, uninterrupted.losses)
+    assert trainer.global_step == 4 and half.losses + resumed.losses == uninterrupted.losses, (
+        half.losses,
+        resumed.losses,
+        uninterrupted.losses,
+    )
     for name, value in full_params(trainer.strategy.engine).items():
         assert torch.equal(value, expected[name]), f"resumed run differs at '{name}'"
     trainer.strategy.engine.destroy()
 
 
 def _worker(rank: int, world_size: int, root: str) -> None:
-    cases = [dict(stage=2, accumulate=1, clip=0.0), dict(stage=3, accumulate=1, clip=0.0),
-             dict(stage=3, accumulate=2, clip=0.05)]
+    cases = [
+        dict(stage=2, accumulate=1, clip=0.0),
+        dict(stage=3, accumulate=1, clip=0.0),
+        dict(stage=3, accumulate=2, clip=0.05),
+    ]
     subtests(cases, lambda **case: _against_plain_loop(root=root, **case))
     _resume(root)
 
@@ -155,11 +172,18 @@ def test_documented_example_runs_with_lightnings_launcher(tmp_path):
     """docs/integrations.md's script, started as a plain `python` process: Lightning launches the
     second rank itself (devices=2), trains, checkpoints and resumes."""
     text = (ROOT / "docs" / "integrations.md").read_text()
-    (name, body), = [m for m in re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', text, re.S)
-                     if m[0] == "lightning_train.py"]
+    ((name, body),) = [
+        m for m in re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', text, re.S) if m[0] == "lightning_train.py"
+    ]
     (tmp_path / name).write_text(body)
-    result = subprocess.run([sys.executable, name], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = subprocess.run(
+        [sys.executable, name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0 or TEARDOWN_ABORT in result.stderr, result.stdout + result.stderr[-3000:]
     assert "trained to step 48" in result.stdout, result.stdout + result.stderr[-3000:]
     assert (tmp_path / "lit-gpt.ckpt" / "checkpoint" / "manifest.json").is_file()

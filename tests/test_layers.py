@@ -4,6 +4,7 @@ Imports run one way: tools and integrations -> compat -> checkpoint / offload ->
 module may import its own layer and the layers strictly below it; nothing imports the facade
 (`zeroshard/__init__.py`). Lazy imports inside functions count as much as top-level ones.
 """
+
 from __future__ import annotations
 
 import ast
@@ -11,8 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "zeroshard"
 
-RANK = {"version": 0, "config": 0, "core": 1, "offload": 2, "checkpoint": 2, "compat": 3,
-        "integrations": 4, "tools": 4}
+RANK = {"version": 0, "config": 0, "core": 1, "offload": 2, "checkpoint": 2, "compat": 3, "integrations": 4, "tools": 4}
 
 
 def _layer(module: str) -> str | None:
@@ -65,10 +65,13 @@ def test_imports_run_one_way():
         for line, module in _imports(path):
             theirs = _layer(module)
             if theirs is None or theirs not in RANK:
-                wrong.append(f"{path.relative_to(PACKAGE)}:{line} imports the facade ({module}); import the layer module")
+                wrong.append(
+                    f"{path.relative_to(PACKAGE)}:{line} imports the facade ({module}); import the layer module"
+                )
             elif theirs != mine and RANK[theirs] >= RANK[mine]:
-                wrong.append(f"{path.relative_to(PACKAGE)}:{line} ({mine}) imports {module} ({theirs}), "
-                             "which is not below it")
+                wrong.append(
+                    f"{path.relative_to(PACKAGE)}:{line} ({mine}) imports {module} ({theirs}), which is not below it"
+                )
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
 
 

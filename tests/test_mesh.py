@@ -9,6 +9,7 @@ point, memory and communication per rank against the estimator.
   dp term, with the tp/pp groups carrying only the norm's scalars;
 * 8 ranks, slow: dp2 x tp2 x pp2 once (DTensor tensor parallelism inside each pipeline stage).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -30,6 +31,7 @@ STEPS, GAS, CLIP = 10, 2, 0.05
 
 
 # ---------------------------------------------------------------- one process
+
 
 class _FakeMesh:
     def __init__(self, names):
@@ -77,13 +79,16 @@ def test_norm_counts_replicated_pieces_on_tp_rank_0_only():
 
 # ---------------------------------------------------------------- 2 ranks: dp-only mesh is DDP
 
+
 def _dp_only(mesh, stage: int) -> None:
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
-    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=adamw, steps=4, grad_accum=2, clip=0.5,
-                    reduce_every_micro_step=stage >= 2)
+    ref = train_ddp(
+        gpt_model_fn(), batches, optimizer_fn=adamw, steps=4, grad_accum=2, clip=0.5, reduce_every_micro_step=stage >= 2
+    )
     model = gpt_model_fn()()
-    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), mesh=mesh,
-                                      config=make_config(stage, gas=2, clip=0.5))
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=adamw(model.parameters()), mesh=mesh, config=make_config(stage, gas=2, clip=0.5)
+    )
     out = {"losses": []}
     for step in range(4):
         out["losses"].append([])
@@ -107,6 +112,7 @@ def test_dp_only_mesh_is_bitwise_ddp():
 
 
 # ---------------------------------------------------------------- 4 ranks: the engine, memory, bytes
+
 
 def _engine_case(mesh, ref, layout: str, stage: int) -> dict:
     model = dtensor_model(mesh) if layout == "dtensor" else megatron_model(mesh)
@@ -141,9 +147,14 @@ def _engine_case(mesh, ref, layout: str, stage: int) -> dict:
         engine.save_16bit_model("/nonexistent")  # checkpoints work (tests/test_checkpoint_3d.py); one file would not
     mp_bytes = sum(c.counter.data_bytes() for c in engine.sharded.norm_comms)
     sharded = engine.sharded
-    report = _memory_against_estimator(sharded.memory_report()["total"], sharded.num_parameters(),
-                                       len(sharded.groups), est.Layout(dp=2, tp=2), stage,
-                                       replicated=_replicated_numel(mm.TinyNet()))
+    report = _memory_against_estimator(
+        sharded.memory_report()["total"],
+        sharded.num_parameters(),
+        len(sharded.groups),
+        est.Layout(dp=2, tp=2),
+        stage,
+        replicated=_replicated_numel(mm.TinyNet()),
+    )
     padded = sum(g.layout.padded_numel for g in sharded.groups)
     engine.destroy()
     return {**report, "padded": padded, "dp_zero_bytes_per_step": dp_bytes, "tp_data_bytes": mp_bytes}
@@ -159,8 +170,7 @@ def _replicated_numel(model) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if ".up." not in n and not n.endswith("down.weight"))
 
 
-def _memory_against_estimator(measured: int, local: int, groups: int, layout, stage: int,
-                              replicated: int = 0) -> dict:
+def _memory_against_estimator(measured: int, local: int, groups: int, layout, stage: int, replicated: int = 0) -> dict:
     """Measured model-state bytes of this rank (after training: Adam's states exist) against the
     estimator on the rank's own parameter count (fp32 AdamW: 4 + 4 + K=8); flat groups pad to a
     multiple of dp, at most dp - 1 elements each."""
@@ -174,15 +184,18 @@ def _memory_against_estimator(measured: int, local: int, groups: int, layout, st
 
 def _pipeline_memory(mesh, stage: int) -> dict:
     out = train_pipeline(mesh, stage, "1f1b")
-    return _memory_against_estimator(out["memory"]["total"], out["local_params"], out["groups"],
-                                     est.Layout(dp=2, pp=2), stage)
+    return _memory_against_estimator(
+        out["memory"]["total"], out["local_params"], out["groups"], est.Layout(dp=2, pp=2), stage
+    )
 
 
 def _four_rank_worker(rank, world_size):
     tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     ref = mm.reference(2, steps=STEPS, gas=GAS, clip=CLIP)
-    tp = subtests(grid(layout=["dtensor", "megatron"], stage=[1, 2, 3]),
-                  lambda layout, stage: _engine_case(tp_mesh, ref, layout, stage))
+    tp = subtests(
+        grid(layout=["dtensor", "megatron"], stage=[1, 2, 3]),
+        lambda layout, stage: _engine_case(tp_mesh, ref, layout, stage),
+    )
     pp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     pp = subtests(grid(stage=[1, 2, 3]), lambda stage: _pipeline_memory(pp_mesh, stage))
     return {"tp": tp, "pp": pp}
@@ -202,6 +215,7 @@ def test_initialize_mesh_and_mpu_memory_and_bytes():
 
 
 # ---------------------------------------------------------------- 8 ranks: dp2 x tp2 x pp2
+
 
 def _three_d_worker(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "pp", "tp"))

@@ -24,6 +24,7 @@ continuous run). Then
   * a failure while saving, on a rank that writes a shard or on one that does not, is a
     CheckpointError on every rank naming that rank, and nothing is published.
 """
+
 from __future__ import annotations
 
 import errno
@@ -51,8 +52,9 @@ K = 2
 
 def _engine(optimizer: str, world: int, *, mics: int | None = None, stage: int = 3, seed: int = 0, gas: int = 1):
     zero = {"mics_shard_size": mics} if mics is not None else {}
-    return build_engine(stage, seed=seed, gas=gas, micro=GLOBAL_BATCH // world // gas,
-                        optimizer_fn=OPTIMIZERS[optimizer], zero=zero)
+    return build_engine(
+        stage, seed=seed, gas=gas, micro=GLOBAL_BATCH // world // gas, optimizer_fn=OPTIMIZERS[optimizer], zero=zero
+    )
 
 
 def _exactly(ours: dict, ref: dict, what: str) -> None:
@@ -65,6 +67,7 @@ def _shard_bytes(directory: str) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------- 4 ranks
+
 
 def _four_worker(rank: int, world: int, *, root: str) -> dict:
     continuous, plain_continuous = {}, {}  # the runs that saved mics-*/ and plain-*/, trained on
@@ -125,6 +128,7 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
 
     def mid_accumulation():
         """Saved after the first of 2 micro steps: the gradients accumulated so far load too."""
+
         def micro_steps(engine, first, count):
             losses = []
             for index in range(first, first + count):
@@ -174,17 +178,27 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
         assert raised is not None and f"failed on rank [{failing_rank}]: OSError" in raised, raised
         assert not any(Path(f"{root}/fails-{failing_rank}").iterdir()), "something was published"
 
-    cases = [dict(case="files")] + [dict(case=c, optimizer=o) for c in ("resume", "mics_into_plain", "plain_into_mics")
-                                    for o in OPTIMIZERS]
-    cases += [dict(case="full_weights"), dict(case="mid_accumulation")] + [dict(case="save_fails", failing_rank=r) for r in (1, 3)]
-    functions = {"files": files, "resume": resume, "mics_into_plain": mics_into_plain,
-                 "plain_into_mics": plain_into_mics, "full_weights": full_weights,
-                 "mid_accumulation": mid_accumulation, "save_fails": save_fails}
+    cases = [dict(case="files")] + [
+        dict(case=c, optimizer=o) for c in ("resume", "mics_into_plain", "plain_into_mics") for o in OPTIMIZERS
+    ]
+    cases += [dict(case="full_weights"), dict(case="mid_accumulation")] + [
+        dict(case="save_fails", failing_rank=r) for r in (1, 3)
+    ]
+    functions = {
+        "files": files,
+        "resume": resume,
+        "mics_into_plain": mics_into_plain,
+        "plain_into_mics": plain_into_mics,
+        "full_weights": full_weights,
+        "mid_accumulation": mid_accumulation,
+        "save_fails": save_fails,
+    }
     results = subtests(cases, lambda case, **kwargs: functions[case](**kwargs))
     return {"continuous": continuous, "bytes": results[0]}
 
 
 # ---------------------------------------------------------------- 2 ranks
+
 
 def _two_worker(rank: int, world: int, *, root: str, continuous: dict) -> None:
     """The 4-rank MiCS checkpoint at 2 ranks: plain stage 3 and MiCS k = 2 (the same engine, bit
@@ -205,8 +219,7 @@ def _two_worker(rank: int, world: int, *, root: str, continuous: dict) -> None:
             _exactly(result, runs[(optimizer, stage)], what)
         runs[(optimizer, stage)] = result
 
-    subtests([dict(optimizer=o, mics=m, stage=s) for o in OPTIMIZERS for m, s in ((None, 3), (K, 3), (None, 1))],
-             case)
+    subtests([dict(optimizer=o, mics=m, stage=s) for o in OPTIMIZERS for m, s in ((None, 3), (K, 3), (None, 1))], case)
 
 
 def test_mics_checkpoints(tmp_path):

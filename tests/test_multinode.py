@@ -4,6 +4,7 @@ Each case is one cluster run of tests/multinode_job.py (every stage inside one j
 the same job under `torchrun --standalone` on one node. Needs root and `ip netns`; skipped otherwise.
 After every test no namespace of this process's prefix may remain (the cleanup is part of the contract).
 """
+
 from __future__ import annotations
 
 import json
@@ -51,10 +52,19 @@ def _reports(out: Path, world: int) -> list[dict]:
 
 def _standalone(out: Path, *args) -> list[dict]:
     """The same job on one node: torchrun --standalone, 4 ranks, in the host's network namespace."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-           "--module", *_job(out, *args)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        "--module",
+        *_job(out, *args),
+    ]
+    done = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return _reports(out, 4)
 
@@ -89,8 +99,9 @@ def test_two_nodes_match_one_node_at_every_stage(cluster_env):
     with netcluster.NetCluster(2, rate_bps=10**9) as cluster:
         assert "tbf" in cluster.qdiscs(0) and "rate 1Gbit" in cluster.qdiscs(1), cluster.qdiscs(0)
         for node in (0, 1):  # gloo's ranks on one node talk over loopback: it must be up
-            lo = subprocess.run(["ip", "-n", cluster.namespace(node), "link", "show", "lo"],
-                                capture_output=True, text=True, timeout=20).stdout
+            lo = subprocess.run(
+                ["ip", "-n", cluster.namespace(node), "link", "show", "lo"], capture_output=True, text=True, timeout=20
+            ).stdout
             assert ",UP," in lo or "<LOOPBACK,UP" in lo, lo
         cluster.launch(_job(cluster_env / "two", *args), 2, module=True, cwd=REPO)
         results = cluster.wait(RUN_TIMEOUT_S)
@@ -122,16 +133,33 @@ def test_cli_tears_down_on_sigterm_and_failure(cluster_env):
     sleeper.write_text("import time\ntime.sleep(300)\n")
     failing = cluster_env / "fail.py"
     failing.write_text("import os, sys\nsys.exit(3 if os.environ['NETCLUSTER_NODE'] == '1' else 0)\n")
-    cli = [sys.executable, str(REPO / "scripts" / "netcluster.py"), "--nodes", "2", "--timeout", "120",
-           "--fail-grace", "3", "--"]
+    cli = [
+        sys.executable,
+        str(REPO / "scripts" / "netcluster.py"),
+        "--nodes",
+        "2",
+        "--timeout",
+        "120",
+        "--fail-grace",
+        "3",
+        "--",
+    ]
     try:
-        done = subprocess.run([*cli, str(failing)], capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
-                              env={**os.environ, "NETCLUSTER_STALE_AFTER_S": "0"})  # it is seconds old
+        done = subprocess.run(
+            [*cli, str(failing)],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+            env={**os.environ, "NETCLUSTER_STALE_AFTER_S": "0"},
+        )  # it is seconds old
         cleaned = stale not in netcluster.list_namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=20)  # if it is left
-    assert done.returncode == 1 and "node 1 (10.213.0.2): exit 1" in done.stdout \
-        and "node 0 (10.213.0.1): killed: still running 3 s after node 1 failed" in done.stdout, done.stdout + done.stderr
+    assert (
+        done.returncode == 1
+        and "node 1 (10.213.0.2): exit 1" in done.stdout
+        and "node 0 (10.213.0.1): killed: still running 3 s after node 1 failed" in done.stdout
+    ), done.stdout + done.stderr
     assert cleaned, "a dead run's namespace was not cleaned at start"
     for sig in (signal.SIGTERM, signal.SIGINT):
         proc = subprocess.Popen([*cli, str(sleeper)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -177,8 +205,22 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
     node's torchrun exited, the errors its ranks reported)."""
     survivor = 1 - victim
     out = tmp / "faulted"
-    job = _job(out, "--stages", stage, "--steps", 100_000, "--save-at", save_at, "--ckpt", tmp / "ckpt",
-               "--progress", "--comm-timeout-s", COMM_TIMEOUT_S, "--max-seconds", 180)
+    job = _job(
+        out,
+        "--stages",
+        stage,
+        "--steps",
+        100_000,
+        "--save-at",
+        save_at,
+        "--ckpt",
+        tmp / "ckpt",
+        "--progress",
+        "--comm-timeout-s",
+        COMM_TIMEOUT_S,
+        "--max-seconds",
+        180,
+    )
     with netcluster.NetCluster(2, rate_bps=10**9) as cluster:
         # Monitor every 1 s: torchrun stops a node's other workers once one fails; give each the time
         # to report its own error first.
@@ -193,11 +235,12 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
         result = cluster.wait(0)[survivor]
     assert result.returncode not in (0, None) and not result.killed, result.output[-3000:]
     reports = _reports(out, 4)
-    missing = [r["rank"] for r in reports if r["node"] == survivor and not (out / f"rank{r['rank']}.error.json").exists()]
+    missing = [
+        r["rank"] for r in reports if r["node"] == survivor and not (out / f"rank{r['rank']}.error.json").exists()
+    ]
     # Seen once under a full suite's load (2026-12-02), never alone: say what the survivor node printed.
     assert not missing, f"ranks {missing} wrote no error report; node {survivor}'s output:\n{result.output[-4000:]}"
-    errors = [json.loads((out / f"rank{r['rank']}.error.json").read_text())
-              for r in reports if r["node"] == survivor]
+    errors = [json.loads((out / f"rank{r['rank']}.error.json").read_text()) for r in reports if r["node"] == survivor]
     assert len(errors) == 2 and all(e["type"] == "CollectiveError" for e in errors), errors
     return reports, exit_s, errors
 
@@ -213,13 +256,17 @@ def test_node_killed_mid_step_then_resume_on_fresh_nodes(cluster_env):
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
     assert all(e["since_last_step_s"] < COMM_TIMEOUT_S for e in errors), errors
     with netcluster.NetCluster(2, rate_bps=10**9) as fresh:
-        fresh.launch(_job(cluster_env / "resumed", "--stages", stage, "--steps", 3, "--resume",
-                          "--ckpt", cluster_env / "ckpt"), 2, module=True, cwd=REPO)
+        fresh.launch(
+            _job(cluster_env / "resumed", "--stages", stage, "--steps", 3, "--resume", "--ckpt", cluster_env / "ckpt"),
+            2,
+            module=True,
+            cwd=REPO,
+        )
         _assert_ok(fresh.wait(RUN_TIMEOUT_S))
     for old, new in zip(before, _reports(cluster_env / "resumed", 4)):
         resumed = new["stages"][str(stage)]
         assert resumed["first_step"] == save_at and len(resumed["losses"]) == 3
-        assert resumed["losses"] == old["stages"][str(stage)]["losses"][save_at:save_at + 3], old["rank"]
+        assert resumed["losses"] == old["stages"][str(stage)]["losses"][save_at : save_at + 3], old["rank"]
 
 
 @pytest.mark.slow
@@ -238,8 +285,19 @@ def test_sweep_table_regenerates_from_its_json(tmp_path):
     committed = (REPO / "docs" / "multinode.md").read_text()
     begin, end = "<!-- bandwidth_sweep:begin -->", "<!-- bandwidth_sweep:end -->"
     doc.write_text(committed.split(begin)[0] + begin + "\nstale\n" + end + committed.split(end)[1])
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bandwidth_sweep.py"), "--from-json",
-                           "--json", str(REPO / "docs" / "bench" / "multinode_sweep.json"), "--doc", str(doc)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "scripts" / "bandwidth_sweep.py"),
+            "--from-json",
+            "--json",
+            str(REPO / "docs" / "bench" / "multinode_sweep.json"),
+            "--doc",
+            str(doc),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert doc.read_text() == committed

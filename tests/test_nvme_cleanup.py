@@ -8,6 +8,7 @@ processes] in zeroshard/offload/cleanup.py).
   * SIGTERM removes the files, and the process still dies by SIGTERM; a user's own SIGTERM handler
     is left in place and the files are removed on its sys.exit.
 """
+
 from __future__ import annotations
 
 import os

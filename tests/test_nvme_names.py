@@ -3,6 +3,7 @@ share a directory or a file, each directory names its (dp, tp, pp), and the recl
 process's directory ([Note: swap files of dead processes] in offload/cleanup.py) removes that one
 only, never the live peer with the same dp rank.
 """
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,11 @@ _NAME = re.compile(r"zeroshard-\d+-(rank\d+-tp\d+-pp\d+)-[0-9a-f]{8}")
 def _worker(rank, world_size, *, nvme: str):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = dtensor_model(mesh)
-    config = {"train_micro_batch_size_per_gpu": mm.BATCH, "zeroshard": {"comm_timeout_s": 120},
-              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+    config = {
+        "train_micro_batch_size_per_gpu": mm.BATCH,
+        "zeroshard": {"comm_timeout_s": 120},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": nvme}},
+    }
     engine, *_ = zeroshard.initialize(model=model, optimizer=mm.adamw(model.parameters()), mesh=mesh, config=config)
     engine.backward(mm.mse(engine, *mm.batches(0, 0, mesh.get_local_rank("dp"))))
     engine.step()
@@ -66,8 +70,12 @@ _HOLDER = textwrap.dedent("""
 def test_reclaim_removes_the_dead_tp_peer_only(tmp_path):
     nvme = tmp_path / "nvme"
     live = NVMeStore(nvme, 0, 1 << 20, threads=1, coordinate={"tp": 0, "pp": 0})  # dp 0, tp 0: alive
-    proc = subprocess.Popen([sys.executable, "-c", _HOLDER.format(src=SRC, nvme=str(nvme))],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER.format(src=SRC, nvme=str(nvme))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     dead = Path(proc.stdout.readline().strip())
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)

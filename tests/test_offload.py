@@ -4,6 +4,7 @@ Parity: every offload setting trains bit-for-bit like the same run without offlo
 10 steps). Failures: an unwritable path, too little free space, a truncated or deleted swap file
 are errors that name the path, raised before anything is updated.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ STEPS = 10
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
 
 
-def _offload_config(stage, optimizer_device, param_device, nvme_path, sub_group_size=None, precision=None,
-                    nvme_io=None):
+def _offload_config(
+    stage, optimizer_device, param_device, nvme_path, sub_group_size=None, precision=None, nvme_io=None
+):
     config = make_config(stage)
     if nvme_io:  # the NVMe store's path for the optimizer stream (offload/blockio.py); default "mapped"
         config.setdefault("zeroshard", {})["nvme_io"] = nvme_io
@@ -43,13 +45,24 @@ def _offload_config(stage, optimizer_device, param_device, nvme_path, sub_group_
 
 def _parity(stage, optimizer_device, param_device, tmp, sub_group_size=None, precision=None, nvme_io=None):
     nvme = os.path.join(tmp, f"nvme-{stage}-{optimizer_device}-{param_device}-{sub_group_size}-{nvme_io}")
-    plain = train_engine(gpt_model_fn(), BATCHES, config=_offload_config(stage, None, None, nvme, None, precision),
-                         steps=STEPS, record_params=True)
-    offloaded = train_engine(gpt_model_fn(), BATCHES, steps=STEPS, record_params=True,
-                             config=_offload_config(stage, optimizer_device, param_device, nvme,
-                                                    sub_group_size, precision, nvme_io))
-    what = (f"stage {stage} optimizer->{optimizer_device} params->{param_device} sub-group {sub_group_size} "
-            f"nvme_io {nvme_io}")
+    plain = train_engine(
+        gpt_model_fn(),
+        BATCHES,
+        config=_offload_config(stage, None, None, nvme, None, precision),
+        steps=STEPS,
+        record_params=True,
+    )
+    offloaded = train_engine(
+        gpt_model_fn(),
+        BATCHES,
+        steps=STEPS,
+        record_params=True,
+        config=_offload_config(stage, optimizer_device, param_device, nvme, sub_group_size, precision, nvme_io),
+    )
+    what = (
+        f"stage {stage} optimizer->{optimizer_device} params->{param_device} sub-group {sub_group_size} "
+        f"nvme_io {nvme_io}"
+    )
     assert_close(offloaded, plain, exact=True, what=what)
     leftovers = list(Path(nvme).glob("zeroshard-*")) if os.path.isdir(nvme) else []
     assert not leftovers, f"swap files left after destroy(): {leftovers}"
@@ -112,19 +125,21 @@ def _bad_path(kind: str, tmp: str) -> str:
 def _worker(rank: int, world: int, tmp: str) -> dict:
     tmp = os.path.join(tmp, f"rank{rank}")
     os.makedirs(tmp, exist_ok=True)
-    cases = [dict(stage=1, optimizer_device="cpu", param_device=None),
-             dict(stage=2, optimizer_device="nvme", param_device=None),
-             dict(stage=3, optimizer_device="cpu", param_device="cpu"),
-             dict(stage=3, optimizer_device="nvme", param_device=None),
-             dict(stage=3, optimizer_device=None, param_device="nvme"),
-             dict(stage=3, optimizer_device="nvme", param_device="nvme"),
-             dict(stage=3, optimizer_device="nvme", param_device="nvme", sub_group_size=1000),
-             dict(stage=2, optimizer_device="nvme", param_device=None, precision="bf16"),
-             dict(stage=3, optimizer_device="nvme", param_device="nvme", precision="bf16"),
-             # the aligned paths of the optimizer stream (staged sub-groups), bit-exact too
-             dict(stage=2, optimizer_device="nvme", param_device=None, nvme_io="direct"),
-             dict(stage=3, optimizer_device="nvme", param_device="nvme", sub_group_size=1000, nvme_io="direct"),
-             dict(stage=3, optimizer_device="nvme", param_device="nvme", nvme_io="buffered")]
+    cases = [
+        dict(stage=1, optimizer_device="cpu", param_device=None),
+        dict(stage=2, optimizer_device="nvme", param_device=None),
+        dict(stage=3, optimizer_device="cpu", param_device="cpu"),
+        dict(stage=3, optimizer_device="nvme", param_device=None),
+        dict(stage=3, optimizer_device=None, param_device="nvme"),
+        dict(stage=3, optimizer_device="nvme", param_device="nvme"),
+        dict(stage=3, optimizer_device="nvme", param_device="nvme", sub_group_size=1000),
+        dict(stage=2, optimizer_device="nvme", param_device=None, precision="bf16"),
+        dict(stage=3, optimizer_device="nvme", param_device="nvme", precision="bf16"),
+        # the aligned paths of the optimizer stream (staged sub-groups), bit-exact too
+        dict(stage=2, optimizer_device="nvme", param_device=None, nvme_io="direct"),
+        dict(stage=3, optimizer_device="nvme", param_device="nvme", sub_group_size=1000, nvme_io="direct"),
+        dict(stage=3, optimizer_device="nvme", param_device="nvme", nvme_io="buffered"),
+    ]
     subtests([dict(c, tmp=tmp) for c in cases], _parity)
     damage = subtests([dict(kind=k, tmp=tmp) for k in ("truncated", "missing")], _damage)
     paths = subtests([dict(kind=k, tmp=tmp) for k in ("unwritable", "full disk")], _bad_path)

@@ -52,8 +52,12 @@ def test_torch_adam_keeps_torch_default_weight_decay():
 
 
 def test_adam_params_pass_through():
-    opt = _build({"type": "adamw", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6,
-                                              "weight_decay": 0.1, "amsgrad": True}})
+    opt = _build(
+        {
+            "type": "adamw",
+            "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1, "amsgrad": True},
+        }
+    )
     assert _hyper(opt) == {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-6, "weight_decay": 0.1, "amsgrad": True}
 
 
@@ -62,13 +66,20 @@ def test_sgd():
     group = opt.param_groups[0]
     assert type(opt) is torch.optim.SGD
     assert (group["lr"], group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"]) == (
-        0.1, 0.9, 0.0, 1e-4, True)
+        0.1,
+        0.9,
+        0.0,
+        1e-4,
+        True,
+    )
 
 
 def test_param_group_dicts():
     a, b = _params()
-    opt = _build({"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
-                 [{"params": [a]}, {"params": [b], "weight_decay": 0.0, "lr": 0.5}])
+    opt = _build(
+        {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        [{"params": [a]}, {"params": [b], "weight_decay": 0.0, "lr": 0.5}],
+    )
     assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
     assert [g["lr"] for g in opt.param_groups] == [0.01, 0.5]
 
@@ -120,8 +131,9 @@ def test_other_optimizers_are_rejected_by_name(optimizer):
     assert isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize("cls, kwargs", [(torch.optim.AdamW, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-                                         (torch.optim.Adagrad, {})])
+@pytest.mark.parametrize(
+    "cls, kwargs", [(torch.optim.AdamW, {}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adagrad, {})]
+)
 def test_optimizer_with_state_is_rejected(cls, kwargs):
     params = _params()
     opt = cls(params, **kwargs)

@@ -3,6 +3,7 @@ and the all-gather are one exchange of halves each, bit for bit what gloo's own 
 place and into a separate buffer; other world sizes keep the backend's collectives. The exchange is
 one message within a node and pieces across nodes ([Note: pieces across a link, one message within a
 node] in core/comm.py); every rank must place the ranks on nodes alike."""
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ def _worker(rank: int, world: int, numel: int = 1000, nodes: int = 1) -> dict:
     separate = torch.empty(numel)
     handles = [comm.reduce_scatter(separate, full, "separate", async_op=True)]
     in_place_full = full.clone()
-    own = in_place_full[rank * numel:(rank + 1) * numel]
+    own = in_place_full[rank * numel : (rank + 1) * numel]
     handles.append(comm.reduce_scatter(own, in_place_full, "in place", async_op=True))
     messages = [len(h._work.works) for h in handles] if comm.pairwise else []
     for handle in handles:  # two in flight at once: their messages must not cross
@@ -35,26 +36,33 @@ def _worker(rank: int, world: int, numel: int = 1000, nodes: int = 1) -> dict:
     reference = torch.empty(world * numel)
     dist.all_gather_into_tensor(reference, separate)
     assert torch.equal(gathered, reference)
-    return {"pairwise": comm.pairwise, "reduce_scatter_bytes": comm.counter.paper["reduce_scatter"],
-            "messages": messages}
+    return {
+        "pairwise": comm.pairwise,
+        "reduce_scatter_bytes": comm.counter.paper["reduce_scatter"],
+        "messages": messages,
+    }
 
 
 def _gather_worker(rank: int, world: int) -> dict:
     comm = Communicator(timeout_s=30)
     generator = torch.Generator().manual_seed(rank)
-    cases = {"fp32": torch.randn(1000, generator=generator),
-             "int8": torch.randint(-128, 128, (1000,), dtype=torch.int8, generator=generator),
-             "bf16": torch.randn(999, generator=generator).to(torch.bfloat16)}
+    cases = {
+        "fp32": torch.randn(1000, generator=generator),
+        "int8": torch.randint(-128, 128, (1000,), dtype=torch.int8, generator=generator),
+        "bf16": torch.randn(999, generator=generator).to(torch.bfloat16),
+    }
     checks = []
     for name, shard in cases.items():
         expected = torch.empty(world * shard.numel(), dtype=shard.dtype)
         dist.all_gather_into_tensor(expected, shard)
         separate = torch.full_like(expected, 7)  # stale values must all be overwritten
         in_place = torch.full_like(expected, 7)
-        own = in_place[rank * shard.numel():(rank + 1) * shard.numel()]
+        own = in_place[rank * shard.numel() : (rank + 1) * shard.numel()]
         own.copy_(shard)
-        handles = [comm.all_gather(separate, shard, f"separate {name}", async_op=True),
-                   comm.all_gather(in_place, own, f"in place {name}", async_op=True)]
+        handles = [
+            comm.all_gather(separate, shard, f"separate {name}", async_op=True),
+            comm.all_gather(in_place, own, f"in place {name}", async_op=True),
+        ]
         for handle in handles:  # two in flight at once: their messages must not cross
             handle.wait()
         checks.append(torch.equal(separate, expected) and torch.equal(in_place, expected))
@@ -104,7 +112,9 @@ def _nodes_worker(rank: int, world: int) -> dict:
 def test_ranks_placing_nodes_differently_is_an_error_on_every_rank():
     reports = run_distributed(_nodes_worker, 2)
     for report in reports:
-        assert report["error"] and "LOCAL_WORLD_SIZE" in report["error"] and "between 1 and 2" in report["error"], reports
+        assert report["error"] and "LOCAL_WORLD_SIZE" in report["error"] and "between 1 and 2" in report["error"], (
+            reports
+        )
 
 
 def test_four_ranks_keep_the_backend_reduce_scatter():

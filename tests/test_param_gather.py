@@ -7,6 +7,7 @@ script's own reads after `wait_parameters()`, [Note: reads before the next forwa
 really are left in flight by step(); failures as in test_failures.py, where a rank that fails alone
 names the error at the healthy rank's next forward, where it waits for its gather.
 """
+
 from __future__ import annotations
 
 import time
@@ -32,8 +33,16 @@ def _config(stage: int, gas: int = 1, clip: float = 0.0, **zero) -> dict:
 
 
 def _parity_case(stage: int, gas: int, clip: float) -> None:
-    ref = train_ddp(gpt_model_fn(), BATCHES, optimizer_fn=adamw, steps=STEPS, grad_accum=gas, clip=clip,
-                    reduce_every_micro_step=stage >= 2, record_params=True)
+    ref = train_ddp(
+        gpt_model_fn(),
+        BATCHES,
+        optimizer_fn=adamw,
+        steps=STEPS,
+        grad_accum=gas,
+        clip=clip,
+        reduce_every_micro_step=stage >= 2,
+        record_params=True,
+    )
     # record_params reads the parameters after every step through gathered_parameters, which waits.
     ours = train_engine(gpt_model_fn(), BATCHES, config=_config(stage, gas, clip), steps=STEPS, record_params=True)
     assert_close(ours, ref, exact=True, what=f"stage {stage} gas {gas} clip {clip}")
@@ -54,8 +63,9 @@ def _readers_case(stage: int) -> None:
     runs = {}
     for overlap in (False, True):
         model = gpt_model_fn()()
-        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
-                                          config=_config(stage) if overlap else plain_config)
+        engine, *_ = zeroshard.initialize(
+            model=model, optimizer=adamw(model.parameters()), config=_config(stage) if overlap else plain_config
+        )
         seen = []
         for step in range(3):
             engine.backward(gpt_loss(engine, *BATCHES(step, 0, engine.global_rank)))
@@ -82,16 +92,33 @@ def _readers_case(stage: int) -> None:
 # The script's own reads between step() and the next forward, each in a step of its own: what it
 # reads (a clone), and whether it must have waited for the gathers.
 SCRIPT_READS = [
-    ("EMA lerp_ over detached parameters", True,
-     lambda model, ema: [e.lerp_(p.detach(), 0.5) for e, p in zip(ema, model.parameters())] and [e.clone() for e in ema]),
+    (
+        "EMA lerp_ over detached parameters",
+        True,
+        lambda model, ema: (
+            [e.lerp_(p.detach(), 0.5) for e, p in zip(ema, model.parameters())] and [e.clone() for e in ema]
+        ),
+    ),
     ("p.data.clone()", True, lambda model, ema: [p.data.clone() for p in model.parameters()]),
     ("a view of p.data taken before the step", True, lambda model, ema: [v.clone() for v in ema.views]),
-    ("torch._foreach_mul over the parameters", True,
-     lambda model, ema: torch._foreach_mul([p.detach() for p in model.parameters()], 1.0)),
+    (
+        "torch._foreach_mul over the parameters",
+        True,
+        lambda model, ema: torch._foreach_mul([p.detach() for p in model.parameters()], 1.0),
+    ),
     ("p.norm() for a log line", True, lambda model, ema: [p.norm().detach() for p in model.parameters()]),
-    ("metadata: shape, dtype, .grad, numel(), module.zero_grad()", False,
-     lambda model, ema: model.zero_grad() or [torch.tensor([p.numel(), p.dim()] + list(p.shape)) for p in model.parameters()
-                                              if p.grad is None and p.dtype == torch.float32]),
+    (
+        "metadata: shape, dtype, .grad, numel(), module.zero_grad()",
+        False,
+        lambda model, ema: (
+            model.zero_grad()
+            or [
+                torch.tensor([p.numel(), p.dim()] + list(p.shape))
+                for p in model.parameters()
+                if p.grad is None and p.dtype == torch.float32
+            ]
+        ),
+    ),
 ]
 
 
@@ -147,8 +174,9 @@ def _overlap_config(*args, **kwargs):
 
 def _failed_calls_worker(rank: int, world: int) -> None:
     failures.make_config = _overlap_config  # test_failures' engines, with the option on
-    cases = [dict(stage=s, offload=None, gas=g, nvme="", kind=k) for s in (1, 2) for g in (1, 2)
-             for k in failures.KINDS]
+    cases = [
+        dict(stage=s, offload=None, gas=g, nvme="", kind=k) for s in (1, 2) for g in (1, 2) for k in failures.KINDS
+    ]
     cases += [dict(stage=2, offload="cpu", gas=1, nvme="", kind=k) for k in failures.KINDS]
     subtests(cases, failures._all_ranks_case)
 
@@ -163,8 +191,9 @@ def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
 
 
 def test_one_rank_failing_in_backward_names_an_error_on_every_rank():
-    healthy, failing = run_distributed(_one_rank_worker, 2, timeout=10 * failures.COMM_TIMEOUT_S,
-                                       kind="backward", stage=1)
+    healthy, failing = run_distributed(
+        _one_rank_worker, 2, timeout=10 * failures.COMM_TIMEOUT_S, kind="backward", stage=1
+    )
     assert failing["first"][0] == "Injected", failing
     assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
     assert healthy["second"][0] == "CollectiveError" and "refused" in healthy["second"][1], healthy

@@ -4,6 +4,7 @@ At 2 ranks fp32 is bit-for-bit (a + b is exact in either order); at 4 ranks the 
 differs, so 1e-5 relative. Stages 0/1 accumulate micro steps locally and reduce once (DDP with
 no_sync); stages 2/3 reduce every micro step (DDP reducing each micro step into an fp32 accumulator).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,10 +30,17 @@ def _parity_case(stage: int, gas: int, clip: float, world: int, head: bool = Fal
     # shift-invariant), so its computed gradient is rounding noise that Adam's m / sqrt(v) turns into
     # +-lr steps whose sign depends on summation order. That is the model, not ZeRO.
     model_fn = gpt_model_fn(**model) if world == 2 else gpt_model_fn(bias=False, **model)
-    ref = train_ddp(model_fn, batches, optimizer_fn=adamw, steps=STEPS, grad_accum=gas, clip=clip,
-                    reduce_every_micro_step=stage >= 2, record_params=True)
-    ours = train_engine(model_fn, batches, config=make_config(stage, gas, clip), steps=STEPS,
-                        record_params=True)
+    ref = train_ddp(
+        model_fn,
+        batches,
+        optimizer_fn=adamw,
+        steps=STEPS,
+        grad_accum=gas,
+        clip=clip,
+        reduce_every_micro_step=stage >= 2,
+        record_params=True,
+    )
+    ours = train_engine(model_fn, batches, config=make_config(stage, gas, clip), steps=STEPS, record_params=True)
     what = f"stage {stage} gas {gas} clip {clip} world {world} head {head}"
     assert ("lm_head" in ours["units"]) == head, (what, ours["units"])
     assert_close(ours, ref, exact=world == 2, what=what)
@@ -53,23 +61,36 @@ def _accounting_case(stage: int, world: int) -> dict:
     ours = train_engine(gpt_model_fn(), batches, config=make_config(stage, stage3_max_reuse_distance=0), steps=3)
     psi = ours["num_parameters"]
     expected_comm = (3 if stage == 3 else 2) * psi * 4  # fp32, paper convention
-    assert abs(ours["comm_per_step"] - expected_comm) <= 0.02 * expected_comm, (stage, ours["comm_per_step"], expected_comm)
+    assert abs(ours["comm_per_step"] - expected_comm) <= 0.02 * expected_comm, (
+        stage,
+        ours["comm_per_step"],
+        expected_comm,
+    )
     predicted = model_state_bytes(psi, world, stage, recipe("fp32", "adam"))
     memory = ours["memory"]
     # Named buffers on top of the formula: Adam's `step` counter (one fp32 scalar per flat group).
     step_counters = 4 * ours["groups"]
-    for measured, formula in ((memory["params"] + memory["master"], predicted.params),
-                              (memory["grads"], predicted.grads),
-                              (memory["optimizer"] - step_counters, predicted.optimizer)):
+    for measured, formula in (
+        (memory["params"] + memory["master"], predicted.params),
+        (memory["grads"], predicted.grads),
+        (memory["optimizer"] - step_counters, predicted.optimizer),
+    ):
         assert abs(measured - formula) <= 0.02 * formula, (stage, world, memory, predicted)
-    return {"stage": stage, "comm": ours["comm_per_step"], "expected_comm": expected_comm,
-            "memory": memory, "predicted_total": predicted.total}
+    return {
+        "stage": stage,
+        "comm": ours["comm_per_step"],
+        "expected_comm": expected_comm,
+        "memory": memory,
+        "predicted_total": predicted.total,
+    }
 
 
 def _parity_worker(rank: int, world: int) -> dict:
     accounting = subtests([dict(stage=s, world=world) for s in range(4)], _accounting_case)
-    return {"parity": subtests([dict(case, world=world) for case in CASES + HEAD_CASES], _parity_case),
-            "accounting": accounting}
+    return {
+        "parity": subtests([dict(case, world=world) for case in CASES + HEAD_CASES], _parity_case),
+        "accounting": accounting,
+    }
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -7,6 +7,7 @@ gradient norms (global over both stages) and every stage's final parameters with
 `train_single` over the dp ranks. (Stage 3 holds parity; inside a schedule step it keeps a stage's
 units gathered, see `backward_by_caller`.)
 """
+
 from __future__ import annotations
 
 import pytest
@@ -44,11 +45,18 @@ def build_stage(mesh, stage: int, *, blocks: int = 2, tensor_parallel=None):
     part = mm.Part(mm.model_fn(blocks=blocks)(), pp_rank, num_stages)
     if tensor_parallel is not None:
         part = tensor_parallel(part)
-    sharded = zeroshard.shard(part, mm.adamw(part.parameters()), stage=stage, mesh=mesh,
-                              comm=zeroshard.CommPolicy(timeout_s=120))
+    sharded = zeroshard.shard(
+        part, mm.adamw(part.parameters()), stage=stage, mesh=mesh, comm=zeroshard.CommPolicy(timeout_s=120)
+    )
     sharded.set_gradient_clipping(CLIP)
-    pipe = PipelineStage(part, pp_rank, num_stages, torch.device("cpu"), group=mesh.get_group("pp"),
-                         input_args=torch.empty(mm.BATCH, mm.D))
+    pipe = PipelineStage(
+        part,
+        pp_rank,
+        num_stages,
+        torch.device("cpu"),
+        group=mesh.get_group("pp"),
+        input_args=torch.empty(mm.BATCH, mm.D),
+    )
     return sharded, pipe
 
 
@@ -97,8 +105,9 @@ def _worker(rank, world_size):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
     ref = mm.reference(2, steps=STEPS, gas=MICRO, clip=CLIP)
     assert ref["grad_norms"][0] > CLIP, "the test's clipping must bite"
-    return subtests(grid(stage=[1, 2, 3], schedule=["gpipe", "1f1b"]),
-                    lambda stage, schedule: _case(mesh, ref, stage, schedule))
+    return subtests(
+        grid(stage=[1, 2, 3], schedule=["gpipe", "1f1b"]), lambda stage, schedule: _case(mesh, ref, stage, schedule)
+    )
 
 
 def test_dp2_pp2_matches_single_process():

@@ -9,6 +9,7 @@ the code path is then exactly the GPU's (separate master in the store, step ther
 to the device parameters or the stage-3 compute shard), on CPU tensors. Every case also trains
 bit-for-bit like the same run without offload (fp32 and bf16, 2 gloo ranks).
 """
+
 from __future__ import annotations
 
 import os
@@ -51,8 +52,14 @@ def _store(kind: str, foreign: bool, rank: int, tmp: str):
 def _train(stage: int, dtype: str, placement: Placement | None):
     model = gpt_model_fn()()
     precision = PrecisionPolicy(DTYPES[dtype], DTYPES[dtype])
-    sharded = zeroshard.shard(model, adamw(model.parameters()), stage=stage, precision=precision,
-                              offload=placement, comm=zeroshard.CommPolicy(timeout_s=60))
+    sharded = zeroshard.shard(
+        model,
+        adamw(model.parameters()),
+        stage=stage,
+        precision=precision,
+        offload=placement,
+        comm=zeroshard.CommPolicy(timeout_s=60),
+    )
     losses = []
     for step in range(STEPS):
         loss = gpt_loss(sharded, *BATCHES(step, 0, sharded.comm.rank))
@@ -81,13 +88,15 @@ def _placement_case(stage: int, dtype: str, kind: str, foreign: bool, rank: int,
             assert (group.compute_shard is not None) == foreign, f"{what}: compute shard"
             if foreign:
                 assert group.compute_shard.dtype == DTYPES[dtype]
-                assert torch.equal(group.compute_shard.float(), group.master.to(DTYPES[dtype]).float()), \
+                assert torch.equal(group.compute_shard.float(), group.master.to(DTYPES[dtype]).float()), (
                     f"{what}: compute shard does not follow the master"
+                )
         elif stage in (1, 2) and separate:
             start, end = group.opt_range  # the device parameters took the updated master
             assert torch.equal(group.full[start:end], group.master.to(DTYPES[dtype])), what
-    states = [v for s in sharded.optimizer.state.values() for v in s.values()
-              if isinstance(v, torch.Tensor) and v.dim() == 1]
+    states = [
+        v for s in sharded.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() == 1
+    ]
     assert states and all(store.holds(v) for v in states), f"{what}: optimizer state outside the store"
     report = sharded.memory_report()
     held_master = sum(g.master.numel() * 4 for g in groups if store.holds(g.master))
@@ -118,8 +127,7 @@ def _worker(rank: int, world: int, tmp: str) -> list:
             assert torch.equal(out["params"][name], value), f"{what}: '{name}' differs from no offload"
         return out["report"]
 
-    return subtests(grid(stage=[1, 2, 3], dtype=["fp32", "bf16"], kind=["cpu", "nvme"], foreign=[True, False]),
-                    case)
+    return subtests(grid(stage=[1, 2, 3], dtype=["fp32", "bf16"], kind=["cpu", "nvme"], foreign=[True, False]), case)
 
 
 def test_offload_placement_by_device(tmp_path):
@@ -162,7 +170,7 @@ def _collectives(comm, rank: int, world: int, async_op: bool) -> dict:
         handle.wait()
     out["reduce_scatter"] = reduced
     in_place = torch.arange(4.0 * world) * (rank + 1)  # stage 1: the output is a slice of the input
-    comm.reduce_scatter(in_place[4 * rank: 4 * (rank + 1)], in_place, "test: in-place reduce-scatter")
+    comm.reduce_scatter(in_place[4 * rank : 4 * (rank + 1)], in_place, "test: in-place reduce-scatter")
     out["in_place"] = in_place
     for op in ("sum", "max"):
         value = torch.tensor([1.0 + rank, 5.0 - rank], dtype=torch.float64)

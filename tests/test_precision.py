@@ -5,6 +5,7 @@ of the model computes each rank's gradients, which are averaged the way DDP does
 summed in rank order) in the reduce dtype, converted to fp32, unscaled, and applied by AdamW to an
 fp32 master model whose values are then copied into the low-precision model.
 """
+
 from __future__ import annotations
 
 import copy
@@ -86,7 +87,7 @@ def _matches_recipe(stage: int, precision: str) -> dict:
     full = _gather_masters(engine)
     assert engine.skipped_steps == 0
     engine.destroy()
-    scale = 2.0 ** 8 if precision == "fp16" else 1.0
+    scale = 2.0**8 if precision == "fp16" else 1.0
     ref = _mixed_reference(dtype, STEPS, engine_world(), scale)
     worst = 0.0
     for name, value in ref["params"].items():
@@ -96,8 +97,13 @@ def _matches_recipe(stage: int, precision: str) -> dict:
     if rank == 0:
         assert max(abs(a - b) for a, b in zip(losses, ref["losses"])) <= 1e-2, (losses, ref["losses"])
     assert sum(losses[-3:]) < 0.8 * sum(losses[:3]), f"loss must fall: {losses}"
-    return {"precision": precision, "stage": stage, "worst_relative_error": worst,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+    return {
+        "precision": precision,
+        "stage": stage,
+        "worst_relative_error": worst,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
 
 
 def engine_world() -> int:
@@ -115,7 +121,7 @@ def _gather_masters(engine) -> dict:
         else:
             full = shard
         for slot in group.layout.slots:
-            out[slot.name] = full[slot.offset: slot.offset + slot.numel].view(slot.shape).clone()
+            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
     return out
 
 
@@ -184,7 +190,7 @@ def test_unsupported_half_precision_is_named(monkeypatch):
     from zeroshard.core.precision import check_supported
 
     def no_half_layer_norm(*args, **kwargs):
-        raise RuntimeError('"LayerNormKernelImpl" not implemented for \'Half\'')
+        raise RuntimeError("\"LayerNormKernelImpl\" not implemented for 'Half'")
 
     monkeypatch.setattr(torch.nn.functional, "layer_norm", no_half_layer_norm)
     with pytest.raises(RuntimeError, match="fp16 is enabled in the config.*cannot train in fp16 on cpu"):

@@ -1,4 +1,5 @@
 """The tiny GPT and the DDP reference trainer (the oracle every zeroshard feature is compared with)."""
+
 import math
 
 import pytest
@@ -22,6 +23,7 @@ def _adam(params):
 
 
 # ---------------------------------------------------------------- the model, in one process
+
 
 def test_parameter_count_is_gpt2s():
     with torch.device("meta"):  # shapes only: no 500 MB allocation
@@ -87,11 +89,13 @@ def test_train_single_learns(one_thread):
     out = train_single(_tiny_model, gpt_batches(cfg), optimizer_fn=_adam, steps=15, record_params=True)
     first, last = out["losses"][0][0], out["losses"][-1][0]
     assert last < first - 0.5, (first, last)  # counting sequences are learnable
-    assert len(out["params_per_step"]) == 15 and torch.equal(out["params_per_step"][-1]["tok_emb.weight"],
-                                                              out["params"]["tok_emb.weight"])
+    assert len(out["params_per_step"]) == 15 and torch.equal(
+        out["params_per_step"][-1]["tok_emb.weight"], out["params"]["tok_emb.weight"]
+    )
 
 
 # ---------------------------------------------------------------- DDP reference, 2 ranks, one spawn
+
 
 def _flat(tensors: dict) -> torch.Tensor:
     return torch.cat([t.flatten() for _, t in sorted(tensors.items())])  # 1-D, all values
@@ -113,8 +117,14 @@ def _reference_worker(rank, world_size):
     batches = gpt_batches(cfg, batch_size=2)
 
     def one_case(grad_accum, reduce_every_micro_step, clip):
-        kw = dict(optimizer_fn=_adam, steps=3, grad_accum=grad_accum, clip=clip,
-                  reduce_every_micro_step=reduce_every_micro_step, record_grads=True)
+        kw = dict(
+            optimizer_fn=_adam,
+            steps=3,
+            grad_accum=grad_accum,
+            clip=clip,
+            reduce_every_micro_step=reduce_every_micro_step,
+            record_grads=True,
+        )
         ddp = train_ddp(_tiny_model, batches, **kw)
         single = train_single(_tiny_model, batches, world_size=world_size, **kw)
         # DDP leaves every rank with the same gradients, hence the same parameters.
@@ -136,8 +146,13 @@ def _reference_worker(rank, world_size):
     cases = grid(grad_accum=[1, 2], reduce_every_micro_step=[False, True], clip=[0.0, 0.05])
     results = subtests(cases, one_case)
     # Losses fall over a few more steps with a schedule.
-    sched = train_ddp(_tiny_model, batches, optimizer_fn=_adam, steps=20,
-                      lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.5))
+    sched = train_ddp(
+        _tiny_model,
+        batches,
+        optimizer_fn=_adam,
+        steps=20,
+        lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10, gamma=0.5),
+    )
     return {"cases": cases, "results": results, "sched_losses": sched["losses"]}
 
 

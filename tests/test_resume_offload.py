@@ -13,6 +13,7 @@ bit. A checkpoint whose optimizer state is missing is an error naming the file.
 
 Block shard at 2 ranks: 6352 elements (12704 at 1 rank); root shard: 1312.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,12 @@ from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.files import hash_file
 
 BEFORE, AFTER = 3, 2
-SUB_GROUP_SIZES = {"smaller, not dividing": 1000, "dividing the block shard": 3176,
-                   "equal to the block shard": 6352, "larger": 10 ** 9}
+SUB_GROUP_SIZES = {
+    "smaller, not dividing": 1000,
+    "dividing the block shard": 3176,
+    "equal to the block shard": 6352,
+    "larger": 10**9,
+}
 DEVICES = ["cpu", "nvme"]
 STAGES = [1, 2, 3]
 
@@ -74,8 +79,7 @@ def _resume_worker(rank: int, world: int, *, root: str) -> dict:
         for name, value in reference["params"].items():
             assert torch.equal(params[name], value), f"'{name}' differs by {(params[name] - value).abs().max()}"
 
-    subtests([dict(stage=s, device=d, size=z) for s in STAGES for d in DEVICES for z in SUB_GROUP_SIZES.values()],
-             case)
+    subtests([dict(stage=s, device=d, size=z) for s in STAGES for d in DEVICES for z in SUB_GROUP_SIZES.values()], case)
 
 
 def _reshard_worker(rank: int, world: int, *, root: str) -> None:
@@ -93,8 +97,7 @@ def _reshard_worker(rank: int, world: int, *, root: str) -> None:
         problem = state_difference(checkpoint_states(again), checkpoint_states(f"{source}/saved"))
         assert problem is None, problem
 
-    subtests([dict(stage=s, device=d, size=z) for s in STAGES for d in DEVICES for z in SUB_GROUP_SIZES.values()],
-             case)
+    subtests([dict(stage=s, device=d, size=z) for s in STAGES for d in DEVICES for z in SUB_GROUP_SIZES.values()], case)
 
 
 def test_offloaded_resume_and_reshard_are_bit_exact(tmp_path):
@@ -105,6 +108,7 @@ def test_offloaded_resume_and_reshard_are_bit_exact(tmp_path):
 
 # ---------------------------------------------------------------- a checkpoint without its state
 
+
 def _rewrite_manifest(path: Path, change) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
     change(manifest)
@@ -113,6 +117,7 @@ def _rewrite_manifest(path: Path, change) -> None:
 
 def _drop_state_key(path: Path) -> None:
     """A consistent checkpoint (checksums updated) whose rank files lack `exp_avg` of group 0."""
+
     def drop(manifest):
         for name in list(manifest["files"]):
             if name.startswith("rank_"):
@@ -120,14 +125,17 @@ def _drop_state_key(path: Path) -> None:
                 tensors.pop("g0/state/exp_avg")
                 save_file(tensors, path / name, metadata={"format": "zeroshard.checkpoint"})
                 manifest["files"][name] = hash_file(path / name)
+
     _rewrite_manifest(path, drop)
 
 
 def _empty_state_lists(path: Path) -> None:
     """What the defect wrote: every group's state list empty although the optimizer had stepped."""
+
     def empty(manifest):
         for group in manifest["groups"]:
             group["state"] = []
+
     _rewrite_manifest(path, empty)
 
 
@@ -140,7 +148,8 @@ def _missing_state_worker(rank: int, world: int, *, root: str) -> list:
         engine.comm.barrier("test: saved")
         if rank == 0:
             {"no state in the manifest": _empty_state_lists, "no exp_avg in the files": _drop_state_key}[damage](
-                target / "t")
+                target / "t"
+            )
         engine.comm.barrier("test: damaged")
         fresh = build_engine(2, seed=3, scheduler=False)
         masters = [g.master.clone() for g in fresh.groups]

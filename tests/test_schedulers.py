@@ -29,10 +29,14 @@ def test_warmup_lr_log():
     s = WarmupLR(opt, warmup_min_lr=0.001, warmup_max_lr=0.01, warmup_num_steps=10)
     # Construction writes the lr of iteration -1 (warmup_min_lr) for the first optimizer step.
     assert opt.param_groups[0]["lr"] == 0.001 and s.get_last_lr() == [0.001] and s.last_batch_iteration == -1
-    expected = {0: 0.001,  # log(1) = 0
-                1: 0.001 + 0.009 * math.log(2) / math.log(10),
-                4: 0.001 + 0.009 * math.log(5) / math.log(10),
-                9: 0.01, 10: 0.01, 500: 0.01}
+    expected = {
+        0: 0.001,  # log(1) = 0
+        1: 0.001 + 0.009 * math.log(2) / math.log(10),
+        4: 0.001 + 0.009 * math.log(5) / math.log(10),
+        9: 0.01,
+        10: 0.01,
+        500: 0.01,
+    }
     for iteration, lr in expected.items():
         assert _lr_at(s, iteration) == pytest.approx(lr, rel=1e-12, abs=0)
 
@@ -73,8 +77,14 @@ def test_per_group_min_and_max():
 
 
 def test_warmup_decay_lr():
-    s = WarmupDecayLR(DuckOptimizer(0.5), total_num_steps=20, warmup_min_lr=0.0, warmup_max_lr=0.01,
-                      warmup_num_steps=10, warmup_type="linear")
+    s = WarmupDecayLR(
+        DuckOptimizer(0.5),
+        total_num_steps=20,
+        warmup_min_lr=0.0,
+        warmup_max_lr=0.01,
+        warmup_num_steps=10,
+        warmup_type="linear",
+    )
     # gamma = (T - i) / max(1, T - W) after warmup, floored at 0.
     expected = {5: 0.005, 9: 0.009, 10: 0.01, 11: 0.009, 15: 0.005, 19: 0.001, 20: 0.0, 30: 0.0}
     for iteration, lr in expected.items():
@@ -92,20 +102,23 @@ def test_warmup_decay_lr_log_warmup():
 
 def test_warmup_cosine_lr():
     opt = DuckOptimizer(0.1)
-    s = WarmupCosineLR(opt, total_num_steps=20, warmup_min_ratio=0.1, warmup_num_steps=10,
-                       cos_min_ratio=0.01, warmup_type="linear")
+    s = WarmupCosineLR(
+        opt, total_num_steps=20, warmup_min_ratio=0.1, warmup_num_steps=10, cos_min_ratio=0.01, warmup_type="linear"
+    )
     assert opt.param_groups[0]["lr"] == 0.0  # iteration -1, as DeepSpeed
 
     def cosine(k):  # k = i - W + 1
         return 0.01 + 0.99 * (1 + math.cos(math.pi * k / 10)) / 2
 
-    expected = {0: 0.1 * 0.1,
-                5: 0.1 * (0.1 + 0.9 * 0.5),
-                10: 0.1 * cosine(1),  # 0.0975773...
-                14: 0.1 * 0.505,
-                19: 0.1 * 0.01,
-                # DeepSpeed does not clamp past total_num_steps: the cosine rises again.
-                29: 0.1 * 1.0}
+    expected = {
+        0: 0.1 * 0.1,
+        5: 0.1 * (0.1 + 0.9 * 0.5),
+        10: 0.1 * cosine(1),  # 0.0975773...
+        14: 0.1 * 0.505,
+        19: 0.1 * 0.01,
+        # DeepSpeed does not clamp past total_num_steps: the cosine rises again.
+        29: 0.1 * 1.0,
+    }
     for iteration, lr in expected.items():
         assert _lr_at(s, iteration) == pytest.approx(lr, rel=1e-12), iteration
     assert expected[10] == pytest.approx(0.0975773, rel=1e-6)  # the hand value, written out
@@ -129,11 +142,14 @@ def test_warmup_cosine_lr_total_equal_to_warmup_is_an_error():
 # --- state, resume, tensors -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [
-    lambda opt, it: WarmupLR(opt, warmup_max_lr=0.01, warmup_num_steps=10, last_batch_iteration=it),
-    lambda opt, it: WarmupDecayLR(opt, 50, warmup_num_steps=10, last_batch_iteration=it),
-    lambda opt, it: WarmupCosineLR(opt, 50, warmup_num_steps=10, last_batch_iteration=it),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda opt, it: WarmupLR(opt, warmup_max_lr=0.01, warmup_num_steps=10, last_batch_iteration=it),
+        lambda opt, it: WarmupDecayLR(opt, 50, warmup_num_steps=10, last_batch_iteration=it),
+        lambda opt, it: WarmupCosineLR(opt, 50, warmup_num_steps=10, last_batch_iteration=it),
+    ],
+)
 def test_state_dict_resume_matches_uninterrupted(make):
     straight = make(DuckOptimizer(0.1), -1)
     for _ in range(15):
@@ -166,9 +182,20 @@ def test_tensor_lr_stays_a_tensor():
 
 
 def test_build_scheduler_from_config():
-    cfg = load_config({"scheduler": {"type": "WarmupDecayLR",
-                                     "params": {"total_num_steps": 20, "warmup_max_lr": 0.01,
-                                                "warmup_num_steps": 10, "warmup_type": "linear"}}}, 1)
+    cfg = load_config(
+        {
+            "scheduler": {
+                "type": "WarmupDecayLR",
+                "params": {
+                    "total_num_steps": 20,
+                    "warmup_max_lr": 0.01,
+                    "warmup_num_steps": 10,
+                    "warmup_type": "linear",
+                },
+            }
+        },
+        1,
+    )
     opt = DuckOptimizer(0.5)
     s = build_scheduler(cfg.scheduler, opt)
     assert isinstance(s, WarmupDecayLR) and opt.param_groups[0]["lr"] == 0.0
@@ -177,7 +204,8 @@ def test_build_scheduler_from_config():
 
 
 def test_build_cosine_from_config_uses_optimizer_lr():
-    cfg = load_config({"scheduler": {"type": "WarmupCosineLR",
-                                     "params": {"total_num_steps": 100, "warmup_num_steps": 10}}}, 1)
+    cfg = load_config(
+        {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100, "warmup_num_steps": 10}}}, 1
+    )
     s = build_scheduler(cfg.scheduler, DuckOptimizer(0.2))
     assert isinstance(s, WarmupCosineLR) and s.org_lrs == [0.2] and s.cos_min_ratio == 0.0001

@@ -3,6 +3,7 @@ core/gathered.py): counted by the units themselves at every gather and free (Liv
 measured as process memory (VmHWM of each rank) against unbounded prefetch. Autograd saves views of
 parameters for backward (a Linear saves `weight.t()`), so a unit whose buffer were merely dropped
 after forward would stay in memory until its backward: the VmHWM case sees that too."""
+
 from __future__ import annotations
 
 import importlib
@@ -28,8 +29,10 @@ class Deep(nn.Module):
 
     def __init__(self, width: int, head: int = 0):
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh(),
-                                                  nn.Linear(width, width, bias=False)) for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width, bias=False), nn.Tanh(), nn.Linear(width, width, bias=False))
+            for _ in range(BLOCKS)
+        )
         self.head = nn.Linear(width, head, bias=False) if head else None
 
     def forward(self, x):
@@ -41,8 +44,9 @@ class Deep(nn.Module):
 def _engine(width: int, head: int = 0, gas: int = 1, **zero):
     torch.manual_seed(0)
     model = Deep(width, head)
-    engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
-                                      config=make_config(3, gas, micro=2, **zero))
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01), config=make_config(3, gas, micro=2, **zero)
+    )
     return engine
 
 
@@ -64,10 +68,16 @@ def _counted_case(head: int, zero: dict, inference: bool) -> dict:
     forward_peak = live.peak
     engine.backward(loss)
     engine.step()
-    report = {"forward_peak": forward_peak, "step_peak": live.peak, "live_after": live.numel,
-              "gathers": gathers["all_gather"] - before, "losses": losses + [loss.item()],
-              "unit": 2 * width * width, "root": width * head if head < width else 0,
-              "units": [unit.name for unit in engine.units]}
+    report = {
+        "forward_peak": forward_peak,
+        "step_peak": live.peak,
+        "live_after": live.numel,
+        "gathers": gathers["all_gather"] - before,
+        "losses": losses + [loss.item()],
+        "unit": 2 * width * width,
+        "root": width * head if head < width else 0,
+        "units": [unit.name for unit in engine.units],
+    }
     if inference:
         with torch.no_grad():
             for _ in range(3):  # the first pass records the inference order, the second starts prefetching
@@ -88,16 +98,22 @@ def _counted_worker(rank: int, world: int) -> list[dict]:
     cases = [
         {"head": 0, "zero": {}, "inference": True},  # zeroshard's defaults
         {"head": 0, "zero": UNBOUNDED, "inference": True},
-        {"head": 0, "zero": {"stage3_prefetch_bucket_size": 50_000_000,
-                                 "stage3_max_live_parameters": 3 * 2 * 32 * 32}, "inference": True},
+        {
+            "head": 0,
+            "zero": {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 3 * 2 * 32 * 32},
+            "inference": True,
+        },
         {"head": 0, "zero": {"stage3_prefetch_bucket_size": 3 * 2 * 32 * 32}, "inference": False},
         {"head": 0, "zero": {"stage3_max_live_parameters": 1}, "inference": False},  # below one unit
         {"head": 0, "zero": {"stage3_prefetch_bucket_size": 0}, "inference": False},
         {"head": 16, "zero": {"stage3_max_reuse_distance": 0}, "inference": False},  # nothing kept
         {"head": 16, "zero": {}, "inference": False},  # the root is kept from forward to backward
         {"head": 16, "zero": {"stage3_max_reuse_distance": 10**9}, "inference": False},  # everything kept
-        {"head": 16, "zero": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 4 * 2048},
-         "inference": False},
+        {
+            "head": 16,
+            "zero": {"stage3_max_reuse_distance": 10**9, "stage3_max_live_parameters": 4 * 2048},
+            "inference": False,
+        },
         {"head": 32, "zero": {}, "inference": False},  # a head unit, no root unit
     ]
     return subtests(cases, _counted_case)
@@ -105,8 +121,7 @@ def _counted_worker(rank: int, world: int) -> list[dict]:
 
 def test_live_gathered_elements_stay_within_the_bounds():
     reports = run_distributed(_counted_worker, 2, timeout=300)
-    (default, unbounded, live3, ahead3, live1, no_prefetch, reuse0, root, reuse_all, reuse_capped,
-     head) = reports[0]
+    (default, unbounded, live3, ahead3, live1, no_prefetch, reuse0, root, reuse_all, reuse_capped, head) = reports[0]
     unit = default["unit"]
     for r in reports[0]:
         assert r["live_after"] == 0, r  # everything freed after the step
@@ -168,8 +183,11 @@ def _hwm_case(zero: dict) -> dict:
     both = meter.peak()  # the high-water mark of forward and backward, not counting the step
     engine.step()
     engine.destroy()
-    return {"forward_mib": (forward - base) / 2**20, "forward_backward_mib": (both - base) / 2**20,
-            "method": meter.method}
+    return {
+        "forward_mib": (forward - base) / 2**20,
+        "forward_backward_mib": (both - base) / 2**20,
+        "method": meter.method,
+    }
 
 
 def _hwm_worker(rank: int, world: int) -> list[dict]:
@@ -198,19 +216,30 @@ def _split_case(stage: int, gas: int) -> dict:
     stays bit for bit DDP's."""
     cap = 20_000
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
-    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=adamw, steps=3, grad_accum=gas,
-                    reduce_every_micro_step=True, record_params=True)
+    ref = train_ddp(
+        gpt_model_fn(),
+        batches,
+        optimizer_fn=adamw,
+        steps=3,
+        grad_accum=gas,
+        reduce_every_micro_step=True,
+        record_params=True,
+    )
     default = shard.GATHER_GROUP_BYTES
     shard.GATHER_GROUP_BYTES = cap
     try:
         ours = train_engine(gpt_model_fn(), batches, config=make_config(stage, gas), steps=3, record_params=True)
         model = gpt_model_fn()()
-        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
-                                          config=make_config(stage, gas))
+        engine, *_ = zeroshard.initialize(
+            model=model, optimizer=adamw(model.parameters()), config=make_config(stage, gas)
+        )
     finally:
         shard.GATHER_GROUP_BYTES = default
-    groups = {unit.name: [(g.layout.numel * 4, len(g.params)) for g in unit.groups] for unit in engine.units
-              if unit.reshards or stage == 2}
+    groups = {
+        unit.name: [(g.layout.numel * 4, len(g.params)) for g in unit.groups]
+        for unit in engine.units
+        if unit.reshards or stage == 2
+    }
     engine.destroy()
     for name, sizes in groups.items():
         assert all(nbytes <= cap or count == 1 for nbytes, count in sizes), (name, sizes)

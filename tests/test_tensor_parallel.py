@@ -8,6 +8,7 @@ Both at stages 1-3 with gradient accumulation and clipping that bites, 10 steps:
 norms and final parameters within 1e-5 relative of `train_single` over the dp ranks (tensor
 parallelism sums in another order, so not bitwise). Four gloo ranks, one process group.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,7 @@ STEPS, GAS, CLIP = 10, 2, 0.05
 
 
 # ---------------------------------------------------------------- Megatron-style tensor parallelism
+
 
 class _CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the input gradient over tp."""
@@ -62,8 +64,8 @@ class ColumnLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, size: int, group):
         super().__init__()
         rows = full.out_features // size
-        self.weight = nn.Parameter(full.weight.detach()[rank * rows:(rank + 1) * rows].clone())
-        self.bias = nn.Parameter(full.bias.detach()[rank * rows:(rank + 1) * rows].clone())
+        self.weight = nn.Parameter(full.weight.detach()[rank * rows : (rank + 1) * rows].clone())
+        self.bias = nn.Parameter(full.bias.detach()[rank * rows : (rank + 1) * rows].clone())
         for p in (self.weight, self.bias):
             p.tensor_model_parallel = True  # Megatron's flag, set by the model, read by zeroshard
         self.group = group
@@ -76,7 +78,7 @@ class RowLinear(nn.Module):
     def __init__(self, full: nn.Linear, rank: int, size: int, group):
         super().__init__()
         cols = full.in_features // size
-        self.weight = nn.Parameter(full.weight.detach()[:, rank * cols:(rank + 1) * cols].clone())
+        self.weight = nn.Parameter(full.weight.detach()[:, rank * cols : (rank + 1) * cols].clone())
         self.weight.tensor_model_parallel = True
         self.bias = nn.Parameter(full.bias.detach().clone())  # replicated over tp
         self.group = group
@@ -134,6 +136,7 @@ def megatron_full(model, mesh) -> dict:
 
 # ---------------------------------------------------------------- DTensor tensor parallelism
 
+
 def dtensor_model(mesh):
     model = mm.model_fn()()
     plan = {}
@@ -144,21 +147,27 @@ def dtensor_model(mesh):
 
 
 def dtensor_full(model) -> dict:
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------- the run
 
+
 def train(mesh, layout: str, stage: int) -> dict:
     if layout == "dtensor":
         model = dtensor_model(mesh)
-        sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=stage, mesh=mesh,
-                                  comm=zeroshard.CommPolicy(timeout_s=120))
+        sharded = zeroshard.shard(
+            model, mm.adamw(model.parameters()), stage=stage, mesh=mesh, comm=zeroshard.CommPolicy(timeout_s=120)
+        )
     else:
         model = megatron_model(mesh)
-        sharded = zeroshard.shard(model, mm.adamw(model.parameters()), stage=stage, mesh=from_mpu(Mpu(mesh), model),
-                                  comm=zeroshard.CommPolicy(timeout_s=120))
+        sharded = zeroshard.shard(
+            model,
+            mm.adamw(model.parameters()),
+            stage=stage,
+            mesh=from_mpu(Mpu(mesh), model),
+            comm=zeroshard.CommPolicy(timeout_s=120),
+        )
     sharded.set_gradient_clipping(CLIP)
     dp_rank = mesh.get_local_rank("dp")
     out = {"losses": [], "grad_norms": []}

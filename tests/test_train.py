@@ -1,4 +1,5 @@
 """`zeroshard train`: the demo job end to end on 2 ranks (tiny), its corpus, config handling and errors."""
+
 import json
 
 import pytest
@@ -18,8 +19,24 @@ def run(capsys, *argv):
 
 
 def test_train_tiny_on_two_ranks_loss_falls(capsys):
-    code, out, _ = run(capsys, "train", "--size", "1", "--seq-len", "32", "--batch", "8", "--steps", "40",
-                       "--lr", "1e-2", "--sample-chars", "40", "--no-table", "--json")
+    code, out, _ = run(
+        capsys,
+        "train",
+        "--size",
+        "1",
+        "--seq-len",
+        "32",
+        "--batch",
+        "8",
+        "--steps",
+        "40",
+        "--lr",
+        "1e-2",
+        "--sample-chars",
+        "40",
+        "--no-table",
+        "--json",
+    )
     result = json.loads(out)
     assert code == 0 and result["stage"] == 3 and result["world_size"] == 2
     losses = result["losses"]
@@ -49,8 +66,14 @@ def test_corpus_and_tokenizer_are_deterministic():
 
 
 def test_stage_flag_beats_config_file_which_beats_defaults():
-    spec = {"steps": 100, "batch": 4, "lr": 1e-3, "precision": "fp32", "stage": None,
-            "config": {"zero_optimization": {"stage": 1}, "optimizer": {"params": {"lr": 5e-4}}}}
+    spec = {
+        "steps": 100,
+        "batch": 4,
+        "lr": 1e-3,
+        "precision": "fp32",
+        "stage": None,
+        "config": {"zero_optimization": {"stage": 1}, "optimizer": {"params": {"lr": 5e-4}}},
+    }
     config = build_config(spec)
     assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True}
     assert config["optimizer"]["params"]["lr"] == 5e-4 and config["optimizer"]["type"] == "AdamW"
@@ -59,8 +82,14 @@ def test_stage_flag_beats_config_file_which_beats_defaults():
 
 def test_config_file_errors_name_the_key(tmp_path):
     path = tmp_path / "ds.json"
-    spec = {"steps": 100, "batch": 4, "lr": 1e-3, "precision": "fp32", "stage": None,
-            "config": {"zero_optimisation": {"stage": 2}}}
+    spec = {
+        "steps": 100,
+        "batch": 4,
+        "lr": 1e-3,
+        "precision": "fp32",
+        "stage": None,
+        "config": {"zero_optimisation": {"stage": 2}},
+    }
     with pytest.raises(CommandError, match="zero_optimization"):
         _check_config(spec, 2, path)
     spec["config"] = {"train_batch_size": 16, "gradient_accumulation_steps": 2}  # micro batch derived: 4
@@ -72,12 +101,15 @@ def test_config_file_errors_name_the_key(tmp_path):
         _read_config(path)
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["train", "--stage", "4"], "--stage"),
-    (["train", "--ranks", "0"], "--ranks"),
-    (["train", "--steps", "0", "--no-table"], "--steps"),
-    (["train", "--config", "/no/such/file.json"], "--config"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["train", "--stage", "4"], "--stage"),
+        (["train", "--ranks", "0"], "--ranks"),
+        (["train", "--steps", "0", "--no-table"], "--steps"),
+        (["train", "--config", "/no/such/file.json"], "--config"),
+    ],
+)
 def test_errors_name_the_flag(capsys, argv, named):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and named in err and "Traceback" not in err

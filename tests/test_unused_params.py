@@ -14,6 +14,7 @@ stages 2/3, which reduce every micro step, the same with a reduction per micro s
 taken when parameters' step counts differ resumes bit for bit, also after a trip through 1 rank
 and another stage (load there, save again, load back at 2 ranks).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,10 +33,22 @@ from tests.zs_common import assert_close, make_config
 VOCAB, WIDTH, EXPERTS, STEPS = 32, 16, 4, 6
 # experts whose tokens appear, per (step, micro step, rank): expert e gets token ids t with t % 4 == e
 ROUTES = {
-    (0, 0, 0): (0, 1), (0, 0, 1): (0, 2), (0, 1, 0): (1,), (0, 1, 1): (0,),  # 3 never
-    (1, 0, 0): (0, 1, 2), (1, 0, 1): (1, 2), (1, 1, 0): (2,), (1, 1, 1): (0, 2),
-    (2, 0, 0): (1,), (2, 0, 1): (1,), (2, 1, 0): (1,), (2, 1, 1): (1,),  # only expert 1
-    (3, 0, 0): (0, 3), (3, 0, 1): (2,), (3, 1, 0): (3,), (3, 1, 1): (2,),  # 3's first tokens
+    (0, 0, 0): (0, 1),
+    (0, 0, 1): (0, 2),
+    (0, 1, 0): (1,),
+    (0, 1, 1): (0,),  # 3 never
+    (1, 0, 0): (0, 1, 2),
+    (1, 0, 1): (1, 2),
+    (1, 1, 0): (2,),
+    (1, 1, 1): (0, 2),
+    (2, 0, 0): (1,),
+    (2, 0, 1): (1,),
+    (2, 1, 0): (1,),
+    (2, 1, 1): (1,),  # only expert 1
+    (3, 0, 0): (0, 3),
+    (3, 0, 1): (2,),
+    (3, 1, 0): (3,),
+    (3, 1, 1): (2,),  # 3's first tokens
 }
 
 
@@ -168,8 +181,9 @@ def _config(stage: int, offload: str | None, gas: int, nvme: str) -> dict:
 
 def _engine(stage, offload, gas, nvme):
     model = _build()
-    engine, *_ = zeroshard.initialize(model=model, optimizer=_adamw(model.parameters()),
-                                      config=_config(stage, offload, gas, nvme))
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=_adamw(model.parameters()), config=_config(stage, offload, gas, nvme)
+    )
     return engine
 
 
@@ -238,18 +252,25 @@ def _resume_worker(rank: int, world: int, *, root: str) -> list:
 
 def _one_rank_worker(rank: int, world: int, *, root: str) -> None:
     """At 1 rank, another stage: load each 2-rank checkpoint, save it again."""
+
     def case(stage, offload):
         engine = _engine(3 if stage < 3 else 1, None, 1, os.path.join(root, "nvme-one"))
         engine.load_checkpoint(f"{root}/s{stage}-{offload}")
         engine.save_checkpoint(f"{root}/via-one-s{stage}-{offload}", tag="t")
         engine.destroy()
+
     subtests(RESUME_SETTINGS, case)
 
 
 def _back_worker(rank: int, world: int, *, root: str, references: list) -> None:
     nvme = os.path.join(root, f"nvme{rank}")
-    subtests([dict(s, nvme=nvme, directory=f"{root}/via-one-s{s['stage']}-{s['offload']}", reference=r)
-              for s, r in zip(RESUME_SETTINGS, references[rank])], _check_resume)
+    subtests(
+        [
+            dict(s, nvme=nvme, directory=f"{root}/via-one-s{s['stage']}-{s['offload']}", reference=r)
+            for s, r in zip(RESUME_SETTINGS, references[rank])
+        ],
+        _check_resume,
+    )
 
 
 def test_unused_state_resumes_and_reshards(tmp_path):
@@ -260,25 +281,44 @@ def test_unused_state_resumes_and_reshards(tmp_path):
     run_distributed(_back_worker, 2, timeout=600, root=root, references=references)
 
 
-SETTINGS = [dict(stage=0, offload=None), dict(stage=1, offload=None), dict(stage=2, offload=None),
-            dict(stage=3, offload=None), dict(stage=1, offload="cpu"), dict(stage=2, offload="nvme"),
-            dict(stage=3, offload="cpu")]
+SETTINGS = [
+    dict(stage=0, offload=None),
+    dict(stage=1, offload=None),
+    dict(stage=2, offload=None),
+    dict(stage=3, offload=None),
+    dict(stage=1, offload="cpu"),
+    dict(stage=2, offload="nvme"),
+    dict(stage=3, offload="cpu"),
+]
 
 
 def _worker(rank: int, world: int, *, root: str) -> dict:
     nvme = os.path.join(root, f"nvme{rank}")
     ddp = _ddp_oracle()
-    single = train_single(_build, _batches, optimizer_fn=_adamw, steps=STEPS, world_size=2, loss_fn=_loss,
-                          record_params=True)
-    assert_close(single if rank == 0 else {**single, "losses": ddp["losses"]}, ddp, exact=True,
-                 what="the emulation against DDP")
-    accumulated = train_single(_build, _batches, optimizer_fn=_adamw, steps=STEPS, grad_accum=2, world_size=2,
-                               loss_fn=_loss, record_params=True)
+    single = train_single(
+        _build, _batches, optimizer_fn=_adamw, steps=STEPS, world_size=2, loss_fn=_loss, record_params=True
+    )
+    assert_close(
+        single if rank == 0 else {**single, "losses": ddp["losses"]}, ddp, exact=True, what="the emulation against DDP"
+    )
+    accumulated = train_single(
+        _build,
+        _batches,
+        optimizer_fn=_adamw,
+        steps=STEPS,
+        grad_accum=2,
+        world_size=2,
+        loss_fn=_loss,
+        record_params=True,
+    )
     oracles = {1: ddp, 2: accumulated, "reduce every micro step": _reduce_every_micro_step_oracle(2)}
     subtests([dict(s, gas=g, nvme=nvme, oracles=oracles) for s in SETTINGS for g in (1, 2)], _case)
     # The adapter skipped odd steps: DDP's AdamW stepped it STEPS // 2 times, not STEPS.
-    return {"adapter moved at odd steps": not torch.equal(ddp["params_per_step"][1]["adapter.weight"],
-                                                          ddp["params_per_step"][0]["adapter.weight"])}
+    return {
+        "adapter moved at odd steps": not torch.equal(
+            ddp["params_per_step"][1]["adapter.weight"], ddp["params_per_step"][0]["adapter.weight"]
+        )
+    }
 
 
 def test_unused_parameters_match_ddp(tmp_path):

@@ -3,6 +3,7 @@ DeepSpeed's config keys, against plain stage 3 and DDP on the same model, data a
 
 Ranks 0-1 and 2-3 play two "nodes" of two ranks (LOCAL_WORLD_SIZE=2), so that the communicators
 count bytes over the slow link ([Note: bytes over the slow link] in core/comm_bytes.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,15 @@ def test_quantize_zero_block_and_rows():
 
 
 # -- config -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("key,value", [("mics_shard_size", 0), ("mics_shard_size", -2),
-                                       ("zero_hpz_partition_size", -1), ("zero_quantized_weights", "maybe")])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("mics_shard_size", 0),
+        ("mics_shard_size", -2),
+        ("zero_hpz_partition_size", -1),
+        ("zero_quantized_weights", "maybe"),
+    ],
+)
 def test_bad_values_name_the_key(key, value):
     with pytest.raises(Exception, match=key):
         load_config(make_config(3, **{key: value}), world_size=4)
@@ -108,15 +116,21 @@ def _hpz_bit_exact() -> dict:
     moved = node_calls // 2
     assert _gathers(hpz["comm"], "world") == _gathers(plain["comm"], "world") - moved
     assert hpz["comm"]["groups"]["secondary"]["inter_node_bytes"].get("all_gather", 0) == 0
-    assert hpz["comm"]["groups"]["world"]["inter_node_bytes"]["all_gather"] \
+    assert (
+        hpz["comm"]["groups"]["world"]["inter_node_bytes"]["all_gather"]
         < plain["comm"]["inter_node_bytes"]["all_gather"]
+    )
     copy = hpz["memory_before_step"]["params"] - plain["memory_before_step"]["params"]
     # The secondary copy: the shards of the node's piece other than this rank's own, (1/h - 1/N) of
     # the model in fp32: a quarter at h = 2, N = 4 (the own shard is the rank's primary shard).
     assert copy == plain["padded_numel"] // 4 * 4, copy
-    return {"moved": moved, "plain_inter": plain["comm"]["inter_node_bytes"]["all_gather"],
-            "hpz_inter": hpz["comm"]["inter_node_bytes"]["all_gather"], "copy_bytes": copy,
-            "stage3_before_step": plain["memory_before_step"]["total"]}
+    return {
+        "moved": moved,
+        "plain_inter": plain["comm"]["inter_node_bytes"]["all_gather"],
+        "hpz_inter": hpz["comm"]["inter_node_bytes"]["all_gather"],
+        "copy_bytes": copy,
+        "stage3_before_step": plain["memory_before_step"]["total"],
+    }
 
 
 def _hpz_quantized() -> dict:
@@ -135,15 +149,21 @@ def _mics_vs_ddp(world: int) -> dict:
     config = make_config(3, gas=GAS, clip=CLIP, mics_shard_size=2)
     mics = _train(config)
     model_fn = gpt_model_fn()
-    ref = train_ddp(model_fn, gpt_batches(model_fn().config), optimizer_fn=adamw, steps=STEPS, grad_accum=GAS,
-                    clip=CLIP, record_params=True)
+    ref = train_ddp(
+        model_fn,
+        gpt_batches(model_fn().config),
+        optimizer_fn=adamw,
+        steps=STEPS,
+        grad_accum=GAS,
+        clip=CLIP,
+        record_params=True,
+    )
     if world == 2:  # k = world: plain stage 3, bit for bit
         assert_close(mics, _train(make_config(3, gas=GAS, clip=CLIP)), exact=True, what="MiCS k=2 at world 2")
     # Reduce-scatter over 2 then all-reduce over 2 sums in another order than DDP's all-reduce.
     assert_close(mics, ref, exact=False, rtol=1e-4, what=f"MiCS k=2 at world {world} vs DDP")
     assert mics["shard_numel"] * 2 == mics["padded_numel"]  # states / k per rank
-    return {"shard_numel": mics["shard_numel"], "padded_numel": mics["padded_numel"],
-            "memory": mics["memory"]}
+    return {"shard_numel": mics["shard_numel"], "padded_numel": mics["padded_numel"], "memory": mics["memory"]}
 
 
 def _demo_curve(zero: dict) -> list[float]:
@@ -154,8 +174,9 @@ def _demo_curve(zero: dict) -> list[float]:
     model = GPT(tiny_gpt_config(vocab_size=tokenizer.vocab_size))
     config = make_config(3, clip=1.0, **zero)
     config["zeroshard"]["check_collectives"] = False  # halves the collectives of a 200-step run
-    engine, *_ = zeroshard.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=CURVE_LR),
-                                      config=config)
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=CURVE_LR), config=config
+    )
     batches = Batches(tokens, 16, 8, seed=0, rank=engine.global_rank)
     losses = []
     for _ in range(CURVE_STEPS):
@@ -173,34 +194,48 @@ def _quantized_curve() -> dict:
     exact, exact_comm = _demo_curve({})
     quantized, quantized_comm = _demo_curve({"zero_quantized_weights": True, "zero_quantized_gradients": True})
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    windows = [(mean(exact[i:i + WINDOW]), mean(quantized[i:i + WINDOW])) for i in range(0, CURVE_STEPS, WINDOW)]
+    windows = [(mean(exact[i : i + WINDOW]), mean(quantized[i : i + WINDOW])) for i in range(0, CURVE_STEPS, WINDOW)]
     errors = [abs(q - e) / e for e, q in windows]
     whole = abs(mean(quantized) - mean(exact)) / mean(exact)
     assert max(errors) <= CURVE_WINDOW_RTOL and whole <= CURVE_MEAN_RTOL, (windows, whole)
     assert windows[-1][1] < 0.8 * windows[0][1]  # it trains
     data = lambda r: sum(v for k, v in r["inter_node_bytes"].items() if k != "control")  # noqa: E731
     assert data(quantized_comm) < 0.4 * data(exact_comm)  # int8 + scales vs fp32
-    return {"worst_window": max(errors), "whole": whole, "windows": windows,
-            "inter_exact": data(exact_comm), "inter_quantized": data(quantized_comm)}
+    return {
+        "worst_window": max(errors),
+        "whole": whole,
+        "windows": windows,
+        "inter_exact": data(exact_comm),
+        "inter_quantized": data(quantized_comm),
+    }
 
 
 def _bad_sizes() -> None:
     for key, value in (("mics_shard_size", 3), ("zero_hpz_partition_size", 3)):
         model = gpt_model_fn()()
         with pytest.raises(ValueError, match=f"{key}={value}"):
-            zeroshard.initialize(model=model, optimizer=adamw(model.parameters()),
-                                 config=make_config(3, **{key: value}))
+            zeroshard.initialize(
+                model=model, optimizer=adamw(model.parameters()), config=make_config(3, **{key: value})
+            )
 
 
 def _worker4(rank: int, world: int, cases: tuple) -> list:
-    return subtests([{"case": c} for c in cases], lambda case: {
-        "hpz": _hpz_bit_exact, "mics": lambda: _mics_vs_ddp(world), "sizes": _bad_sizes,
-        "hpz_qwz": _hpz_quantized}[case]())
+    return subtests(
+        [{"case": c} for c in cases],
+        lambda case: {
+            "hpz": _hpz_bit_exact,
+            "mics": lambda: _mics_vs_ddp(world),
+            "sizes": _bad_sizes,
+            "hpz_qwz": _hpz_quantized,
+        }[case](),
+    )
 
 
 def _worker2(rank: int, world: int, curve: bool) -> list:
-    return subtests([{"case": c} for c in ("mics", "curve")[:1 + curve]], lambda case: {
-        "mics": lambda: _mics_vs_ddp(world), "curve": _quantized_curve}[case]())
+    return subtests(
+        [{"case": c} for c in ("mics", "curve")[: 1 + curve]],
+        lambda case: {"mics": lambda: _mics_vs_ddp(world), "curve": _quantized_curve}[case](),
+    )
 
 
 def test_hpz_and_mics_at_4_ranks():

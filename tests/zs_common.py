@@ -1,4 +1,5 @@
 """Shared pieces of the engine tests: build an engine the way users do, train it like the oracle."""
+
 from __future__ import annotations
 
 import torch
@@ -14,6 +15,7 @@ def gpt_model_fn(seed: int = 0, **overrides):
     def build():
         torch.manual_seed(seed)
         return GPT(tiny_gpt_config(**overrides))
+
     return build
 
 
@@ -26,14 +28,14 @@ def make_config(stage: int, gas: int = 1, clip: float = 0.0, micro: int = 4, **z
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "gradient_clipping": clip,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                              "overlap_comm": True, **zero},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, "overlap_comm": True, **zero},
         "zeroshard": {"comm_timeout_s": 60},
     }
 
 
-def train_engine(model_fn, batches, *, config: dict, optimizer_fn=adamw, steps: int, loss_fn=gpt_loss,
-                 record_params: bool = False) -> dict:
+def train_engine(
+    model_fn, batches, *, config: dict, optimizer_fn=adamw, steps: int, loss_fn=gpt_loss, record_params: bool = False
+) -> dict:
     """Train with zeroshard; returns the same keys as tests.reference.train_ddp plus the engine's reports."""
     model = model_fn()
     optimizer = optimizer_fn(model.parameters()) if optimizer_fn is not None else None  # None: config's

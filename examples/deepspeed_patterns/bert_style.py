@@ -8,6 +8,7 @@ Only the import differs from a DeepSpeed script.
 For each stage: train 6 steps saving at step 3, resume from that checkpoint in a new engine, train the
 remaining 3 steps, and print both runs' losses (they must agree).
 """
+
 import argparse
 import json
 import logging
@@ -35,8 +36,9 @@ class TinyRoberta(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, h_dim)
         layer = nn.TransformerEncoderLayer(h_dim, num_heads, ff_dim, dropout=0.0, batch_first=True)
-        self.layers = nn.ModuleList(layer.__class__(h_dim, num_heads, ff_dim, dropout=0.0, batch_first=True)
-                                    for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            layer.__class__(h_dim, num_heads, ff_dim, dropout=0.0, batch_first=True) for _ in range(num_layers)
+        )
         self.head = nn.Linear(h_dim, vocab)
 
     def forward(self, src_tokens, tgt_tokens):
@@ -68,8 +70,11 @@ def create_engine(stage, dtype):
 
 
 def train(exp_dir, stage, dtype, num_iterations, checkpoint_every, load_checkpoint_dir=None):
-    device = torch.device(get_accelerator().device_name(), int(os.environ["LOCAL_RANK"])) \
-        if get_accelerator().is_available() else torch.device("cpu")
+    device = (
+        torch.device(get_accelerator().device_name(), int(os.environ["LOCAL_RANK"]))
+        if get_accelerator().is_available()
+        else torch.device("cpu")
+    )
     model = create_engine(stage, dtype)
     start_step = 1
     if load_checkpoint_dir is not None:
@@ -102,8 +107,9 @@ def main():
         # which zeroshard refuses with a message saying the ranks passed different paths.
         exp_dir = pathlib.Path(args.checkpoint_dir) / f"stage{stage}"
         full = train(exp_dir, stage, args.dtype, num_iterations=6, checkpoint_every=3)
-        resumed = train(exp_dir / "unused", stage, args.dtype, num_iterations=6, checkpoint_every=100,
-                        load_checkpoint_dir=exp_dir)
+        resumed = train(
+            exp_dir / "unused", stage, args.dtype, num_iterations=6, checkpoint_every=100, load_checkpoint_dir=exp_dir
+        )
         if is_rank_0():
             print("RESULT " + json.dumps({"stage": stage, "full": full, "resumed": resumed}), flush=True)
 

@@ -5,6 +5,7 @@ it: `deepspeed.comm` for ranks, the accelerator for the device, a JSON config fi
 
     torchrun --nproc_per_node 2 examples/deepspeed_patterns/bf16_master_style.py --workdir /tmp/bf16 --stages 0,1,2,3
 """
+
 import argparse
 import json
 import os
@@ -23,7 +24,8 @@ class SimpleTransformerModel(nn.Module):
         self.pos_embedding = nn.Embedding(max_seq_len, hidden_dim)
         self.layers = nn.ModuleList(
             nn.TransformerEncoderLayer(hidden_dim, num_heads, 4 * hidden_dim, dropout=0.0, batch_first=True)
-            for _ in range(num_layers))
+            for _ in range(num_layers)
+        )
         self.output = nn.Linear(hidden_dim, vocab_size)
 
     def forward(self, input_ids):
@@ -39,10 +41,16 @@ def write_config(path, stage, autocast):
         "train_batch_size": 8,
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                   "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
-                              "reduce_bucket_size": 5e7},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01},
+        },
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 5e7,
+        },
         "steps_per_print": 100,
         "wall_clock_breakdown": False,
     }
@@ -69,8 +77,9 @@ def run(args, config_path):
         ds_config = json.load(f)
     use_autocast = ds_config.get("torch_autocast", {}).get("enabled", False)
     autocast_dtype = torch.bfloat16
-    model_engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                         config=config_path)
+    model_engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config_path
+    )
     model_engine.train()
     loss_fn = nn.CrossEntropyLoss()
     losses = []

@@ -4,6 +4,7 @@ DeepSpeed script.
 
     torchrun --nproc_per_node 2 examples/deepspeed_patterns/cifar_style.py --stages 0,1,2,3
 """
+
 import argparse
 import json
 import os
@@ -33,19 +34,37 @@ def get_ds_config(args, stage):
     return {
         "train_batch_size": 16,
         "steps_per_print": 2000,
-        "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8,
-                                                  "weight_decay": 3e-7}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001,
-                                                      "warmup_num_steps": 10}},
+        "optimizer": {
+            "type": "Adam",
+            "params": {"lr": 0.001, "betas": [0.8, 0.999], "eps": 1e-8, "weight_decay": 3e-7},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.001, "warmup_num_steps": 10},
+        },
         "gradient_clipping": 1.0,
         "prescale_gradients": False,
         "bf16": {"enabled": args.dtype == "bf16"},
-        "fp16": {"enabled": args.dtype == "fp16", "fp16_master_weights_and_grads": False, "loss_scale": 0,
-                 "loss_scale_window": 500, "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 15},
+        "fp16": {
+            "enabled": args.dtype == "fp16",
+            "fp16_master_weights_and_grads": False,
+            "loss_scale": 0,
+            "loss_scale_window": 500,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+            "initial_scale_power": 15,
+        },
         "wall_clock_breakdown": False,
-        "zero_optimization": {"stage": stage, "allgather_partitions": True, "reduce_scatter": True,
-                              "allgather_bucket_size": 50000000, "reduce_bucket_size": 50000000,
-                              "overlap_comm": True, "contiguous_gradients": True, "cpu_offload": False},
+        "zero_optimization": {
+            "stage": stage,
+            "allgather_partitions": True,
+            "reduce_scatter": True,
+            "allgather_bucket_size": 50000000,
+            "reduce_bucket_size": 50000000,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "cpu_offload": False,
+        },
     }
 
 
@@ -103,9 +122,11 @@ def train(args, stage):
     parameters = filter(lambda p: p.requires_grad, net.parameters())
     if args.moe_param_group:
         parameters = split_params_into_different_moe_groups_for_optimizer(
-            {"params": [p for p in net.parameters()], "name": "parameters"})
+            {"params": [p for p in net.parameters()], "name": "parameters"}
+        )
     model_engine, optimizer, trainloader, _ = deepspeed.initialize(
-        args=args, model=net, model_parameters=parameters, training_data=trainset, config=get_ds_config(args, stage))
+        args=args, model=net, model_parameters=parameters, training_data=trainset, config=get_ds_config(args, stage)
+    )
     local_device = get_accelerator().device_name(model_engine.local_rank)
     local_rank = model_engine.local_rank
     target_dtype = None
@@ -127,8 +148,19 @@ def train(args, stage):
             losses.append(loss.item())
     accuracy = test(model_engine, testset, local_device, target_dtype)
     if local_rank == 0:
-        print("RESULT " + json.dumps({"stage": stage, "losses": losses, "accuracy": accuracy,
-                                      "lr": model_engine.get_lr()[0], "steps": model_engine.global_steps}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "stage": stage,
+                    "losses": losses,
+                    "accuracy": accuracy,
+                    "lr": model_engine.get_lr()[0],
+                    "steps": model_engine.global_steps,
+                }
+            ),
+            flush=True,
+        )
     model_engine.destroy()
 
 

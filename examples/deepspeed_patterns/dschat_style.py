@@ -9,6 +9,7 @@ an all-reduced mean, `model.tput_timer`, and `save_hf_format`. Only the imports 
 At stage 3 DeepSpeed-Chat saves with its save_zero_three_model (ds_* parameter metadata), which is
 not exercised here; stages 0-2 write pytorch_model.bin with save_hf_format.
 """
+
 import argparse
 import json
 import math
@@ -30,20 +31,41 @@ MICRO_BATCH_SIZE = 4
 def get_train_ds_config(offload, dtype, stage=2):
     device = "cpu" if offload else "none"
     data_type = "bfloat16" if dtype == "bf16" else "fp16"
-    zero_opt_dict = {"stage": stage, "overlap_comm": True, "offload_param": {"device": device},
-                     "offload_optimizer": {"device": device}, "stage3_param_persistence_threshold": 1e4,
-                     "stage3_max_live_parameters": 3e7, "stage3_prefetch_bucket_size": 3e7,
-                     "memory_efficient_linear": False}
+    zero_opt_dict = {
+        "stage": stage,
+        "overlap_comm": True,
+        "offload_param": {"device": device},
+        "offload_optimizer": {"device": device},
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 3e7,
+        "stage3_prefetch_bucket_size": 3e7,
+        "memory_efficient_linear": False,
+    }
     if dist.get_world_size() != get_accelerator().device_count():
         pass  # DeepSpeed-Chat sets zero_hpz_partition_size here for mixed-precision LoRA only
-    return {"train_batch_size": GLOBAL_BATCH_SIZE, "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
-            "steps_per_print": 10, "zero_optimization": zero_opt_dict, data_type: {"enabled": True},
-            "gradient_clipping": 1.0, "prescale_gradients": False, "wall_clock_breakdown": False,
-            "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
-                              "release_inference_cache": False, "pin_parameters": True,
-                              "tp_gather_partition_size": 8},
-            "tensorboard": {"enabled": False, "output_path": "step1_tensorboard/ds_tensorboard_logs/",
-                            "job_name": "step1_model_tensorboard"}}
+    return {
+        "train_batch_size": GLOBAL_BATCH_SIZE,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE,
+        "steps_per_print": 10,
+        "zero_optimization": zero_opt_dict,
+        data_type: {"enabled": True},
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "hybrid_engine": {
+            "enabled": False,
+            "max_out_tokens": 512,
+            "inference_tp_size": 1,
+            "release_inference_cache": False,
+            "pin_parameters": True,
+            "tp_gather_partition_size": 8,
+        },
+        "tensorboard": {
+            "enabled": False,
+            "output_path": "step1_tensorboard/ds_tensorboard_logs/",
+            "job_name": "step1_model_tensorboard",
+        },
+    }
 
 
 def print_rank_0(msg, rank=0):
@@ -62,12 +84,22 @@ def get_all_reduce_mean(tensor):
 
 def get_optimizer_grouped_parameters(model, weight_decay, no_decay_name_list=("bias", "norm.weight")):
     return [
-        {"params": [p for n, p in model.named_parameters()
-                    if not any(nd in n.lower() for nd in no_decay_name_list) and p.requires_grad],
-         "weight_decay": weight_decay},
-        {"params": [p for n, p in model.named_parameters()
-                    if any(nd in n.lower() for nd in no_decay_name_list) and p.requires_grad],
-         "weight_decay": 0.0},
+        {
+            "params": [
+                p
+                for n, p in model.named_parameters()
+                if not any(nd in n.lower() for nd in no_decay_name_list) and p.requires_grad
+            ],
+            "weight_decay": weight_decay,
+        },
+        {
+            "params": [
+                p
+                for n, p in model.named_parameters()
+                if any(nd in n.lower() for nd in no_decay_name_list) and p.requires_grad
+            ],
+            "weight_decay": 0.0,
+        },
     ]
 
 
@@ -96,21 +128,39 @@ def synthetic_dataset(n, seed):
 def train(args, stage, device):
     ds_config = get_train_ds_config(offload=args.offload, dtype=args.dtype, stage=stage)
     ds_config["train_micro_batch_size_per_gpu"] = args.per_device_train_batch_size
-    ds_config["train_batch_size"] = (args.per_device_train_batch_size * torch.distributed.get_world_size()
-                                     * args.gradient_accumulation_steps)
+    ds_config["train_batch_size"] = (
+        args.per_device_train_batch_size * torch.distributed.get_world_size() * args.gradient_accumulation_steps
+    )
     torch.manual_seed(args.seed)
     get_accelerator().manual_seed_all(args.seed)
     torch.distributed.barrier()
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                      bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     model = transformers.AutoModelForCausalLM.from_config(config)
     train_dataset, eval_dataset = synthetic_dataset(64, 0), synthetic_dataset(16, 1)
     collate = transformers.default_data_collator
-    train_dataloader = DataLoader(train_dataset, collate_fn=collate, sampler=DistributedSampler(train_dataset),
-                                  batch_size=args.per_device_train_batch_size)
-    eval_dataloader = DataLoader(eval_dataset, collate_fn=collate, sampler=DistributedSampler(eval_dataset),
-                                 batch_size=args.per_device_train_batch_size)
+    train_dataloader = DataLoader(
+        train_dataset,
+        collate_fn=collate,
+        sampler=DistributedSampler(train_dataset),
+        batch_size=args.per_device_train_batch_size,
+    )
+    eval_dataloader = DataLoader(
+        eval_dataset,
+        collate_fn=collate,
+        sampler=DistributedSampler(eval_dataset),
+        batch_size=args.per_device_train_batch_size,
+    )
 
     def evaluation(model, eval_dataloader):
         model.eval()
@@ -127,11 +177,20 @@ def train(args, stage, device):
     AdamOptimizer = DeepSpeedCPUAdam if args.offload else FusedAdam
     optimizer = AdamOptimizer(optimizer_grouped_parameters, lr=args.learning_rate, betas=(0.9, 0.95))
     num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
-    lr_scheduler = transformers.get_scheduler(name="cosine", optimizer=optimizer, num_warmup_steps=2,
-                                              num_training_steps=args.num_train_epochs * num_update_steps_per_epoch)
-    model, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
-                                                             config=ds_config, lr_scheduler=lr_scheduler,
-                                                             dist_init_required=True)
+    lr_scheduler = transformers.get_scheduler(
+        name="cosine",
+        optimizer=optimizer,
+        num_warmup_steps=2,
+        num_training_steps=args.num_train_epochs * num_update_steps_per_epoch,
+    )
+    model, optimizer, _, lr_scheduler = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        args=args,
+        config=ds_config,
+        lr_scheduler=lr_scheduler,
+        dist_init_required=True,
+    )
     model.gradient_checkpointing_enable() if args.gradient_checkpointing else None
     perplexity_before, _ = evaluation(model, eval_dataloader)
     losses = []
@@ -150,10 +209,16 @@ def train(args, stage, device):
     saved = None
     if args.global_rank == 0 and stage < 3:
         saved = save_hf_format(model, args, sub_folder=f"stage{stage}")
-    result = {"stage": stage, "losses": losses, "ppl_before": perplexity_before, "ppl_after": perplexity_after,
-              "lr": lr_scheduler.get_last_lr()[0], "saved_numel": saved,
-              "numel": sum(p.numel() for p in model.module.parameters()) if stage < 3 else None,
-              "epochs": model.tput_timer.epoch_count}
+    result = {
+        "stage": stage,
+        "losses": losses,
+        "ppl_before": perplexity_before,
+        "ppl_after": perplexity_after,
+        "lr": lr_scheduler.get_last_lr()[0],
+        "saved_numel": saved,
+        "numel": sum(p.numel() for p in model.module.parameters()) if stage < 3 else None,
+        "epochs": model.tput_timer.epoch_count,
+    }
     model.destroy()
     return result
 

@@ -6,6 +6,7 @@ the import differs. DeepSpeed runs this at stages 0-2; at stage 3 zeroshard stop
 
     torchrun --nproc_per_node 2 examples/deepspeed_patterns/gan_style.py --stages 0,1,2,3
 """
+
 import argparse
 import json
 
@@ -63,13 +64,18 @@ def train(args, stage):
     real_label, fake_label = 1.0, 0.0
     optimizerD = torch.optim.Adam(netD.parameters(), lr=args.lr, betas=(args.beta1, 0.999))
     optimizerG = torch.optim.Adam(netG.parameters(), lr=args.lr, betas=(args.beta1, 0.999))
-    config = {"train_batch_size": args.batchSize * torch.distributed.get_world_size(),
-              "optimizer": {"type": "Adam", "params": {"lr": 0.0002, "betas": [0.5, 0.999], "eps": 1e-8}},
-              "steps_per_print": 10, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
-    model_engineD, optimizerD, _, _ = deepspeed.initialize(args=args, model=netD, model_parameters=netD.parameters(),
-                                                           optimizer=optimizerD, config=config)
-    model_engineG, optimizerG, _, _ = deepspeed.initialize(args=args, model=netG, model_parameters=netG.parameters(),
-                                                           optimizer=optimizerG, config=config)
+    config = {
+        "train_batch_size": args.batchSize * torch.distributed.get_world_size(),
+        "optimizer": {"type": "Adam", "params": {"lr": 0.0002, "betas": [0.5, 0.999], "eps": 1e-8}},
+        "steps_per_print": 10,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    model_engineD, optimizerD, _, _ = deepspeed.initialize(
+        args=args, model=netD, model_parameters=netD.parameters(), optimizer=optimizerD, config=config
+    )
+    model_engineG, optimizerG, _, _ = deepspeed.initialize(
+        args=args, model=netG, model_parameters=netG.parameters(), optimizer=optimizerG, config=config
+    )
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())
     history = []
     try:

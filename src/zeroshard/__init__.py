@@ -7,6 +7,7 @@ Two ways in:
     `import zeroshard as deepspeed` runs a DeepSpeed ZeRO training script; see README.md.
 The layers are drawn in docs/architecture.md.
 """
+
 from zeroshard.compat import paths as _paths
 from zeroshard.compat.accelerator import get_accelerator
 from zeroshard.compat.api import add_config_arguments, init_distributed, initialize
@@ -30,8 +31,30 @@ from zeroshard.version import __version__
 _paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)
 
 __all__ = [
-    "CollectiveError", "CommPolicy", "ConfigError", "DynamicLossScaler", "GatherPolicy", "Placement", "PrecisionPolicy", "STAGES", "Sharded", "StagePolicy",
-    "ZeroEngine", "accelerator", "add_config_arguments", "checkpointing", "comm", "get_accelerator",
-    "init_distributed", "initialize", "load_config", "ops", "runtime", "shard", "stage_policy", "utils", "zero",
+    "CollectiveError",
+    "CommPolicy",
+    "ConfigError",
+    "DynamicLossScaler",
+    "GatherPolicy",
+    "Placement",
+    "PrecisionPolicy",
+    "STAGES",
+    "Sharded",
+    "StagePolicy",
+    "ZeroEngine",
+    "accelerator",
+    "add_config_arguments",
+    "checkpointing",
+    "comm",
+    "get_accelerator",
+    "init_distributed",
+    "initialize",
+    "load_config",
+    "ops",
+    "runtime",
+    "shard",
+    "stage_policy",
+    "utils",
+    "zero",
     "__version__",
 ]

@@ -32,6 +32,7 @@ shards] in save.py).
 Publication is atomic ([Note: atomic publication] in save.py). The manifest is checked against its
 schema on every read ([Note: manifest schema] in manifest.py).
 """
+
 from zeroshard.checkpoint.consolidate import consolidate, open_checkpoint
 from zeroshard.checkpoint.contract import CheckpointableSharded
 from zeroshard.checkpoint.files import CheckpointError
@@ -40,5 +41,14 @@ from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.save import save_checkpoint
 from zeroshard.checkpoint.weights import load_full_weights
 
-__all__ = ["CheckpointError", "CheckpointableSharded", "consolidate", "full_state_dict", "load_checkpoint", "load_full_weights",
-           "open_checkpoint", "save_16bit_model", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointableSharded",
+    "consolidate",
+    "full_state_dict",
+    "load_checkpoint",
+    "load_full_weights",
+    "open_checkpoint",
+    "save_16bit_model",
+    "save_checkpoint",
+]

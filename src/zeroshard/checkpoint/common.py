@@ -1,5 +1,6 @@
 """Steps shared by saving, loading and gathering: agreeing on failures, and where a rank's part of
 each flat group sits."""
+
 from __future__ import annotations
 
 import traceback

@@ -6,6 +6,7 @@ weights are read from the rank files straight into one fp32 buffer, converted pa
 parameter and appended to the output. Peak memory is one group's buffer (plus one converted
 parameter for bf16), not the model; the test suite measures it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,14 +45,23 @@ def open_checkpoint(checkpoint_dir, tag=None) -> tuple[Path, dict]:
         return checkpoint_dir, read_manifest(checkpoint_dir)
     resolved = resolve_tag(checkpoint_dir, tag)
     if resolved is None:
-        raise CheckpointError(f"{checkpoint_dir}: neither a 'latest' file nor a {MANIFEST}: pass the "
-                              "directory of one checkpoint, or a tag")
+        raise CheckpointError(
+            f"{checkpoint_dir}: neither a 'latest' file nor a {MANIFEST}: pass the "
+            "directory of one checkpoint, or a tag"
+        )
     path = checkpoint_path(checkpoint_dir, resolved)
     return path, read_manifest(path)
 
 
-def consolidate(checkpoint_dir, output, tag=None, dtype: torch.dtype = torch.float32, fmt: str | None = None,
-                verify: bool = True, progress: bool = True) -> dict:
+def consolidate(
+    checkpoint_dir,
+    output,
+    tag=None,
+    dtype: torch.dtype = torch.float32,
+    fmt: str | None = None,
+    verify: bool = True,
+    progress: bool = True,
+) -> dict:
     """Write the full model of a checkpoint to `output` (safetensors, or torch.save for `fmt='pt'`
     or a .pt/.bin name), parameters in `dtype`, keys as the model's `state_dict()` has them (tied
     aliases and buffers included), so `model.load_state_dict(..., strict=True)` takes it.
@@ -66,10 +76,18 @@ def consolidate(checkpoint_dir, output, tag=None, dtype: torch.dtype = torch.flo
     if is_layout(manifest):  # tensor/pipeline parallel: join the parts ([Note: checkpoints across layouts])
         joined = consolidate_layout(path, manifest, output, dtype, format_for(output, fmt), verify)
         writer = joined["writer"]
-        return {"output": str(output), "checkpoint": str(path), "format": writer.format, "dtype": dtype_name(dtype),
-                "tensors": writer.tensors, "bytes": writer.bytes, "groups": joined["groups"],
-                "parts": joined["parts"], "largest_group_bytes": joined["largest_bytes"],
-                "seconds": round(time.monotonic() - started, 3)}
+        return {
+            "output": str(output),
+            "checkpoint": str(path),
+            "format": writer.format,
+            "dtype": dtype_name(dtype),
+            "tensors": writer.tensors,
+            "bytes": writer.bytes,
+            "groups": joined["groups"],
+            "parts": joined["parts"],
+            "largest_group_bytes": joined["largest_bytes"],
+            "seconds": round(time.monotonic() - started, 3),
+        }
     if verify:
         problems = check_files(path, manifest)
         if problems:
@@ -80,8 +98,7 @@ def consolidate(checkpoint_dir, output, tag=None, dtype: torch.dtype = torch.flo
         buffers = manifest.get("buffers") or []
         buffer_file = reader.file(BUFFERS) if buffers else None
         buffer_specs = {n: (buffer_file.dtype(n), buffer_file.shape(n)) for n in buffers if buffer_file is not None}
-        writer = FullModelWriter(output, params, manifest["aliases"], buffer_specs, dtype,
-                                 format_for(output, fmt))
+        writer = FullModelWriter(output, params, manifest["aliases"], buffer_specs, dtype, format_for(output, fmt))
         try:
             _write_groups(reader, groups, writer, progress)
             for name in buffers:
@@ -91,20 +108,27 @@ def consolidate(checkpoint_dir, output, tag=None, dtype: torch.dtype = torch.flo
         except BaseException:
             writer.abort()
             raise
-    summary = {"output": str(output), "checkpoint": str(path), "format": writer.format,
-               "dtype": dtype_name(dtype), "tensors": writer.tensors, "bytes": writer.bytes, "groups": len(groups),
-               "largest_group_bytes": max(4 * g["numel"] for g in groups),
-               "seconds": round(time.monotonic() - started, 3)}
-    log.debug("zeroshard: consolidated %s into %s (%d tensors, %.1f MB)", path, output, writer.tensors,
-             writer.bytes / 1e6)
+    summary = {
+        "output": str(output),
+        "checkpoint": str(path),
+        "format": writer.format,
+        "dtype": dtype_name(dtype),
+        "tensors": writer.tensors,
+        "bytes": writer.bytes,
+        "groups": len(groups),
+        "largest_group_bytes": max(4 * g["numel"] for g in groups),
+        "seconds": round(time.monotonic() - started, 3),
+    }
+    log.debug(
+        "zeroshard: consolidated %s into %s (%d tensors, %.1f MB)", path, output, writer.tensors, writer.bytes / 1e6
+    )
     return summary
 
 
 def _write_groups(reader: CheckpointReader, groups: list[dict], writer: FullModelWriter, progress: bool) -> None:
     total = sum(4 * g["numel"] for g in groups)
     # disable=None: a bar on a terminal only, not in logs
-    with tqdm(total=total, desc="consolidating", unit="B", unit_scale=True,
-              disable=None if progress else True) as bar:
+    with tqdm(total=total, desc="consolidating", unit="B", unit_scale=True, disable=None if progress else True) as bar:
         for index, group in enumerate(groups):
             bar.set_postfix_str(group["unit"])
             _write_group(reader, index, group, writer)
@@ -118,4 +142,4 @@ def _write_group(reader: CheckpointReader, index: int, group: dict, writer: Full
     reader.read_group(index, "master", 0, group["numel"], full)
     for param in group["params"]:
         start = param["offset"]
-        writer.add_param(param["name"], full[start: start + param["numel"]].view(param["shape"]))
+        writer.add_param(param["name"], full[start : start + param["numel"]].view(param["shape"]))

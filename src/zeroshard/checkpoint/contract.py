@@ -7,6 +7,7 @@ and units, the sharded optimizer's per-group state (`group_state` / `load_group_
 how an offloaded step cuts a group into sub-groups), the loss scaler, the scheduler, and a
 `Counters` view of the step counters.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -71,8 +72,17 @@ class CheckpointableSharded:
         self.lr_scheduler = lr_scheduler
 
     def __getattr__(self, name: str):
-        if name in ("comm", "partition", "groups", "units", "module", "policy", "optimizer", "loss_scaler",
-                    "model_parallel"):
+        if name in (
+            "comm",
+            "partition",
+            "groups",
+            "units",
+            "module",
+            "policy",
+            "optimizer",
+            "loss_scaler",
+            "model_parallel",
+        ):
             return getattr(self.sharded, name)
         raise AttributeError(name)
 

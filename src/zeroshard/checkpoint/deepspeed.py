@@ -28,6 +28,7 @@ master (`key='fp32'`) or optimizer state (`'exp_avg'`, ...) from whichever rank 
 is all that re-slicing into zeroshard's layout needs ([Note: resharding by element ranges]).
 Files are opened memory-mapped, one rank's file at a time in memory.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,10 +46,28 @@ _ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 FP32 = "fp32"
 # Keys of the model-states file that are DeepSpeed's; the others are the client state.
-DEEPSPEED_KEYS = {"module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
-                  "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names",
-                  "skipped_steps", "global_steps", "global_samples", "dp_world_size", "mp_world_size",
-                  "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info"}
+DEEPSPEED_KEYS = {
+    "module",
+    "buffer_names",
+    "optimizer",
+    "param_shapes",
+    "frozen_param_shapes",
+    "shared_params",
+    "frozen_param_fragments",
+    "lr_scheduler",
+    "data_sampler",
+    "random_ltd",
+    "sparse_tensor_module_names",
+    "skipped_steps",
+    "global_steps",
+    "global_samples",
+    "dp_world_size",
+    "mp_world_size",
+    "checkpoint_parallel_dimensions",
+    "ds_config",
+    "ds_version",
+    "universal_checkpoint_info",
+}
 
 
 def is_deepspeed_dir(path: Path) -> bool:
@@ -74,6 +93,7 @@ def find(load_dir, tag=None) -> Path | None:
 @dataclass(frozen=True)
 class ParamPlace:
     """Where one parameter's elements live in the rank files."""
+
     name: str
     shape: torch.Size
     group: int  # optimizer param group
@@ -108,18 +128,26 @@ class DeepSpeedCheckpoint:
             if match:
                 found[int(match.group(1))] = file
         if not found:
-            raise CheckpointError(f"{self.path}: a DeepSpeed model-states file but no "
-                                  "'zero_pp_rank_<r>_mp_rank_00_optim_states.pt' files: only ZeRO checkpoints "
-                                  "(stages 1-3) are read")
-        parallel = sorted(f.name for f in self.path.iterdir() if f.name.startswith(("mp_rank_01", "layer_"))
-                          or "_mp_rank_01_" in f.name)
+            raise CheckpointError(
+                f"{self.path}: a DeepSpeed model-states file but no "
+                "'zero_pp_rank_<r>_mp_rank_00_optim_states.pt' files: only ZeRO checkpoints "
+                "(stages 1-3) are read"
+            )
+        parallel = sorted(
+            f.name
+            for f in self.path.iterdir()
+            if f.name.startswith(("mp_rank_01", "layer_")) or "_mp_rank_01_" in f.name
+        )
         if parallel:
-            raise CheckpointError(f"{self.path}: holds tensor- or pipeline-parallel files ({parallel[0]}, ...): only "
-                                  "data-parallel ZeRO checkpoints (one model-parallel rank) are read")
+            raise CheckpointError(
+                f"{self.path}: holds tensor- or pipeline-parallel files ({parallel[0]}, ...): only "
+                "data-parallel ZeRO checkpoints (one model-parallel rank) are read"
+            )
         missing = [r for r in range(max(found) + 1) if r not in found]
         if missing:
-            raise CheckpointError(f"{self.path}: optimizer-states files of rank(s) {missing} are missing "
-                                  f"(found ranks {sorted(found)})")
+            raise CheckpointError(
+                f"{self.path}: optimizer-states files of rank(s) {missing} are missing (found ranks {sorted(found)})"
+            )
         return [found[r] for r in range(len(found))]
 
     def _model_file(self, rank: int) -> Path:
@@ -139,9 +167,11 @@ class DeepSpeedCheckpoint:
         count = first.get("partition_count", self.world_size)
         count = max(count) if isinstance(count, (list, tuple)) else int(count)
         if count != self.world_size:
-            raise CheckpointError(f"{self.optim_files[0]}: saved at {count} ranks, but {self.path} has "
-                                  f"{self.world_size} optimizer-states files: the checkpoint is incomplete or "
-                                  "mixes two saves")
+            raise CheckpointError(
+                f"{self.optim_files[0]}: saved at {count} ranks, but {self.path} has "
+                f"{self.world_size} optimizer-states files: the checkpoint is incomplete or "
+                "mixes two saves"
+            )
         if self.model_states.get("param_shapes") is None:
             raise CheckpointError(f"{self._model_file(0)}: has no 'param_shapes': not a ZeRO checkpoint")
 
@@ -187,7 +217,7 @@ class DeepSpeedCheckpoint:
         place = self.index[name]
         for rank, start, local, count in self._pieces(place, lo, hi):
             source = self._tensor(rank, place.group, key)
-            out[start - lo: start - lo + count].copy_(_segment(source, local, count, self.optim_files[rank], key))
+            out[start - lo : start - lo + count].copy_(_segment(source, local, count, self.optim_files[rank], key))
 
     def _pieces(self, place: ParamPlace, lo: int, hi: int):
         """(rank, first element of the parameter, index in that rank's vector, count) per piece."""
@@ -242,8 +272,11 @@ class DeepSpeedCheckpoint:
             first = base[group] if isinstance(base, list) else base["state"].get(group, {})
             if isinstance(base, list) and "base_optimizer_state_step" in state:
                 first = {**first, "step": state["base_optimizer_state_step"]}
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in first.items()
-                if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
+        return {
+            k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in first.items()
+            if not (isinstance(v, torch.Tensor) and v.dim() > 0)
+        }
 
     def hyper_parameters(self) -> list[dict]:
         """Per optimizer param group, its hyper-parameters (lr, betas, ...) as saved."""
@@ -258,8 +291,12 @@ class DeepSpeedCheckpoint:
         scaler = self.optimizer_file(0).get("loss_scaler")
         if scaler is None or not getattr(scaler, "dynamic", False):
             return None
-        return {"scale": float(scaler.cur_scale), "hysteresis_left": int(scaler.cur_hysteresis),
-                "iteration": int(scaler.cur_iter), "last_overflow": int(scaler.last_overflow_iter)}
+        return {
+            "scale": float(scaler.cur_scale),
+            "hysteresis_left": int(scaler.cur_hysteresis),
+            "iteration": int(scaler.cur_iter),
+            "last_overflow": int(scaler.last_overflow_iter),
+        }
 
     def buffers(self) -> dict[str, torch.Tensor]:
         module = self.model_states.get("module") or {}
@@ -275,9 +312,11 @@ class DeepSpeedCheckpoint:
         """A parameter no optimizer owns, in full (its compute dtype, as DeepSpeed saved it)."""
         shape = self.frozen()[name]
         if self.stage == 3:
-            pieces = [deepspeed_pickle.load(self._model_file(r))["frozen_param_fragments"][name].reshape(-1)
-                      for r in range(self.world_size)]
-            return torch.cat(pieces)[:shape.numel()].view(shape)
+            pieces = [
+                deepspeed_pickle.load(self._model_file(r))["frozen_param_fragments"][name].reshape(-1)
+                for r in range(self.world_size)
+            ]
+            return torch.cat(pieces)[: shape.numel()].view(shape)
         fragments = self.model_states.get("frozen_param_fragments") or {}
         value = fragments.get(name, (self.model_states.get("module") or {}).get(name))
         if value is None:
@@ -289,7 +328,10 @@ class DeepSpeedCheckpoint:
 
     def counters(self) -> dict:
         states = self.model_states
-        return {"global_steps": int(states.get("global_steps", 0)), "skipped_steps": int(states.get("skipped_steps", 0))}
+        return {
+            "global_steps": int(states.get("global_steps", 0)),
+            "skipped_steps": int(states.get("skipped_steps", 0)),
+        }
 
     def param_dtype(self) -> torch.dtype:
         config = self.model_states.get("ds_config") or {}
@@ -315,13 +357,15 @@ def _segment(source, index: int, count: int, file: Path, key: str) -> torch.Tens
             skip -= flat.numel()
             continue
         take = min(count - sum(p.numel() for p in pieces), flat.numel() - skip)
-        pieces.append(flat[skip: skip + take])
+        pieces.append(flat[skip : skip + take])
         skip = 0
         if sum(p.numel() for p in pieces) == count:
             break
     got = sum(p.numel() for p in pieces)
     if got != count:
-        raise CheckpointError(f"{file}: '{key}' holds fewer elements than its parameters need "
-                              f"(wanted [{index}, {index + count}), found {got}): the file is truncated or "
-                              "from another model")
+        raise CheckpointError(
+            f"{file}: '{key}' holds fewer elements than its parameters need "
+            f"(wanted [{index}, {index + count}), found {got}): the file is truncated or "
+            "from another model"
+        )
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

@@ -6,6 +6,7 @@ rank files ([Note: DeepSpeed's checkpoint layout] in deepspeed.py) into one buff
 parameter's size, written, and dropped; peak memory is the largest parameter plus the pages of the
 rank file being read, not the model.
 """
+
 from __future__ import annotations
 
 import io
@@ -42,7 +43,9 @@ def _full_param(checkpoint: DeepSpeedCheckpoint, name: str, key: str = FP32) -> 
 
 
 def _params(checkpoint: DeepSpeedCheckpoint) -> list[tuple[str, tuple[int, ...]]]:
-    return [(p.name, tuple(p.shape)) for p in checkpoint.places] + [(n, tuple(s)) for n, s in checkpoint.frozen().items()]
+    return [(p.name, tuple(p.shape)) for p in checkpoint.places] + [
+        (n, tuple(s)) for n, s in checkpoint.frozen().items()
+    ]
 
 
 def consolidate_deepspeed(path: Path, output, dtype: torch.dtype = torch.float32, fmt: str | None = None) -> dict:
@@ -52,8 +55,9 @@ def consolidate_deepspeed(path: Path, output, dtype: torch.dtype = torch.float32
     checkpoint = DeepSpeedCheckpoint(path)
     buffers = {n: (v.float() if v.is_floating_point() else v) for n, v in checkpoint.buffers().items()}
     buffer_specs = {n: (v.dtype if not v.is_floating_point() else dtype, tuple(v.shape)) for n, v in buffers.items()}
-    writer = FullModelWriter(output, _params(checkpoint), checkpoint.aliases(), buffer_specs, dtype,
-                             format_for(output, fmt))
+    writer = FullModelWriter(
+        output, _params(checkpoint), checkpoint.aliases(), buffer_specs, dtype, format_for(output, fmt)
+    )
     try:
         for place in checkpoint.places:
             writer.add_param(place.name, _full_param(checkpoint, place.name).view(place.shape))
@@ -65,11 +69,19 @@ def consolidate_deepspeed(path: Path, output, dtype: torch.dtype = torch.float32
     except BaseException:
         writer.abort()
         raise
-    return {"output": str(output), "checkpoint": str(path), "format": writer.format, "dtype": dtype_name(dtype),
-            "tensors": writer.tensors, "bytes": writer.bytes, "source": "deepspeed",
-            "deepspeed_world_size": checkpoint.world_size, "deepspeed_stage": checkpoint.stage,
-            "largest_param_bytes": 4 * max(p.numel for p in checkpoint.places),
-            "seconds": round(time.monotonic() - started, 3)}
+    return {
+        "output": str(output),
+        "checkpoint": str(path),
+        "format": writer.format,
+        "dtype": dtype_name(dtype),
+        "tensors": writer.tensors,
+        "bytes": writer.bytes,
+        "source": "deepspeed",
+        "deepspeed_world_size": checkpoint.world_size,
+        "deepspeed_stage": checkpoint.stage,
+        "largest_param_bytes": 4 * max(p.numel for p in checkpoint.places),
+        "seconds": round(time.monotonic() - started, 3),
+    }
 
 
 def convert_deepspeed(path: Path, save_dir, tag: str | None = None) -> dict:
@@ -99,9 +111,15 @@ def convert_deepspeed(path: Path, save_dir, tag: str | None = None) -> dict:
     manifest = _manifest(checkpoint, tag, groups, files, list(buffers))
     write_atomic(staging / MANIFEST, manifest_text(manifest).encode())
     publish(staging, save_dir, tag, nonce, save_latest=True)
-    return {"output": str(save_dir / tag), "checkpoint": str(path), "parameters": len(groups),
-            "deepspeed_world_size": checkpoint.world_size, "deepspeed_stage": checkpoint.stage,
-            "global_steps": counters["global_steps"], "seconds": round(time.monotonic() - started, 3)}
+    return {
+        "output": str(save_dir / tag),
+        "checkpoint": str(path),
+        "parameters": len(groups),
+        "deepspeed_world_size": checkpoint.world_size,
+        "deepspeed_stage": checkpoint.stage,
+        "global_steps": counters["global_steps"],
+        "seconds": round(time.monotonic() - started, 3),
+    }
 
 
 def _describe(checkpoint: DeepSpeedCheckpoint, kinds: dict) -> tuple[list[dict], list]:
@@ -113,9 +131,16 @@ def _describe(checkpoint: DeepSpeedCheckpoint, kinds: dict) -> tuple[list[dict],
     for index, (name, shape, group) in enumerate(trainable + frozen):
         numel = shape.numel()
         state = [[k, kind] for k, kind in kinds.items()] if group is not None else []
-        groups.append({"unit": "<root>", "optimizer_group": group, "numel": numel, "shard_numel": numel,
-                       "params": [{"name": name, "shape": list(shape), "dtype": dtype, "offset": 0, "numel": numel}],
-                       "state": state})
+        groups.append(
+            {
+                "unit": "<root>",
+                "optimizer_group": group,
+                "numel": numel,
+                "shard_numel": numel,
+                "params": [{"name": name, "shape": list(shape), "dtype": dtype, "offset": 0, "numel": numel}],
+                "state": state,
+            }
+        )
         specs.append((master_key(index), torch.float32, (numel,)))
         specs += [(state_key(index, k), torch.float32, (numel,)) for k, kind in state if kind == "elementwise"]
     return groups, specs
@@ -145,10 +170,12 @@ def _objects(checkpoint: DeepSpeedCheckpoint, groups: list[dict]) -> bytes:
             scalars[index] = {k: (v, False) for k, v in checkpoint.optimizer_scalars(group["optimizer_group"]).items()}
         else:
             scalars[index] = {}
-    objects = {"client_state": checkpoint.client_state(),
-               "optimizer": {"param_groups": checkpoint.hyper_parameters(), "scalars": scalars},
-               "lr_scheduler": checkpoint.model_states.get("lr_scheduler"),
-               "loss_scaler": checkpoint.loss_scaler_state()}
+    objects = {
+        "client_state": checkpoint.client_state(),
+        "optimizer": {"param_groups": checkpoint.hyper_parameters(), "scalars": scalars},
+        "lr_scheduler": checkpoint.model_states.get("lr_scheduler"),
+        "loss_scaler": checkpoint.loss_scaler_state(),
+    }
     buffer = io.BytesIO()
     torch.save(objects, buffer)
     return buffer.getvalue()
@@ -179,11 +206,25 @@ def _manifest(checkpoint: DeepSpeedCheckpoint, tag: str, groups: list[dict], fil
     except (TypeError, ValueError):
         config = None
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__, "tag": tag,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": 1, "stage": checkpoint.stage,
-        "param_dtype": dtype_name(checkpoint.param_dtype()), "global_steps": counters["global_steps"],
-        "micro_steps": counters["global_steps"] * gas, "skipped_steps": counters["skipped_steps"],
-        "gradient_accumulation_steps": gas, "mid_accumulation": False, "optimizer": _optimizer_name(checkpoint),
-        "lr_scheduler": scheduler, "loss_scaler": checkpoint.loss_scaler_state(), "aliases": checkpoint.aliases(),
-        "buffers": buffers, "groups": groups, "files": files, "config": config,  # DeepSpeed's config: its origin
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "tag": tag,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": 1,
+        "stage": checkpoint.stage,
+        "param_dtype": dtype_name(checkpoint.param_dtype()),
+        "global_steps": counters["global_steps"],
+        "micro_steps": counters["global_steps"] * gas,
+        "skipped_steps": counters["skipped_steps"],
+        "gradient_accumulation_steps": gas,
+        "mid_accumulation": False,
+        "optimizer": _optimizer_name(checkpoint),
+        "lr_scheduler": scheduler,
+        "loss_scaler": checkpoint.loss_scaler_state(),
+        "aliases": checkpoint.aliases(),
+        "buffers": buffers,
+        "groups": groups,
+        "files": files,
+        "config": config,  # DeepSpeed's config: its origin
     }

@@ -7,6 +7,7 @@ files hold them, the elements of each parameter that fall into its own master sh
 masters, Adam moments and step, then the hyper-parameters, step counters, scheduler and fp16 loss
 scaler. Phases end with every rank agreeing it succeeded, as in load.py.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,9 +28,14 @@ log = logging.getLogger(__name__)
 _IMPLEMENTATION = {"params", "foreach", "fused", "capturable", "differentiable"}
 
 
-def load_deepspeed_checkpoint(engine, path: Path, load_optimizer_states: bool = True,
-                              load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                              load_module_strict: bool = True):
+def load_deepspeed_checkpoint(
+    engine,
+    path: Path,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    load_module_strict: bool = True,
+):
     """Restore `engine` from the DeepSpeed checkpoint directory `path` (one tag). Collective.
     Returns `(path, client_state)` like `load_checkpoint`."""
     comm = engine.comm
@@ -49,16 +55,23 @@ def load_deepspeed_checkpoint(engine, path: Path, load_optimizer_states: bool = 
     if not load_module_only:
         counters = checkpoint.counters()
         gas = engine.counters().gradient_accumulation_steps
-        engine.restore_counters(Counters(counters["global_steps"], counters["global_steps"] * gas, gas,
-                                         counters["skipped_steps"]))
+        engine.restore_counters(
+            Counters(counters["global_steps"], counters["global_steps"] * gas, gas, counters["skipped_steps"])
+        )
         scheduler = checkpoint.model_states.get("lr_scheduler")
         if load_lr_scheduler_states and engine.lr_scheduler is not None and scheduler:
             engine.lr_scheduler.load_state_dict(scheduler)
         scaler = checkpoint.loss_scaler_state()
         if engine.loss_scaler is not None and scaler is not None:
             engine.loss_scaler.load_state_dict(scaler)
-    log.info("zeroshard: loaded DeepSpeed checkpoint %s (saved at %d ranks, stage %d; now %d ranks, stage %d)",
-             path, checkpoint.world_size, checkpoint.stage, comm.world_size, engine.policy.stage)
+    log.info(
+        "zeroshard: loaded DeepSpeed checkpoint %s (saved at %d ranks, stage %d; now %d ranks, stage %d)",
+        path,
+        checkpoint.world_size,
+        checkpoint.stage,
+        comm.world_size,
+        engine.policy.stage,
+    )
     return str(path), checkpoint.client_state()
 
 
@@ -72,29 +85,36 @@ def check_model(checkpoint: DeepSpeedCheckpoint, params: dict[str, list[int]], s
     problems = []
     if reshaped:
         n = reshaped[0]
-        problems.append(f"{len(reshaped)} parameter(s) with another shape (e.g. '{n}': {saved[n]} in the "
-                        f"checkpoint, {list(params[n])} in the model)")
+        problems.append(
+            f"{len(reshaped)} parameter(s) with another shape (e.g. '{n}': {saved[n]} in the "
+            f"checkpoint, {list(params[n])} in the model)"
+        )
     if strict and missing:
         problems.append(f"{len(missing)} parameter(s) of the model missing from it (e.g. {missing[:3]})")
     if strict and unexpected:
         problems.append(f"{len(unexpected)} parameter(s) the model does not have (e.g. {unexpected[:3]})")
     if problems:
-        raise CheckpointError(f"{checkpoint.path}: the DeepSpeed checkpoint is from an incompatible model: "
-                              + "; ".join(problems))
+        raise CheckpointError(
+            f"{checkpoint.path}: the DeepSpeed checkpoint is from an incompatible model: " + "; ".join(problems)
+        )
 
 
 def _check_optimizer(checkpoint: DeepSpeedCheckpoint, optimizer) -> None:
     saved = checkpoint.hyper_parameters()
     if len(saved) != len(optimizer.param_groups):
-        raise CheckpointError(f"{checkpoint.optim_files[0]}: optimizer states of {len(saved)} param group(s) "
-                              f"cannot be loaded into {optimizer.name} with {len(optimizer.param_groups)}; pass "
-                              "load_optimizer_states=False to load the weights only")
+        raise CheckpointError(
+            f"{checkpoint.optim_files[0]}: optimizer states of {len(saved)} param group(s) "
+            f"cannot be loaded into {optimizer.name} with {len(optimizer.param_groups)}; pass "
+            "load_optimizer_states=False to load the weights only"
+        )
     for index, (values, group) in enumerate(zip(saved, optimizer.param_groups)):
         foreign = sorted(k for k in ("betas", "momentum", "eps") if (k in values) != (k in group))
         if foreign:
-            raise CheckpointError(f"{checkpoint.optim_files[0]}: param group {index} was saved by another kind of "
-                                  f"optimizer than {optimizer.name} (hyper-parameter(s) {foreign} differ); pass "
-                                  "load_optimizer_states=False to load the weights only")
+            raise CheckpointError(
+                f"{checkpoint.optim_files[0]}: param group {index} was saved by another kind of "
+                f"optimizer than {optimizer.name} (hyper-parameter(s) {foreign} differ); pass "
+                "load_optimizer_states=False to load the weights only"
+            )
 
 
 @torch.no_grad()
@@ -115,7 +135,7 @@ def _read(engine, checkpoint: DeepSpeedCheckpoint, restore_optimizer: bool, stri
             elif slot.name in frozen:
                 dest.copy_(checkpoint.frozen_param(slot.name).reshape(-1)[lo:hi])
         start = group.opt_range[0]
-        master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
+        master[max(group.layout.numel, start) - start :].zero_()  # padding stays zero
         loaded.copies.append((group.master, master))
         if restore_optimizer and group.trainable:
             state = _optimizer_state(checkpoint, group, kinds)

@@ -10,6 +10,7 @@ the unpickler builds and DeepSpeed is never imported. Any other global is refuse
 that names the file and the type. The stand-ins only hold the attributes DeepSpeed pickled; the
 loader reads the few it needs (the loss scaler's state) and ignores the rest.
 """
+
 from __future__ import annotations
 
 import enum
@@ -40,6 +41,7 @@ class DeepSpeedLossScaler(PickledObject):
 
 class ZeroStageEnum(int, enum.Enum):
     """deepspeed.runtime.zero.config.ZeroStageEnum, pickled as a call with the stage number."""
+
     disabled = 0
     optimizer_states = 1
     gradients = 2
@@ -49,6 +51,7 @@ class ZeroStageEnum(int, enum.Enum):
 @dataclass
 class FragmentAddress:
     """deepspeed.utils.tensor_fragment.fragment_address (stage 1/2 `param_slice_mappings`)."""
+
     numel: int = 0
     start: int = 0
 
@@ -76,8 +79,10 @@ def load(path: Path, mmap: bool = True) -> dict:
     except pickle.UnpicklingError as error:
         raise CheckpointError(_refusal(path, error)) from None
     except (RuntimeError, EOFError, OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: not a readable torch.save file ({type(error).__name__}: "
-                              f"{str(error).splitlines()[0] if str(error) else ''})") from None
+        raise CheckpointError(
+            f"{path}: not a readable torch.save file ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''})"
+        ) from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: holds a {type(value).__name__}, not the dict DeepSpeed writes")
     return value
@@ -93,6 +98,8 @@ def _refusal(path: Path, error: Exception) -> str:
         except Exception:  # noqa: BLE001 - the file is damaged as well; say what we know
             unsafe = []
         what = f"the type(s) {unsafe}" if unsafe else f"content torch refuses ({str(error).splitlines()[0]})"
-    return (f"{path}: refused to load: it contains {what}, which is not one of the types DeepSpeed "
-            f"checkpoints hold (tensors, containers, numbers and {', '.join(sorted(ALLOWED))}). "
-            "Loading it would run code chosen by whoever wrote the file")
+    return (
+        f"{path}: refused to load: it contains {what}, which is not one of the types DeepSpeed "
+        f"checkpoints hold (tensors, containers, numbers and {', '.join(sorted(ALLOWED))}). "
+        "Loading it would run code chosen by whoever wrote the file"
+    )

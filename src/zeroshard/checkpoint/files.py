@@ -14,6 +14,7 @@ closed. Checkpoints need three things it does not offer:
 So this module writes and reads the format itself (it is that small). The files are ordinary
 safetensors files: the tests read them with `safetensors.torch.load_file` and `safe_open`.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,9 +31,18 @@ _HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors reference reader's limit, t
 _HASH_CHUNK = 1024 * 1024  # small: hashing must not add to the peak memory of consolidation
 
 DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
@@ -63,16 +73,20 @@ class SafetensorsWriter:
     """A safetensors file whose header is known up front and whose tensors are written one by one,
     in `specs` order. The sha256 of the file is computed while writing; `close()` returns it."""
 
-    def __init__(self, path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None):
+    def __init__(
+        self, path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+    ):
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         offset = 0
         for name, dtype, shape in specs:
             if name in header:
                 raise ValueError(f"tensor '{name}' listed twice")
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + nbytes]}
+            header[name] = {
+                "dtype": DTYPE_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as the reference writer does
@@ -95,15 +109,17 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: tensor '{name}' written after the last one")
         expected, dtype, shape = self._pending[self._next]
         if (name, tensor.dtype, tuple(tensor.shape)) != (expected, dtype, tuple(shape)):
-            raise ValueError(f"{self.path.name}: expected tensor '{expected}' {dtype} {list(shape)} next, "
-                             f"got '{name}' {tensor.dtype} {list(tensor.shape)}")
+            raise ValueError(
+                f"{self.path.name}: expected tensor '{expected}' {dtype} {list(shape)} next, "
+                f"got '{name}' {tensor.dtype} {list(tensor.shape)}"
+            )
         self._emit(_as_bytes(tensor))
         self._next += 1
 
     def close(self) -> dict:
         """Flush and fsync; returns {"sha256": ..., "bytes": ...}."""
         if self._next != len(self._pending):
-            missing = [name for name, _, _ in self._pending[self._next:]]
+            missing = [name for name, _, _ in self._pending[self._next :]]
             raise ValueError(f"{self.path.name}: {len(missing)} tensors never written, first '{missing[0]}'")
         self._file.flush()
         os.fsync(self._file.fileno())
@@ -171,8 +187,9 @@ class SafetensorsReader:
             if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
                 raise self._damaged(f"tensor '{name}' has {end - begin} bytes for shape {list(shape)}")
             if self._data_start + end > size:
-                raise self._damaged(f"tensor '{name}' ends at byte {self._data_start + end} but the file "
-                                    f"has {size} bytes")
+                raise self._damaged(
+                    f"tensor '{name}' ends at byte {self._data_start + end} but the file has {size} bytes"
+                )
             self.entries[name] = (dtype, shape, self._data_start + begin)
 
     def __contains__(self, name: str) -> bool:
@@ -271,4 +288,3 @@ def write_atomic(path, data: bytes) -> dict:
         raise
     fsync_dir(path.parent)
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-

@@ -1,5 +1,6 @@
 """Full (unsharded) weights from a live engine: a state dict on rank 0, or a file, gathered one
 flat group at a time so that no rank holds more than one group's full buffer beyond the result."""
+
 from __future__ import annotations
 
 import logging
@@ -74,9 +75,12 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
     """
     path = Path(save_dir) / save_filename
     if engine.policy.shard_parameters and not _gather_on_save(engine):
-        log.warning("zeroshard: did not save the model %s because zero_optimization."
-                    "stage3_gather_16bit_weights_on_model_save is false (DeepSpeed's behaviour at stage 3); "
-                    "set it to true, or save a checkpoint and consolidate it", path)
+        log.warning(
+            "zeroshard: did not save the model %s because zero_optimization."
+            "stage3_gather_16bit_weights_on_model_save is false (DeepSpeed's behaviour at stage 3); "
+            "set it to true, or save a checkpoint and consolidate it",
+            path,
+        )
         return False
     what = f"saving the model to {path}"
     writer, error = attempt(_open_writer, engine, path) if engine.comm.rank == 0 else (None, None)
@@ -105,8 +109,9 @@ def _gather_on_save(engine) -> bool:
 def _open_writer(engine, path: Path) -> FullModelWriter:
     params = [(s.name, tuple(s.shape)) for g in engine.groups for s in g.layout.slots]
     buffers = {n: (b.dtype, tuple(b.shape)) for n, b in persistent_buffers(engine.module).items()}
-    return FullModelWriter(path, params, model_aliases(engine.module), buffers, compute_dtype(engine),
-                           format_for(path, None))
+    return FullModelWriter(
+        path, params, model_aliases(engine.module), buffers, compute_dtype(engine), format_for(path, None)
+    )
 
 
 def _write_group(writer: FullModelWriter, group, full: torch.Tensor) -> None:

@@ -8,6 +8,7 @@ the largest parameter, not the model. A parameter every tp rank holds whole (Lay
 a row-parallel linear) is taken from tp rank 0; one that several pipeline stages hold (embeddings
 tied across the first and the last stage) from the first stage that has it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,11 +38,14 @@ class _Param:
                 f"{where}: parameter '{name}' is split over tensor-parallel ranks along a dim the model did not "
                 "name: a Megatron-style parameter marked `tensor_model_parallel` needs Megatron's `partition_dim` "
                 "(and `partition_stride` 1) when the checkpoint is saved, for its slices to be joined; consolidate "
-                "each tp part on its own (pass its tp<t>_pp<p> directory) to get the slices")
-        rest = [s[:self.split] + s[self.split + 1:] for s in self.local_shapes]
+                "each tp part on its own (pass its tp<t>_pp<p> directory) to get the slices"
+            )
+        rest = [s[: self.split] + s[self.split + 1 :] for s in self.local_shapes]
         if any(r != rest[0] for r in rest) or any(e.get("tp_split_dim") != self.split for e in entries):
-            raise CheckpointError(f"{where}: the tp slices of '{name}' do not fit together (shapes "
-                                  f"{self.local_shapes}, split dims {[e.get('tp_split_dim') for e in entries]})")
+            raise CheckpointError(
+                f"{where}: the tp slices of '{name}' do not fit together (shapes "
+                f"{self.local_shapes}, split dims {[e.get('tp_split_dim') for e in entries]})"
+            )
         self.shape = list(self.local_shapes[0])
         self.shape[self.split] = sum(s[self.split] for s in self.local_shapes)
 
@@ -51,8 +55,11 @@ def _read_parts(path: Path, manifest: dict, verify: bool) -> dict[tuple[int, int
     for part in manifest["parts"]:
         part_path, name = path / part["dir"], f"{part['dir']}/{MANIFEST}"
         if verify:
-            problems = [p for p in [check_file(path, name, manifest["files"][name])] if p is not None] \
-                if name in manifest["files"] else [f"{path / name}: not listed in {path / MANIFEST}"]
+            problems = (
+                [p for p in [check_file(path, name, manifest["files"][name])] if p is not None]
+                if name in manifest["files"]
+                else [f"{path / name}: not listed in {path / MANIFEST}"]
+            )
             part_manifest = read_manifest(part_path) if not problems else None
             problems += check_files(part_path, part_manifest) if part_manifest is not None else []
             if problems:
@@ -61,8 +68,10 @@ def _read_parts(path: Path, manifest: dict, verify: bool) -> dict[tuple[int, int
     mesh = manifest["mesh"]
     expected = {(t, p) for t in range(mesh["tp"]) for p in range(mesh["pp"])}
     if set(parts) != expected:
-        raise CheckpointError(f"{path / MANIFEST}: a checkpoint at {describe(mesh)} needs the parts "
-                              f"{sorted(expected)}, it lists {sorted(parts)}")
+        raise CheckpointError(
+            f"{path / MANIFEST}: a checkpoint at {describe(mesh)} needs the parts "
+            f"{sorted(expected)}, it lists {sorted(parts)}"
+        )
     return parts
 
 
@@ -78,8 +87,10 @@ def _plan(path: Path, mesh: dict, parts: dict) -> list[_Param]:
         for tp, names in enumerate(by_name[1:], start=1):
             if set(names) != set(first):
                 odd = sorted(set(names) ^ set(first))
-                raise CheckpointError(f"{parts[(tp, pp)][0] / MANIFEST}: holds other parameters than tp rank 0 of the "
-                                      f"same pipeline stage (e.g. {odd[:3]}): the parts are not of one model")
+                raise CheckpointError(
+                    f"{parts[(tp, pp)][0] / MANIFEST}: holds other parameters than tp rank 0 of the "
+                    f"same pipeline stage (e.g. {odd[:3]}): the parts are not of one model"
+                )
         for name in first:
             if name not in seen:
                 seen.add(name)
@@ -106,8 +117,14 @@ def consolidate_layout(path: Path, manifest: dict, output, dtype: torch.dtype, f
                 for name in reader.manifest["buffers"]:
                     buffers.setdefault(name, (file, file.dtype(name), file.shape(name)))
         aliases = {a: n for a, n in aliases.items() if a not in {p.name for p in planned}}
-        writer = FullModelWriter(output, [(p.name, tuple(p.shape)) for p in planned], aliases,
-                                 {n: (d, s) for n, (_, d, s) in buffers.items()}, dtype, fmt)
+        writer = FullModelWriter(
+            output,
+            [(p.name, tuple(p.shape)) for p in planned],
+            aliases,
+            {n: (d, s) for n, (_, d, s) in buffers.items()},
+            dtype,
+            fmt,
+        )
         try:
             for param in planned:
                 writer.add_param(param.name, _joined(param, [readers[(tp, param.pp)] for tp in range(mesh["tp"])]))
@@ -121,8 +138,12 @@ def consolidate_layout(path: Path, manifest: dict, output, dtype: torch.dtype, f
         for reader in readers.values():
             reader.close()
     largest = max((4 * torch.Size(p.shape).numel() for p in planned), default=0)
-    return {"writer": writer, "groups": sum(len(m["groups"]) for _, m in parts.values()), "largest_bytes": largest,
-            "parts": len(parts)}
+    return {
+        "writer": writer,
+        "groups": sum(len(m["groups"]) for _, m in parts.values()),
+        "largest_bytes": largest,
+        "parts": len(parts),
+    }
 
 
 def _joined(param: _Param, readers: list[CheckpointReader]) -> torch.Tensor:

@@ -29,6 +29,7 @@ Every collective goes through the dp communicator and the model-parallel ones (`
 gathering over dp, then over tp, then over pp reaches every rank of the grid, with no
 communicator of the world needed.
 """
+
 from __future__ import annotations
 
 import math
@@ -109,9 +110,11 @@ def layout_of(engine) -> Layout | None:
     if sizes["tp"] * sizes["pp"] == 1:
         return None
     if not model_parallel.coordinate:
-        raise CheckpointError("checkpoints under tensor/pipeline parallelism need this rank's (dp, tp, pp) "
-                              "coordinate: build ModelParallel with zeroshard.core.mesh.from_device_mesh or "
-                              "from_mpu (or pass coordinate={'dp': .., 'tp': .., 'pp': ..})")
+        raise CheckpointError(
+            "checkpoints under tensor/pipeline parallelism need this rank's (dp, tp, pp) "
+            "coordinate: build ModelParallel with zeroshard.core.mesh.from_device_mesh or "
+            "from_mpu (or pass coordinate={'dp': .., 'tp': .., 'pp': ..})"
+        )
     coordinate = {d: int(model_parallel.coordinate.get(d, 0)) for d in MESH_DIMS}
     dims = ["dp"] + [d for d in ("tp", "pp") if sizes[d] > 1]
     comm = GridComm(engine.comm, list(engine.model_parallel_comms), dims)
@@ -135,7 +138,8 @@ def check_same_model_parallel(path, manifest: dict, engine, layout: Layout | Non
             f"{path / MANIFEST}: saved at {describe(saved)}, but this run is {describe(now)}: a checkpoint "
             "loads directly at the same tp and pp only (any dp). To change tp or pp, consolidate it "
             f"(`zeroshard consolidate {path} model.safetensors`) and load the full weights into the new "
-            "layout (zeroshard.checkpoint.load_full_weights); optimizer state does not carry over")
+            "layout (zeroshard.checkpoint.load_full_weights); optimizer state does not carry over"
+        )
 
 
 def tp_split_dim(param, spec) -> int | Literal["unknown"] | None:

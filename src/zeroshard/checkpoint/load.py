@@ -11,6 +11,7 @@ Order of work, each phase ending with every rank agreeing it succeeded (see `agr
 A damaged or incompatible checkpoint, or a failure while reading, is reported in phase 1-3 before
 anything is changed ([Note: a failed load changes nothing]).
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,9 +48,16 @@ from zeroshard.core.masked import PER_PARAMETER
 log = logging.getLogger(__name__)
 
 
-def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = True,
-                    load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                    load_module_strict: bool = True, verify: bool = True):
+def load_checkpoint(
+    engine,
+    load_dir,
+    tag=None,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+    load_module_strict: bool = True,
+    verify: bool = True,
+):
     """Restore `engine` from `load_dir/<tag>` (default: the tag `latest` names, or `load_dir`
     itself when it is the directory of one checkpoint). Collective. A checkpoint DeepSpeed wrote
     (ZeRO stages 1-3) is recognised and read in its own format (deepspeed_load.py).
@@ -72,13 +80,16 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     deepspeed_dir = find_deepspeed(load_dir, tag)  # a checkpoint DeepSpeed wrote: read its own format
     if deepspeed_dir is not None:
         if layout is not None:
-            raise CheckpointError(f"{deepspeed_dir}: loading a DeepSpeed checkpoint under tensor/pipeline "
-                                  "parallelism is not supported; consolidate it (`zeroshard consolidate`) and load "
-                                  "the full weights (zeroshard.checkpoint.load_full_weights)")
+            raise CheckpointError(
+                f"{deepspeed_dir}: loading a DeepSpeed checkpoint under tensor/pipeline "
+                "parallelism is not supported; consolidate it (`zeroshard consolidate`) and load "
+                "the full weights (zeroshard.checkpoint.load_full_weights)"
+            )
         from zeroshard.checkpoint.deepspeed_load import load_deepspeed_checkpoint  # it uses _apply below
 
-        return load_deepspeed_checkpoint(engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states,
-                                         load_module_only, load_module_strict)
+        return load_deepspeed_checkpoint(
+            engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states, load_module_only, load_module_strict
+        )
     found, error = attempt(find_checkpoint, load_dir, tag)
     if error is None and found is not None:
         found, error = attempt(_own_part, *found, engine, layout, verify)
@@ -90,12 +101,11 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
     what = f"loading checkpoint {path.parent if layout is not None else path}"  # the same text on every part
     if verify:
         files = sorted(manifest["files"])
-        problems, error = attempt(check_files, path, manifest, files[comm.rank::comm.world_size])
+        problems, error = attempt(check_files, path, manifest, files[comm.rank :: comm.world_size])
         every = [p for mine in grid.all_gather_objects(problems or [], f"{what}: verification") for p in mine]
         agree(grid, error or ("; ".join(every) if every else None), what)
     restore_optimizer = load_optimizer_states and not load_module_only
-    read, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict,
-                          load_module_only)
+    read, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict, load_module_only)
     agree(grid, error, what)
     # [Note: a failed load changes nothing]: every rank has read all it needs; only now is it applied
     objects, loaded = read
@@ -110,8 +120,14 @@ def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states: bool = Tr
             engine.lr_scheduler.load_state_dict(objects["lr_scheduler"])
         if engine.loss_scaler is not None and objects["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(objects["loss_scaler"])
-    log.info("zeroshard: loaded checkpoint %s (saved at %d ranks, stage %d; now %d ranks, stage %d)", path,
-             manifest["world_size"], manifest["stage"], comm.world_size, engine.policy.stage)
+    log.info(
+        "zeroshard: loaded checkpoint %s (saved at %d ranks, stage %d; now %d ranks, stage %d)",
+        path,
+        manifest["world_size"],
+        manifest["stage"],
+        comm.world_size,
+        engine.policy.stage,
+    )
     return str(path), objects["client_state"]
 
 
@@ -133,13 +149,17 @@ def _own_part(path: Path, manifest: dict, engine, layout: Layout | None, verify:
     if layout is None:
         return path, manifest
     if not is_layout(manifest):
-        raise CheckpointError(f"{path / MANIFEST}: is one part of a tensor/pipeline-parallel checkpoint; pass the "
-                              f"checkpoint's directory ({path.parent}), whose manifest lists every part")
+        raise CheckpointError(
+            f"{path / MANIFEST}: is one part of a tensor/pipeline-parallel checkpoint; pass the "
+            f"checkpoint's directory ({path.parent}), whose manifest lists every part"
+        )
     tp, pp = layout.coordinate["tp"], layout.coordinate["pp"]
     part = next((p for p in manifest["parts"] if (p["tp"], p["pp"]) == (tp, pp)), None)
     if part is None:
-        raise CheckpointError(f"{path / MANIFEST}: has no part for tp rank {tp}, pp rank {pp} (parts: "
-                              f"{[(p['tp'], p['pp']) for p in manifest['parts']]}): the checkpoint is damaged")
+        raise CheckpointError(
+            f"{path / MANIFEST}: has no part for tp rank {tp}, pp rank {pp} (parts: "
+            f"{[(p['tp'], p['pp']) for p in manifest['parts']]}): the checkpoint is damaged"
+        )
     name = f"{part['dir']}/{MANIFEST}"
     if verify and name in manifest["files"]:
         problem = check_file(path, name, manifest["files"][name])
@@ -148,8 +168,10 @@ def _own_part(path: Path, manifest: dict, engine, layout: Layout | None, verify:
     part_path = path / part["dir"]
     part_manifest = read_manifest(part_path)
     if part_manifest.get("mesh") != manifest["mesh"]:
-        raise CheckpointError(f"{part_path / MANIFEST}: its mesh {part_manifest.get('mesh')} is not the checkpoint's "
-                              f"{manifest['mesh']} ({path / MANIFEST}): the checkpoint is damaged")
+        raise CheckpointError(
+            f"{part_path / MANIFEST}: its mesh {part_manifest.get('mesh')} is not the checkpoint's "
+            f"{manifest['mesh']} ({path / MANIFEST}): the checkpoint is damaged"
+        )
     return part_path, part_manifest
 
 
@@ -172,8 +194,9 @@ class _Loaded:
 
 
 @torch.no_grad()
-def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, strict: bool,
-                 module_only: bool) -> tuple[dict, _Loaded]:
+def _read_shards(
+    engine, path: Path, manifest: dict, restore_optimizer: bool, strict: bool, module_only: bool
+) -> tuple[dict, _Loaded]:
     check_compatible(path, manifest, engine_param_shapes(engine), strict)
     objects = _read_objects(path)
     optimizer = engine.optimizer
@@ -192,7 +215,7 @@ def _read_shards(engine, path: Path, manifest: dict, restore_optimizer: bool, st
                 if slot.name in reader.index:
                     reader.read_param(slot.name, "master", lo, hi, dest)
             start = group.opt_range[0]
-            master[max(group.layout.numel, start) - start:].zero_()  # padding stays zero
+            master[max(group.layout.numel, start) - start :].zero_()  # padding stays zero
             loaded.copies.append((group.master, master))
             if restore_optimizer and group.trainable:
                 state = _load_optimizer_state(reader, group, objects["optimizer"]["scalars"], optimizer)
@@ -222,10 +245,16 @@ _OBJECT_KEYS = {"client_state", "optimizer", "lr_scheduler", "loss_scaler"}
 def _read_objects(path: Path) -> dict:
     """objects.pt through torch.load(weights_only=True): see [Note: objects.pt holds data, not code]."""
     objects = load_objects(path / OBJECTS)
-    if not isinstance(objects, dict) or set(objects) != _OBJECT_KEYS or not isinstance(objects["optimizer"], dict) \
-            or set(objects["optimizer"]) != {"param_groups", "scalars"}:
-        raise CheckpointError(f"{path / OBJECTS}: not the objects file of a zeroshard checkpoint (expected a dict "
-                              f"of {sorted(_OBJECT_KEYS)})")
+    if (
+        not isinstance(objects, dict)
+        or set(objects) != _OBJECT_KEYS
+        or not isinstance(objects["optimizer"], dict)
+        or set(objects["optimizer"]) != {"param_groups", "scalars"}
+    ):
+        raise CheckpointError(
+            f"{path / OBJECTS}: not the objects file of a zeroshard checkpoint (expected a dict "
+            f"of {sorted(_OBJECT_KEYS)})"
+        )
     return objects
 
 
@@ -235,7 +264,8 @@ def _check_optimizer(path: Path, manifest: dict, objects: dict, optimizer) -> No
         raise CheckpointError(
             f"{path / MANIFEST}: optimizer states of {manifest['optimizer']} with {saved} param group(s) "
             f"cannot be loaded into {optimizer.name} with {len(optimizer.param_groups)}; "
-            "pass load_optimizer_states=False to load the weights only")
+            "pass load_optimizer_states=False to load the weights only"
+        )
 
 
 def _check_same_partition(path: Path, manifest: dict, engine) -> None:
@@ -243,10 +273,13 @@ def _check_same_partition(path: Path, manifest: dict, engine) -> None:
     world size, stage, accumulation steps and grouping -- and under MiCS the same partition size
     (the manifest's world size, [Note: checkpoints of replicated shards] in save.py)."""
     shards, replicas = partition_of(engine).world_size, engine.comm.world_size // partition_of(engine).world_size
-    same = (manifest["world_size"] == shards and manifest.get("replicas", 1) == replicas
-            and manifest["stage"] == engine.policy.stage
-            and manifest["gradient_accumulation_steps"] == engine.counters().gradient_accumulation_steps
-            and [[p["name"] for p in g["params"]] for g in manifest["groups"]] == [g.names for g in engine.groups])
+    same = (
+        manifest["world_size"] == shards
+        and manifest.get("replicas", 1) == replicas
+        and manifest["stage"] == engine.policy.stage
+        and manifest["gradient_accumulation_steps"] == engine.counters().gradient_accumulation_steps
+        and [[p["name"] for p in g["params"]] for g in manifest["groups"]] == [g.names for g in engine.groups]
+    )
     if not same:
         raise CheckpointError(
             f"{path / MANIFEST}: saved in the middle of gradient accumulation (micro step "
@@ -254,7 +287,8 @@ def _check_same_partition(path: Path, manifest: dict, engine) -> None:
             f"{_ranks(manifest['world_size'], manifest.get('replicas', 1))} and stage {manifest['stage']}; its "
             f"accumulated gradients load only into the same setup, not {_ranks(shards, replicas)}, stage "
             f"{engine.policy.stage}, {engine.counters().gradient_accumulation_steps} micro steps. Save at an "
-            "accumulation boundary to change the world size, MiCS size or stage, or pass load_module_only=True")
+            "accumulation boundary to change the world size, MiCS size or stage, or pass load_module_only=True"
+        )
 
 
 def _ranks(shards: int, replicas: int) -> str:
@@ -275,8 +309,9 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
     stepped = [source for source in dict.fromkeys(sources.values()) if kinds[source]]
     if not stepped:
         return {}  # saved before any of them stepped
-    statuses = {slot.name: _saved_status(scalars, kinds, sources.get(slot.name), slot.name)
-                for slot in group.layout.slots}
+    statuses = {
+        slot.name: _saved_status(scalars, kinds, sources.get(slot.name), slot.name) for slot in group.layout.slots
+    }
     first_name = group.layout.slots[0].name
     if len({_status_key(status) for status in statuses.values()}) > 1:
         state: dict = {PER_PARAMETER: copy.deepcopy(statuses)}
@@ -285,8 +320,10 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
     else:
         # A copy per group: optimizers update scalar state in place (Adam: step += 1), and two
         # groups may take theirs from the same saved group.
-        state = {key: copy.deepcopy(value.to(group.master.device) if on_device else value)
-                 for key, (value, on_device) in _saved_scalars(scalars, sources[first_name]).items()}
+        state = {
+            key: copy.deepcopy(value.to(group.master.device) if on_device else value)
+            for key, (value, on_device) in _saved_scalars(scalars, sources[first_name]).items()
+        }
     for key in [k for k, kind in kinds[stepped[0]].items() if kind == "elementwise"]:
         state[key] = torch.zeros_like(group.master)  # 1-D, numel = end - start
         for slot, lo, hi, dest in group.master_pieces(state[key]):
@@ -325,9 +362,11 @@ def _check_state_complete(reader: CheckpointReader, engine) -> None:
             for rank in range(reader.world_size) if kind == "elementwise" else ():
                 file = reader.file(rank_file(rank))
                 if state_key(index, key) not in file:
-                    raise CheckpointError(f"{file.path}: has no optimizer state '{state_key(index, key)}', which "
-                                          f"{reader.path / MANIFEST} lists; pass load_optimizer_states=False to "
-                                          "load the weights only")
+                    raise CheckpointError(
+                        f"{file.path}: has no optimizer state '{state_key(index, key)}', which "
+                        f"{reader.path / MANIFEST} lists; pass load_optimizer_states=False to "
+                        "load the weights only"
+                    )
     for group in engine.groups:
         names = [s.name for s in group.layout.slots if s.name in reader.index] if group.trainable else []
         # Parameters that never stepped have no state; those that did must have the same kinds.
@@ -338,7 +377,8 @@ def _check_state_complete(reader: CheckpointReader, engine) -> None:
             raise CheckpointError(
                 f"{reader.path / MANIFEST}: parameters '{first}' and '{other}' have different optimizer state "
                 f"({list(kinds[first])} and {list(kinds[other])}) but share a flat group here: part of the "
-                "optimizer state was lost; pass load_optimizer_states=False to load the weights only")
+                "optimizer state was lost; pass load_optimizer_states=False to load the weights only"
+            )
 
 
 def _elementwise_kinds(kinds: dict) -> tuple[str, ...]:
@@ -357,7 +397,8 @@ def _check_state_not_lost(reader: CheckpointReader, optimizer) -> None:
         raise CheckpointError(
             f"{reader.path / MANIFEST}: the optimizer ({manifest['optimizer']}) took {applied} step(s) but the "
             "checkpoint holds no optimizer state for any parameter: it was lost when the checkpoint was written; "
-            "pass load_optimizer_states=False to load the weights only (the optimizer then starts afresh)")
+            "pass load_optimizer_states=False to load the weights only (the optimizer then starts afresh)"
+        )
 
 
 def _load_grads(reader: CheckpointReader, index: int, group, rank: int) -> list:
@@ -374,8 +415,10 @@ def _load_buffers(module, saved: dict[str, torch.Tensor], path: Path, strict: bo
     buffers = persistent_buffers(module)
     if strict and set(saved) != set(buffers):
         missing, unexpected = sorted(set(buffers) - set(saved)), sorted(set(saved) - set(buffers))
-        raise CheckpointError(f"{path / MANIFEST}: the checkpoint is from an incompatible model: buffers "
-                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise CheckpointError(
+            f"{path / MANIFEST}: the checkpoint is from an incompatible model: buffers "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     return [(buffers[name], value) for name, value in saved.items() if name in buffers]
 
 

@@ -3,6 +3,7 @@ checkpoint is whole and fits the model it is loaded into.
 
 See [Note: checkpoint layout] in checkpoint/__init__.py for the directory and the key names.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,10 @@ def grad_key(group_index: int) -> str:
 
 def check_tag(tag: str) -> str:
     if not _TAG.fullmatch(tag) or tag == LATEST:
-        raise CheckpointError(f"checkpoint tag {tag!r} is not usable as a directory name: use letters, "
-                              "digits and _ . + = - (not starting with '.' and not 'latest')")
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} is not usable as a directory name: use letters, "
+            "digits and _ . + = - (not starting with '.' and not 'latest')"
+        )
     return tag
 
 
@@ -68,8 +71,11 @@ def model_aliases(module: nn.Module) -> dict[str, str]:
 def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state_dict entries that are not parameters (running stats, ...)."""
     params = {id(p) for p in module.parameters()}
-    return {name: value for name, value in module.state_dict(keep_vars=True).items()
-            if isinstance(value, torch.Tensor) and id(value) not in params}
+    return {
+        name: value
+        for name, value in module.state_dict(keep_vars=True).items()
+        if isinstance(value, torch.Tensor) and id(value) not in params
+    }
 
 
 def state_dict_order(module: nn.Module) -> list[str]:
@@ -84,16 +90,28 @@ def describe_groups(engine, states: list[dict]) -> list[dict]:
     groups = []
     for group, state in zip(engine.groups, states):
         layout = group.layout
-        groups.append({
-            "unit": unit_of[id(group)],
-            "optimizer_group": group.optimizer_group,
-            "numel": layout.numel,
-            "shard_numel": layout.shard_numel,
-            "params": [{"name": s.name, "shape": list(s.shape), "dtype": dtype_name(group.param_dtype),
-                        "offset": s.offset, "numel": s.numel} for s in layout.slots],
-            "state": [[key, "elementwise" if is_elementwise(value, group.master) else "scalar"]
-                      for key, value in state.items()],
-        })
+        groups.append(
+            {
+                "unit": unit_of[id(group)],
+                "optimizer_group": group.optimizer_group,
+                "numel": layout.numel,
+                "shard_numel": layout.shard_numel,
+                "params": [
+                    {
+                        "name": s.name,
+                        "shape": list(s.shape),
+                        "dtype": dtype_name(group.param_dtype),
+                        "offset": s.offset,
+                        "numel": s.numel,
+                    }
+                    for s in layout.slots
+                ],
+                "state": [
+                    [key, "elementwise" if is_elementwise(value, group.master) else "scalar"]
+                    for key, value in state.items()
+                ],
+            }
+        )
     return groups
 
 
@@ -133,8 +151,11 @@ def checkpoint_path(load_dir: Path, tag: str) -> Path:
     if stranded:
         log.warning("checkpoint %s: using %s, left by a save that was interrupted", path, stranded[-1].name)
         return stranded[-1]
-    present = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith(".")) \
-        if load_dir.is_dir() else []
+    present = (
+        sorted(p.name for p in load_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if load_dir.is_dir()
+        else []
+    )
     raise CheckpointError(f"{path}: no checkpoint with tag '{tag}' (tags present: {present or 'none'})")
 
 
@@ -143,16 +164,17 @@ def read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads(file.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{file}: manifest is missing; {path} is not a complete zeroshard "
-                              "checkpoint") from None
+        raise CheckpointError(f"{file}: manifest is missing; {path} is not a complete zeroshard checkpoint") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{file}: manifest is not valid JSON ({error}): the file is damaged") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file}: not a zeroshard checkpoint manifest")
     version = manifest.get("format_version", 0)
     if isinstance(version, int) and version > READABLE_VERSION:
-        raise CheckpointError(f"{file}: format version {manifest['format_version']} is newer than this "
-                              f"zeroshard ({manifest.get('library_version')} wrote it); upgrade zeroshard")
+        raise CheckpointError(
+            f"{file}: format version {manifest['format_version']} is newer than this "
+            f"zeroshard ({manifest.get('library_version')} wrote it); upgrade zeroshard"
+        )
     check_schema(file, manifest)
     return manifest
 
@@ -168,25 +190,58 @@ _JSON = None
 # describe_groups writes FlatGroup.optimizer_group, None there).
 _INDEX_OR_NULL = types.SimpleNamespace(__name__="int or null")
 _MANIFEST_FIELDS = {
-    "format": str, "format_version": int, "tag": str, "world_size": int, "stage": int, "param_dtype": str,
-    "global_steps": int, "micro_steps": int, "gradient_accumulation_steps": int, "mid_accumulation": bool,
-    "optimizer": str, "lr_scheduler": _JSON, "loss_scaler": _JSON, "aliases": dict, "buffers": list,
-    "groups": list, "files": dict,
+    "format": str,
+    "format_version": int,
+    "tag": str,
+    "world_size": int,
+    "stage": int,
+    "param_dtype": str,
+    "global_steps": int,
+    "micro_steps": int,
+    "gradient_accumulation_steps": int,
+    "mid_accumulation": bool,
+    "optimizer": str,
+    "lr_scheduler": _JSON,
+    "loss_scaler": _JSON,
+    "aliases": dict,
+    "buffers": list,
+    "groups": list,
+    "files": dict,
 }
-_MANIFEST_OPTIONAL = {"library_version": str, "created": str, "skipped_steps": int, "config": _JSON,
-                      # a part of a tp/pp checkpoint ([Note: checkpoints across layouts] in layout.py)
-                      "mesh": dict, "shards": dict,
-                      # MiCS: how many partition groups held the `world_size` shards ([Note:
-                      # checkpoints of replicated shards] in save.py); absent means 1
-                      "replicas": int}
+_MANIFEST_OPTIONAL = {
+    "library_version": str,
+    "created": str,
+    "skipped_steps": int,
+    "config": _JSON,
+    # a part of a tp/pp checkpoint ([Note: checkpoints across layouts] in layout.py)
+    "mesh": dict,
+    "shards": dict,
+    # MiCS: how many partition groups held the `world_size` shards ([Note:
+    # checkpoints of replicated shards] in save.py); absent means 1
+    "replicas": int,
+}
 # The top manifest of a tp/pp checkpoint: its parts, and the (dp, tp, pp) of every rank file.
-_LAYOUT_FIELDS = {"format": str, "format_version": int, "tag": str, "mesh": dict, "parts": list, "shards": dict,
-                  "files": dict, "global_steps": int}
+_LAYOUT_FIELDS = {
+    "format": str,
+    "format_version": int,
+    "tag": str,
+    "mesh": dict,
+    "parts": list,
+    "shards": dict,
+    "files": dict,
+    "global_steps": int,
+}
 _LAYOUT_OPTIONAL = {"library_version": str, "created": str}
 _PART_FIELDS = {"tp": int, "pp": int, "dir": str}
 _MESH_DIMS = ("dp", "tp", "pp")
-_GROUP_FIELDS = {"unit": str, "optimizer_group": _INDEX_OR_NULL, "numel": int, "shard_numel": int, "params": list,
-                 "state": list}
+_GROUP_FIELDS = {
+    "unit": str,
+    "optimizer_group": _INDEX_OR_NULL,
+    "numel": int,
+    "shard_numel": int,
+    "params": list,
+    "state": list,
+}
 _PARAM_FIELDS = {"name": str, "shape": list, "dtype": str, "offset": int, "numel": int}
 _PARAM_OPTIONAL = {"tp_split_dim": _JSON}  # int, null (whole on every tp rank) or "unknown"
 _FILE_FIELDS = {"sha256": str, "bytes": int}
@@ -208,13 +263,20 @@ def check_schema(file: Path, manifest: dict) -> None:
             _check_fields(file, f"{where}.params[{number}]", param, _PARAM_FIELDS, _PARAM_OPTIONAL)
             split = param.get("tp_split_dim")
             if not (split is None or split == "unknown" or (_is(split, int) and 0 <= split < len(param["shape"]))):
-                raise CheckpointError(f"{file}: field '{where}.params[{number}].tp_split_dim' must be a dim of its "
-                                      f"shape {param['shape']}, null or 'unknown', got {split!r}")
+                raise CheckpointError(
+                    f"{file}: field '{where}.params[{number}].tp_split_dim' must be a dim of its "
+                    f"shape {param['shape']}, null or 'unknown', got {split!r}"
+                )
         for number, entry in enumerate(group["state"]):
-            if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
-                    and entry[1] in ("elementwise", "scalar")):
-                raise CheckpointError(f"{file}: field '{where}.state[{number}]' must be [name, 'elementwise' or "
-                                      f"'scalar'], got {entry!r}")
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and isinstance(entry[0], str)
+                and entry[1] in ("elementwise", "scalar")
+            ):
+                raise CheckpointError(
+                    f"{file}: field '{where}.state[{number}]' must be [name, 'elementwise' or 'scalar'], got {entry!r}"
+                )
     for name, entry in manifest["files"].items():
         _check_fields(file, f"files[{name!r}]", entry, _FILE_FIELDS)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["aliases"].items()):
@@ -237,8 +299,9 @@ def _check_layout_schema(file: Path, manifest: dict) -> None:
 def _check_grid(file: Path, where: str, value) -> None:
     """{"dp": .., "tp": .., "pp": ..}: a mesh's sizes or a coordinate in it."""
     if not (isinstance(value, dict) and set(value) == set(_MESH_DIMS) and all(_is(v, int) for v in value.values())):
-        raise CheckpointError(f"{file}: field '{where}' must map each of {', '.join(_MESH_DIMS)} to an integer, "
-                              f"got {value!r:.80}")
+        raise CheckpointError(
+            f"{file}: field '{where}' must map each of {', '.join(_MESH_DIMS)} to an integer, got {value!r:.80}"
+        )
 
 
 def is_layout(manifest: dict) -> bool:
@@ -253,15 +316,19 @@ def _check_fields(file: Path, where: str, value, required: dict, optional: dict 
     allowed = {**required, **(optional or {})}
     unknown = sorted(set(value) - set(allowed))
     if unknown:
-        raise CheckpointError(f"{file}: field '{prefix}{unknown[0]}' is not part of the zeroshard manifest "
-                              f"schema (format version {READABLE_VERSION}); allowed here: {', '.join(allowed)}")
+        raise CheckpointError(
+            f"{file}: field '{prefix}{unknown[0]}' is not part of the zeroshard manifest "
+            f"schema (format version {READABLE_VERSION}); allowed here: {', '.join(allowed)}"
+        )
     missing = [key for key in required if key not in value]
     if missing:
         raise CheckpointError(f"{file}: required field '{prefix}{missing[0]}' is missing: the manifest is damaged")
     for key, kind in allowed.items():
         if key in value and kind is not None and not _is(value[key], kind):
-            raise CheckpointError(f"{file}: field '{prefix}{key}' must be {kind.__name__}, got "
-                                  f"{type(value[key]).__name__} {value[key]!r:.60}")
+            raise CheckpointError(
+                f"{file}: field '{prefix}{key}' must be {kind.__name__}, got "
+                f"{type(value[key]).__name__} {value[key]!r:.60}"
+            )
 
 
 def _is(value, kind) -> bool:
@@ -288,8 +355,11 @@ def check_file(path: Path, name: str, expected: dict) -> str | None:
 
 def check_files(path: Path, manifest: dict, names=None) -> list[str]:
     files = manifest["files"]
-    return [problem for name in (files if names is None else names)
-            if (problem := check_file(path, name, files[name])) is not None]
+    return [
+        problem
+        for name in (files if names is None else names)
+        if (problem := check_file(path, name, files[name])) is not None
+    ]
 
 
 def check_compatible(path: Path, manifest: dict, engine_params: dict[str, list[int]], strict: bool) -> None:
@@ -301,17 +371,20 @@ def check_compatible(path: Path, manifest: dict, engine_params: dict[str, list[i
     problems = []
     if reshaped:
         n = reshaped[0]
-        problems.append(f"{len(reshaped)} parameter(s) with a different shape (e.g. '{n}': "
-                        f"{saved[n]} in the checkpoint, {list(engine_params[n])} in the model)")
+        problems.append(
+            f"{len(reshaped)} parameter(s) with a different shape (e.g. '{n}': "
+            f"{saved[n]} in the checkpoint, {list(engine_params[n])} in the model)"
+        )
     if strict and missing:
-        problems.append(f"{len(missing)} parameter(s) of the model missing from the checkpoint "
-                        f"(e.g. {missing[:3]})")
+        problems.append(f"{len(missing)} parameter(s) of the model missing from the checkpoint (e.g. {missing[:3]})")
     if strict and unexpected:
-        problems.append(f"{len(unexpected)} parameter(s) in the checkpoint that the model does not have "
-                        f"(e.g. {unexpected[:3]})")
+        problems.append(
+            f"{len(unexpected)} parameter(s) in the checkpoint that the model does not have (e.g. {unexpected[:3]})"
+        )
     if problems:
-        raise CheckpointError(f"{path / MANIFEST}: the checkpoint is from an incompatible model: "
-                              + "; ".join(problems))
+        raise CheckpointError(
+            f"{path / MANIFEST}: the checkpoint is from an incompatible model: " + "; ".join(problems)
+        )
 
 
 class ParamIndex:

@@ -12,6 +12,7 @@ the others as they were; loading again sets every weight. Names and shapes are m
 files verified (sizes, checksums), before anything is read, so a wrong or damaged checkpoint is
 refused whole.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -91,12 +92,15 @@ def _open(engine, load_dir: Path, tag, verify: bool):
         agree(comm, error, f"loading DeepSpeed checkpoint {deepspeed_dir}")
         return source
     found, error = attempt(find_checkpoint, load_dir, tag)
-    agree(comm, error or (None if found is not None else f"{load_dir}: no 'latest' file and no tag given"),
-          f"loading checkpoint from {load_dir}")
+    agree(
+        comm,
+        error or (None if found is not None else f"{load_dir}: no 'latest' file and no tag given"),
+        f"loading checkpoint from {load_dir}",
+    )
     path, manifest = found
     if verify:
         files = sorted(manifest["files"])
-        problems, error = attempt(check_files, path, manifest, files[comm.rank::comm.world_size])
+        problems, error = attempt(check_files, path, manifest, files[comm.rank :: comm.world_size])
         every = [p for mine in comm.all_gather_objects(problems or [], f"verifying {path}") for p in mine]
         agree(comm, error or ("; ".join(every) if every else None), f"loading checkpoint {path}")
     source, error = attempt(_ZeroshardSource, path, manifest)

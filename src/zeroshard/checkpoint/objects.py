@@ -1,5 +1,6 @@
 """objects.pt: the part of a checkpoint that is neither a tensor shard nor the manifest, stored so
 that loading it cannot run code."""
+
 from __future__ import annotations
 
 import io
@@ -17,10 +18,12 @@ from zeroshard.checkpoint.files import CheckpointError
 # someone else cannot run code. The price: DeepSpeed's client_state may hold any picklable object;
 # here such an object is refused when the checkpoint is *saved* (naming its key), so that a
 # checkpoint that was written can always be loaded.
-OBJECTS_LIMIT = ("checkpoints load objects.pt with torch.load(weights_only=True), which rebuilds only "
-                 "tensors, dicts, lists, tuples, strings, numbers, booleans and None, so that loading a "
-                 "checkpoint cannot run code; convert the value to those types, or allow its class with "
-                 "torch.serialization.add_safe_globals([...]) in every process that saves or loads")
+OBJECTS_LIMIT = (
+    "checkpoints load objects.pt with torch.load(weights_only=True), which rebuilds only "
+    "tensors, dicts, lists, tuples, strings, numbers, booleans and None, so that loading a "
+    "checkpoint cannot run code; convert the value to those types, or allow its class with "
+    "torch.serialization.add_safe_globals([...]) in every process that saves or loads"
+)
 
 
 def objects_bytes(objects: dict) -> bytes:
@@ -41,8 +44,9 @@ def load_objects(path) -> dict:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file is missing") from None
     except Exception as error:  # noqa: BLE001 - a refused global, a damaged zip, ...
-        raise CheckpointError(f"{path}: refused to load: {OBJECTS_LIMIT}; the file holds something else "
-                              f"({_first_line(error)})") from None
+        raise CheckpointError(
+            f"{path}: refused to load: {OBJECTS_LIMIT}; the file holds something else ({_first_line(error)})"
+        ) from None
 
 
 def _torch_save(value) -> bytes:
@@ -53,6 +57,7 @@ def _torch_save(value) -> bytes:
 
 def _refused_key(objects: dict) -> str:
     """The first key path under which torch.load(weights_only=True) refuses a value."""
+
     def refused(value) -> bool:
         try:
             torch.load(io.BytesIO(_torch_save(value)), map_location="cpu", weights_only=True)

@@ -5,6 +5,7 @@ parameters are written as they arrive, so memory stays at one group however larg
 ([Note: our own safetensors reader and writer] in files.py). A `.pt` file is collected in memory and
 written with torch.save at the end, which cannot stream.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,15 @@ class FullModelWriter:
     """Writes `params` (name, shape) in order, each under its tied aliases too, then the buffers.
     The file appears under its final name only when complete (temporary name + os.replace)."""
 
-    def __init__(self, path, params: list[tuple[str, tuple[int, ...]]], aliases: dict[str, str],
-                 buffers: dict[str, tuple[torch.dtype, tuple[int, ...]]], dtype: torch.dtype, fmt: str):
+    def __init__(
+        self,
+        path,
+        params: list[tuple[str, tuple[int, ...]]],
+        aliases: dict[str, str],
+        buffers: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        dtype: torch.dtype,
+        fmt: str,
+    ):
         self.path = Path(path)
         self.dtype = dtype
         self.format = fmt

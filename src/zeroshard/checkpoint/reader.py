@@ -10,6 +10,7 @@ spans source ranks (offset + lo) // S to (offset + hi - 1) // S. Padding never m
 different shard sizes and paddings (4 -> 3 ranks), and source and target may even group parameters
 differently (another stage-3 persistence threshold), yet a parameter's elements are found by name.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -42,7 +43,7 @@ class CheckpointReader:
         name = master_key(group_index) if key == "master" else state_key(group_index, key)
         for rank in range(lo // shard, (hi - 1) // shard + 1 if hi > lo else 0):
             a, b = max(lo, rank * shard), min(hi, (rank + 1) * shard)
-            self.file(rank_file(rank)).read_into(name, a - rank * shard, b - rank * shard, out[a - lo: b - lo])
+            self.file(rank_file(rank)).read_into(name, a - rank * shard, b - rank * shard, out[a - lo : b - lo])
 
     def read_param(self, name: str, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of parameter `name` (flattened) for `key` into `out`."""

@@ -30,6 +30,7 @@ the save everywhere. The manifest says `world_size` k and `replicas` N/k: the fi
 a plain stage-3 checkpoint at k ranks, and load as one at any world size, stage or MiCS size
 ([Note: resharding by element ranges] in reader.py). Without MiCS k = N and every rank writes.
 """
+
 from __future__ import annotations
 
 import json
@@ -83,8 +84,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     layouts] in layout.py). Returns the checkpoint directory."""
     counters = engine.counters()
     if counters.backward_pending:
-        raise CheckpointError("save_checkpoint() called between engine.backward() and engine.step(): "
-                              "call engine.step() first, the gradients of this micro step are not saved")
+        raise CheckpointError(
+            "save_checkpoint() called between engine.backward() and engine.step(): "
+            "call engine.step() first, the gradients of this micro step are not saved"
+        )
     comm = engine.comm  # the dp group: the ranks of one part
     layout = layout_of(engine)
     grid = layout.comm if layout is not None else comm  # every rank that writes into this checkpoint
@@ -95,8 +98,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         raise CheckpointError(f"ranks passed different checkpoint tags: {[t for t, _, _ in proposals]}")
     if len({d for _, d, _ in proposals}) > 1:  # e.g. a directory named from each rank's own clock
         dirs = "\n".join(f"  rank {r}: {d}" for r, (_, d, _) in enumerate(proposals))
-        raise CheckpointError("ranks passed different checkpoint directories to save_checkpoint(); every rank "
-                              f"must pass the same save_dir (name it once, e.g. on rank 0, and broadcast it):\n{dirs}")
+        raise CheckpointError(
+            "ranks passed different checkpoint directories to save_checkpoint(); every rank "
+            f"must pass the same save_dir (name it once, e.g. on rank 0, and broadcast it):\n{dirs}"
+        )
     nonce = proposals[0][2]
     what = f"saving checkpoint {save_dir / tag}"
     staging = save_dir / f".tmp-{tag}-{nonce}"
@@ -193,7 +198,7 @@ def _clear_leftovers(save_dir: Path, staging: Path) -> None:
             else:
                 entry.unlink(missing_ok=True)
         elif entry.name.startswith(".old-"):
-            tag = entry.name[len(".old-"):].rsplit("-", 1)[0]
+            tag = entry.name[len(".old-") :].rsplit("-", 1)[0]
             if (save_dir / tag).exists():
                 shutil.rmtree(entry, ignore_errors=True)
             else:
@@ -203,8 +208,9 @@ def _clear_leftovers(save_dir: Path, staging: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
-def _write_part(engine, states: list[dict], part_dir: Path, tag: str, records, objects: bytes,
-                layout: Layout | None) -> dict:
+def _write_part(
+    engine, states: list[dict], part_dir: Path, tag: str, records, objects: bytes, layout: Layout | None
+) -> dict:
     """Step 2 of [Note: atomic publication] for one part (the whole checkpoint when dp-only): its
     objects, buffers and manifest. Returns what the top manifest records of it."""
     files = dict(records)
@@ -222,8 +228,13 @@ def _write_part(engine, states: list[dict], part_dir: Path, tag: str, records, o
     record = write_atomic(part_dir / MANIFEST, manifest_text(manifest).encode())
     if layout is None:
         return {}
-    return {"tp": layout.coordinate["tp"], "pp": layout.coordinate["pp"], "dir": layout.part,
-            "manifest": record, "shards": shards}
+    return {
+        "tp": layout.coordinate["tp"],
+        "pp": layout.coordinate["pp"],
+        "dir": layout.part,
+        "manifest": record,
+        "shards": shards,
+    }
 
 
 def _record_tp_splits(engine, groups: list[dict]) -> None:
@@ -233,16 +244,28 @@ def _record_tp_splits(engine, groups: list[dict]) -> None:
             entry["tp_split_dim"] = tp_split_dim(param, spec)
 
 
-def _publish(staging: Path, save_dir: Path, tag: str, nonce: str, save_latest: bool, layout: Layout | None,
-             parts: list[dict], counters) -> None:
+def _publish(
+    staging: Path,
+    save_dir: Path,
+    tag: str,
+    nonce: str,
+    save_latest: bool,
+    layout: Layout | None,
+    parts: list[dict],
+    counters,
+) -> None:
     """Steps 2 (the top manifest of a tp/pp checkpoint, last) to 4 of [Note: atomic publication]."""
     if layout is not None:
         from zeroshard.version import __version__
 
         parts = sorted(parts, key=lambda p: (p["pp"], p["tp"]))
         manifest = {
-            "format": FORMAT, "format_version": LAYOUT_FORMAT_VERSION, "library_version": __version__,
-            "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "global_steps": counters.global_steps,
+            "format": FORMAT,
+            "format_version": LAYOUT_FORMAT_VERSION,
+            "library_version": __version__,
+            "tag": tag,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "global_steps": counters.global_steps,
             "mesh": dict(layout.sizes),
             "parts": [{"tp": p["tp"], "pp": p["pp"], "dir": p["dir"]} for p in parts],
             "shards": {f"{p['dir']}/{name}": coordinate for p in parts for name, coordinate in p["shards"].items()},
@@ -258,13 +281,20 @@ def _objects_bytes(engine, states: list[dict], client_state) -> bytes:
     value one that torch.load(weights_only=True) rebuilds (or a CheckpointError naming it)."""
     scalars = {}
     for index, (group, state) in enumerate(zip(engine.groups, states)):
-        scalars[index] = {key: (value.detach().cpu() if isinstance(value, torch.Tensor) else value,
-                                isinstance(value, torch.Tensor) and value.device.type != "cpu")
-                          for key, value in state.items() if not is_elementwise(value, group.master)}
+        scalars[index] = {
+            key: (
+                value.detach().cpu() if isinstance(value, torch.Tensor) else value,
+                isinstance(value, torch.Tensor) and value.device.type != "cpu",
+            )
+            for key, value in state.items()
+            if not is_elementwise(value, group.master)
+        }
     objects = {
         "client_state": client_state,
-        "optimizer": {"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                       for g in engine.optimizer.param_groups], "scalars": scalars},
+        "optimizer": {
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups],
+            "scalars": scalars,
+        },
         "lr_scheduler": _state_of(engine.lr_scheduler),
         "loss_scaler": _state_of(engine.loss_scaler),
     }
@@ -292,11 +322,17 @@ def build_manifest(engine, states: list[dict], tag: str, files: dict, buffers: l
     shards = partition_of(engine).world_size  # the rank files: [Note: checkpoints of replicated shards]
     replicas = {"replicas": engine.comm.world_size // shards} if shards < engine.comm.world_size else {}
     return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "library_version": __version__,
-        "tag": tag, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "world_size": shards, **replicas, "stage": engine.policy.stage,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "library_version": __version__,
+        "tag": tag,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "world_size": shards,
+        **replicas,
+        "stage": engine.policy.stage,
         "param_dtype": dtype_name(compute_dtype(engine)),
-        "global_steps": counters.global_steps, "micro_steps": counters.micro_steps,
+        "global_steps": counters.global_steps,
+        "micro_steps": counters.micro_steps,
         "skipped_steps": counters.skipped_steps,
         "gradient_accumulation_steps": counters.gradient_accumulation_steps,
         "mid_accumulation": counters.mid_accumulation,

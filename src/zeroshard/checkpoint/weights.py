@@ -6,6 +6,7 @@ Under tensor/pipeline parallelism the full weights are the way between layouts (
 across layouts] in layout.py): a pipeline stage takes the parameters it has and leaves the other
 stages' keys, and a parameter tensor parallelism cut is read whole (one parameter at a time) and this
 tp rank's slice taken along its split dim, as DTensor's Shard (torch.chunk) or Megatron cut it."""
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,9 @@ def _indexed_files(directory: Path) -> list[Path]:
         weight_map = json.loads(index.read_text())["weight_map"]
         names = sorted(set(weight_map.values()))
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(f"{index}: not a safetensors index (a JSON object with a 'weight_map' of "
-                              f"tensor name -> file): {error}") from None
+        raise CheckpointError(
+            f"{index}: not a safetensors index (a JSON object with a 'weight_map' of tensor name -> file): {error}"
+        ) from None
     missing = [n for n in names if not (directory / n).is_file()]
     if missing:
         raise CheckpointError(f"{index}: names {len(missing)} file(s) that are missing: {missing[:3]}")
@@ -152,8 +154,10 @@ class _Cut:
         pieces = full.view(self.full_shape).chunk(self.size, dim=self.dim)
         piece = pieces[self.rank] if self.rank < len(pieces) else None
         if piece is None or tuple(piece.shape) != tuple(local_shape):
-            raise CheckpointError(f"{weights.where}: '{key}' of shape {list(self.full_shape)} cut along dim {self.dim} "
-                                  f"into {self.size} does not give tp rank {self.rank} its shape {list(local_shape)}")
+            raise CheckpointError(
+                f"{weights.where}: '{key}' of shape {list(self.full_shape)} cut along dim {self.dim} "
+                f"into {self.size} does not give tp rank {self.rank} its shape {list(local_shape)}"
+            )
         return piece.contiguous()
 
 
@@ -166,13 +170,18 @@ def _tp_cuts(engine, layout: Layout | None) -> dict[str, _Cut]:
         for slot, param, spec in zip(group.layout.slots, group.params, group.tp_specs):
             dim = tp_split_dim(param, spec)
             if dim == "unknown":
-                raise CheckpointError(f"parameter '{slot.name}' is split over tensor-parallel ranks along a dim the "
-                                      "model does not name: a Megatron-style parameter marked `tensor_model_parallel` "
-                                      "needs Megatron's `partition_dim` (and `partition_stride` 1) to take its slice "
-                                      "of full weights")
+                raise CheckpointError(
+                    f"parameter '{slot.name}' is split over tensor-parallel ranks along a dim the "
+                    "model does not name: a Megatron-style parameter marked `tensor_model_parallel` "
+                    "needs Megatron's `partition_dim` (and `partition_stride` 1) to take its slice "
+                    "of full weights"
+                )
             if dim is not None:  # Megatron cuts evenly; a DTensor knows its global shape
-                full = tuple(spec.shape) if spec is not None else \
-                    tuple(n * size if i == dim else n for i, n in enumerate(slot.shape))
+                full = (
+                    tuple(spec.shape)
+                    if spec is not None
+                    else tuple(n * size if i == dim else n for i, n in enumerate(slot.shape))
+                )
                 cuts[slot.name] = _Cut(dim, full, rank, size)
     return cuts
 

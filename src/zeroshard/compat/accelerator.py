@@ -6,6 +6,7 @@ with DeepSpeed's method names: CUDA (when torch sees a GPU) and CPU. `DS_ACCELER
 one explicitly, as in DeepSpeed. Each method is the torch call it names; nothing is cached but the
 choice of accelerator.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -325,7 +326,9 @@ def get_accelerator() -> _Accelerator:
 def set_accelerator(accelerator: _Accelerator) -> None:
     """DeepSpeed's override hook: make `accelerator` the one `get_accelerator()` returns."""
     if not isinstance(accelerator, _Accelerator):
-        raise TypeError(f"set_accelerator() takes a CPU_Accelerator or CUDA_Accelerator, got {type(accelerator).__name__}")
+        raise TypeError(
+            f"set_accelerator() takes a CPU_Accelerator or CUDA_Accelerator, got {type(accelerator).__name__}"
+        )
     _Choice.accelerator = accelerator
 
 

@@ -20,6 +20,7 @@ between them, so the configured policy is process-wide in DeepSpeed's API. It is
 one frozen value and nothing else (no process group, stream or store), the exception to "no module
 globals" that this API forces. Units checkpointed by the engine read the engine's config instead.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,13 +38,22 @@ from zeroshard.core.wrap import ROOT, is_inside, unit_modules
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointingPolicy", "apply_activation_checkpointing", "apply_to_units", "checkpoint", "configure",
-           "configure_engine", "is_configured", "non_reentrant_checkpoint", "reset"]
+__all__ = [
+    "CheckpointingPolicy",
+    "apply_activation_checkpointing",
+    "apply_to_units",
+    "checkpoint",
+    "configure",
+    "configure_engine",
+    "is_configured",
+    "non_reentrant_checkpoint",
+    "reset",
+]
 
 # Why each option changes nothing here (DeepSpeed's activation_checkpointing keys).
 _NO_OP_REASONS = {
     "partition_activations": "DeepSpeed splits checkpointed activations across model-parallel ranks; zeroshard "
-                             "has no model parallelism",
+    "has no model parallelism",
     "contiguous_memory_optimization": "activations are kept by torch's checkpoint, not copied into one buffer",
     "number_checkpoints": "it only sizes DeepSpeed's contiguous activation buffer",
     "synchronize_checkpoint_boundary": "a device synchronisation that only serves DeepSpeed's profiling",
@@ -68,17 +78,29 @@ class _ProcessPolicy:
 _PROCESS = _ProcessPolicy()
 
 
-def configure(mpu_=None, deepspeed_config=None, partition_activations=None, contiguous_checkpointing=None,
-              num_checkpoints=None, checkpoint_in_cpu=None, synchronize=None, profile=None) -> CheckpointingPolicy:
+def configure(
+    mpu_=None,
+    deepspeed_config=None,
+    partition_activations=None,
+    contiguous_checkpointing=None,
+    num_checkpoints=None,
+    checkpoint_in_cpu=None,
+    synchronize=None,
+    profile=None,
+) -> CheckpointingPolicy:
     """DeepSpeed's `checkpointing.configure`: options from `deepspeed_config`'s `activation_checkpointing`
     section (a dict, a JSON path or a parsed config), overridden by the keyword arguments given."""
     if mpu_ is not None:
         raise ValueError("checkpointing.configure(mpu_=...): model parallelism is not supported by zeroshard")
     values = dict(_section_values(deepspeed_config))
-    overrides = {"partition_activations": partition_activations,
-                 "contiguous_memory_optimization": contiguous_checkpointing,
-                 "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
-                 "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    overrides = {
+        "partition_activations": partition_activations,
+        "contiguous_memory_optimization": contiguous_checkpointing,
+        "number_checkpoints": num_checkpoints,
+        "cpu_checkpointing": checkpoint_in_cpu,
+        "synchronize_checkpoint_boundary": synchronize,
+        "profile": profile,
+    }
     values.update({k: v for k, v in overrides.items() if v is not None})
     cpu = bool(values.get("cpu_checkpointing")) and torch.cuda.is_available()
     for key, value in values.items():
@@ -98,8 +120,11 @@ def _section_values(deepspeed_config) -> dict:
 
 def _report_no_op(key: str) -> None:
     # One warning per key and process: the default filter shows a given message from this line once.
-    warnings.warn(f"zeroshard accepts but does not act on config key 'activation_checkpointing.{key}': "
-                  f"{_NO_OP_REASONS[key]}", ConfigKeyNotActedOnWarning, stacklevel=2)
+    warnings.warn(
+        f"zeroshard accepts but does not act on config key 'activation_checkpointing.{key}': {_NO_OP_REASONS[key]}",
+        ConfigKeyNotActedOnWarning,
+        stacklevel=2,
+    )
 
 
 def is_configured() -> bool:
@@ -153,9 +178,12 @@ def apply_to_units(engine) -> list[str]:
     unit: nothing to recompute that it does not save anyway). Module and parameter names do not change. Returns the qualified names of the checkpointed modules."""
     chosen = [(u.name, u.module) for u in engine.units if u.module is not None and u.name != ROOT]
     if engine.config.activation_checkpointing.cpu_checkpointing and torch.cuda.is_available():
-        warnings.warn("activation_checkpointing.cpu_checkpointing applies to checkpoint() calls; units "
-                      "checkpointed by zeroshard keep their inputs on the device", ConfigKeyNotActedOnWarning,
-                      stacklevel=2)
+        warnings.warn(
+            "activation_checkpointing.cpu_checkpointing applies to checkpoint() calls; units "
+            "checkpointed by zeroshard keep their inputs on the device",
+            ConfigKeyNotActedOnWarning,
+            stacklevel=2,
+        )
     return _checkpoint_modules(chosen)
 
 

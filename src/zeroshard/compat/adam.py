@@ -6,6 +6,7 @@ torch's Adam with DeepSpeed's defaults: `adamw_mode` / `adam_w_mode` true = deco
 `build_optimizer` does for the config's Adam (compat/optimizers.py says why). Being `torch.optim.Adam`
 subclasses, zeroshard shards them like any elementwise torch optimizer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,8 +16,10 @@ __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
 def _check_bias_correction(cls: str, bias_correction: bool) -> None:
     if not bias_correction:
-        raise ValueError(f"{cls}(bias_correction=False): torch's Adam, which zeroshard runs, always corrects "
-                         "the moment estimates' bias; remove the argument or pass True")
+        raise ValueError(
+            f"{cls}(bias_correction=False): torch's Adam, which zeroshard runs, always corrects "
+            "the moment estimates' bias; remove the argument or pass True"
+        )
 
 
 def _fused_where_possible(params) -> tuple[list, bool]:
@@ -32,16 +35,33 @@ class FusedAdam(torch.optim.Adam):
     """DeepSpeed's `FusedAdam(params, lr, bias_correction, betas, eps, adam_w_mode, weight_decay,
     amsgrad, set_grad_none)`."""
 
-    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
-                 eps: float = 1e-8, adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
-                 set_grad_none: bool = True):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ):
         _check_bias_correction(type(self).__name__, bias_correction)
         if amsgrad:
-            raise ValueError("FusedAdam does not support the AMSGrad variant (as in DeepSpeed): use "
-                             "torch.optim.Adam(amsgrad=True)")
+            raise ValueError(
+                "FusedAdam does not support the AMSGrad variant (as in DeepSpeed): use torch.optim.Adam(amsgrad=True)"
+            )
         groups, fused = _fused_where_possible(params)
-        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         decoupled_weight_decay=adam_w_mode, fused=fused or None)
+        super().__init__(
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=adam_w_mode,
+            fused=fused or None,
+        )
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
 
@@ -51,12 +71,29 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
     amsgrad, adamw_mode, fp32_optimizer_states)`. Optimizer states are fp32 whatever
     `fp32_optimizer_states` says; where they live is the config's `offload_optimizer` choice."""
 
-    def __init__(self, model_params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
-                 fp32_optimizer_states: bool = True):
+    def __init__(
+        self,
+        model_params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        adamw_mode: bool = True,
+        fp32_optimizer_states: bool = True,
+    ):
         _check_bias_correction(type(self).__name__, bias_correction)
         groups, fused = _fused_where_possible(model_params)
-        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         decoupled_weight_decay=adamw_mode, fused=fused or None)
+        super().__init__(
+            groups,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            decoupled_weight_decay=adamw_mode,
+            fused=fused or None,
+        )
         self.adam_w_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states

@@ -1,4 +1,5 @@
 """`zeroshard.initialize`: DeepSpeed's entry point, same call shape and return value."""
+
 from __future__ import annotations
 
 import logging
@@ -22,9 +23,20 @@ from zeroshard.core.optimizer import ZeroOptimizer
 log = logging.getLogger(__name__)
 
 
-def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
-               training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None,
-               collate_fn=None, config=None, config_params=None, mesh=None):
+def initialize(
+    args=None,
+    model: nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    mpu=None,
+    dist_init_required=None,
+    collate_fn=None,
+    config=None,
+    config_params=None,
+    mesh=None,
+):
     """Returns `(engine, optimizer, training_dataloader, lr_scheduler)` like `deepspeed.initialize`.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a DeepSpeed JSON config: a dict or a
@@ -51,8 +63,10 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         model.to(torch.device("cuda", torch.cuda.current_device()))
     if optimizer is None and cfg.optimizer is None:
         if group is not None:
-            raise ValueError("initialize(mesh=/mpu=) without an optimizer: ZeRO-Inference shards over the whole "
-                             "world only; pass an optimizer to train under tensor/pipeline parallelism")
+            raise ValueError(
+                "initialize(mesh=/mpu=) without an optimizer: ZeRO-Inference shards over the whole "
+                "world only; pass an optimizer to train under tensor/pipeline parallelism"
+            )
         return _inference(model, cfg, lr_scheduler, training_data, collate_fn)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
     torch_optimizer = _build_optimizer(optimizer, cfg, params)
@@ -86,13 +100,16 @@ def _refuse_hf_deepspeed_config() -> None:
             "with the deepspeed package, not zeroshard. Drop HfDeepSpeedConfig and build the model under "
             "`with zeroshard.zero.Init(): model = AutoModelForCausalLM.from_config(config)`, then load the weights "
             "with zeroshard.checkpoint.load_full_weights(engine, 'model.safetensors'), or train with "
-            "zeroshard.integrations.hf.ZeroShardTrainer (docs/integrations.md, 'ZeRO-3 with transformers')")
+            "zeroshard.integrations.hf.ZeroShardTrainer (docs/integrations.md, 'ZeRO-3 with transformers')"
+        )
 
 
 def _inference(model, cfg, lr_scheduler, training_data, collate_fn):
     if lr_scheduler is not None or cfg.scheduler is not None:
-        raise ConfigError("a learning-rate scheduler was given but no optimizer: add an 'optimizer' section to the "
-                          "config or pass initialize(optimizer=...) to train; without one the engine is for inference")
+        raise ConfigError(
+            "a learning-rate scheduler was given but no optimizer: add an 'optimizer' section to the "
+            "config or pass initialize(optimizer=...) to train; without one the engine is for inference"
+        )
     engine = InferenceEngine(model, cfg)
     loader = _dataloader(training_data, collate_fn, engine) if training_data is not None else None
     return engine, None, loader, None
@@ -103,8 +120,11 @@ def _pick_config(args, config, config_params):
         raise ConfigError("give the config once: `config` or `config_params`, not both")
     config = config if config is not None else config_params
     if config is None and args is not None:
-        config = (getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-                  or getattr(args, "deepspeed", None))
+        config = (
+            getattr(args, "deepspeed_config", None)
+            or getattr(args, "deepscale_config", None)
+            or getattr(args, "deepspeed", None)
+        )
         if config is True:
             config = None
     return config
@@ -112,27 +132,37 @@ def _pick_config(args, config, config_params):
 
 def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
     if optimizer is not None and cfg.optimizer is not None:
-        warnings.warn("an optimizer was passed to initialize() and the config has an 'optimizer' section: the "
-                      "one passed is used and the section is ignored, as in DeepSpeed", ConfigKeyNotActedOnWarning,
-                      stacklevel=3)
+        warnings.warn(
+            "an optimizer was passed to initialize() and the config has an 'optimizer' section: the "
+            "one passed is used and the section is ignored, as in DeepSpeed",
+            ConfigKeyNotActedOnWarning,
+            stacklevel=3,
+        )
     if optimizer is None:
         return build_optimizer(cfg.optimizer, params)
     if isinstance(optimizer, ZeroOptimizer):
-        raise ValueError("initialize(optimizer=...) got the optimizer another initialize() returned: pass a "
-                         "torch optimizer over this model's parameters")
+        raise ValueError(
+            "initialize(optimizer=...) got the optimizer another initialize() returned: pass a "
+            "torch optimizer over this model's parameters"
+        )
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
     if callable(optimizer):
         return optimizer(params)
-    raise ValueError(f"initialize(optimizer=...) must be a torch optimizer or a callable building one, "
-                     f"got {type(optimizer).__name__}")
+    raise ValueError(
+        f"initialize(optimizer=...) must be a torch optimizer or a callable building one, "
+        f"got {type(optimizer).__name__}"
+    )
 
 
 def _build_scheduler(lr_scheduler, cfg, engine):
     if lr_scheduler is not None and cfg.scheduler is not None:
-        warnings.warn("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section: the "
-                      "one passed is used and the section is ignored, as in DeepSpeed", ConfigKeyNotActedOnWarning,
-                      stacklevel=3)
+        warnings.warn(
+            "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section: the "
+            "one passed is used and the section is ignored, as in DeepSpeed",
+            ConfigKeyNotActedOnWarning,
+            stacklevel=3,
+        )
     elif cfg.scheduler is not None:
         return build_scheduler(cfg.scheduler, engine.optimizer)
     if lr_scheduler is None or hasattr(lr_scheduler, "step"):
@@ -144,8 +174,13 @@ def _dataloader(dataset, collate_fn, engine):
     from torch.utils.data import DataLoader, DistributedSampler
 
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank)
-    return DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler,
-                      collate_fn=collate_fn, drop_last=True)
+    return DataLoader(
+        dataset,
+        batch_size=engine.train_micro_batch_size_per_gpu(),
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=True,
+    )
 
 
 def add_config_arguments(parser):
@@ -156,8 +191,10 @@ def add_config_arguments(parser):
     known = set(parser._option_string_actions)  # argparse's own table of the options it has
     group = parser.add_argument_group("zeroshard", "DeepSpeed-compatible configuration")
     options = [
-        ("--deepspeed", dict(default=False, action="store_true",
-                             help="enable zeroshard (kept for DeepSpeed scripts; always on)")),
+        (
+            "--deepspeed",
+            dict(default=False, action="store_true", help="enable zeroshard (kept for DeepSpeed scripts; always on)"),
+        ),
         ("--deepspeed_config", dict(default=None, type=str, help="DeepSpeed JSON config path")),
         ("--deepscale", dict(default=False, action="store_true", help="deprecated spelling of --deepspeed")),
         ("--deepscale_config", dict(default=None, type=str, help="deprecated spelling of --deepspeed_config")),

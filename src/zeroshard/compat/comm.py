@@ -6,6 +6,7 @@ layer for scripts; zeroshard's own collectives go through `zeroshard.core.comm.C
 counts and checks them. Everything here runs on the world group (or the group passed), exactly as
 the same call on torch.distributed would: nothing is counted, nothing is checked.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,10 +35,20 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True, timeout=None,
-                     init_method: str | None = None, dist_init_required: bool | None = None,
-                     config=None, rank: int = -1, world_size: int = -1, *, timeout_s: float | None = None) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout=None,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config=None,
+    rank: int = -1,
+    world_size: int = -1,
+    *,
+    timeout_s: float | None = None,
+) -> None:
     """Initialise torch.distributed from torchrun's environment; no-op when already initialised.
 
     DeepSpeed's signature; `auto_mpi_discovery`, `distributed_port` and `config` change nothing here
@@ -51,8 +62,10 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         os.environ.setdefault("WORLD_SIZE", str(world_size))
     missing = [k for k in _ENV if k not in os.environ]
     if missing and init_method is None:
-        raise RuntimeError(f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
-                           "launch the script with `torchrun --nproc_per_node N script.py`")
+        raise RuntimeError(
+            f"torch.distributed is not initialised and {', '.join(missing)} are not set: "
+            "launch the script with `torchrun --nproc_per_node N script.py`"
+        )
     backend = dist_backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(get_local_rank())
@@ -169,10 +182,10 @@ def scatter(tensor, scatter_list=None, src: int = 0, group=None, async_op: bool 
     return dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
 
 
-def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                      async_op: bool = False):
-    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                  async_op=async_op)
+def all_to_all_single(
+    output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op: bool = False
+):
+    return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
 
 
 def send(tensor, dst: int, group=None, tag: int = 0):

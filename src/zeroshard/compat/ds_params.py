@@ -24,6 +24,7 @@ these names read-only, backed by our objects, from the compatibility layer alone
 Every stage-3 parameter is registered, persistent ones too (their status is always AVAILABLE), as
 DeepSpeed marks every parameter of a ZeRO-3 model; stages 0-2 register nothing (DeepSpeed neither).
 """
+
 from __future__ import annotations
 
 import weakref
@@ -39,8 +40,11 @@ _PLACES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # see [Note: DeepSpeed's p
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # Sharded -> its state-dict hook handles
 
 
-_STATUS = {UnitState.UNSHARDED: ZeroParamStatus.AVAILABLE, UnitState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
-           UnitState.GATHERING: ZeroParamStatus.INFLIGHT}
+_STATUS = {
+    UnitState.UNSHARDED: ZeroParamStatus.AVAILABLE,
+    UnitState.SHARDED: ZeroParamStatus.NOT_AVAILABLE,
+    UnitState.GATHERING: ZeroParamStatus.INFLIGHT,
+}
 
 
 class NotGatheredError(RuntimeError):
@@ -60,7 +64,8 @@ def _not_gathered(name: str) -> NotGatheredError:
         f"parameter '{name}' is partitioned (ZeRO stage 3) and not gathered here: saving it would write an "
         "empty tensor. Gather it first (`with zeroshard.zero.GatheredParameters([param]): ...`), or save the "
         "full model with engine.save_16bit_model() / zeroshard.checkpoint.full_state_dict(engine), or save a "
-        "checkpoint and run `zeroshard consolidate`")
+        "checkpoint and run `zeroshard consolidate`"
+    )
 
 
 class PartitionedParameter(nn.Parameter):
@@ -139,8 +144,9 @@ def register(sharded) -> None:
                 ds_id += 1
                 if type(param) is nn.Parameter:
                     param.__class__ = PartitionedParameter
-    owners = [m for m in sharded.module.modules()
-              if any(type(p) is PartitionedParameter for p in m.parameters(recurse=False))]
+    owners = [
+        m for m in sharded.module.modules() if any(type(p) is PartitionedParameter for p in m.parameters(recurse=False))
+    ]
     _HOOKS[sharded] = [m.register_state_dict_post_hook(_check_state_dict) for m in owners]
 
 

@@ -2,6 +2,7 @@
 composable core (`zeroshard.core.sharded.Sharded`), which does all the work; the engine adds
 DeepSpeed's accessors, the gradient-accumulation counters, the learning-rate scheduler and
 checkpoints."""
+
 from __future__ import annotations
 
 import contextlib
@@ -37,8 +38,16 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     DeepSpeed's engine forwards them.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config, lr_scheduler=None, *,
-                 group=None, model_parallel=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config,
+        lr_scheduler=None,
+        *,
+        group=None,
+        model_parallel=None,
+    ):
         """`group`/`model_parallel`: ZeRO's data-parallel group and the tp/pp dimensions around it
         (core/mesh.py), from `initialize(mesh=...)` or `initialize(mpu=...)`; default: the world."""
         super().__init__()
@@ -52,14 +61,28 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             zero = zero.model_copy(update={"offload_param": None})
         if zero.stage == 0 and zero.offload_optimizer is not None:  # and this one at stage 0
             zero = zero.model_copy(update={"offload_optimizer": None})
-        placement = build_placement(zero, config.aio, optimizer, sum(p.numel() for p in model.parameters()),
-                                    comm.rank, comm.world_size,
-                                    model_parallel.coordinate if model_parallel is not None else None,
-                                    nvme_io=extras.nvme_io or "mapped")
+        placement = build_placement(
+            zero,
+            config.aio,
+            optimizer,
+            sum(p.numel() for p in model.parameters()),
+            comm.rank,
+            comm.world_size,
+            model_parallel.coordinate if model_parallel is not None else None,
+            nvme_io=extras.nvme_io or "mapped",
+        )
         with policies.config_terms():
-            self.sharded = Sharded(model, optimizer, comm, stage_policy(zero.stage), policies.precision_policy(config),
-                                   placement, gathering=policies.gather_policy(zero, extras),
-                                   comm_policy=comm_policy, model_parallel=model_parallel)
+            self.sharded = Sharded(
+                model,
+                optimizer,
+                comm,
+                stage_policy(zero.stage),
+                policies.precision_policy(config),
+                placement,
+                gathering=policies.gather_policy(zero, extras),
+                comm_policy=comm_policy,
+                model_parallel=model_parallel,
+            )
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
         if self.sharded.optimizer is not None:
             self.sharded.set_gradient_clipping(float(config.gradient_clipping or 0.0))
@@ -76,8 +99,13 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         self._in_no_sync = False
         self._step_applied = False
         self.tput_timer = ThroughputTimer(config.train_batch_size)
-        log.info("zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
-                 self.policy.stage, self.comm.world_size, len(self.units), self.num_parameters() / 1e6)
+        log.info(
+            "zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
+            self.policy.stage,
+            self.comm.world_size,
+            len(self.units),
+            self.num_parameters() / 1e6,
+        )
 
     # -- the core's parts, read-only (ShardedViews has the rest) ----------------------------------------
     @property
@@ -127,8 +155,11 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             args, kwargs = cast_floating((args, kwargs), self.precision.param_dtype)
         self.tput_timer.start()
         autocast = self.config.torch_autocast  # never a disabled autocast: it would undo the script's own
-        context = torch.autocast(self.device.type, dtype=autocast.torch_dtype) if autocast.enabled \
+        context = (
+            torch.autocast(self.device.type, dtype=autocast.torch_dtype)
+            if autocast.enabled
             else contextlib.nullcontext()
+        )
         # A loss.backward() on the outputs ([Note: loss.backward() on the outputs] in core/sharded.py)
         # reduces at the accumulation boundary and divides each gradient by the accumulation steps.
         self.sharded.set_requires_gradient_sync(self._reduce_in_this_backward())
@@ -142,8 +173,10 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Backward of `loss / gradient_accumulation_steps`, reducing gradients as units finish."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            raise ValueError("engine.backward(loss) needs a scalar loss tensor that requires grad, got "
-                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            raise ValueError(
+                "engine.backward(loss) needs a scalar loss tensor that requires grad, got "
+                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+            )
         scaled = loss / self.gradient_accumulation_steps()
         if self.loss_scaler is not None:
             scaled = scaled.float() * self.loss_scaler.scale
@@ -164,7 +197,8 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
                 f"rank {self.comm.rank}: engine.step() called before engine.backward() (micro step {self.micro_steps}, global "
                 f"step {self.global_steps}): call engine.backward(loss) first on every rank, or loss.backward() on a "
                 "loss computed through engine(...) (gradients of a loss computed by calling the model itself stay "
-                "in the parameters' .grad, as in torch)")
+                "in the parameters' .grad, as in torch)"
+            )
         self._backwards_at_step = self.sharded.completed_backwards
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
@@ -202,8 +236,13 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
 
     # -- checkpoints (checkpoint/ does the work; checkpoint/contract.py says what it reads) ------------
     def counters(self) -> Counters:
-        return Counters(self.global_steps, self.micro_steps, self.gradient_accumulation_steps(),
-                        self.optimizer.skipped_steps, backward_pending=self._backward_done)
+        return Counters(
+            self.global_steps,
+            self.micro_steps,
+            self.gradient_accumulation_steps(),
+            self.optimizer.skipped_steps,
+            backward_pending=self._backward_done,
+        )
 
     def restore_counters(self, counters: Counters) -> None:
         self.global_steps, self.micro_steps = counters.global_steps, counters.micro_steps
@@ -234,23 +273,31 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {},
-                               save_latest=save_latest)
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
 
-    def load_checkpoint(self, load_dir, tag=None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, **kwargs):
+    def load_checkpoint(
+        self, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, **kwargs
+    ):
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
-        return load_checkpoint(self, load_dir, tag=tag, load_optimizer_states=load_optimizer_states,
-                               load_lr_scheduler_states=load_lr_scheduler_states, **kwargs)
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag=tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            **kwargs,
+        )
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors"):
         sizes = self.model_parallel.sizes if self.model_parallel is not None else {}
         if sizes.get("tp", 1) * sizes.get("pp", 1) > 1:
             # Each dp group holds another tp slice or pipeline stage: one file from each would
             # overwrite the others'.
-            raise ValueError("save_16bit_model under tensor/pipeline parallelism (mesh= or mpu=): save a "
-                             "checkpoint (engine.save_checkpoint) and consolidate it (`zeroshard consolidate`), "
-                             "which joins the tp slices and pipeline stages into the full model")
+            raise ValueError(
+                "save_16bit_model under tensor/pipeline parallelism (mesh= or mpu=): save a "
+                "checkpoint (engine.save_checkpoint) and consolidate it (`zeroshard consolidate`), "
+                "which joins the tp slices and pipeline stages into the full model"
+            )
         self.sharded.wait_parameters()
         return save_16bit_model(self, save_dir, save_filename)
 
@@ -262,4 +309,3 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
 
 
 DeepSpeedEngine = ZeroEngine  # DeepSpeed's class name, for isinstance checks in scripts and tests
-

@@ -4,6 +4,7 @@ A mixin of `ZeroEngine` (engine.py): each method reads the parsed config or the 
 holds state of its own except what `ZeroEngine.__init__` sets (`global_samples`,
 `_boundary_override`, `_in_no_sync`, `_step_applied`, `tput_timer`).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -98,9 +99,11 @@ class DeepSpeedAccessors:
         reduces everything. Stages 2/3 partition gradients as they are produced, so, as in
         DeepSpeed, they refuse it; `step()` inside is an error."""
         if self.zero_optimization_partition_gradients():
-            raise RuntimeError(f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
-                               f"{self.zero_optimization_stage()} (as in DeepSpeed): use stage 0 or 1, or "
-                               "gradient_accumulation_steps")
+            raise RuntimeError(
+                f"no_sync() is incompatible with the gradient partitioning of ZeRO stage "
+                f"{self.zero_optimization_stage()} (as in DeepSpeed): use stage 0 or 1, or "
+                "gradient_accumulation_steps"
+            )
         if self._in_no_sync:
             raise RuntimeError("no_sync() context manager reentry is unsupported")
         self._in_no_sync = True
@@ -117,8 +120,11 @@ class DeepSpeedAccessors:
     # -- where the engine lives -----------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return torch.device(self.comm.device.type, self.comm.device.index) if self.comm.device.type != "cpu" \
+        return (
+            torch.device(self.comm.device.type, self.comm.device.index)
+            if self.comm.device.type != "cpu"
             else torch.device("cpu")
+        )
 
     @property
     def dp_world_size(self) -> int:

@@ -17,6 +17,7 @@ is a collective, so every rank must run the same number of them (`engine.generat
 transformers' `synced_gpus` for that, as DeepSpeed ZeRO-3 does). To build a model larger than memory
 without ever materialising it, see `zeroshard.compat.pretrained.from_pretrained`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,10 @@ from zeroshard.offload import build_placement
 
 log = logging.getLogger(__name__)
 
-_NOT_TRAINED = ("this engine was built by initialize() without an optimizer, for inference "
-                "(ZeRO-Inference): pass optimizer=... or add an 'optimizer' section to the config to train")
+_NOT_TRAINED = (
+    "this engine was built by initialize() without an optimizer, for inference "
+    "(ZeRO-Inference): pass optimizer=... or add an 'optimizer' section to the config to train"
+)
 
 
 class InferenceEngine(ShardedViews, nn.Module):
@@ -51,29 +54,47 @@ class InferenceEngine(ShardedViews, nn.Module):
         super().__init__()
         meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]
         if meta:
-            raise ValueError(f"buffers {meta[:3]} are on the meta device (no values): build the model with "
-                             "zeroshard.compat.pretrained.from_pretrained, or give its buffers values first")
+            raise ValueError(
+                f"buffers {meta[:3]} are on the meta device (no values): build the model with "
+                "zeroshard.compat.pretrained.from_pretrained, or give its buffers values first"
+            )
         zero = config.zero_optimization
         self.config = config
         self.module = model
         extras = config.zeroshard
         if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
-            log.warning("zero_optimization.offload_optimizer is not acted on: initialize() got no optimizer "
-                        "(inference), so there are no optimizer states to offload")
+            log.warning(
+                "zero_optimization.offload_optimizer is not acted on: initialize() got no optimizer "
+                "(inference), so there are no optimizer states to offload"
+            )
         # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
         comm_policy = policies.comm_policy(zero, extras)
         comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives)
         numel = sum(p.numel() for p in model.parameters())
-        placement = build_placement(zero, config.aio, None, numel, comm.rank, comm.world_size,
-                                    nvme_io=extras.nvme_io or "direct")
+        placement = build_placement(
+            zero, config.aio, None, numel, comm.rank, comm.world_size, nvme_io=extras.nvme_io or "direct"
+        )
         with policies.config_terms():
-            self.sharded = Sharded(model, None, comm, stage_policy(zero.stage), policies.precision_policy(config),
-                                   placement, gathering=policies.gather_policy(zero, extras), comm_policy=comm_policy)
+            self.sharded = Sharded(
+                model,
+                None,
+                comm,
+                stage_policy(zero.stage),
+                policies.precision_policy(config),
+                placement,
+                gathering=policies.gather_policy(zero, extras),
+                comm_policy=comm_policy,
+            )
         model.eval()
         self._freeze(True)
-        log.info("zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",
-                 zero.stage, comm.world_size, len(self.units), self.num_parameters() / 1e6,
-                 type(placement.param_store).__name__ if placement.param_store is not None else "compute memory")
+        log.info(
+            "zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",
+            zero.stage,
+            comm.world_size,
+            len(self.units),
+            self.num_parameters() / 1e6,
+            type(placement.param_store).__name__ if placement.param_store is not None else "compute memory",
+        )
 
     # -- the core's parts, read-only (ShardedViews has the rest): no optimizer, no scheduler ----------
     optimizer = property(lambda self: None)

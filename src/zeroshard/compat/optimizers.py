@@ -32,8 +32,16 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerNotShardableError", "build_optimi
 # partition of the optimizer state). Optimizers that look across elements (LBFGS: dot products over
 # all parameters; Adafactor: row/column factored moments; SparseAdam: sparse gradients) are not.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
-    torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Rprop,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.RMSprop,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.Rprop,
     torch.optim.ASGD,
 )
 
@@ -50,8 +58,14 @@ def build_optimizer(section: OptimizerConfig, params: ParamsArg) -> torch.optim.
     hp = section.params
     if section.type == "SGD":
         assert isinstance(hp, SGDParams)
-        return torch.optim.SGD(params, lr=hp.lr, momentum=hp.momentum, dampening=hp.dampening,
-                               weight_decay=hp.weight_decay, nesterov=hp.nesterov)
+        return torch.optim.SGD(
+            params,
+            lr=hp.lr,
+            momentum=hp.momentum,
+            dampening=hp.dampening,
+            weight_decay=hp.weight_decay,
+            nesterov=hp.nesterov,
+        )
     assert isinstance(hp, AdamParams)
     decoupled = section.type == "AdamW" or hp.adam_w_mode
     kwargs: dict[str, Any] = dict(lr=hp.lr, betas=hp.betas, eps=hp.eps, amsgrad=hp.amsgrad)
@@ -72,11 +86,13 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
         supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
         raise OptimizerNotShardableError(
             f"{type(optimizer).__name__} cannot be sharded by zeroshard: its update is not elementwise, "
-            f"or it is not a torch optimizer zeroshard knows. Supported: {supported} (or subclasses)")
+            f"or it is not a torch optimizer zeroshard knows. Supported: {supported} (or subclasses)"
+        )
     if any(_has_stepped(state) for state in optimizer.state.values()):
         raise OptimizerNotShardableError(
             f"{type(optimizer).__name__} already has optimizer state: build the engine before the "
-            "first optimizer step (state is created on the flat shards)")
+            "first optimizer step (state is created on the flat shards)"
+        )
 
 
 def _has_stepped(state: dict[str, Any]) -> bool:

@@ -4,6 +4,7 @@
 `ZeroParamStatus` is DeepSpeed's name for a stage-3 parameter's state; zeroshard's own states are
 those of a unit ([Note: unit states] in core/unit.py), which this enum mirrors value for value.
 """
+
 from __future__ import annotations
 
 import enum

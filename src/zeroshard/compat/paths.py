@@ -7,6 +7,7 @@ its parent, creating empty namespace modules for intermediate names (`runtime`, 
 an intermediate name that is itself a path (`utils` of `utils.zero_to_fp32`) is that module.
 Aliases point at our own modules; nothing of torch or of other packages is touched.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,7 +41,9 @@ def install(package: str = "zeroshard") -> None:
                 sys.modules[name] = module
                 child = module
             else:
-                child = sys.modules.get(name) or types.ModuleType(name, f"DeepSpeed's '{'.'.join(parts[:depth + 1])}' namespace")
+                child = sys.modules.get(name) or types.ModuleType(
+                    name, f"DeepSpeed's '{'.'.join(parts[: depth + 1])}' namespace"
+                )
                 sys.modules[name] = child
             setattr(sys.modules[parent_name], part, child)
             parent_name = name

@@ -44,32 +44,45 @@ def loss_scaler(config) -> DynamicLossScaler | None:
     if not fp16.enabled:
         return None
     dynamic = fp16.loss_scale == 0
-    return DynamicLossScaler(initial_scale=2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale,
-                             window=fp16.loss_scale_window, min_scale=fp16.min_loss_scale,
-                             hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
-                             dynamic=dynamic)
+    return DynamicLossScaler(
+        initial_scale=2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale,
+        window=fp16.loss_scale_window,
+        min_scale=fp16.min_loss_scale,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        dynamic=dynamic,
+    )
 
 
 def gather_policy(zero: ZeroConfig, extras) -> GatherPolicy:
     live = zero.stage3_max_live_parameters
-    return GatherPolicy(wrap=tuple(extras.wrap_modules) if extras.wrap_modules else None,
-                        persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                        prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-                        max_live_numel=None if live is None else int(live),
-                        reuse_distance=int(zero.stage3_max_reuse_distance))
+    return GatherPolicy(
+        wrap=tuple(extras.wrap_modules) if extras.wrap_modules else None,
+        persistence_threshold=int(zero.stage3_param_persistence_threshold),
+        prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+        max_live_numel=None if live is None else int(live),
+        reuse_distance=int(zero.stage3_max_reuse_distance),
+    )
 
 
 def comm_policy(zero: ZeroConfig, extras) -> CommPolicy:
     """Timeouts, overlap and the debug check; ZeRO++ and MiCS at stage 3 (below it they are reported
     as not acted on, as DeepSpeed ignores them). hpZ sizes 0 and 1 mean off, as in DeepSpeed."""
-    common = {"timeout_s": extras.comm_timeout_s, "check_collectives": extras.check_collectives,
-              "overlap_comm": bool(zero.overlap_comm), "overlap_param_gather": extras.overlap_param_gather}
+    common = {
+        "timeout_s": extras.comm_timeout_s,
+        "check_collectives": extras.check_collectives,
+        "overlap_comm": bool(zero.overlap_comm),
+        "overlap_param_gather": extras.overlap_param_gather,
+    }
     if zero.stage < 3:
         return CommPolicy(**common)
-    return CommPolicy(**common, shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
-                      secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
-                      quantize_weights=zero.zero_quantized_weights,
-                      quantize_gradients=zero.zero_quantized_gradients)
+    return CommPolicy(
+        **common,
+        shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
+        secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,
+        quantize_weights=zero.zero_quantized_weights,
+        quantize_gradients=zero.zero_quantized_gradients,
+    )
 
 
 def in_config_terms(error: BaseException) -> str:

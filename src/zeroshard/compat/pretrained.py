@@ -13,6 +13,7 @@ group, releasing each to its file before the next. Peak memory is about one grou
 model. Buffers are small and built for real: non-persistent ones (rotary frequencies) are computed
 by the model's own initialisation, persistent ones are read from the checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,10 @@ def weights_source(path) -> Path:
     """The directory (sharded) or file holding the checkpoint's safetensors weights."""
     path = Path(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory; give the directory save_pretrained() wrote "
-                              "(config.json and model.safetensors or model.safetensors.index.json)")
+        raise CheckpointError(
+            f"{path}: not a directory; give the directory save_pretrained() wrote "
+            "(config.json and model.safetensors or model.safetensors.index.json)"
+        )
     if not (path / "config.json").is_file():
         raise CheckpointError(f"{path}: has no config.json, which a Hugging Face model directory holds")
     if (path / INDEX).is_file():
@@ -47,8 +50,10 @@ def weights_source(path) -> Path:
     if (path / SINGLE).is_file():
         return path / SINGLE
     found = sorted(p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".safetensors"))
-    raise CheckpointError(f"{path}: neither {SINGLE} nor {INDEX}; found {found or 'no weight files'} "
-                          "(only safetensors checkpoints are read: save_pretrained(safe_serialization=True))")
+    raise CheckpointError(
+        f"{path}: neither {SINGLE} nor {INDEX}; found {found or 'no weight files'} "
+        "(only safetensors checkpoints are read: save_pretrained(safe_serialization=True))"
+    )
 
 
 def meta_model(path, model_class=None) -> nn.Module:
@@ -84,8 +89,10 @@ def materialize_buffers(model: nn.Module, persistent: dict[str, torch.Tensor]) -
         return
     init = getattr(model, "_init_weights", None)
     if init is None:
-        raise ValueError(f"buffers {computed[:3]} were built on the meta device and are not in the checkpoint; only "
-                         "Hugging Face models (whose _init_weights computes them) can be built so")
+        raise ValueError(
+            f"buffers {computed[:3]} were built on the meta device and are not in the checkpoint; only "
+            "Hugging Face models (whose _init_weights computes them) can be built so"
+        )
     for module in owners.values():
         init(module)
 
@@ -110,15 +117,23 @@ def from_pretrained(path, config=None, *, model_class=None, strict: bool = True)
     calls it; each reads only its own shards."""
     source = weights_source(path)
     init_one_rank()
-    cfg = load_config(config if config is not None else {"zero_optimization": {"stage": 3, "offload_param": {
-        "device": "cpu"}}}, dist.get_world_size())
+    cfg = load_config(
+        config if config is not None else {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+        dist.get_world_size(),
+    )
     if cfg.optimizer is not None or cfg.scheduler is not None:
-        raise ValueError("from_pretrained builds an inference engine: remove the config's 'optimizer' and "
-                         "'scheduler' sections (train with zeroshard.initialize(..., optimizer=...))")
+        raise ValueError(
+            "from_pretrained builds an inference engine: remove the config's 'optimizer' and "
+            "'scheduler' sections (train with zeroshard.initialize(..., optimizer=...))"
+        )
     model = meta_model(path, model_class)
     engine = InferenceEngine(model, cfg)
     engine.load_weights(source, strict=strict)
-    log.info("loaded %s into the %s store: %.1f MB of shards on rank %d", source,
-             getattr(engine.placement.param_store, "kind", "compute-memory"),
-             sum(g.master.numel() * 4 for g in engine.groups) / 1e6, engine.global_rank)
+    log.info(
+        "loaded %s into the %s store: %.1f MB of shards on rank %d",
+        source,
+        getattr(engine.placement.param_store, "kind", "compute-memory"),
+        sum(g.master.numel() * 4 for g in engine.groups) / 1e6,
+        engine.global_rank,
+    )
     return engine

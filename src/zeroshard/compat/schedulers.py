@@ -49,8 +49,9 @@ def build_scheduler(section: SchedulerConfig | None, optimizer: HasParamGroups):
 class _Schedule:
     """Shared stepping, state and lr writing; subclasses define ``get_lr`` for the current iteration."""
 
-    def __init__(self, optimizer: HasParamGroups, warmup_num_steps: int, warmup_type: str,
-                 last_batch_iteration: int) -> None:
+    def __init__(
+        self, optimizer: HasParamGroups, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int
+    ) -> None:
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"warmup_type must be 'log' or 'linear', got {warmup_type!r}")
         self.optimizer = optimizer
@@ -113,9 +114,15 @@ class WarmupLR(_Schedule):
     ``warmup_max_lr=None`` takes the lr of param group 0 (DeepSpeed's WarmupLR).
     """
 
-    def __init__(self, optimizer: HasParamGroups, warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] | None = None, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: HasParamGroups,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] | None = None,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         groups = len(optimizer.param_groups)
         if warmup_max_lr is None:
@@ -141,16 +148,20 @@ class WarmupLR(_Schedule):
 class WarmupDecayLR(WarmupLR):
     """WarmupLR, then gamma = (T - i) / max(1, T - W) decaying linearly to 0 at T = total_num_steps."""
 
-    def __init__(self, optimizer: HasParamGroups, total_num_steps: int,
-                 warmup_min_lr: float | Sequence[float] = 0.0,
-                 warmup_max_lr: float | Sequence[float] = 0.001, warmup_num_steps: int = 1000,
-                 warmup_type: str = "log", last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: HasParamGroups,
+        total_num_steps: int,
+        warmup_min_lr: float | Sequence[float] = 0.0,
+        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_num_steps: int = 1000,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type,
-                         last_batch_iteration)
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         if total_num_steps < self.warmup_num_steps:
-            log.warning("total_num_steps %d is less than warmup_num_steps %d",
-                        total_num_steps, warmup_num_steps)
+            log.warning("total_num_steps %d is less than warmup_num_steps %d", total_num_steps, warmup_num_steps)
 
     def _gamma(self) -> float:
         if self.last_batch_iteration < self.warmup_num_steps:
@@ -166,20 +177,28 @@ class WarmupCosineLR(_Schedule):
     Then: ratio = max(0, cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi * (i - W + 1) / (T - W))) / 2).
     """
 
-    def __init__(self, optimizer: HasParamGroups, total_num_steps: int, warmup_min_ratio: float = 0.0,
-                 warmup_num_steps: int = 1000, cos_min_ratio: float = 0.0001, warmup_type: str = "log",
-                 last_batch_iteration: int = -1) -> None:
+    def __init__(
+        self,
+        optimizer: HasParamGroups,
+        total_num_steps: int,
+        warmup_min_ratio: float = 0.0,
+        warmup_num_steps: int = 1000,
+        cos_min_ratio: float = 0.0001,
+        warmup_type: str = "log",
+        last_batch_iteration: int = -1,
+    ) -> None:
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         self.total_num_steps = total_num_steps
         self.warmup_min_ratio = warmup_min_ratio
         self.cos_min_ratio = cos_min_ratio
         if total_num_steps == self.warmup_num_steps:
             # DeepSpeed divides by total - warmup after warmup and would raise ZeroDivisionError there.
-            raise ValueError(f"WarmupCosineLR needs total_num_steps != warmup_num_steps "
-                             f"(both {total_num_steps}; warmup_num_steps is at least 2)")
+            raise ValueError(
+                f"WarmupCosineLR needs total_num_steps != warmup_num_steps "
+                f"(both {total_num_steps}; warmup_num_steps is at least 2)"
+            )
         if total_num_steps < self.warmup_num_steps:
-            log.warning("total_num_steps %d is less than warmup_num_steps %d",
-                        total_num_steps, warmup_num_steps)
+            log.warning("total_num_steps %d is less than warmup_num_steps %d", total_num_steps, warmup_num_steps)
         self.org_lrs = [float(group["lr"]) for group in optimizer.param_groups]
         if last_batch_iteration == -1:
             self._write_lr()
@@ -202,4 +221,3 @@ class WarmupCosineLR(_Schedule):
         real_total_steps = self.total_num_steps - self.warmup_num_steps
         cosine = (1 + math.cos(math.pi * real_last_step / real_total_steps)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
-

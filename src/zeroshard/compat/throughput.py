@@ -6,6 +6,7 @@ Timing starts after `start_step` global steps, so the first, slow steps do not c
 default: 2). Scripts call `update_epoch_count()` at the end of an epoch and read
 `avg_samples_per_sec()`, `total_elapsed_time`, `global_step_count`.
 """
+
 from __future__ import annotations
 
 import time

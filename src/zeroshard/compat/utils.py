@@ -12,6 +12,7 @@ the same parameters in the same order (as DeepSpeed requires at stage 3); at sta
 communicate nothing. The setters take the full value on every rank; each rank keeps its own part and
 the unsharded parameters are refreshed from the new masters.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,10 +22,23 @@ import torch
 from zeroshard.compat import zero_to_fp32  # deepspeed.utils.zero_to_fp32
 from zeroshard.core import partition as part
 
-__all__ = ["log_dist", "logger", "safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_optimizer_state",
-           "safe_get_local_fp32_param", "safe_get_local_grad", "safe_get_local_optimizer_state",
-           "safe_set_full_fp32_param", "safe_set_full_grad", "safe_set_full_optimizer_state",
-           "safe_set_local_fp32_param", "safe_set_local_grad", "safe_set_local_optimizer_state", "zero_to_fp32"]
+__all__ = [
+    "log_dist",
+    "logger",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "zero_to_fp32",
+]
 
 logger = logging.getLogger("zeroshard")  # DeepSpeed's `deepspeed.utils.logger`
 
@@ -42,8 +56,10 @@ def _locate(param, what: str):
     """(sharded, group, slot) of an engine's parameter."""
     sharded = part.engine_of(param)
     if sharded is None:
-        raise ValueError(f"{what}: the tensor {tuple(getattr(param, 'shape', ()))} is not a parameter of a "
-                         "zeroshard engine (pass a parameter of the model given to initialize())")
+        raise ValueError(
+            f"{what}: the tensor {tuple(getattr(param, 'shape', ()))} is not a parameter of a "
+            "zeroshard engine (pass a parameter of the model given to initialize())"
+        )
     sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
     _, group = sharded._param_groups[id(param)]
     index = next(i for i, p in enumerate(group.params) if p is param)
@@ -63,7 +79,7 @@ def _gather(sharded, group, local: torch.Tensor, what: str) -> torch.Tensor:
 
 
 def _cut(full: torch.Tensor, slot, device) -> torch.Tensor:
-    return full[slot.offset: slot.offset + slot.numel].view(slot.shape).clone().to(device)
+    return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone().to(device)
 
 
 def _with_master(group, fn):
@@ -104,8 +120,10 @@ def safe_get_full_optimizer_state(param, optim_state_key: str) -> torch.Tensor |
     if not state:
         return None  # a frozen parameter, or before the first step, as DeepSpeed
     if optim_state_key not in state:
-        raise KeyError(f"safe_get_full_optimizer_state: no optimizer state {optim_state_key!r} for "
-                       f"'{slot.name}'; it has {sorted(state)}")
+        raise KeyError(
+            f"safe_get_full_optimizer_state: no optimizer state {optim_state_key!r} for "
+            f"'{slot.name}'; it has {sorted(state)}"
+        )
     value = state[optim_state_key]
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value.clone() if isinstance(value, torch.Tensor) else value
@@ -139,8 +157,10 @@ def safe_set_full_optimizer_state(param, value: torch.Tensor, optim_state_key: s
     optimizer = sharded.optimizer
     state = optimizer.group_state(group) if group.trainable else {}
     if optim_state_key not in state:
-        raise KeyError(f"safe_set_full_optimizer_state: no optimizer state {optim_state_key!r} for '{slot.name}' "
-                       f"(it has {sorted(state) or 'none: the optimizer has not stepped yet'})")
+        raise KeyError(
+            f"safe_set_full_optimizer_state: no optimizer state {optim_state_key!r} for '{slot.name}' "
+            f"(it has {sorted(state) or 'none: the optimizer has not stepped yet'})"
+        )
     target = state[optim_state_key]
     if not isinstance(target, torch.Tensor) or target.dim() == 0:
         state[optim_state_key] = value

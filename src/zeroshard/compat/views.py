@@ -1,6 +1,7 @@
 """What both engines (training, compat/engine.py; inference, compat/inference.py) show of the core
 object they wrap, `self.sharded`, read-only, and DeepSpeed's accessors that only read the config and
 the process group. One place, so the two engines cannot drift apart."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@
 DeepSpeed's names, over zeroshard's consolidation (checkpoint/consolidate.py), which streams group by
 group with memory bounded by the largest group.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,14 +14,18 @@ import torch
 
 from zeroshard.checkpoint.consolidate import consolidate
 
-__all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_zero_checkpoint"]
+__all__ = [
+    "convert_zero_checkpoint_to_fp32_state_dict",
+    "get_fp32_state_dict_from_zero_checkpoint",
+    "load_state_dict_from_zero_checkpoint",
+]
 
 _FILE_SUFFIXES = (".bin", ".pt", ".pth", ".safetensors")
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False,
-                                             lazy_mode: bool = False) -> dict[str, torch.Tensor]:
+def get_fp32_state_dict_from_zero_checkpoint(
+    checkpoint_dir, tag=None, exclude_frozen_parameters: bool = False, lazy_mode: bool = False
+) -> dict[str, torch.Tensor]:
     """The full fp32 state dict (the model's own keys) of the checkpoint `tag` (default: `latest`) in
     `checkpoint_dir`, in memory. `exclude_frozen_parameters` and `lazy_mode` change nothing here:
     every parameter is written, and the result is a plain dict of tensors."""
@@ -30,9 +35,14 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag=None, exclude_f
         return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size: str = "5GB",
-                                               safe_serialization: bool = False, tag=None,
-                                               exclude_frozen_parameters: bool = False) -> str:
+def convert_zero_checkpoint_to_fp32_state_dict(
+    checkpoint_dir,
+    output_dir,
+    max_shard_size: str = "5GB",
+    safe_serialization: bool = False,
+    tag=None,
+    exclude_frozen_parameters: bool = False,
+) -> str:
     """Write the full fp32 state dict to `output_dir` (`model.safetensors` with `safe_serialization`,
     else `pytorch_model.bin`), or to `output_dir` itself when it names a file (.bin, .pt, .safetensors:
     DeepSpeed's older signature). One file whatever `max_shard_size`. Returns the path written."""

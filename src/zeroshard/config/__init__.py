@@ -4,6 +4,7 @@
 the CLI); `schema` holds the sections, `not_acted_on` the one table of keys accepted but not acted
 on. Nothing here imports another zeroshard layer.
 """
+
 from zeroshard.config.parse import (
     ConfigError,
     ConfigKeyNotActedOnWarning,
@@ -13,5 +14,11 @@ from zeroshard.config.parse import (
     warn_not_acted_on,
 )
 
-__all__ = ["ConfigError", "ConfigKeyNotActedOnWarning", "ZeroShardConfig", "load_config", "read_config",
-           "warn_not_acted_on"]
+__all__ = [
+    "ConfigError",
+    "ConfigKeyNotActedOnWarning",
+    "ZeroShardConfig",
+    "load_config",
+    "read_config",
+    "warn_not_acted_on",
+]

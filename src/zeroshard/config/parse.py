@@ -45,8 +45,14 @@ from zeroshard.config.schema import (
     canonical_name,
 )
 
-__all__ = ["ConfigError", "ConfigKeyNotActedOnWarning", "ZeroShardConfig", "load_config", "read_config",
-           "warn_not_acted_on"]
+__all__ = [
+    "ConfigError",
+    "ConfigKeyNotActedOnWarning",
+    "ZeroShardConfig",
+    "load_config",
+    "read_config",
+    "warn_not_acted_on",
+]
 
 
 class ConfigError(ValueError):
@@ -65,15 +71,21 @@ class ZeroShardConfig(Section):
     receive their own section (``cfg.zero_optimization``, ``cfg.optimizer``, ...)."""
 
     section_path: ClassVar[str] = ""
-    auto_keys: ClassVar[frozenset[str]] = frozenset({
-        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-        "gradient_clipping"})
+    auto_keys: ClassVar[frozenset[str]] = frozenset(
+        {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping"}
+    )
     # Internal fields, set by load_config, never read from the JSON.
     internal_keys: ClassVar[frozenset[str]] = frozenset({"world_size"})
     sections: ClassVar[dict[str, type[Section]]] = {
-        "optimizer": OptimizerConfig, "scheduler": SchedulerConfig, "fp16": FP16Config,
-        "bf16": BF16Config, "bfloat16": BF16Config, "zero_optimization": ZeroConfig, "aio": AioConfig,
-        "activation_checkpointing": ActivationCheckpointingConfig, "zeroshard": ZeroShardExtConfig,
+        "optimizer": OptimizerConfig,
+        "scheduler": SchedulerConfig,
+        "fp16": FP16Config,
+        "bf16": BF16Config,
+        "bfloat16": BF16Config,
+        "zero_optimization": ZeroConfig,
+        "aio": AioConfig,
+        "activation_checkpointing": ActivationCheckpointingConfig,
+        "zeroshard": ZeroShardExtConfig,
         "torch_autocast": TorchAutocastConfig,
     }
 
@@ -126,8 +138,9 @@ _HINTS = {"max_grad_norm": "use the top-level key 'gradient_clipping' instead"}
 _AUTO_HINT = ' ("auto" is only filled in by the Hugging Face Trainer; give a value)'
 
 
-def load_config(config: Mapping[str, Any] | str | os.PathLike | ZeroShardConfig | None,
-                world_size: int) -> ZeroShardConfig:
+def load_config(
+    config: Mapping[str, Any] | str | os.PathLike | ZeroShardConfig | None, world_size: int
+) -> ZeroShardConfig:
     """Parse ``config`` (dict, path to a JSON file, or None for all defaults) for ``world_size`` ranks.
 
     Batch sizes are resolved as DeepSpeed does, train_batch_size = micro * accumulation * world_size:
@@ -176,8 +189,7 @@ def read_config(config: Any) -> dict[str, Any]:
         return dict(config)
     if isinstance(config, (str, os.PathLike)):
         return _read_json_file(Path(config))
-    raise ConfigError("config must be a dict, a path to a JSON file, or None; "
-                      f"got {type(config).__name__}")
+    raise ConfigError(f"config must be a dict, a path to a JSON file, or None; got {type(config).__name__}")
 
 
 def _read_json_file(path: Path) -> dict[str, Any]:
@@ -212,14 +224,17 @@ def _resolve_batch_sizes(given: dict[str, Any], ws: int) -> dict[str, int]:
         if tb != mb * gas * ws:
             raise ConfigError(
                 f"train_batch_size={tb} != train_micro_batch_size_per_gpu={mb} * "
-                f"gradient_accumulation_steps={gas} * world_size={ws} (={mb * gas * ws})")
+                f"gradient_accumulation_steps={gas} * world_size={ws} (={mb * gas * ws})"
+            )
     elif tb is not None and mb is not None:
-        gas = _exact_div(tb, mb * ws, f"train_micro_batch_size_per_gpu={mb} * world_size={ws}",
-                         "gradient_accumulation_steps")
+        gas = _exact_div(
+            tb, mb * ws, f"train_micro_batch_size_per_gpu={mb} * world_size={ws}", "gradient_accumulation_steps"
+        )
     elif tb is not None:
         gas = gas or 1
-        mb = _exact_div(tb, gas * ws, f"gradient_accumulation_steps={gas} * world_size={ws}",
-                        "train_micro_batch_size_per_gpu")
+        mb = _exact_div(
+            tb, gas * ws, f"gradient_accumulation_steps={gas} * world_size={ws}", "train_micro_batch_size_per_gpu"
+        )
     else:
         mb, gas = mb or 1, gas or 1
         tb = mb * gas * ws
@@ -228,8 +243,10 @@ def _resolve_batch_sizes(given: dict[str, Any], ws: int) -> dict[str, int]:
 
 def _exact_div(tb: int, divisor: int, divisor_text: str, derived: str) -> int:
     if tb % divisor:
-        raise ConfigError(f"train_batch_size={tb} is not divisible by {divisor_text} (={divisor}); "
-                          f"cannot derive {derived} (would be {tb / divisor:g})")
+        raise ConfigError(
+            f"train_batch_size={tb} is not divisible by {divisor_text} (={divisor}); "
+            f"cannot derive {derived} (would be {tb / divisor:g})"
+        )
     return tb // divisor
 
 
@@ -277,8 +294,10 @@ def _checked_keys(model: type[Section], raw: Mapping[str, Any]) -> tuple[dict[st
             raise _unknown_key(model, key, accepted)
     for group in alias_groups:
         if len(present := [k for k in group if k in data]) > 1:
-            raise ConfigError(f"'{_join(model.section_path, present[0])}' and "
-                              f"'{_join(model.section_path, present[1])}' are the same key; give one")
+            raise ConfigError(
+                f"'{_join(model.section_path, present[0])}' and "
+                f"'{_join(model.section_path, present[1])}' are the same key; give one"
+            )
     return data, autos
 
 
@@ -370,13 +389,19 @@ def _join(path: str, key: str) -> str:
 def _warn_key(key_path: str) -> None:
     # Attributed to the user's call site; the default warnings filter then shows a message once per
     # call site, so a script that loads its config once sees each key once.
-    warnings.warn(f"zeroshard accepts but does not act on config key '{key_path}'",
-                  ConfigKeyNotActedOnWarning, stacklevel=_stacklevel_outside_package())
+    warnings.warn(
+        f"zeroshard accepts but does not act on config key '{key_path}'",
+        ConfigKeyNotActedOnWarning,
+        stacklevel=_stacklevel_outside_package(),
+    )
 
 
 def _warn_deprecated(old: str, new: str) -> None:
-    warnings.warn(f"config key '{old}' is deprecated (DeepSpeed); zeroshard reads it as '{new}'",
-                  FutureWarning, stacklevel=_stacklevel_outside_package())
+    warnings.warn(
+        f"config key '{old}' is deprecated (DeepSpeed); zeroshard reads it as '{new}'",
+        FutureWarning,
+        stacklevel=_stacklevel_outside_package(),
+    )
 
 
 def _stacklevel_outside_package() -> int:

@@ -72,8 +72,10 @@ class SGDParams(Section):
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> SGDParams:
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError("nesterov=true needs momentum > 0 and dampening = 0 "
-                             f"(got momentum={self.momentum}, dampening={self.dampening})")
+            raise ValueError(
+                "nesterov=true needs momentum > 0 and dampening = 0 "
+                f"(got momentum={self.momentum}, dampening={self.dampening})"
+            )
         return self
 
 
@@ -151,7 +153,9 @@ class WarmupCosineLRParams(Section):
 
 
 SCHEDULER_TYPES: dict[str, type[Section]] = {
-    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams,
+    "WarmupLR": WarmupLRParams,
+    "WarmupDecayLR": WarmupDecayLRParams,
+    "WarmupCosineLR": WarmupCosineLRParams,
 }
 
 
@@ -260,17 +264,22 @@ class TorchAutocastConfig(Section):
 
 # --- ZeRO ----------------------------------------------------------------------------------------
 
+
 class ZeroConfig(Section):
     """The ``zero_optimization`` section: what is sharded and how it is communicated."""
 
     section_path: ClassVar[str] = "zero_optimization"
     auto_keys: ClassVar[frozenset[str]] = frozenset(
-        {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"})
+        {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold"}
+    )
     # Deprecated DeepSpeed spellings of the offload sections; the parser rewrites them.
     legacy_offload_keys: ClassVar[frozenset[str]] = frozenset(
-        {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"})
+        {"cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory"}
+    )
     sections: ClassVar[dict[str, type[Section]]] = {
-        "offload_optimizer": OffloadOptimizerConfig, "offload_param": OffloadParamConfig}
+        "offload_optimizer": OffloadOptimizerConfig,
+        "offload_param": OffloadParamConfig,
+    }
 
     stage: Literal[0, 1, 2, 3] = 0
     """0 = plain data parallel, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
@@ -308,8 +317,12 @@ class ZeroConfig(Section):
     follows the root's (gathered.py; DeepSpeed's default: 1e9)."""
     sub_group_size: NonNegInt = 1_000_000_000
     """Elements per optimizer-step tile (offload streams the step tile by tile)."""
-    stage3_gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(
-        "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"))
+    stage3_gather_16bit_weights_on_model_save: bool = Field(
+        False,
+        validation_alias=AliasChoices(
+            "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"
+        ),
+    )
     """Stage 3: gather full 16-bit weights when saving the model."""
     offload_optimizer: OffloadOptimizerConfig | None = None
     """Optimizer-state offload (stages 1-3)."""
@@ -330,8 +343,10 @@ class ZeroConfig(Section):
     @classmethod
     def _mics_size(cls, value: int) -> int:
         if value != -1 and value < 1:
-            raise ValueError(f"zero_optimization.mics_shard_size={value}: -1 (off) or a rank count >= 1 that "
-                             "divides the data-parallel world size")
+            raise ValueError(
+                f"zero_optimization.mics_shard_size={value}: -1 (off) or a rank count >= 1 that "
+                "divides the data-parallel world size"
+            )
         return value
 
     @model_validator(mode="after")

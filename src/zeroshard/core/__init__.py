@@ -4,6 +4,7 @@ communicator, precision, the sharded optimizer, and `shard()`, the composable en
 It imports no other zeroshard layer (tests/test_layers.py checks this from the source): it knows
 nothing of configs, DeepSpeed names or files. docs/architecture.md walks through it.
 """
+
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.gathered import GatherPolicy
 from zeroshard.core.mesh import ZeroGroups, from_mpu
@@ -12,6 +13,21 @@ from zeroshard.core.policy import STAGES, CommPolicy, Reduction, StagePolicy, st
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy
 from zeroshard.core.sharded import Sharded, shard
 
-__all__ = ["CollectiveError", "CommPolicy", "Communicator", "DynamicLossScaler", "GatherPolicy", "Placement",
-           "PrecisionPolicy", "Reduction", "STAGES", "Sharded", "StagePolicy", "Store", "ZeroGroups", "from_mpu",
-           "shard", "stage_policy"]
+__all__ = [
+    "CollectiveError",
+    "CommPolicy",
+    "Communicator",
+    "DynamicLossScaler",
+    "GatherPolicy",
+    "Placement",
+    "PrecisionPolicy",
+    "Reduction",
+    "STAGES",
+    "Sharded",
+    "StagePolicy",
+    "Store",
+    "ZeroGroups",
+    "from_mpu",
+    "shard",
+    "stage_policy",
+]

@@ -15,6 +15,7 @@ Every collective goes through a `Communicator`, which
   * moves every tensor on the backend's device ([Note: staging host tensors] in staging.py).
 What it counts, and how, is comm_bytes.py's ([Note: bytes over the slow link]).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -91,16 +92,23 @@ class _PairwiseReduceScatter:
 
     def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group, piece_bytes: int | None):
         shard = out.numel()
-        self.out, self.mine = out, full[rank * shard:(rank + 1) * shard]
+        self.out, self.mine = out, full[rank * shard : (rank + 1) * shard]
         apart = out.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
         self.theirs = out if apart else torch.empty_like(self.mine)
-        send = full[(1 - rank) * shard:(2 - rank) * shard]
+        send = full[(1 - rank) * shard : (2 - rank) * shard]
         self.works = []
         for start, n in _pieces(shard, full.element_size(), piece_bytes):
             splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
-            self.works.append(dist.all_to_all_single(self.theirs[start:start + n], send[start:start + n],
-                                                     output_split_sizes=splits, input_split_sizes=splits,
-                                                     group=group, async_op=True))
+            self.works.append(
+                dist.all_to_all_single(
+                    self.theirs[start : start + n],
+                    send[start : start + n],
+                    output_split_sizes=splits,
+                    input_split_sizes=splits,
+                    group=group,
+                    async_op=True,
+                )
+            )
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
@@ -122,14 +130,21 @@ class _PairwiseAllGather:
     def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group, piece_bytes: int | None):
         shard, numel = shard.reshape(-1), shard.numel()
         out = out.view(-1)  # 1-D, numel = 2 * shard numel
-        theirs = out[(1 - rank) * numel:(2 - rank) * numel]
+        theirs = out[(1 - rank) * numel : (2 - rank) * numel]
         self.works = []
         for start, n in _pieces(numel, shard.element_size(), piece_bytes):  # as the reduce-scatter
             splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
-            self.works.append(dist.all_to_all_single(theirs[start:start + n], shard[start:start + n],
-                                                     output_split_sizes=splits, input_split_sizes=splits,
-                                                     group=group, async_op=True))
-        mine = out[rank * numel:(rank + 1) * numel]
+            self.works.append(
+                dist.all_to_all_single(
+                    theirs[start : start + n],
+                    shard[start : start + n],
+                    output_split_sizes=splits,
+                    input_split_sizes=splits,
+                    group=group,
+                    async_op=True,
+                )
+            )
+        mine = out[rank * numel : (rank + 1) * numel]
         if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
             mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
 
@@ -145,15 +160,23 @@ class Handle:
     """An in-flight collective; `wait()` raises `CollectiveError` with context on failure, first
     verifies the cross-rank check issued with it, and last copies staged outputs back."""
 
-    def __init__(self, comm: Communicator, work, what: str, started: float, check: _Check | None = None,
-                 staging: Staging | None = None):
+    def __init__(
+        self,
+        comm: Communicator,
+        work,
+        what: str,
+        started: float,
+        check: _Check | None = None,
+        staging: Staging | None = None,
+    ):
         self._comm, self._work, self.what, self._started, self._check = comm, work, what, started, check
         self._staging = staging
 
     def done(self) -> bool:
         """Has the collective (and its check) completed, so that `wait()` will not block? Asks, never waits."""
-        return self._work is None or (self._work.is_completed() and
-                                      (self._check is None or self._check.work.is_completed()))
+        return self._work is None or (
+            self._work.is_completed() and (self._check is None or self._check.work.is_completed())
+        )
 
     def wait(self) -> None:
         if self._work is None:
@@ -197,8 +220,9 @@ class Communicator:
         self.check_collectives = check_collectives
         self.fingerprint = 0  # of every collective run so far: [Note: collective fingerprint]
         self._owns_group = group is None
-        self.group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) \
-            if group is None else group
+        self.group = (
+            dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) if group is None else group
+        )
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         # Where small control tensors must live: NCCL only moves CUDA tensors, gloo CPU ones.
@@ -225,9 +249,11 @@ class Communicator:
         seen = torch.tensor([ranks_per_node, -ranks_per_node], dtype=torch.int64, device=self.device)
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
         if seen[0].item() != -seen[1].item():
-            raise ValueError(f"rank {self.rank}: LOCAL_WORLD_SIZE={local!r} gives {ranks_per_node} ranks per node, "
-                             f"but other ranks see between {-seen[1].item()} and {seen[0].item()}: every node must "
-                             "run the same number of ranks (torchrun's --nproc_per_node)")
+            raise ValueError(
+                f"rank {self.rank}: LOCAL_WORLD_SIZE={local!r} gives {ranks_per_node} ranks per node, "
+                f"but other ranks see between {-seen[1].item()} and {seen[0].item()}: every node must "
+                "run the same number of ranks (torchrun's --nproc_per_node)"
+            )
 
     def global_ranks(self) -> list[int]:
         return [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
@@ -249,8 +275,11 @@ class Communicator:
         members = self.global_ranks()
         mine = None
         for ranks in rank_sets:
-            group = dist.new_group([members[r] for r in ranks], backend=dist.get_backend(self.group),
-                                   timeout=timedelta(seconds=self.timeout_s))
+            group = dist.new_group(
+                [members[r] for r in ranks],
+                backend=dist.get_backend(self.group),
+                timeout=timedelta(seconds=self.timeout_s),
+            )
             if self.rank in ranks:
                 mine = group
         sub = Communicator(self.timeout_s, self.check_collectives, group=mine)
@@ -314,28 +343,46 @@ class Communicator:
         assert out.numel() == full.numel() and full.numel() % self.world_size == 0, (out.numel(), full.numel())
         stage = Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
-        return self._run("all_to_all", full, what, async_op,
-                         lambda: dist.all_to_all_single(staged_out, staged_full, group=self.group, async_op=True),
-                         stage)
+        return self._run(
+            "all_to_all",
+            full,
+            what,
+            async_op,
+            lambda: dist.all_to_all_single(staged_out, staged_full, group=self.group, async_op=True),
+            stage,
+        )
 
-    def all_reduce(self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False,
-                   kind: str = "all_reduce"):
+    def all_reduce(
+        self, tensor: torch.Tensor, what: str, op: str = "sum", async_op: bool = False, kind: str = "all_reduce"
+    ):
         """`op`: "sum", "max" or "min"; `kind` "control" counts it apart from the model states' bytes."""
         if op not in _OPS:
             raise ValueError(f"all_reduce op {op!r} is not one of {sorted(_OPS)}")
         reduce_op = _OPS[op]
         stage = Staging(self)
         staged = stage(tensor, written=True)
-        return self._run(kind, tensor, what, async_op,
-                         lambda: dist.all_reduce(staged, op=reduce_op, group=self.group, async_op=True), stage)
+        return self._run(
+            kind,
+            tensor,
+            what,
+            async_op,
+            lambda: dist.all_reduce(staged, op=reduce_op, group=self.group, async_op=True),
+            stage,
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str):
         """`src`: a rank of this communicator's group (torch wants the global rank)."""
         global_src = dist.get_global_rank(self.group, src)
         stage = Staging(self)
         staged = stage(tensor, read=self.rank == src, written=self.rank != src)
-        return self._run("broadcast", tensor, what, False,
-                         lambda: dist.broadcast(staged, src=global_src, group=self.group, async_op=True), stage)
+        return self._run(
+            "broadcast",
+            tensor,
+            what,
+            False,
+            lambda: dist.broadcast(staged, src=global_src, group=self.group, async_op=True),
+            stage,
+        )
 
     def all_gather_objects(self, obj, what: str) -> list:
         """Small Python objects (control data: manifests, error reports); counted as control."""
@@ -354,8 +401,9 @@ class Communicator:
         self.all_reduce(torch.zeros(1, device=self.device), what, kind="control")
 
     # -- internals ------------------------------------------------------------------------------------
-    def _run(self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch,
-             staging: Staging | None = None) -> Handle:
+    def _run(
+        self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch, staging: Staging | None = None
+    ) -> Handle:
         nbytes = tensor.numel() * tensor.element_size()
         check = self._start_check(kind, nbytes, what)  # queued first on the same group, not waited here
         if check is not None and self.verify_before_launch:

@@ -11,6 +11,7 @@ an all-to-all's or reduce-scatter's input goes to them), so `ByteCounter.inter_n
 per kind: zero for a group inside one node (hpZ's secondary group, a MiCS shard group that fits a
 node), everything for one rank per node.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -20,8 +21,7 @@ from typing import Any
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "control", "all_to_all")
 KIND_ID = {k: i for i, k in enumerate(KINDS)}
 # Paper convention (ZeRO §7.1): all-reduce = reduce-scatter + all-gather = 2Ψ.
-_PAPER_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "control": 1,
-                 "all_to_all": 1}
+_PAPER_FACTOR = {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2, "broadcast": 1, "control": 1, "all_to_all": 1}
 
 
 @dataclass

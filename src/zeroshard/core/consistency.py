@@ -24,6 +24,7 @@ every rank's description, read from the exchanged tags themselves, so that repor
 further collective, which could pair with the wrong partner once ranks have diverged. It costs one
 more small all-gather per collective and, on a GPU, a host sync at each wait: a debug mode.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -69,7 +70,7 @@ def describe(tags: torch.Tensor, kinds: tuple[str, ...]) -> list[str]:
     out = []
     for row in tags.view(-1, TAG_BYTES).cpu():
         kind_id, nbytes, _ = row[: _HEAD * 8].view(torch.int64).tolist()
-        text = bytes(row[_HEAD * 8:].tolist()).rstrip(b"\0").decode(errors="replace")
+        text = bytes(row[_HEAD * 8 :].tolist()).rstrip(b"\0").decode(errors="replace")
         kind = kinds[kind_id] if 0 <= kind_id < len(kinds) else f"kind {kind_id}"
         out.append(f"{kind} of {nbytes} bytes for {text}")
     return out

@@ -7,6 +7,7 @@ The parameters of a group are packed back to back into a 1-D buffer of `padded_n
 reduce-scatter moves a whole group, and an elementwise optimizer can run on a rank's slice as if it
 were one big parameter. Nothing here communicates; see comm.py for that.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -30,6 +30,7 @@ distance 1; so at most the enclosing units + the current unit + the next one are
 shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse; its stage3_* keys) apply when a
 config gives them, and then a small model may be gathered whole.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,10 @@ class GatherPolicy:
         for name in ("persistence_threshold", "prefetch_numel", "max_live_numel", "reuse_distance"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(f"GatherPolicy.{name} must be an integer >= 0 (elements)"
-                                 f"{', or None' * (name == 'max_live_numel')}, got {value!r}")
+                raise ValueError(
+                    f"GatherPolicy.{name} must be an integer >= 0 (elements)"
+                    f"{', or None' * (name == 'max_live_numel')}, got {value!r}"
+                )
 
     def live_allows(self, live: int, numel: int) -> bool:
         """May `numel` more elements be gathered (or kept) beside `live`?"""

@@ -7,6 +7,7 @@ shard lifetime], [Note: a second reduction before the step (stages 0/1)]).
 state it keeps: `full_grad`, `grad_shard`, `reduced_slice`, `holds_reduced_slice`, `grad_seen`. This
 module holds state and does arithmetic; the reductions are issued by unit.py through comm.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -88,7 +89,7 @@ class GradientBuffers:
         slot = self.layout.slots[index]
         if self.tp_specs[index] is not None:
             grad = self.tp_specs[index].local_grad(grad)
-        target = self.full_grad[slot.offset: slot.offset + slot.numel]
+        target = self.full_grad[slot.offset : slot.offset + slot.numel]
         grad = grad.reshape(-1)
         if self._scaled is not None and self._scaled[index]:
             target.add_(grad, alpha=scale)  # a second gradient in the same backward (a pipeline's)
@@ -123,7 +124,7 @@ class GradientBuffers:
             return
         for slot, done in zip(self.layout.slots, marks):
             if not done:
-                self.full_grad[slot.offset: slot.offset + slot.numel].mul_(scale)
+                self.full_grad[slot.offset : slot.offset + slot.numel].mul_(scale)
 
     # [Note: zeroed when first read]
     # Stages 0/1 keep their full gradient buffer across steps. Zeroing it in zero_grads and adding the
@@ -145,8 +146,8 @@ class GradientBuffers:
             return
         for slot, unwritten in zip(self.layout.slots, self._unwritten):
             if unwritten:
-                self.full_grad[slot.offset: slot.offset + slot.numel].zero_()
-        self.full_grad[self.layout.numel:].zero_()  # the padding
+                self.full_grad[slot.offset : slot.offset + slot.numel].zero_()
+        self.full_grad[self.layout.numel :].zero_()  # the padding
         self._unwritten = None
 
     def note_loaded_grads(self) -> None:
@@ -159,7 +160,7 @@ class GradientBuffers:
         end = start + grad.numel()
         for index, slot in enumerate(self.layout.slots):
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
-            if lo < hi and bool(grad[lo - start: hi - start].any()):
+            if lo < hi and bool(grad[lo - start : hi - start].any()):
                 self.grad_seen[index] = True
 
     def drop_full_grad(self) -> None:
@@ -182,8 +183,12 @@ class GradientBuffers:
     # Shards in an offload store keep the store's tensor for good (the store's memory is elsewhere).
     def add_reduced(self, out: torch.Tensor) -> None:
         """Stages 2/3: take one reduction's output (1-D, numel = shard_numel) into the shard."""
-        if self.grad_shard is None and self.grad_shard_is_transient and out.dtype == self.grad_dtype \
-                and out.device == self.device:
+        if (
+            self.grad_shard is None
+            and self.grad_shard_is_transient
+            and out.dtype == self.grad_dtype
+            and out.device == self.device
+        ):
             self.grad_shard = out
         else:
             shard = self._own_grad_shard()

@@ -36,6 +36,7 @@ then on only the buffer's storage is freed and grown back, never the views and n
 dimension].
 This module holds state and does arithmetic; collectives are issued by unit.py through comm.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,10 +54,22 @@ class FlatGroup(GradientBuffers):
     the full buffer is freed between uses (stage-3 units above the persistence threshold); every
     other choice of this class is derived from them, never from buffer shapes."""
 
-    def __init__(self, names: list[str], params: list[nn.Parameter], *, policy: StagePolicy,
-                 precision: PrecisionPolicy, world_size: int, rank: int, reshards: bool,
-                 optimizer_group: int | None, master_store=None, grad_store=None, compute_shard: bool = False,
-                 device: torch.device | None = None):
+    def __init__(
+        self,
+        names: list[str],
+        params: list[nn.Parameter],
+        *,
+        policy: StagePolicy,
+        precision: PrecisionPolicy,
+        world_size: int,
+        rank: int,
+        reshards: bool,
+        optimizer_group: int | None,
+        master_store=None,
+        grad_store=None,
+        compute_shard: bool = False,
+        device: torch.device | None = None,
+    ):
         self.names = names
         self.params = params
         self.tp_specs = [TensorParallelSpec.of(p) for p in params]  # None for a plain tensor
@@ -83,8 +96,9 @@ class FlatGroup(GradientBuffers):
             for param in params:
                 placeholder = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), param.requires_grad)
                 torch.utils.swap_tensors(param, placeholder)
-        full = None if deferred else self.layout.flatten([local_tensor(p.detach()) for p in params],
-                                                          torch.float32)  # 1-D, padded
+        full = (
+            None if deferred else self.layout.flatten([local_tensor(p.detach()) for p in params], torch.float32)
+        )  # 1-D, padded
         # The range this rank's optimizer updates: its shard, or the whole buffer for stage 0.
         sharded = policy.shard_optimizer
         start, end = self.layout.shard_range(rank) if sharded else (0, self.layout.padded_numel)
@@ -153,8 +167,11 @@ class FlatGroup(GradientBuffers):
             self.point_params_at_full()
             return
         if compute_shard:
-            self.compute_shard = (full_fp32[start:end].to(self.param_dtype, copy=True) if full_fp32 is not None
-                                  else torch.zeros(end - start, dtype=self.param_dtype, device=self.device))
+            self.compute_shard = (
+                full_fp32[start:end].to(self.param_dtype, copy=True)
+                if full_fp32 is not None
+                else torch.zeros(end - start, dtype=self.param_dtype, device=self.device)
+            )
         if any(self.tp_specs):  # DTensor parameters need views of the storage gathers will fill
             self.point_params_at_full(self.new_full())
         self.free_full()
@@ -164,8 +181,7 @@ class FlatGroup(GradientBuffers):
         swap = not self._swapped
         full = self.full if full is None else full
         assert full is not None  # gathered, or given
-        for param, view, spec in zip(self.params, self.layout.views(full),
-                                     self.tp_specs):
+        for param, view, spec in zip(self.params, self.layout.views(full), self.tp_specs):
             if spec is None:
                 param.data = view
             elif swap:  # once: see [Note: parameter storage]
@@ -203,9 +219,16 @@ class FlatGroup(GradientBuffers):
     @property
     def gathers_in_place(self) -> bool:
         """Is the master itself the gathered buffer? See [Note: gathering in place at one rank] in unit.py."""
-        return (self.reshards and self.layout.world_size == 1 and not self.trainable and not self.gather_must_copy
-                and self.compute_shard is None and not any(self.tp_specs)
-                and self.master.dtype == self.param_dtype and self.master.device == self.device)
+        return (
+            self.reshards
+            and self.layout.world_size == 1
+            and not self.trainable
+            and not self.gather_must_copy
+            and self.compute_shard is None
+            and not any(self.tp_specs)
+            and self.master.dtype == self.param_dtype
+            and self.master.device == self.device
+        )
 
     def gather_in_place(self) -> None:
         """The unshard of a group that gathers in place: ask the store for the master's pages (the
@@ -239,7 +262,7 @@ class FlatGroup(GradientBuffers):
         start, end = self.opt_range
         target = self.master if tensor is None else tensor
         for slot, lo, hi in self.layout.pieces_in(start, end):
-            yield slot, lo, hi, target[slot.offset + lo - start: slot.offset + hi - start]
+            yield slot, lo, hi, target[slot.offset + lo - start : slot.offset + hi - start]
 
     def own_slice_of_full(self) -> torch.Tensor:
         start, end = self.layout.shard_range(self.rank)
@@ -247,8 +270,9 @@ class FlatGroup(GradientBuffers):
         return self.full[start:end]
 
     def master_is_view_of_full(self) -> bool:
-        return (self.full is not None
-                and self.full.untyped_storage().data_ptr() == self.master.untyped_storage().data_ptr())
+        return (
+            self.full is not None and self.full.untyped_storage().data_ptr() == self.master.untyped_storage().data_ptr()
+        )
 
     def master_is_parameter_storage(self) -> bool:
         """Is the master the parameters' own storage (zero copy; see [Note: master placement])?"""
@@ -301,11 +325,14 @@ class FlatGroup(GradientBuffers):
     # -- accounting ------------------------------------------------------------------------------------
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model states this rank holds for this group at rest."""
+
         def nbytes(t):
             return 0 if t is None else t.numel() * t.element_size()
+
         def in_memory(t):  # tensors an NVMe store holds are reported by the store
             stores = [s for s in (self.master_store, self.grad_store) if s is not None]
             return 0 if t is None or not all(s.resident(t) for s in stores) else nbytes(t)
+
         if self.keep_full:
             params = nbytes(self.full)
         elif self.compute_shard is not None:

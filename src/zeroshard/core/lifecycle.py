@@ -19,6 +19,7 @@ order, and a pass starts again whenever the order's first unit runs. Nothing is 
 runs the same model code, so the collectives still match): from a unit that is off the order the pass
 is simply not prefetched, and a unit prefetched but not run is freed when the next pass starts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,8 +62,17 @@ class Phase(enum.Enum):
 
 
 class Lifecycle:
-    def __init__(self, units: list[Unit], policy: StagePolicy, rank: int, world_size: int, *,
-                 limits: GatherPolicy, overlap_comm: bool, max_inflight_reductions: int = 1):
+    def __init__(
+        self,
+        units: list[Unit],
+        policy: StagePolicy,
+        rank: int,
+        world_size: int,
+        *,
+        limits: GatherPolicy,
+        overlap_comm: bool,
+        max_inflight_reductions: int = 1,
+    ):
         self.units, self.policy, self.rank, self.world_size = units, policy, rank, world_size
         self.limits = limits if overlap_comm else dataclasses.replace(limits, prefetch_numel=0)
         self.live = LiveCount()  # gathered elements of this model's units, now and at most
@@ -103,10 +113,8 @@ class Lifecycle:
     def register(self) -> None:
         for unit in self.units:
             if unit.reshards and unit.module is not None:
-                self._handles.append(unit.module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward, unit)))
-                self._handles.append(unit.module.register_forward_hook(
-                    functools.partial(self._post_forward, unit)))
+                self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+                self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
             for group in unit.groups:
                 for index, param in enumerate(group.params):
                     if param.requires_grad:
@@ -153,7 +161,9 @@ class Lifecycle:
             self._follow_inference_order(unit)
         unit.unshard("backward" if self.phase is Phase.BACKWARD else "forward")
         training = self._training_forward() and self.forward_order is not None
-        if training and self.forward_order is not None:  # issued before this unit's wait: [Note: prefetch before the wait]
+        if (
+            training and self.forward_order is not None
+        ):  # issued before this unit's wait: [Note: prefetch before the wait]
             self._prefetch(self.forward_order, self._position, "forward")
         unit.wait_unshard()
         if not training and inference and self._inference_next is not None and self.inference_order is not None:
@@ -172,8 +182,11 @@ class Lifecycle:
                 if straggler.state is UnitState.GATHERING:
                     straggler.reshard()
             self._inference_next = 1
-        elif self._inference_next is not None and self._inference_next < len(order) \
-                and order[self._inference_next] is unit:
+        elif (
+            self._inference_next is not None
+            and self._inference_next < len(order)
+            and order[self._inference_next] is unit
+        ):
             self._inference_next += 1
         else:
             self._inference_next = None  # off the recorded order: no prefetch for the rest of this pass
@@ -213,8 +226,12 @@ class Lifecycle:
 
     def _reused_soon(self, unit: Unit) -> bool:
         """Keep `unit` gathered from its forward to its backward? See [Note: bounded gathering]."""
-        if not unit.reshards or self.phase is not Phase.FORWARD or self.backward_order is None \
-                or self.forward_order is None:
+        if (
+            not unit.reshards
+            or self.phase is not Phase.FORWARD
+            or self.backward_order is None
+            or self.forward_order is None
+        ):
             return False
         if self._reuse is None:
             self._reuse = reuse_offsets(self.forward_order, self.backward_order)
@@ -228,8 +245,11 @@ class Lifecycle:
         if distance >= self.limits.reuse_distance:
             return False
         # Kept only if the next unit to run can still be gathered within max_live beside it.
-        order, index = ((self.forward_order, self._position) if self._position < len(self.forward_order)
-                        else (self.backward_order, 0))
+        order, index = (
+            (self.forward_order, self._position)
+            if self._position < len(self.forward_order)
+            else (self.backward_order, 0)
+        )
         following = order[index]
         need = following.numel if following.state is UnitState.SHARDED and following is not unit else 0
         return self.limits.live_allows(self.live.numel, need)
@@ -266,7 +286,8 @@ class Lifecycle:
             "engine.backward(): either another engine's backward flows through this model's parameters (a GAN's "
             "generator loss through the discriminator: detach() the input, or use stage 0-2 for that model, as "
             "DeepSpeed does), or loss.backward() was called on a loss not computed through engine(...) (call "
-            "engine.backward(loss))")
+            "engine.backward(loss))"
+        )
 
     def _pre_backward(self, unit: Unit, grad):
         if self.phase is not Phase.BACKWARD:
@@ -298,8 +319,11 @@ class Lifecycle:
         if group.trainable:
             if group.full_grad is None and not group.grads_persist_full:
                 self._inflight.take_landed()  # its new full gradient reuses theirs: [Note: taken as they land]
-            group.add_grad(index, param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor,
-                           scale=1.0 / self.world_size if self.boundary else None)
+            group.add_grad(
+                index,
+                param.grad if self.grad_factor == 1.0 else param.grad * self.grad_factor,
+                scale=1.0 / self.world_size if self.boundary else None,
+            )
         param.grad = None  # the flat buffer owns the gradient now; free autograd's copy
         if not group.trainable:
             return

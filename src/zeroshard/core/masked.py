@@ -25,6 +25,7 @@ optimizer's state afresh, as in torch. Checkpoints keep per-slot scalars as one 
 `zeroshard_per_parameter`: parameter name -> its scalars, found by name at any world size and
 grouping; a group whose slots agree is saved as before.
 """
+
 from __future__ import annotations
 
 import torch
@@ -97,8 +98,9 @@ class SlotStates:
                 runs.append([a, b, statuses[index]])
         return [(a, b, status) for a, b, status in runs]
 
-    def settle(self, group: FlatGroup, uniform: dict | None, seen: list[bool],
-               results: list[tuple[int, int, dict]], advance) -> dict | None:
+    def settle(
+        self, group: FlatGroup, uniform: dict | None, seen: list[bool], results: list[tuple[int, int, dict]], advance
+    ) -> dict | None:
         """After a stepped plan: every slot that got a gradient anywhere has its new scalar state --
         from this rank's runs where it holds the slot, else `advance(old)` (a scalar state's update
         never depends on gradient values, so every rank computes the same). Statuses cover all
@@ -148,8 +150,9 @@ class SlotStates:
         return rest
 
 
-def step_runs(optimizer: torch.optim.Optimizer, param_group: int | None, param: torch.Tensor, grad: torch.Tensor,
-              runs, new_state) -> list[tuple[int, int, dict]]:
+def step_runs(
+    optimizer: torch.optim.Optimizer, param_group: int | None, param: torch.Tensor, grad: torch.Tensor, runs, new_state
+) -> list[tuple[int, int, dict]]:
     """Step elements [a, b) of `param` for each run (a, b, status), as the torch optimizer steps
     a parameter of its own whose scalar state is `status` (None: never stepped) and whose
     elementwise state is that slice of `param`'s. `new_state(key, dtype)`: a zero tensor like
@@ -159,8 +162,11 @@ def step_runs(optimizer: torch.optim.Optimizer, param_group: int | None, param: 
     for a, b, status in runs:
         state = optimizer.state.get(param) or {}
         view = param[a:b]
-        given = {} if status is None else {
-            **{k: v[a:b] for k, v in state.items() if is_elementwise(v, param)}, **(_copy(status) or {})}
+        given = (
+            {}
+            if status is None
+            else {**{k: v[a:b] for k, v in state.items() if is_elementwise(v, param)}, **(_copy(status) or {})}
+        )
         optimizer.state[view] = dict(given)
         view.grad = grad[a:b]
         saved = [pg["params"] for pg in optimizer.param_groups]

@@ -16,6 +16,7 @@ nothing else. Three things cross the other dimensions:
     a view of the flat buffer (`TensorParallelSpec`, used by group.py).
 Everything here is data passed into `shard()`; the collectives stay in comm.py.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -67,15 +68,18 @@ class TensorParallelSpec:
         if not isinstance(param, DTensor):
             return None
         if param.device_mesh.ndim != 1:
-            raise ValueError(f"a DTensor parameter lives on a {param.device_mesh.ndim}-D mesh "
-                             f"{param.device_mesh.mesh_dim_names}: parallelize the model over mesh['tp'] "
-                             "(1-D); zeroshard shards the local tensor over 'dp' itself")
+            raise ValueError(
+                f"a DTensor parameter lives on a {param.device_mesh.ndim}-D mesh "
+                f"{param.device_mesh.mesh_dim_names}: parallelize the model over mesh['tp'] "
+                "(1-D); zeroshard shards the local tensor over 'dp' itself"
+            )
         return cls(param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()))
 
     def parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """A DTensor parameter whose local tensor is `local` (a view of a flat buffer), no copy."""
-        dtensor = DTensor.from_local(local, self.mesh, self.placements, shape=self.shape, stride=self.stride,
-                                     run_check=False)
+        dtensor = DTensor.from_local(
+            local, self.mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
+        )
         return nn.Parameter(dtensor, requires_grad=requires_grad)
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
@@ -123,33 +127,45 @@ def zero_groups(mesh, model: nn.Module) -> ZeroGroups:
         return from_device_mesh(mesh, model)
     if isinstance(mesh, dist.ProcessGroup):
         return ZeroGroups(mesh)
-    raise TypeError(f"mesh={type(mesh).__name__}: expected None (the world), a DeviceMesh, a ProcessGroup or "
-                    "ZeroGroups (from_mpu)")
+    raise TypeError(
+        f"mesh={type(mesh).__name__}: expected None (the world), a DeviceMesh, a ProcessGroup or ZeroGroups (from_mpu)"
+    )
 
 
 def from_device_mesh(mesh, model: nn.Module) -> ZeroGroups:
     """ZeRO's groups in a DeviceMesh with named dimensions 'dp' and 'tp'/'pp'."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
     if "dp" not in names or any(n not in MESH_DIMS for n in names) or len(set(names)) != len(names):
-        raise ValueError(f"mesh dimensions {names or '(unnamed)'}: name them from {MESH_DIMS}, with 'dp' "
-                         "(the dimension ZeRO partitions over), e.g. init_device_mesh(device, (2, 2), "
-                         "mesh_dim_names=('dp', 'tp'))")
+        raise ValueError(
+            f"mesh dimensions {names or '(unnamed)'}: name them from {MESH_DIMS}, with 'dp' "
+            "(the dimension ZeRO partitions over), e.g. init_device_mesh(device, (2, 2), "
+            "mesh_dim_names=('dp', 'tp'))"
+        )
     sizes = {n: mesh[n].size() for n in names}
     others = [n for n in ("tp", "pp") if n in names]
     tp = sizes.get("tp", 1) > 1
-    return ZeroGroups(mesh.get_group("dp"), ModelParallel(
-        norm_groups=tuple(mesh.get_group(n) for n in others if sizes[n] > 1),
-        replicated=replicated_names(model, tp),
-        count_replicated=not tp or mesh.get_local_rank("tp") == 0,
-        sizes=sizes, coordinate={n: mesh.get_local_rank(n) for n in names}))
+    return ZeroGroups(
+        mesh.get_group("dp"),
+        ModelParallel(
+            norm_groups=tuple(mesh.get_group(n) for n in others if sizes[n] > 1),
+            replicated=replicated_names(model, tp),
+            count_replicated=not tp or mesh.get_local_rank("tp") == 0,
+            sizes=sizes,
+            coordinate={n: mesh.get_local_rank(n) for n in names},
+        ),
+    )
 
 
 _MPU_DP = ("get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size")
-_MPU_TP = (("get_tensor_model_parallel_group", "get_tensor_model_parallel_rank",
-            "get_tensor_model_parallel_world_size"),
-           ("get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size"))
-_MPU_PP = ("get_pipeline_model_parallel_group", "get_pipeline_model_parallel_rank",
-           "get_pipeline_model_parallel_world_size")
+_MPU_TP = (
+    ("get_tensor_model_parallel_group", "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size"),
+    ("get_model_parallel_group", "get_model_parallel_rank", "get_model_parallel_world_size"),
+)
+_MPU_PP = (
+    "get_pipeline_model_parallel_group",
+    "get_pipeline_model_parallel_rank",
+    "get_pipeline_model_parallel_world_size",
+)
 
 
 def from_mpu(mpu, model: nn.Module) -> ZeroGroups:
@@ -159,9 +175,11 @@ def from_mpu(mpu, model: nn.Module) -> ZeroGroups:
     missing = [m for m in _MPU_DP if not callable(getattr(mpu, m, None))]
     tp_calls = next((calls for calls in _MPU_TP if all(callable(getattr(mpu, c, None)) for c in calls)), None)
     if missing or tp_calls is None:
-        raise ValueError(f"mpu: {type(mpu).__name__} lacks {missing or []}"
-                         f"{'' if tp_calls else ' and one of ' + ' / '.join(c[0] + '/rank/world_size' for c in _MPU_TP)}"
-                         "; zeroshard needs the data-parallel group and the tensor-model-parallel group")
+        raise ValueError(
+            f"mpu: {type(mpu).__name__} lacks {missing or []}"
+            f"{'' if tp_calls else ' and one of ' + ' / '.join(c[0] + '/rank/world_size' for c in _MPU_TP)}"
+            "; zeroshard needs the data-parallel group and the tensor-model-parallel group"
+        )
     group, rank, size = (getattr(mpu, c)() for c in tp_calls)
     dims = [("tp", group, size)]
     if all(callable(getattr(mpu, c, None)) for c in _MPU_PP):
@@ -170,11 +188,16 @@ def from_mpu(mpu, model: nn.Module) -> ZeroGroups:
     coordinate = {"dp": mpu.get_data_parallel_rank(), "tp": rank}
     if len(dims) > 1:
         coordinate["pp"] = mpu.get_pipeline_model_parallel_rank()
-    return ZeroGroups(mpu.get_data_parallel_group(), ModelParallel(
-        norm_groups=tuple(g for _, g, s in dims if s > 1),
-        replicated=replicated_names(model, size > 1),
-        count_replicated=size == 1 or rank == 0,
-        sizes=sizes, coordinate=coordinate))
+    return ZeroGroups(
+        mpu.get_data_parallel_group(),
+        ModelParallel(
+            norm_groups=tuple(g for _, g, s in dims if s > 1),
+            replicated=replicated_names(model, size > 1),
+            count_replicated=size == 1 or rank == 0,
+            sizes=sizes,
+            coordinate=coordinate,
+        ),
+    )
 
 
 class NormScope:
@@ -192,9 +215,11 @@ class NormScope:
         skip = {}
         for group in groups:
             start, end = group.opt_range
-            ranges = [(slot.offset + lo - start, slot.offset + hi - start)
-                      for slot, lo, hi in group.layout.pieces_in(start, end)
-                      if slot.name in model_parallel.replicated]
+            ranges = [
+                (slot.offset + lo - start, slot.offset + hi - start)
+                for slot, lo, hi in group.layout.pieces_in(start, end)
+                if slot.name in model_parallel.replicated
+            ]
             if ranges:
                 skip[id(group)] = ranges
         return cls(comms, skip)

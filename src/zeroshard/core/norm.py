@@ -1,4 +1,5 @@
 """The fp64 sum of squares the gradient norm is made of, and the stage-0 norm summed when asked."""
+
 from __future__ import annotations
 
 import math
@@ -49,10 +50,13 @@ class NormWhenAsked:
         if self.norm is None and self.grads:
             if any(grad._version != version for grad, version in zip(self.grads, self.versions)):
                 self.grads = []
-                warnings.warn("get_global_grad_norm(): at stage 0 without gradient clipping the norm is "
-                              "computed when asked, from the gradients the step used; they were overwritten "
-                              "since (by a backward or a load), so it is None. Ask right after step(), or "
-                              "set a gradient clipping to have every step compute it", stacklevel=3)
+                warnings.warn(
+                    "get_global_grad_norm(): at stage 0 without gradient clipping the norm is "
+                    "computed when asked, from the gradients the step used; they were overwritten "
+                    "since (by a backward or a load), so it is None. Ask right after step(), or "
+                    "set a gradient clipping to have every step compute it",
+                    stacklevel=3,
+                )
                 return None
             total = torch.zeros((), dtype=torch.float64, device=self.grads[0].device)
             for grad in self.grads:

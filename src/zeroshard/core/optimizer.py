@@ -6,6 +6,7 @@ re-pointed at the fp32 master shards of the flat groups (see [Note: flat layout]
 exactly for optimizers whose update of an element depends only on that element's own state
 (SGD, Adam, AdamW, ...), which `check_shardable` enforces.
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,10 +40,18 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
     that `Optimizer`'s methods (step hooks, state-dict hooks) read.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[FlatGroup], comm: Communicator,
-                 policy: StagePolicy, clip: float, loss_scaler: DynamicLossScaler | None = None,
-                 streamed: StreamedStep | None = None, norm: NormScope | None = None,
-                 replica: Communicator | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        groups: list[FlatGroup],
+        comm: Communicator,
+        policy: StagePolicy,
+        clip: float,
+        loss_scaler: DynamicLossScaler | None = None,
+        streamed: StreamedStep | None = None,
+        norm: NormScope | None = None,
+        replica: Communicator | None = None,
+    ):
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
         self._optimizer_state_dict_pre_hooks = collections.OrderedDict()
@@ -101,8 +110,10 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         self.optimizer.defaults = value
 
     def add_param_group(self, param_group: dict) -> None:
-        raise ValueError("add_param_group() after initialize(): zeroshard laid out the shards for the param "
-                         "groups given to initialize(); pass every group there")
+        raise ValueError(
+            "add_param_group() after initialize(): zeroshard laid out the shards for the param "
+            "groups given to initialize(); pass every group there"
+        )
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({self.optimizer!r})"
@@ -127,9 +138,15 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
     def _norm_when_asked(self, grads: list[torch.Tensor]) -> bool:
         """Can this step leave the norm until asked? Stage 0, nothing to clip or unscale, the fp32
         gradients in the buffers the groups keep, no model-parallel groups to sum over."""
-        return not self.policy.shard_optimizer and self.clip <= 0 and self.loss_scaler is None and \
-            self.streamed is None and not self.norm.comms and not self.norm.skip and \
-            all(grad.dtype == torch.float32 for grad in grads)
+        return (
+            not self.policy.shard_optimizer
+            and self.clip <= 0
+            and self.loss_scaler is None
+            and self.streamed is None
+            and not self.norm.comms
+            and not self.norm.skip
+            and all(grad.dtype == torch.float32 for grad in grads)
+        )
 
     def _norm_and_seen(self, grads: list[torch.Tensor], squares: bool = True) -> tuple[float, dict[int, list[bool]]]:
         """The global gradient norm, and per group which slots got a gradient on any rank ([Note:
@@ -158,18 +175,20 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
                 "they did not run the same collectives "
                 "(kind, size, description) since the start; every rank must run the same units in the same order "
                 "and call backward()/step() alike. CommPolicy(check_collectives=True) names the first one "
-                "([Note: collective fingerprint] in core/consistency.py)")
+                "([Note: collective fingerprint] in core/consistency.py)"
+            )
         everywhere = (total[1:-2] > 0).tolist()
         if self.replica is not None and flags:
             seen = torch.tensor(everywhere, dtype=torch.uint8, device=self.replica.device)
-            self.replica.all_reduce(seen, "parameters with a gradient, across partition groups", op="max",
-                                    kind="control")
+            self.replica.all_reduce(
+                seen, "parameters with a gradient, across partition groups", op="max", kind="control"
+            )
             everywhere = seen.bool().tolist()
         norm = total[:1].clone()
         self.norm.all_reduce(norm)  # tp and pp ranks hold other parameters: sum over them too
         out, position = {}, 0
         for group in self.groups:
-            out[id(group)] = everywhere[position: position + len(group.grad_seen)]
+            out[id(group)] = everywhere[position : position + len(group.grad_seen)]
             position += len(group.grad_seen)
         return math.sqrt(norm.item()), out
 
@@ -179,11 +198,11 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         if self.policy.shard_optimizer:
             return piece
         n, rank, world = piece.numel(), self.comm.rank, self.comm.world_size
-        return piece[n * rank // world: n * (rank + 1) // world]
+        return piece[n * rank // world : n * (rank + 1) // world]
 
     @property
     def on_failed_update(self) -> str:
-        """"fail_stop" (no copy; a step that fails half-way refuses further use) or "copy" (undone
+        """ "fail_stop" (no copy; a step that fails half-way refuses further use) or "copy" (undone
         from a copy): [Note: failed optimizer steps] in rollback.py."""
         return self._on_failed_update
 
@@ -233,8 +252,11 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         return True
 
     def _steps_per_group(self) -> bool:  # steps_apart_alike, asked once
-        self._per_group = self._per_group if self._per_group is not None else \
-            bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
+        self._per_group = (
+            self._per_group
+            if self._per_group is not None
+            else bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
+        )
         return self._per_group
 
     def _apply(self, grads: list[torch.Tensor], seen: dict[int, list[bool]], update: _Update) -> None:
@@ -245,8 +267,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         if self.streamed is not None:
             for group in self.groups:
                 update.begin(group, self._stepping_params(group))
-            results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)},
-                                        plans)
+            results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)}, plans)
         else:
             results = self._apply_in_memory(grads, plans, update)
         advanced: dict = {}
@@ -259,7 +280,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         is spent; else all groups in one optimizer step ([Note: one group at a time] in rollback.py)."""
         indices = list(range(len(self.groups)))
         results = {}
-        for batch in ([[i] for i in indices] if self._steps_per_group() else [indices]):
+        for batch in [[i] for i in indices] if self._steps_per_group() else [indices]:
             batch_groups = [self.groups[i] for i in batch]
             for group in batch_groups:
                 update.begin(group, [group.master])
@@ -273,9 +294,14 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
                     group.master.grad = None
             for group, i in zip(batch_groups, batch):
                 if plans[id(group)]:
-                    results[id(group)] = step_runs(self.optimizer, group.optimizer_group, group.master, grads[i],
-                                                   plans[id(group)],
-                                                   lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype))
+                    results[id(group)] = step_runs(
+                        self.optimizer,
+                        group.optimizer_group,
+                        group.master,
+                        grads[i],
+                        plans[id(group)],
+                        lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype),
+                    )
                 if self._per_group:  # [Note: gradient shard lifetime] in grad_buffers.py
                     grads[i] = None
                     group.free_grad_shard()
@@ -309,6 +335,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
 
     def _settle(self, group: FlatGroup, uniform: dict | None, seen: list[bool], results: list, advanced: dict) -> None:
         """After a group stepped in runs: its scalar state is one again, or one per slot."""
+
         def advance(status):
             key = (group.optimizer_group, repr(status and sorted((k, float(v)) for k, v in status.items())))
             if key not in advanced:

@@ -1,5 +1,6 @@
 """The user's optimizer re-pointed at the flat master shards; which param group holds a parameter;
 whether the optimizer keeps state."""
+
 from __future__ import annotations
 
 import torch

@@ -31,6 +31,7 @@ routing every torch call of the script through Python (a TorchFunctionMode) on p
 `overlap_param_gather: false` makes step() wait for the gathers, for scripts that cannot follow
 the rule (reads from another thread, code that is not theirs).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -122,9 +123,12 @@ class DeferredGather:
         while self._queue and len(self._inflight) < self.max_inflight:
             unit = self._queue.pop(0)
             self._inflight[id(unit)] = [
-                self._comm.all_gather(g.full, g.own_slice_of_full(), f"all-gather of updated parameters "
-                                      f"({g.names[0]}...)", async_op=True)
-                for g in unit.groups if _gathers(g)]
+                self._comm.all_gather(
+                    g.full, g.own_slice_of_full(), f"all-gather of updated parameters ({g.names[0]}...)", async_op=True
+                )
+                for g in unit.groups
+                if _gathers(g)
+            ]
 
     def _wait_oldest(self) -> None:
         handles = self._inflight.pop(next(iter(self._inflight)))
@@ -170,8 +174,7 @@ class ParameterReaders:
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         unknown = [p for p in params if id(p) not in self._param_groups]
         if unknown:
-            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters "
-                             "of this model")
+            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters of this model")
         self.wait_parameters()
         wanted = {id(self._param_groups[id(p)][0]) for p in params}
         units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank

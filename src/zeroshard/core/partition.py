@@ -21,6 +21,7 @@ weak maps keyed by parameter identity (entries vanish with their parameter; noth
   * `_ENGINES`: parameter -> weak reference to the engine that owns it (for GatheredParameters).
 Process groups are not kept here: a Partition's communicator lives only while its Init context is open.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -102,8 +103,9 @@ def partition_param(param: nn.Parameter, partition: Partition, comm: Communicato
     release(param, record)
 
 
-def _broadcast_and_cut(data: torch.Tensor, partition: Partition, comm: Communicator, src: int,
-                       what: str) -> torch.Tensor:
+def _broadcast_and_cut(
+    data: torch.Tensor, partition: Partition, comm: Communicator, src: int, what: str
+) -> torch.Tensor:
     """This rank's slice (1-D, numel = ceil(numel / world), zero padded) of rank `src`'s `data`."""
     full = data.to(partition.device).contiguous()  # collectives run on the shard device (NCCL: the GPU)
     comm.broadcast(full, src, what)
@@ -182,8 +184,9 @@ def gathered(params: list, modifier_rank: int | None):
 
 
 def partition_modified(param: nn.Parameter, record: ParamShard, comm: Communicator, modifier_rank: int) -> None:
-    record.shard = _broadcast_and_cut(param.data, record.partition, comm, modifier_rank,
-                                      "GatheredParameters: values of the modifier rank")
+    record.shard = _broadcast_and_cut(
+        param.data, record.partition, comm, modifier_rank, "GatheredParameters: values of the modifier rank"
+    )
 
 
 # -- handing over to an engine -------------------------------------------------------------------------------
@@ -196,11 +199,15 @@ def materialize(params: list, comm: Communicator) -> None:
         if record is None:
             continue
         if record.state is not ShardState.SHARDED:
-            raise RuntimeError("zeroshard.initialize was called inside zero.Init or GatheredParameters: "
-                               "leave those contexts before initializing the engine")
+            raise RuntimeError(
+                "zeroshard.initialize was called inside zero.Init or GatheredParameters: "
+                "leave those contexts before initializing the engine"
+            )
         if record.partition.world_size != comm.world_size:
-            raise ValueError(f"the model was partitioned by zero.Init over {record.partition.world_size} ranks, "
-                             f"the engine runs on {comm.world_size}: build it again under the engine's world")
+            raise ValueError(
+                f"the model was partitioned by zero.Init over {record.partition.world_size} ranks, "
+                f"the engine runs on {comm.world_size}: build it again under the engine's world"
+            )
         todo.setdefault((record.shard.dtype, record.shard.device), []).append((param, record))
     for items in todo.values():
         _gather_together(items, comm)
@@ -216,7 +223,7 @@ def _gather_together(items: list, comm: Communicator) -> None:
     offset = 0
     for param, record in items:
         size = record.shard.numel()
-        full = by_rank[:, offset: offset + size].reshape(-1)  # a copy: rank-major = the flattened parameter
+        full = by_rank[:, offset : offset + size].reshape(-1)  # a copy: rank-major = the flattened parameter
         param.data = full[: record.shape.numel()].view(record.shape).to(record.device, record.dtype)
         offset += size
 

@@ -4,6 +4,7 @@ The core never asks *what kind* of store it has (STYLE.md, habit 4): it holds ob
 `Store` and calls the same methods on all of them. `zeroshard.offload` provides the two kinds users
 configure (CPU memory, NVMe files); a test can pass any object with these methods.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

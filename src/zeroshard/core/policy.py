@@ -3,6 +3,7 @@
 A stage differs from another only in *what* is partitioned across the data-parallel ranks. One code
 path reads these flags; there is no class per stage.
 """
+
 from __future__ import annotations
 
 import enum
@@ -106,17 +107,26 @@ class CommPolicy:
     @property
     def plain(self) -> bool:
         """No ZeRO++ or MiCS: stage 3 as the paper has it."""
-        return (self.shard_size, self.secondary_size, self.quantize_weights, self.quantize_gradients) == \
-            (None, None, False, False)
+        return (self.shard_size, self.secondary_size, self.quantize_weights, self.quantize_gradients) == (
+            None,
+            None,
+            False,
+            False,
+        )
 
     def check(self, stage: StagePolicy, world_size: int) -> None:
         if not self.plain and not stage.shard_parameters:
-            raise ValueError("CommPolicy.shard_size / secondary_size / quantize_weights / quantize_gradients act "
-                             f"at ZeRO stage 3 only (got stage {stage.stage})")
+            raise ValueError(
+                "CommPolicy.shard_size / secondary_size / quantize_weights / quantize_gradients act "
+                f"at ZeRO stage 3 only (got stage {stage.stage})"
+            )
         shard = self.shard_size or world_size
         if world_size % shard:
-            raise ValueError(f"CommPolicy.shard_size={self.shard_size} must divide the data-parallel world size "
-                             f"{world_size}")
+            raise ValueError(
+                f"CommPolicy.shard_size={self.shard_size} must divide the data-parallel world size {world_size}"
+            )
         if self.secondary_size is not None and shard % self.secondary_size:
-            raise ValueError(f"CommPolicy.secondary_size={self.secondary_size} must divide the partition group "
-                             f"size {shard} (CommPolicy.shard_size, or the data-parallel world size)")
+            raise ValueError(
+                f"CommPolicy.secondary_size={self.secondary_size} must divide the partition group "
+                f"size {shard} (CommPolicy.shard_size, or the data-parallel world size)"
+            )

@@ -6,6 +6,7 @@ Gradients are accumulated and reduced in `reduce_dtype` — DeepSpeed's `communi
 defaulting like DeepSpeed to the compute dtype, so that the bytes held and moved are the paper's
 2Ψ / 2Ψ/N — and converted to fp32 only for the optimizer step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
@@ -34,8 +36,15 @@ class DynamicLossScaler:
     steps are still skipped, the scale never moves.
     """
 
-    def __init__(self, initial_scale: float = 2.0**16, window: int = 1000, min_scale: float = 1.0,
-                 hysteresis: int = 2, consecutive_hysteresis: bool = False, dynamic: bool = True):
+    def __init__(
+        self,
+        initial_scale: float = 2.0**16,
+        window: int = 1000,
+        min_scale: float = 1.0,
+        hysteresis: int = 2,
+        consecutive_hysteresis: bool = False,
+        dynamic: bool = True,
+    ):
         self.dynamic = dynamic
         self.scale = float(initial_scale)
         self.window = window
@@ -89,8 +98,9 @@ def check_supported(dtype: torch.dtype, device: torch.device) -> None:
         torch.nn.functional.layer_norm(x @ w, (4,)).sum().backward()
     except (RuntimeError, NotImplementedError) as error:
         name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
-        raise RuntimeError(f"this torch ({torch.__version__}) cannot train in {name} on {device.type}: {error}; "
-                           "use another precision") from error
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) cannot train in {name} on {device.type}: {error}; use another precision"
+        ) from error
 
 
 def cast_floating(tree, dtype: torch.dtype):

@@ -13,6 +13,7 @@ own block (the paper's block-based quantization, which it shows is needed for ac
 format per block is `block` bytes of int8 plus 4 bytes of scale: at block = 256 that is 1.016 bytes
 per element, 3.94x less than fp32 and 1.97x less than bf16.
 """
+
 from __future__ import annotations
 
 import torch
@@ -90,8 +91,15 @@ def _started(handles: list, finish, async_op: bool) -> Composite:
     return handle
 
 
-def all_gather(comm, out: torch.Tensor, shard: torch.Tensor, what: str, block: int = DEFAULT_BLOCK,
-               async_op: bool = False, keep=None) -> Composite:
+def all_gather(
+    comm,
+    out: torch.Tensor,
+    shard: torch.Tensor,
+    what: str,
+    block: int = DEFAULT_BLOCK,
+    async_op: bool = False,
+    keep=None,
+) -> Composite:
     """qwZ: `comm.all_gather(out, shard)` with each rank's shard sent as int8 blocks and their fp32
     scales; `out` (any float dtype) receives the dequantized values when the handle is waited on,
     and `keep(q_all, scales_all)`, if given, what was received (hpZ's secondary copy)."""
@@ -100,25 +108,38 @@ def all_gather(comm, out: torch.Tensor, shard: torch.Tensor, what: str, block: i
     return all_gather_encoded(comm, out, q, scales, what, comm.world_size, block, async_op, keep)
 
 
-def all_gather_encoded(comm, out: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, what: str, rows: int,
-                       block: int = DEFAULT_BLOCK, async_op: bool = False, keep=None) -> Composite:
+def all_gather_encoded(
+    comm,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    scales: torch.Tensor,
+    what: str,
+    rows: int,
+    block: int = DEFAULT_BLOCK,
+    async_op: bool = False,
+    keep=None,
+) -> Composite:
     """All-gather int8 blocks and scales already encoded (this rank's `rows / comm.world_size`
     quantized rows), then dequantize the `rows` rows into `out` (1-D, rows x numel)."""
     numel, world = out.numel() // rows, comm.world_size
     q_all = torch.empty(world * q.numel(), dtype=q.dtype, device=q.device)  # 1-D, rank-major
     scales_all = torch.empty(world * scales.numel(), dtype=scales.dtype, device=q.device)
-    handles = [comm.all_gather(q_all, q, f"{what}, int8 blocks", async_op=True),
-               comm.all_gather(scales_all, scales, f"{what}, block scales", async_op=True)]
+    handles = [
+        comm.all_gather(q_all, q, f"{what}, int8 blocks", async_op=True),
+        comm.all_gather(scales_all, scales, f"{what}, block scales", async_op=True),
+    ]
 
     def finish() -> None:
         out.view(rows, numel).copy_(dequantize_rows(q_all, scales_all, rows, numel, block))
         if keep is not None:
             keep(q_all, scales_all)
+
     return _started(handles, finish, async_op)
 
 
-def reduce_scatter(comm, out: torch.Tensor, full: torch.Tensor, what: str, block: int = DEFAULT_BLOCK,
-                   async_op: bool = False) -> Composite:
+def reduce_scatter(
+    comm, out: torch.Tensor, full: torch.Tensor, what: str, block: int = DEFAULT_BLOCK, async_op: bool = False
+) -> Composite:
     """qgZ: `comm.reduce_scatter(out, full)` as one all-to-all of int8 blocks: each rank quantizes the
     N chunks of its `full`, sends chunk r to rank r, and sums the N dequantized chunks it receives in
     fp32, in rank order (deterministic). One quantization per gradient element, where the paper's
@@ -131,11 +152,14 @@ def reduce_scatter(comm, out: torch.Tensor, full: torch.Tensor, what: str, block
     q = torch.empty(world * nblocks * block, dtype=torch.int8, device=full.device)  # 1-D, chunk-major
     scales = torch.empty(world * nblocks, dtype=torch.float32, device=full.device)
     for r, chunk in enumerate(full.view(world, numel)):
-        quantize_into(chunk, q[r * nblocks * block:(r + 1) * nblocks * block],
-                      scales[r * nblocks:(r + 1) * nblocks], block)
+        quantize_into(
+            chunk, q[r * nblocks * block : (r + 1) * nblocks * block], scales[r * nblocks : (r + 1) * nblocks], block
+        )
     q_in, scales_in = torch.empty_like(q), torch.empty_like(scales)
-    handles = [comm.all_to_all(q_in, q, f"{what}, int8 blocks", async_op=True),
-               comm.all_to_all(scales_in, scales, f"{what}, block scales", async_op=True)]
+    handles = [
+        comm.all_to_all(q_in, q, f"{what}, int8 blocks", async_op=True),
+        comm.all_to_all(scales_in, scales, f"{what}, block scales", async_op=True),
+    ]
 
     def finish() -> None:
         rows = dequantize_rows(q_in, scales_in, world, numel, block)  # (world, numel) fp32
@@ -143,4 +167,5 @@ def reduce_scatter(comm, out: torch.Tensor, full: torch.Tensor, what: str, block
         for row in rows[1:]:
             total.add_(row)
         out.copy_(total)
+
     return _started(handles, finish, async_op)

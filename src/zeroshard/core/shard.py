@@ -3,6 +3,7 @@
 This is the PyTorch-native layer under the engine: it knows nothing about configs, schedulers or
 loss scaling. `shard_module` returns the units; `Lifecycle` (lifecycle.py) drives them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,11 +43,19 @@ PERSISTENT = "<persistent>"
 GATHER_GROUP_BYTES = 30 << 20  # under 32 MiB with room for the allocator's header and alignment
 
 
-def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
-                 optimizer_groups: dict[int, int], precision: PrecisionPolicy = PrecisionPolicy(),
-                 persistence_threshold: int = 0, wrap_modules: list[str] | None = None,
-                 placement: Placement | None = None, partition: Communicator | None = None,
-                 links: Links = Links()) -> list[Unit]:
+def shard_module(
+    model: nn.Module,
+    policy: StagePolicy,
+    comm: Communicator,
+    *,
+    optimizer_groups: dict[int, int],
+    precision: PrecisionPolicy = PrecisionPolicy(),
+    persistence_threshold: int = 0,
+    wrap_modules: list[str] | None = None,
+    placement: Placement | None = None,
+    partition: Communicator | None = None,
+    links: Links = Links(),
+) -> list[Unit]:
     """Build the units of `model`. `optimizer_groups`: id(param) -> index of its optimizer param group.
 
     Rank 0's values (of `comm`'s group) are broadcast first, as DDP does, so that every rank starts from the same model.
@@ -62,8 +71,9 @@ def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
         raise ValueError("the model has no parameters: there is nothing for zeroshard to shard or train")
     for name, param in named:
         if not param.is_floating_point():
-            raise ValueError(f"parameter '{name}' has dtype {param.dtype}; zeroshard trains floating-point "
-                             "parameters only")
+            raise ValueError(
+                f"parameter '{name}' has dtype {param.dtype}; zeroshard trains floating-point parameters only"
+            )
     modules = unit_modules(model, wrap_modules)
     owners = assign_owners(model, modules)
     buckets: dict[str, list[tuple[str, nn.Parameter]]] = {name: [] for name, _ in modules}
@@ -78,15 +88,24 @@ def shard_module(model: nn.Module, policy: StagePolicy, comm: Communicator, *,
             continue
         reshards = policy.shard_parameters and unit_name != PERSISTENT
         materialize([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
-        groups = _build_groups(members, policy, comm, optimizer_groups, precision, reshards,
-                               placement or Placement(), partition)
+        groups = _build_groups(
+            members, policy, comm, optimizer_groups, precision, reshards, placement or Placement(), partition
+        )
         units.append(Unit(unit_name, module_of.get(unit_name), groups, partition, reshards, links))
     log.info("zeroshard: %d units, %s", len(units), ", ".join(f"{u.name}={u.numel}" for u in units))
     return units
 
 
-def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_groups, precision,
-                  reshards: bool, placement: Placement, partition: Communicator) -> list[FlatGroup]:
+def _build_groups(
+    members,
+    policy: StagePolicy,
+    comm: Communicator,
+    optimizer_groups,
+    precision,
+    reshards: bool,
+    placement: Placement,
+    partition: Communicator,
+) -> list[FlatGroup]:
     by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, param in members:
         index = optimizer_groups.get(id(param)) if param.requires_grad else None
@@ -94,8 +113,11 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
     # [Note: gathered buffers under glibc's mmap ceiling]; the persistent unit has reshards False
     capped = policy.shard_gradients and (reshards or not policy.shard_parameters) and comm.device.type == "cpu"
     itemsize = max(precision.param_dtype.itemsize, precision.reduce_dtype.itemsize)  # gathered, full gradient
-    keyed = [(key, chunk) for key, items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
-             for chunk in (_chunks(items, GATHER_GROUP_BYTES // itemsize) if capped else [items])]
+    keyed = [
+        (key, chunk)
+        for key, items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
+        for chunk in (_chunks(items, GATHER_GROUP_BYTES // itemsize) if capped else [items])
+    ]
     groups = []
     for (_, index), items in keyed:
         names, params = [n for n, _ in items], [p for _, p in items]
@@ -108,10 +130,22 @@ def _build_groups(members, policy: StagePolicy, comm: Communicator, optimizer_gr
         trainable = index is not None
         device = comm.device if params[0].device.type == "meta" else params[0].device
         master_store, compute_shard = _master_placement(placement, precision, device, reshards, trainable)
-        groups.append(FlatGroup(
-            names, params, policy=policy, precision=precision, world_size=partition.world_size, rank=partition.rank,
-            reshards=reshards, optimizer_group=index, master_store=master_store, compute_shard=compute_shard,
-            grad_store=placement.optimizer_store if trainable else None, device=comm.device))
+        groups.append(
+            FlatGroup(
+                names,
+                params,
+                policy=policy,
+                precision=precision,
+                world_size=partition.world_size,
+                rank=partition.rank,
+                reshards=reshards,
+                optimizer_group=index,
+                master_store=master_store,
+                compute_shard=compute_shard,
+                grad_store=placement.optimizer_store if trainable else None,
+                device=comm.device,
+            )
+        )
     return groups
 
 
@@ -129,8 +163,9 @@ def _chunks(items: list[tuple[str, nn.Parameter]], max_numel: int) -> list[list]
     return chunks
 
 
-def _master_placement(placement: Placement, precision: PrecisionPolicy, device: torch.device, reshards: bool,
-                      trainable: bool):
+def _master_placement(
+    placement: Placement, precision: PrecisionPolicy, device: torch.device, reshards: bool, trainable: bool
+):
     """(store of the group's fp32 master or None, whether a stage-3 group keeps a compute-dtype shard on
     `device` to gather from); see [Note: master placement].
 

@@ -18,6 +18,7 @@ accessors, gradient accumulation counters and checkpoints. With `optimizer=None`
 compat/inference.py) nothing is trainable: no gradient buffers, no optimizer state, and at stage 3
 the parameter shards are the only copy of the weights.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,9 +47,17 @@ from zeroshard.core.unit import build_links
 log = logging.getLogger(__name__)
 
 
-def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, stage: int | StagePolicy = 3,
-          mesh=None, precision: PrecisionPolicy | None = None, offload: Placement | None = None,
-          gathering: GatherPolicy | None = None, comm: CommPolicy | None = None) -> Sharded:
+def shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    stage: int | StagePolicy = 3,
+    mesh=None,
+    precision: PrecisionPolicy | None = None,
+    offload: Placement | None = None,
+    gathering: GatherPolicy | None = None,
+    comm: CommPolicy | None = None,
+) -> Sharded:
     """Shard `model`'s states, and `optimizer`'s, over the data-parallel ranks at `stage` (0-3).
 
     `optimizer`: a torch optimizer over `model`'s parameters with an elementwise update (SGD, Adam,
@@ -68,16 +77,35 @@ def shard(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, s
     comm = comm or CommPolicy()
     communicator = Communicator(comm.timeout_s, comm.check_collectives, group=groups.dp)
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
-    return Sharded(model, optimizer, communicator, policy, precision or PrecisionPolicy(), offload or Placement(),
-                   gathering=gathering or GatherPolicy(), comm_policy=comm, model_parallel=groups.model_parallel)
+    return Sharded(
+        model,
+        optimizer,
+        communicator,
+        policy,
+        precision or PrecisionPolicy(),
+        offload or Placement(),
+        gathering=gathering or GatherPolicy(),
+        comm_policy=comm,
+        model_parallel=groups.model_parallel,
+    )
 
 
 class Sharded(ParameterReaders):
     """A model and its optimizer under ZeRO; build it with `shard()`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, comm: Communicator,
-                 policy: StagePolicy, precision: PrecisionPolicy, placement: Placement, *,
-                 gathering: GatherPolicy, comm_policy: CommPolicy, model_parallel: ModelParallel | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        comm: Communicator,
+        policy: StagePolicy,
+        precision: PrecisionPolicy,
+        placement: Placement,
+        *,
+        gathering: GatherPolicy,
+        comm_policy: CommPolicy,
+        model_parallel: ModelParallel | None = None,
+    ):
         self.module = model
         self.model_parallel = model_parallel
         self.comm = comm
@@ -91,11 +119,18 @@ class Sharded(ParameterReaders):
         _cast_buffers(model, precision.param_dtype)
         optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
         self.partition, self.links = build_links(comm, policy, comm_policy)
-        self.units = shard_module(model, policy, comm, optimizer_groups=optimizer_groups,
-                                  precision=precision, placement=placement,
-                                  persistence_threshold=gathering.persistence_threshold,
-                                  wrap_modules=list(gathering.wrap) if gathering.wrap else None,
-                                  partition=self.partition, links=self.links)
+        self.units = shard_module(
+            model,
+            policy,
+            comm,
+            optimizer_groups=optimizer_groups,
+            precision=precision,
+            placement=placement,
+            persistence_threshold=gathering.persistence_threshold,
+            wrap_modules=list(gathering.wrap) if gathering.wrap else None,
+            partition=self.partition,
+            links=self.links,
+        )
         self.groups = [g for unit in self.units for g in unit.groups]
         self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
         register_engine(self)  # for zero.GatheredParameters, which gets parameters and nothing else
@@ -105,17 +140,34 @@ class Sharded(ParameterReaders):
         if optimizer is not None:
             repoint_optimizer(optimizer, self.groups)
             norm = NormScope.build(model_parallel, self.groups, self.norm_comms)
-            self.optimizer = ZeroOptimizer(optimizer, self.groups, self.partition, policy, 0.0, None,
-                                           self._streamed_step(optimizer), norm=norm, replica=self.links.replica)
+            self.optimizer = ZeroOptimizer(
+                optimizer,
+                self.groups,
+                self.partition,
+                policy,
+                0.0,
+                None,
+                self._streamed_step(optimizer),
+                norm=norm,
+                replica=self.links.replica,
+            )
         # overlap_comm: off, each unit's reduction is waited for before backward goes on (none in
         # flight); on, one is in flight while the next unit's backward computes ([Note: one
         # reduction in flight] in lifecycle.py).
         overlap = comm_policy.overlap_comm
-        self.lifecycle = Lifecycle(self.units, policy, comm.rank, comm.world_size, limits=gathering,
-                                   overlap_comm=overlap, max_inflight_reductions=1 if overlap else 0)
+        self.lifecycle = Lifecycle(
+            self.units,
+            policy,
+            comm.rank,
+            comm.world_size,
+            limits=gathering,
+            overlap_comm=overlap,
+            max_inflight_reductions=1 if overlap else 0,
+        )
         self.lifecycle.register()
-        self.deferred_gather = DeferredGather.attach(self.units, model, self.optimizer, policy,
-                                                     comm_policy.overlap_param_gather)
+        self.deferred_gather = DeferredGather.attach(
+            self.units, model, self.optimizer, policy, comm_policy.overlap_param_gather
+        )
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
         self.requires_gradient_sync = True  # set_requires_gradient_sync
@@ -137,8 +189,10 @@ class Sharded(ParameterReaders):
         overflowed on any rank is skipped on every rank."""
         self._require_optimizer("set_loss_scaler")
         if scaler is not None and self.norm_comms:  # its overflow vote runs over dp only: stages would disagree
-            raise ValueError("fp16 dynamic loss scaling is not supported with tensor or pipeline parallelism: "
-                             "use bf16 (no loss scaling) or fp32")
+            raise ValueError(
+                "fp16 dynamic loss scaling is not supported with tensor or pipeline parallelism: "
+                "use bf16 (no loss scaling) or fp32"
+            )
         self.loss_scaler = scaler
         assert self.optimizer is not None
         self.optimizer.loss_scaler = scaler
@@ -236,8 +290,10 @@ class Sharded(ParameterReaders):
 
     def _open_torch_backward(self) -> None:
         if self.loss_scaler is not None:
-            raise RuntimeError("loss.backward() with fp16 loss scaling: the loss must be scaled before backward; "
-                               "call backward(loss) instead")
+            raise RuntimeError(
+                "loss.backward() with fp16 loss scaling: the loss must be scaled before backward; "
+                "call backward(loss) instead"
+            )
         self._check_usable("backward")
         self.lifecycle.begin_backward(self.requires_gradient_sync)
         self.lifecycle.grad_factor = self.gradient_scale
@@ -301,8 +357,10 @@ class Sharded(ParameterReaders):
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
-            raise RuntimeError(f"{what}() on a model sharded without an optimizer (inference only): pass an "
-                               "optimizer to shard() / initialize() to train")
+            raise RuntimeError(
+                f"{what}() on a model sharded without an optimizer (inference only): pass an "
+                "optimizer to shard() / initialize() to train"
+            )
 
     def _abort(self, error: BaseException | None) -> None:
         """See [Note: failed steps]."""
@@ -338,12 +396,16 @@ class Sharded(ParameterReaders):
         if self.optimizer is not None:
             self.optimizer.check_usable(what)  # an update that failed half-way: [Note: failed optimizer steps]
         if self._broken is not None:
-            raise CollectiveError(f"rank {self.comm.rank}: {what}() refused: an earlier collective failed and the "
-                                  f"ranks are no longer in step; restart from the last checkpoint. It was: "
-                                  f"{self._broken}")
+            raise CollectiveError(
+                f"rank {self.comm.rank}: {what}() refused: an earlier collective failed and the "
+                f"ranks are no longer in step; restart from the last checkpoint. It was: "
+                f"{self._broken}"
+            )
         if self._grads_lost is not None and what != "forward":
-            raise RuntimeError(f"rank {self.comm.rank}: {what}() refused: the last {self._grads_lost}; the "
-                               "gradients accumulated since the last step are partial: call zero_grad() first")
+            raise RuntimeError(
+                f"rank {self.comm.rank}: {what}() refused: the last {self._grads_lost}; the "
+                "gradients accumulated since the last step are partial: call zero_grad() first"
+            )
 
     # -- parameters outside forward: gathered_parameters() and wait_parameters() (ParameterReaders) --
     def owns(self, param) -> bool:
@@ -356,17 +418,21 @@ class Sharded(ParameterReaders):
         `load_state_dict`; to change world size or stage, use the checkpoint package, which re-slices
         by parameter."""
         self.wait_parameters()
-        return {"masters": [group.master.detach().clone() for group in self.groups],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
+        return {
+            "masters": [group.master.detach().clone() for group in self.groups],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+        }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         self.wait_parameters()
         masters = state["masters"]
         if [m.numel() for m in masters] != [g.master.numel() for g in self.groups]:
-            raise ValueError("state_dict() of another layout (world size, stage or model): "
-                             "load it through zeroshard's checkpoints, which re-slice by parameter")
+            raise ValueError(
+                "state_dict() of another layout (world size, stage or model): "
+                "load it through zeroshard's checkpoints, which re-slice by parameter"
+            )
         for group, master in zip(self.groups, masters):
             group.master.copy_(master)
         if self.optimizer is not None and state.get("optimizer") is not None:
@@ -402,8 +468,12 @@ class Sharded(ParameterReaders):
 
     def communicators(self) -> dict[str, Communicator]:
         """The communicators the model states move over, by role ([Note: ZeRO++ and MiCS] in unit.py)."""
-        named = {"world": self.comm, "partition": self.partition, "replica": self.links.replica,
-                 "secondary": self.links.secondary}
+        named = {
+            "world": self.comm,
+            "partition": self.partition,
+            "replica": self.links.replica,
+            "secondary": self.links.secondary,
+        }
         out, seen = {}, set()
         for name, comm in named.items():
             if comm is not None and id(comm) not in seen:

@@ -10,6 +10,7 @@ copied in before the collective, outputs copied back when it completes (at `wait
 one) — and the bytes copied are counted (`ByteCounter.staged`), so a run shows when it pays for
 this. Callers never think about devices.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -9,6 +9,7 @@ aligned direct read into a buffer, [Note: where a swap file's tensor lies] in of
 one sub-group at a time — for the elementwise optimizers zeroshard accepts, the result is bit-for-bit
 the result of one step over the whole shard.
 """
+
 from __future__ import annotations
 
 import time
@@ -69,8 +70,10 @@ class StreamedStep:
         for sub, state in zip(subs, states):  # a sub-group without its share would lose it silently
             missing = [k for k, v in states[0].items() if is_elementwise(v, subs[0].param) and k not in state]
             if missing:
-                raise RuntimeError(f"optimizer state {missing} of '{group.names[0]}...' is missing for elements "
-                                   f"[{sub.start}, {sub.end}) of its shard")
+                raise RuntimeError(
+                    f"optimizer state {missing} of '{group.names[0]}...' is missing for elements "
+                    f"[{sub.start}, {sub.end}) of its shard"
+                )
         out = {}
         for key, value in states[0].items():
             if is_elementwise(value, subs[0].param):
@@ -90,7 +93,7 @@ class StreamedStep:
             for key, value in state.items():
                 if is_elementwise(value, group.master):
                     home = self.store.tensor(f"{group.names[0]}.{sub.start}.{key}", sub.end - sub.start, value.dtype)
-                    home.copy_(value[sub.start: sub.end])
+                    home.copy_(value[sub.start : sub.end])
                     sub_state[key] = home
                 else:
                     sub_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
@@ -116,7 +119,7 @@ class StreamedStep:
                     self._prefetch(subs[k + 1])  # double buffering: read k+1 while k computes
                 self._ready(sub)
                 plan = plans.get(id(sub.group))
-                grad = grads[id(sub.group)][sub.start: sub.end]
+                grad = grads[id(sub.group)][sub.start : sub.end]
                 if plan is None:
                     sub.param.grad = grad
                     self._step_one(sub)
@@ -138,20 +141,33 @@ class StreamedStep:
 
     def _step_runs(self, sub: SubGroup, grad: torch.Tensor, plan) -> list:
         """The runs of `plan` (master elements) that fall in this sub-group, stepped."""
-        local = [(max(a, sub.start) - sub.start, min(b, sub.end) - sub.start, status)
-                 for a, b, status in plan if a < sub.end and sub.start < b]
+        local = [
+            (max(a, sub.start) - sub.start, min(b, sub.end) - sub.start, status)
+            for a, b, status in plan
+            if a < sub.end and sub.start < b
+        ]
         if not local:
             return []
-        done = step_runs(self.optimizer, sub.group.optimizer_group, sub.param, grad, local,
-                         lambda key, dtype: torch.zeros(sub.end - sub.start, dtype=dtype, device=sub.param.device))
+        done = step_runs(
+            self.optimizer,
+            sub.group.optimizer_group,
+            sub.param,
+            grad,
+            local,
+            lambda key, dtype: torch.zeros(sub.end - sub.start, dtype=dtype, device=sub.param.device),
+        )
         return [(a + sub.start, b + sub.start, status) for a, b, status in done]
 
     def complete_state(self, group: FlatGroup) -> None:
         """After a step in runs, sub-groups none of whose parameters stepped get zero elementwise
         state too, so that the group's state joins over its sub-groups (`state_of`)."""
         subs = self.subs_of(group)
-        keys = {k: t.dtype for sub in subs for k, t in self.optimizer.state.get(sub.param, {}).items()
-                if is_elementwise(t, sub.param)}
+        keys = {
+            k: t.dtype
+            for sub in subs
+            for k, t in self.optimizer.state.get(sub.param, {}).items()
+            if is_elementwise(t, sub.param)
+        }
         for sub in subs:
             state = self.optimizer.state.setdefault(sub.param, {})
             for key, dtype in keys.items():

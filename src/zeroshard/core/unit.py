@@ -54,6 +54,7 @@ communicators they need, built by sharded.py from core/mesh.py's rank groups.
     after it stays exact.
 Parameters below the persistence threshold are never gathered and are reduced like the others.
 """
+
 from __future__ import annotations
 
 import enum
@@ -103,13 +104,26 @@ def build_links(comm: Communicator, policy: StagePolicy, comm_policy: CommPolicy
     if comm_policy.secondary_size is not None:
         size = comm_policy.secondary_size
         secondary = partition if size == shard else comm.split(consecutive_groups(world, size))
-    return partition, Links(replica=replica, secondary=secondary, quantize_weights=comm_policy.quantize_weights,
-                            quantize_gradients=comm_policy.quantize_gradients, block=comm_policy.block)
+    return partition, Links(
+        replica=replica,
+        secondary=secondary,
+        quantize_weights=comm_policy.quantize_weights,
+        quantize_gradients=comm_policy.quantize_gradients,
+        block=comm_policy.block,
+    )
 
 
 class Unit:
-    def __init__(self, name: str, module: nn.Module | None, groups: list[FlatGroup],
-                 comm: Communicator, reshards: bool, links: Links = Links(), live: LiveCount | None = None):
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module | None,
+        groups: list[FlatGroup],
+        comm: Communicator,
+        reshards: bool,
+        links: Links = Links(),
+        live: LiveCount | None = None,
+    ):
         self.name = name  # the module's qualified name; "<root>" for the model itself
         self.module = module
         self.groups = groups
@@ -159,10 +173,14 @@ class Unit:
                 self._gathers += self._gather_from_secondary(group, f"{what} from secondary copies")
                 continue
             if self.links.quantize_weights:  # qwZ
-                keep = functools.partial(group.keep_secondary_encoded, shards=self._secondary_shards()[1]) \
-                    if keep_secondary else None
-                handle = quantize.all_gather(self.comm, group.new_full(), group.gather_input(), what,
-                                             self.links.block, async_op=True, keep=keep)
+                keep = (
+                    functools.partial(group.keep_secondary_encoded, shards=self._secondary_shards()[1])
+                    if keep_secondary
+                    else None
+                )
+                handle = quantize.all_gather(
+                    self.comm, group.new_full(), group.gather_input(), what, self.links.block, async_op=True, keep=keep
+                )
             else:
                 shard = group.gather_input()  # 1-D, numel = shard_numel, compute dtype
                 handle = self.comm.all_gather(group.new_full(), shard, what, async_op=True)
@@ -204,16 +222,22 @@ class Unit:
         numel, h = group.layout.shard_numel, node.world_size
         quantized = group.secondary_scales is not None
         own: tuple = quantize.quantize(group.gather_input(), self.links.block) if quantized else (group.gather_input(),)
-        copies = iter(zip(group.secondary, group.secondary_scales) if group.secondary_scales is not None else
-                      ((row,) for row in group.secondary))
+        copies = iter(
+            zip(group.secondary, group.secondary_scales)
+            if group.secondary_scales is not None
+            else ((row,) for row in group.secondary)
+        )
         handles = []
         for m, shard in enumerate(self._secondary_shards()[0]):
-            out = full[m * h * numel:(m + 1) * h * numel]  # 1-D, numel = h x shard_numel
+            out = full[m * h * numel : (m + 1) * h * numel]  # 1-D, numel = h x shard_numel
             mine: tuple = own if shard == self.comm.rank else next(copies)
             if quantized:
                 q, scales = mine
-                handles.append(quantize.all_gather_encoded(node, out, q, scales, f"{what} ({m})", h,
-                                                           self.links.block, async_op=True))
+                handles.append(
+                    quantize.all_gather_encoded(
+                        node, out, q, scales, f"{what} ({m})", h, self.links.block, async_op=True
+                    )
+                )
             else:
                 handles.append(node.all_gather(out, mine[0], f"{what} ({m})", async_op=True))
         return handles
@@ -257,8 +281,11 @@ class Unit:
             return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, None
         out = torch.empty(group.layout.shard_numel, dtype=group.grad_dtype, device=group.device)  # 2/3
         if self.links.quantize_gradients:  # qgZ
-            return quantize.reduce_scatter(self.comm, out, group.full_grad, what, self.links.block,
-                                           async_op=True), group, out
+            return (
+                quantize.reduce_scatter(self.comm, out, group.full_grad, what, self.links.block, async_op=True),
+                group,
+                out,
+            )
         return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, out
 
     # [Note: taken as they land]

@@ -17,6 +17,7 @@ that also frees it outside its use. Not the embedding: its gradient is the last 
 A module whose parameters are also used outside it (a head tied to the embedding) stays in the
 root, where its other user is.
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -36,8 +37,10 @@ def unit_modules(model: nn.Module, wrap_modules: list[str] | None = None) -> lis
         known = {type(m).__name__ for m in model.modules()}
         missing = wanted - known
         if missing:
-            raise ValueError(f"GatherPolicy.wrap names {sorted(missing)}, which the model does not "
-                             f"contain; module classes in the model: {sorted(known)}")
+            raise ValueError(
+                f"GatherPolicy.wrap names {sorted(missing)}, which the model does not "
+                f"contain; module classes in the model: {sorted(known)}"
+            )
     else:
         lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
         found = []
@@ -62,8 +65,9 @@ def _heads(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> list[
         if next(module.parameters(recurse=False), None) is None or _numel(module) < least:
             continue
         inside = {id(p) for p in module.parameters()}
-        elsewhere = {id(p) for n, m in model.named_modules() if not is_inside(n, name)
-                     for p in m.parameters(recurse=False)}
+        elsewhere = {
+            id(p) for n, m in model.named_modules() if not is_inside(n, name) for p in m.parameters(recurse=False)
+        }
         if not inside & elsewhere:
             heads.append((name, module))
     return heads

@@ -8,6 +8,7 @@ embedding and head are one parameter, owned once), keyword-only
 calls reach the model through `engine(**batch)`, and the lifecycle hooks the tensors inside a
 `ModelOutput`. Requires `pip install zeroshard[hf]`; nothing in the core imports this module.
 """
+
 from __future__ import annotations
 
 import os
@@ -50,6 +51,7 @@ def generate(engine, *args, **kwargs):
 
 # -- the Trainer ------------------------------------------------------------------------------------
 
+
 def trainer_config(config, args: transformers.TrainingArguments, max_steps: int) -> dict:
     """The DeepSpeed-style `config` (dict or JSON path) with the values the Trainer owns filled in,
     as the DeepSpeed integration of transformers does: batch sizes, accumulation and clipping from
@@ -58,22 +60,35 @@ def trainer_config(config, args: transformers.TrainingArguments, max_steps: int)
     learning rate, Adam betas/epsilon, weight decay, warmup and total steps."""
     config = read_config(config)
     if args.fp16 or args.bf16:
-        raise ConfigError("ZeroShardTrainer: set precision in the zeroshard config ('bf16': {'enabled': true} or "
-                          "'fp16'), not with TrainingArguments(fp16/bf16), which would autocast on top of it")
-    owned = {"train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-             "gradient_accumulation_steps": args.gradient_accumulation_steps,
-             "gradient_clipping": args.max_grad_norm}
+        raise ConfigError(
+            "ZeroShardTrainer: set precision in the zeroshard config ('bf16': {'enabled': true} or "
+            "'fp16'), not with TrainingArguments(fp16/bf16), which would autocast on top of it"
+        )
+    owned = {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "gradient_clipping": args.max_grad_norm,
+    }
     for key, value in owned.items():
         given = config.get(key, "auto")
         if given != "auto" and given != value:
-            raise ConfigError(f"config '{key}' is {given!r} but TrainingArguments give {value!r}: remove it from "
-                              "the config, set it to \"auto\", or make them agree")
+            raise ConfigError(
+                f"config '{key}' is {given!r} but TrainingArguments give {value!r}: remove it from "
+                'the config, set it to "auto", or make them agree'
+            )
         config[key] = value
     config.pop("train_batch_size", None)  # derived from the two above and the world size
     lr = args.learning_rate
-    fill = {"lr": lr, "betas": [args.adam_beta1, args.adam_beta2], "eps": args.adam_epsilon,
-            "weight_decay": args.weight_decay, "warmup_min_lr": 0.0, "warmup_max_lr": lr,
-            "warmup_num_steps": args.get_warmup_steps(max_steps), "total_num_steps": max_steps}
+    fill = {
+        "lr": lr,
+        "betas": [args.adam_beta1, args.adam_beta2],
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": lr,
+        "warmup_num_steps": args.get_warmup_steps(max_steps),
+        "total_num_steps": max_steps,
+    }
     for section in ("optimizer", "scheduler"):
         if section in config:
             params = dict(config[section].get("params", {}))
@@ -128,14 +143,18 @@ class ZeroShardTrainer(transformers.Trainer):
         # The hooks below are those of transformers 5 (`_prepare_for_training` builds the engine where
         # Trainer runs accelerator.prepare); without them Trainer would wrap the model in DDP.
         if not hasattr(transformers.Trainer, "_prepare_for_training"):
-            raise ImportError(f"ZeroShardTrainer needs transformers>=5.24 (installed: {transformers.__version__}): "
-                              "pip install 'zeroshard[hf]'")
+            raise ImportError(
+                f"ZeroShardTrainer needs transformers>=5.24 (installed: {transformers.__version__}): "
+                "pip install 'zeroshard[hf]'"
+            )
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:
-            raise ConfigError("ZeroShardTrainer: pass the config as zeroshard_config=..., not TrainingArguments("
-                              "deepspeed=...): that makes transformers set up the deepspeed package (its "
-                              "HfDeepSpeedConfig looks up the installed deepspeed distribution, which zeroshard "
-                              "is not); see docs/integrations.md, 'ZeRO-3 with transformers'")
+            raise ConfigError(
+                "ZeroShardTrainer: pass the config as zeroshard_config=..., not TrainingArguments("
+                "deepspeed=...): that makes transformers set up the deepspeed package (its "
+                "HfDeepSpeedConfig looks up the installed deepspeed distribution, which zeroshard "
+                "is not); see docs/integrations.md, 'ZeRO-3 with transformers'"
+            )
         self.zeroshard_config = zeroshard_config if zeroshard_config is not None else {}
         self.engine = None
 
@@ -143,8 +162,10 @@ class ZeroShardTrainer(transformers.Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         gas = self.args.gradient_accumulation_steps
         if len(train_dataloader) % gas and max_steps > len(train_dataloader) // gas:
-            raise ValueError(f"{len(train_dataloader)} batches per epoch are not a multiple of gradient_accumulation_"
-                             f"steps={gas}: the engine counts accumulation across epochs, the Trainer restarts it")
+            raise ValueError(
+                f"{len(train_dataloader)} batches per epoch are not a multiple of gradient_accumulation_"
+                f"steps={gas}: the engine counts accumulation across epochs, the Trainer restarts it"
+            )
         if self._created_lr_scheduler:  # as Trainer: a new train() call gets a new scheduler
             self.lr_scheduler, self._created_lr_scheduler = None, False
         if self.engine is None:
@@ -166,8 +187,10 @@ class ZeroShardTrainer(transformers.Trainer):
     def _build_engine(self, max_steps: int) -> None:
         config = trainer_config(self.zeroshard_config, self.args, max_steps)
         if "scheduler" in config and self.lr_scheduler is not None:
-            raise ConfigError("a scheduler was given to Trainer(optimizers=...) and the zeroshard config has a "
-                              "'scheduler' section: give exactly one")
+            raise ConfigError(
+                "a scheduler was given to Trainer(optimizers=...) and the zeroshard config has a "
+                "'scheduler' section: give exactly one"
+            )
         optimizer = None if "optimizer" in config else self.create_optimizer()
         self.engine, *_ = initialize(model=self.model, optimizer=optimizer, config=config)
 
@@ -194,8 +217,10 @@ class ZeroShardTrainer(transformers.Trainer):
     def _loss_is_scaled_for_ga(self, num_items_in_batch) -> bool:
         if self.loss_is_scaled_for_ga is not None:  # as Trainer.training_step decides it
             return self.loss_is_scaled_for_ga
-        return bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
-            self.compute_loss_func is not None
+        return (
+            bool(self.model_accepts_loss_kwargs and num_items_in_batch is not None)
+            or self.compute_loss_func is not None
+        )
 
     def _clip_grad_norm(self, model):
         """The engine clipped (config `gradient_clipping`) while stepping; report its norm."""
@@ -219,7 +244,11 @@ class ZeroShardTrainer(transformers.Trainer):
         if self.engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
         self.engine.save_checkpoint(output_dir, tag=f"global_step{self.state.global_step}")
-        if self.args.should_save and self.lr_scheduler is not None and not isinstance(self.lr_scheduler, _SteppedByEngine):
+        if (
+            self.args.should_save
+            and self.lr_scheduler is not None
+            and not isinstance(self.lr_scheduler, _SteppedByEngine)
+        ):
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -228,8 +257,12 @@ class ZeroShardTrainer(transformers.Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         path = os.path.join(checkpoint or "", SCHEDULER_NAME)
-        if (checkpoint is not None and self.lr_scheduler is not None and not isinstance(self.lr_scheduler, _SteppedByEngine)
-                and os.path.isfile(path)):
+        if (
+            checkpoint is not None
+            and self.lr_scheduler is not None
+            and not isinstance(self.lr_scheduler, _SteppedByEngine)
+            and os.path.isfile(path)
+        ):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))
 
     def _load_best_model(self) -> None:

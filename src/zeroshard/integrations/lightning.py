@@ -12,6 +12,7 @@ checkpoints: the checkpoint path becomes a directory, Lightning's own state (loo
 schedulers, hyper-parameters) rides along as the engine's client state. Requires
 `pip install zeroshard[lightning]`; nothing in the core imports this module.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,8 +35,13 @@ from zeroshard.config import ConfigError, read_config
 __all__ = ["ZeroShardPrecision", "ZeroShardStrategy"]
 
 # Trainer(precision=...) -> the config section that gives the engine that precision.
-_PRECISION_SECTIONS = {"32-true": None, "bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
-                       "16-true": "fp16"}
+_PRECISION_SECTIONS = {
+    "32-true": None,
+    "bf16-mixed": "bf16",
+    "bf16-true": "bf16",
+    "16-mixed": "fp16",
+    "16-true": "fp16",
+}
 _CHECKPOINT_TAG = "checkpoint"  # one engine checkpoint per Lightning checkpoint directory
 
 
@@ -56,8 +62,10 @@ class ZeroShardPrecision(Precision):
     def optimizer_step(self, optimizer, model: pl.LightningModule, closure, **kwargs) -> Any:
         result = closure()  # training_step and backward
         if model.automatic_optimization and result is None:
-            raise RuntimeError("training_step returned None (skip this batch): ZeroShardStrategy needs every rank to "
-                               "run backward on every batch, its collectives are matched across ranks")
+            raise RuntimeError(
+                "training_step returned None (skip this batch): ZeroShardStrategy needs every rank to "
+                "run backward on every batch, its collectives are matched across ranks"
+            )
         self._after_closure(model, optimizer)
         model.trainer.strategy.engine.step()
         return result
@@ -75,12 +83,28 @@ class ZeroShardStrategy(DDPStrategy):
 
     strategy_name = "zeroshard"
 
-    def __init__(self, stage: int | None = None, config: Mapping | str | os.PathLike | None = None, *,
-                 accelerator=None, parallel_devices=None, cluster_environment=None, checkpoint_io=None,
-                 process_group_backend: str | None = None, timeout=default_pg_timeout, start_method: str = "popen"):
-        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                         process_group_backend=process_group_backend, timeout=timeout, start_method=start_method)
+    def __init__(
+        self,
+        stage: int | None = None,
+        config: Mapping | str | os.PathLike | None = None,
+        *,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        process_group_backend: str | None = None,
+        timeout=default_pg_timeout,
+        start_method: str = "popen",
+    ):
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         raw = read_config(config)
         if stage is not None:
             raw["zero_optimization"] = {**raw.get("zero_optimization", {}), "stage": stage}
@@ -110,8 +134,9 @@ class ZeroShardStrategy(DDPStrategy):
         if "optimizer" not in config:
             optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(module)
             if len(optimizers) != 1:
-                raise ValueError("ZeroShardStrategy trains with one optimizer; configure_optimizers gave "
-                                 f"{len(optimizers)}")
+                raise ValueError(
+                    f"ZeroShardStrategy trains with one optimizer; configure_optimizers gave {len(optimizers)}"
+                )
             optimizer = optimizers[0]
         self.engine, *_ = initialize(model=module, optimizer=optimizer, config=config)
         if self.engine.lr_scheduler is not None:  # the config's scheduler: Lightning steps it, as DeepSpeed's
@@ -134,17 +159,22 @@ class ZeroShardStrategy(DDPStrategy):
             config["gradient_clipping"] = 0.0  # Lightning's "no clipping", not DeepSpeed's default of 1.0
         section = _PRECISION_SECTIONS.get(self.precision_plugin.precision, KeyError)
         if section is KeyError:
-            raise ConfigError(f"Trainer(precision={self.precision_plugin.precision!r}) is not supported by "
-                              f"ZeroShardStrategy; allowed: {sorted(_PRECISION_SECTIONS)}")
+            raise ConfigError(
+                f"Trainer(precision={self.precision_plugin.precision!r}) is not supported by "
+                f"ZeroShardStrategy; allowed: {sorted(_PRECISION_SECTIONS)}"
+            )
         for key, value in owned.items():
             if config.get(key, "auto") not in ("auto", value):
-                raise ConfigError(f"config '{key}' is {config[key]!r} but the Trainer gives {value!r}: remove it "
-                                  "from the config or make them agree")
+                raise ConfigError(
+                    f"config '{key}' is {config[key]!r} but the Trainer gives {value!r}: remove it "
+                    "from the config or make them agree"
+                )
             config[key] = value
         if section is not None:
             if config.get(section, {}).get("enabled") is False:
-                raise ConfigError(f"Trainer(precision={self.precision_plugin.precision!r}) but config '{section}' "
-                                  "is disabled")
+                raise ConfigError(
+                    f"Trainer(precision={self.precision_plugin.precision!r}) but config '{section}' is disabled"
+                )
             config[section] = {**config.get(section, {}), "enabled": True}
         return config
 
@@ -175,12 +205,15 @@ class ZeroShardStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         if self.engine is None:
-            raise RuntimeError(f"{checkpoint_path} is a zeroshard checkpoint, loaded by the engine that fit() builds; "
-                               "to evaluate without training, write a full state dict first (`zeroshard "
-                               "consolidate`) and load it into the module")
+            raise RuntimeError(
+                f"{checkpoint_path} is a zeroshard checkpoint, loaded by the engine that fit() builds; "
+                "to evaluate without training, write a full state dict first (`zeroshard "
+                "consolidate`) and load it into the module"
+            )
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        _, client_state = self.engine.load_checkpoint(self.broadcast(str(checkpoint_path)),
-                                                      load_optimizer_states=fitting, load_lr_scheduler_states=False)
+        _, client_state = self.engine.load_checkpoint(
+            self.broadcast(str(checkpoint_path)), load_optimizer_states=fitting, load_lr_scheduler_states=False
+        )
         if client_state is None:
             raise RuntimeError(f"{checkpoint_path} holds no zeroshard checkpoint")
         return client_state

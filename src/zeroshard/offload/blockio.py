@@ -18,6 +18,7 @@ through the page cache (`mode` "buffered"), whose pages a write-back flushes and
 libc's pread/pwrite are called through ctypes, which releases the GIL around each call, so the
 thread computing keeps running while I/O threads wait on the disk.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -113,8 +114,13 @@ class IOClock:
 
     def snapshot(self) -> dict:
         with self._lock:
-            return {"read_bytes": self.bytes["read"], "write_bytes": self.bytes["write"],
-                    "read_busy_s": self.busy["read"], "write_busy_s": self.busy["write"], "busy_s": self.busy["any"]}
+            return {
+                "read_bytes": self.bytes["read"],
+                "write_bytes": self.bytes["write"],
+                "read_busy_s": self.busy["read"],
+                "write_busy_s": self.busy["write"],
+                "busy_s": self.busy["any"],
+            }
 
 
 def union_s(spans, start: float = float("-inf"), end: float = float("inf")) -> float:
@@ -138,8 +144,10 @@ class Buffer:
         self.nbytes = round_up(max(nbytes, 1), PAGE)
         address = _LIBC.mmap(None, self.nbytes, _PROT_READ | _PROT_WRITE, _MAP_PRIVATE | _MAP_ANONYMOUS, -1, 0)
         if address in (None, _MAP_FAILED):
-            raise BlockIOError(f"no memory for a {self.nbytes}-byte I/O buffer: "
-                               f"{os.strerror(ctypes.get_errno())} (RLIMIT_DATA or the machine's memory)")
+            raise BlockIOError(
+                f"no memory for a {self.nbytes}-byte I/O buffer: "
+                f"{os.strerror(ctypes.get_errno())} (RLIMIT_DATA or the machine's memory)"
+            )
         self.address = address
 
     def read_only(self) -> None:
@@ -150,8 +158,10 @@ class Buffer:
     def move_to(self, address: int) -> None:
         """Atomically replace the pages at `address` (this buffer's size) with this buffer's: a thread
         reading there sees the old bytes or these, never a hole. The buffer is consumed."""
-        if _LIBC.mremap(self.address, self.nbytes, self.nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) \
-                in (None, _MAP_FAILED):
+        if _LIBC.mremap(self.address, self.nbytes, self.nbytes, _MREMAP_MAYMOVE | _MREMAP_FIXED, address) in (
+            None,
+            _MAP_FAILED,
+        ):
             raise _errno_error("mremap")
         self.address = None
 
@@ -226,12 +236,15 @@ class DirectFile:
 
     def _transfer(self, kind: str, address: int, length: int, start: int) -> None:
         if address % ALIGN or start % ALIGN:
-            raise BlockIOError(f"{kind} of {self.path}: buffer address {address:#x} or file offset {start} "
-                               f"is not {ALIGN}-byte aligned")
-        requests = [(offset, min(self.pool.block_bytes, length - offset))
-                    for offset in range(0, length, self.pool.block_bytes)]
-        futures = [self.pool.submit(self._request, kind, address - start, start + offset, size)
-                   for offset, size in requests]
+            raise BlockIOError(
+                f"{kind} of {self.path}: buffer address {address:#x} or file offset {start} is not {ALIGN}-byte aligned"
+            )
+        requests = [
+            (offset, min(self.pool.block_bytes, length - offset)) for offset in range(0, length, self.pool.block_bytes)
+        ]
+        futures = [
+            self.pool.submit(self._request, kind, address - start, start + offset, size) for offset, size in requests
+        ]
         errors = [f.exception() for f in futures]  # waits for every one: none still writes the buffer
         failed = [e for e in errors if e is not None]
         if failed:
@@ -249,11 +262,15 @@ class DirectFile:
                         continue
                     if code == errno.EINVAL and self.mode == "direct" and self._fall_back():
                         continue  # accepted at open, refused per request: same request, buffered
-                    raise BlockIOError(f"{kind} of {self.path} failed at byte {offset + done} "
-                                       f"({size - done} bytes, {self.mode} I/O): {os.strerror(code)}")
+                    raise BlockIOError(
+                        f"{kind} of {self.path} failed at byte {offset + done} "
+                        f"({size - done} bytes, {self.mode} I/O): {os.strerror(code)}"
+                    )
                 if moved == 0:
-                    raise BlockIOError(f"{kind} of {self.path} stopped at byte {offset + done}: the file ends "
-                                       f"there, {offset + size} bytes expected (truncated swap file?)")
+                    raise BlockIOError(
+                        f"{kind} of {self.path} stopped at byte {offset + done}: the file ends "
+                        f"there, {offset + size} bytes expected (truncated swap file?)"
+                    )
                 done += moved
 
     def _fall_back(self) -> bool:
@@ -282,8 +299,7 @@ class Workers:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         previous = threading.stack_size(self.STACK_BYTES)
         try:
-            self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                             for i in range(count)]
+            self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(count)]
             for thread in self._threads:
                 thread.start()
         finally:
@@ -321,10 +337,15 @@ class IOPool:
     def __init__(self, depth: int = DEPTH, block_bytes: int = BLOCK_BYTES, mode: str = "direct"):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise StoreError(f"NVMe store: I/O depth must be a positive integer, got {depth!r}")
-        if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < ALIGN \
-                or block_bytes % ALIGN:
-            raise StoreError(f"NVMe store: I/O block size must be a positive multiple of {ALIGN} bytes, "
-                             f"got {block_bytes!r}")
+        if (
+            isinstance(block_bytes, bool)
+            or not isinstance(block_bytes, int)
+            or block_bytes < ALIGN
+            or block_bytes % ALIGN
+        ):
+            raise StoreError(
+                f"NVMe store: I/O block size must be a positive multiple of {ALIGN} bytes, got {block_bytes!r}"
+            )
         if mode not in MODES:
             raise StoreError(f"NVMe store: zeroshard.nvme_io must be one of {list(MODES)}, got {mode!r}")
         self.depth, self.block_bytes, self.mode = depth, block_bytes, mode

@@ -26,6 +26,7 @@ handler object installed with `signal.signal` (a `functools.partial` over the se
 disposition): the signal module is where the state is held, not a module global of ours. Later
 stores find it with `signal.getsignal` and add their directory to it.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -94,8 +95,12 @@ def _owner_is_gone(entry: Path) -> bool:
             return False  # held: a live process's
         size = _tree_bytes(entry)
         shutil.rmtree(entry, ignore_errors=True)  # while holding the lock
-        log.warning("zeroshard: removed %s (%.3f GB of NVMe swap files) left by process %s, which no longer "
-                    "runs", entry, size / 1e9, _pid_of(entry))
+        log.warning(
+            "zeroshard: removed %s (%.3f GB of NVMe swap files) left by process %s, which no longer runs",
+            entry,
+            size / 1e9,
+            _pid_of(entry),
+        )
         return True
     finally:
         os.close(fd)
@@ -108,8 +113,10 @@ def describe_others(base: Path) -> str:
     if not others:
         return ""
     listed = ", ".join(f"{entry.name} ({size / 1e9:.2f} GB)" for entry, size in others[:4])
-    return (f"; swap directories of live processes (or without a lock file, from an older zeroshard) hold "
-            f"space there: {listed}")
+    return (
+        f"; swap directories of live processes (or without a lock file, from an older zeroshard) hold "
+        f"space there: {listed}"
+    )
 
 
 def _tree_bytes(root: Path) -> int:
@@ -123,7 +130,7 @@ def _tree_bytes(root: Path) -> int:
 
 
 def _pid_of(entry: Path) -> str:
-    parts = entry.name[len(PREFIX):].split("-")
+    parts = entry.name[len(PREFIX) :].split("-")
     return parts[0] if parts and parts[0].isdigit() else "?"
 
 

@@ -15,6 +15,7 @@ in memory and make NVMe offload a no-op for it; DeepSpeed's ZeRO-Inference path 
 parameter swapper) streams every partition anyway. So zeroshard acts on the key only when the user
 sets it (the config keeps DeepSpeed's value as the field's default): absent, every shard streams.
 """
+
 from __future__ import annotations
 
 import torch

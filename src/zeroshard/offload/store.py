@@ -23,6 +23,7 @@ posix_fallocate, so a full disk is an error before training starts rather than S
 each use first checks that the file still exists with its full size, so a deleted or truncated
 swap file is reported instead of crashing the process.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -124,8 +125,15 @@ class NVMeStore:
     kind = "nvme"
     in_memory = False
 
-    def __init__(self, nvme_path: str | os.PathLike, rank: int, bytes_needed: int, threads: int = 2,
-                 coordinate: dict | None = None, io: IOPool | None = None):
+    def __init__(
+        self,
+        nvme_path: str | os.PathLike,
+        rank: int,
+        bytes_needed: int,
+        threads: int = 2,
+        coordinate: dict | None = None,
+        io: IOPool | None = None,
+    ):
         """`rank`: the data-parallel rank; `coordinate`: under tensor/pipeline parallelism this rank's
         {"tp": t, "pp": p} too, named in the directory (see `store_stem`); `io`: the threads and
         request size of aligned reads and writes (default: offload/blockio.py's)."""
@@ -207,8 +215,10 @@ class NVMeStore:
             except FileNotFoundError:
                 raise StoreError(f"NVMe swap file {mapped.path} is missing (deleted while training?)") from None
             if stat.st_ino != mapped.inode or stat.st_size < mapped.nbytes:
-                raise StoreError(f"NVMe swap file {mapped.path} is truncated or replaced: {stat.st_size} "
-                                 f"bytes on disk, {mapped.nbytes} expected")
+                raise StoreError(
+                    f"NVMe swap file {mapped.path} is truncated or replaced: {stat.st_size} "
+                    f"bytes on disk, {mapped.nbytes} expected"
+                )
 
     def prefetch(self, tensors) -> None:
         """Start reading these tensors, on the reader threads: the caller goes on computing. Frozen
@@ -328,7 +338,8 @@ def make_root(base: Path, stem: str, bytes_needed: int) -> tuple[Path, int]:
     bytes_needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the other ranks of this node too
     if free < bytes_needed:
         release_root(root, lock)
-        raise StoreError(f"offload nvme_path '{base}' has {free / 1e9:.2f} GB free, this rank needs "
-                         f"{bytes_needed / 1e9:.2f} GB for the offloaded states of this node's ranks"
-                         + describe_others(base))
+        raise StoreError(
+            f"offload nvme_path '{base}' has {free / 1e9:.2f} GB free, this rank needs "
+            f"{bytes_needed / 1e9:.2f} GB for the offloaded states of this node's ranks" + describe_others(base)
+        )
     return root, lock

@@ -19,6 +19,7 @@ the use, so no write races the read. Any other prefetch keeps the mapping and re
 ahead (MADV_POPULATE_READ), as consumers that touch the tensor without telling the store (an
 all-gather reading the shard at once) need.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -4,6 +4,7 @@ To add a subcommand, write `zeroshard/commands/<name>.py` with `register(subpars
 (see `zeroshard.tools.commands`) and append its module name here. Modules not present are skipped, so the
 list may name commands that are still being written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,11 @@ def _present_modules(names: Sequence[str]) -> list:
 
 def build_parser(module_names: Sequence[str] = COMMAND_MODULES) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="zeroshard", description="ZeRO (Zero Redundancy Optimizer) stages 0-3 for PyTorch.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="zeroshard",
+        description="ZeRO (Zero Redundancy Optimizer) stages 0-3 for PyTorch.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logging")
     subparsers = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
@@ -65,6 +69,7 @@ def build_parser(module_names: Sequence[str] = COMMAND_MODULES) -> argparse.Argu
 def _version() -> str:
     try:
         from importlib.metadata import version
+
         return version("zeroshard")
     except Exception:  # noqa: BLE001 - running from a source tree that was never installed
         return "unknown"
@@ -77,8 +82,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse already printed usage/--help; hand its code back
         return int(exit_.code or 0)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return 2

@@ -6,6 +6,7 @@ The formulas are those of ZeRO (Rajbhandari et al., arXiv 1910.02054), §5 and F
 that is what a flat buffer padded to a multiple of N holds, it equals Ψ/N for the paper's example, and it
 keeps every byte count an exact integer. No torch here; the engine's measured bytes are checked against this.
 """
+
 from __future__ import annotations
 
 import json
@@ -120,8 +121,14 @@ def _count(value: float, name: str, minimum: int) -> int:
     return value
 
 
-def model_state_bytes(params: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
-                      offload_optimizer: str | None = None, offload_param: str | None = None) -> StateBytes:
+def model_state_bytes(
+    params: int,
+    ranks: int,
+    stage: int,
+    recipe: Recipe = MIXED_ADAM,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+) -> StateBytes:
     """Per-rank model-state bytes (paper §5.1-5.3): stage 0 (2+2+K)Ψ, 1 4Ψ+KΨ/N, 2 2Ψ+(2+K)Ψ/N, 3 (4+K)Ψ/N."""
     params, ranks = _count(params, "params", 0), _count(ranks, "ranks", 1)
     shard = -(-params // ranks)  # ceil(Ψ/N): elements of a flat buffer padded to a multiple of N
@@ -150,9 +157,16 @@ def _largest_within(replicated: int, sharded: int, memory: int, ranks: int) -> i
     return max(0, min(s * ranks, (memory - sharded * s) // replicated)) if s > 0 else 0
 
 
-def largest_model(memory_bytes: int, ranks: int, stage: int, recipe: Recipe = MIXED_ADAM,
-                  offload_optimizer: str | None = None, offload_param: str | None = None,
-                  cpu_bytes: int | None = None, nvme_bytes: int | None = None) -> int:
+def largest_model(
+    memory_bytes: int,
+    ranks: int,
+    stage: int,
+    recipe: Recipe = MIXED_ADAM,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+    cpu_bytes: int | None = None,
+    nvme_bytes: int | None = None,
+) -> int:
     """Largest Ψ whose per-rank model states fit in `memory_bytes` of device memory (and in `cpu_bytes` /
     `nvme_bytes` per rank when given; an offload tier without a budget is taken as unbounded)."""
     ranks = _count(ranks, "ranks", 1)
@@ -161,8 +175,11 @@ def largest_model(memory_bytes: int, ranks: int, stage: int, recipe: Recipe = MI
     coefficients = {tier: [0, 0] for tier in budgets}  # tier -> [replicated, sharded] bytes per param
     for term in _terms(stage, recipe, offload_optimizer, offload_param):
         coefficients[term.tier][int(term.sharded)] += term.bytes_per_param
-    found = [_largest_within(rep, shd, budget, ranks)
-             for tier, (rep, shd) in coefficients.items() if (budget := budgets[tier]) is not None]
+    found = [
+        _largest_within(rep, shd, budget, ranks)
+        for tier, (rep, shd) in coefficients.items()
+        if (budget := budgets[tier]) is not None
+    ]
     limits = [limit for limit in found if limit is not None]
     if not limits:
         raise ValueError("nothing bounds the model size: all model states are offloaded; give a cpu/nvme budget")
@@ -186,6 +203,7 @@ def ring_bytes_sent_per_rank(params: int, ranks: int, stage: int, dtype_bytes: i
 
 
 # ---- 3D parallelism: ZeRO over dp of what tensor and pipeline parallelism leave on a rank ----
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -215,12 +233,20 @@ def local_params(params: int, layout: Layout, replicated: int = 0) -> int:
     return split + -(-replicated // layout.pp)
 
 
-def mesh_state_bytes(params: int, layout: Layout, stage: int, recipe: Recipe = MIXED_ADAM, *,
-                     replicated: int = 0, offload_optimizer: str | None = None,
-                     offload_param: str | None = None) -> StateBytes:
+def mesh_state_bytes(
+    params: int,
+    layout: Layout,
+    stage: int,
+    recipe: Recipe = MIXED_ADAM,
+    *,
+    replicated: int = 0,
+    offload_optimizer: str | None = None,
+    offload_param: str | None = None,
+) -> StateBytes:
     """Per-rank model-state bytes under `layout`: the §5 formulas for the rank's `local_params`, N = dp."""
-    return model_state_bytes(local_params(params, layout, replicated), layout.dp, stage, recipe,
-                             offload_optimizer, offload_param)
+    return model_state_bytes(
+        local_params(params, layout, replicated), layout.dp, stage, recipe, offload_optimizer, offload_param
+    )
 
 
 @dataclass(frozen=True)
@@ -234,15 +260,25 @@ class Activations:
     micro_batches: int = 1
 
 
-def mesh_comm_bytes(params: int, layout: Layout, stage: int, dtype_bytes: int = 2, *, replicated: int = 0,
-                    activations: Activations | None = None) -> dict:
+def mesh_comm_bytes(
+    params: int,
+    layout: Layout,
+    stage: int,
+    dtype_bytes: int = 2,
+    *,
+    replicated: int = 0,
+    activations: Activations | None = None,
+) -> dict:
     """Paper-convention bytes per step and rank, per mesh dimension. dp: ZeRO's 2Ψ_local (3Ψ_local at
     stage 3). tp (Megatron-LM, Shoeybi et al. §3): per layer and micro-batch 2 all-reduces of the
     activations in forward and 2 in backward, tokens x hidden each (all-reduce = 2x). pp: per
     micro-batch each stage boundary sends the activations forward and their gradient back. tp and pp
     are None without `activations`; 0 when that dimension is 1."""
-    out = {"dp": comm_bytes_per_step(local_params(params, layout, replicated), stage, dtype_bytes)
-           if layout.dp > 1 else 0, "tp": None, "pp": None}
+    out = {
+        "dp": comm_bytes_per_step(local_params(params, layout, replicated), stage, dtype_bytes) if layout.dp > 1 else 0,
+        "tp": None,
+        "pp": None,
+    }
     if activations is None:
         out.update(tp=0 if layout.tp == 1 else None, pp=0 if layout.pp == 1 else None)
         return out
@@ -254,6 +290,7 @@ def mesh_comm_bytes(params: int, layout: Layout, stage: int, dtype_bytes: int = 
 
 
 # ---- parameter counts: built-in GPT configs and HuggingFace-style config JSON ----
+
 
 @dataclass(frozen=True)
 class GPTSpec:
@@ -268,11 +305,18 @@ class GPTSpec:
 
     def num_params(self) -> int:
         d = self.n_embd
-        block = (2 * d  # ln_1 weight + bias
-                 + d * 3 * d + 3 * d  # attention qkv Linear
-                 + d * d + d  # attention output projection
-                 + 2 * d  # ln_2
-                 + d * 4 * d + 4 * d + 4 * d * d + d)  # MLP up and down
+        block = (
+            2 * d  # ln_1 weight + bias
+            + d * 3 * d
+            + 3 * d  # attention qkv Linear
+            + d * d
+            + d  # attention output projection
+            + 2 * d  # ln_2
+            + d * 4 * d
+            + 4 * d
+            + 4 * d * d
+            + d
+        )  # MLP up and down
         embeddings = self.vocab * d + self.block_size * d
         head = 0 if self.tie else self.vocab * d  # the head has no bias, as in GPT-2
         return embeddings + self.n_layer * block + 2 * d + head  # + final LayerNorm
@@ -323,8 +367,12 @@ def _llama_config_params(cfg: dict, qkv_bias: bool = False) -> int:
     return cfg["vocab_size"] * h + cfg["num_hidden_layers"] * layer + h + head
 
 
-_HF_COUNTERS = {"gpt2": _gpt2_config_params, "llama": _llama_config_params, "mistral": _llama_config_params,
-                "qwen2": lambda cfg: _llama_config_params(cfg, qkv_bias=True)}
+_HF_COUNTERS = {
+    "gpt2": _gpt2_config_params,
+    "llama": _llama_config_params,
+    "mistral": _llama_config_params,
+    "qwen2": lambda cfg: _llama_config_params(cfg, qkv_bias=True),
+}
 
 
 def count_params_from_config(path_or_name: str | Path) -> int:
@@ -333,8 +381,9 @@ def count_params_from_config(path_or_name: str | Path) -> int:
         return BUILTIN_MODELS[str(path_or_name)].num_params()
     path = Path(path_or_name)
     if not path.is_file():
-        raise ValueError(f"model {str(path_or_name)!r} is neither a config file nor a built-in model "
-                         f"({', '.join(BUILTIN_MODELS)})")
+        raise ValueError(
+            f"model {str(path_or_name)!r} is neither a config file nor a built-in model ({', '.join(BUILTIN_MODELS)})"
+        )
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as err:

@@ -19,6 +19,7 @@ the reference for `zeroshard consolidate`, and `masters.pt`: the fp32 masters th
 held at the save (safe_get_full_fp32_param), also for the BF16_Optimizer case that zero_to_fp32
 does not read.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,8 +47,11 @@ def run_case(name: str, rank: int, world_size: int) -> dict:
     stage, precision, variant = tm.CASES[name]
     dtype = tm.DTYPES[precision]
     model = tm.build_model(variant)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=tm.model_parameters(model, variant),
-                                           config=tm.config(stage, precision, world_size, variant))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=tm.model_parameters(model, variant),
+        config=tm.config(stage, precision, world_size, variant),
+    )
     losses = []
     for step in range(tm.STEPS_BEFORE_SAVE + tm.STEPS_AFTER_SAVE):
         if step == tm.STEPS_BEFORE_SAVE:
@@ -58,8 +62,12 @@ def run_case(name: str, rank: int, world_size: int) -> dict:
         engine.backward(loss)
         engine.step()
         losses.append(global_loss(loss, world_size))
-    record = {"losses": losses, "loss_scale": float(engine.optimizer.loss_scale) if precision == "fp16" else None,
-              "lr": engine.get_lr(), "skipped_steps": engine.skipped_steps}
+    record = {
+        "losses": losses,
+        "loss_scale": float(engine.optimizer.loss_scale) if precision == "fp16" else None,
+        "lr": engine.get_lr(),
+        "skipped_steps": engine.skipped_steps,
+    }
     engine.destroy()
     return record, masters
 
@@ -93,8 +101,13 @@ def main() -> None:
     allow_fp16_on_cpu()
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    expected = {"deepspeed": deepspeed.__version__, "torch": torch.__version__, "world_size": world_size,
-                "steps_before_save": tm.STEPS_BEFORE_SAVE, "cases": {}}
+    expected = {
+        "deepspeed": deepspeed.__version__,
+        "torch": torch.__version__,
+        "world_size": world_size,
+        "steps_before_save": tm.STEPS_BEFORE_SAVE,
+        "cases": {},
+    }
     for name in tm.CASES:
         expected["cases"][name], masters = run_case(name, rank, world_size)
         dist.barrier()
@@ -105,8 +118,9 @@ def main() -> None:
             torch.save(masters, os.path.join(directory, "masters.pt"))
             if tm.CASES[name][2] != "fp32grads":  # zero_to_fp32 refuses BF16_Optimizer checkpoints
                 full = get_fp32_state_dict_from_zero_checkpoint(directory, tag=f"global_step{tm.STEPS_BEFORE_SAVE}")
-                torch.save({k: v.contiguous().clone() for k, v in full.items()},
-                           os.path.join(directory, "zero_to_fp32.pt"))
+                torch.save(
+                    {k: v.contiguous().clone() for k, v in full.items()}, os.path.join(directory, "zero_to_fp32.pt")
+                )
         dist.barrier()
     if rank == 0:
         with open(os.path.join(HERE, "expected.json"), "w") as file:

@@ -4,6 +4,7 @@ under zeroshard): both sides must build bit-identical models and batches from th
 Sizes are odd on purpose (1,613 parameters; 7, 24, 5 features) so that every world size of 2, 3
 and 4 pads its flat buffers differently, in DeepSpeed and in zeroshard alike.
 """
+
 from __future__ import annotations
 
 import torch
@@ -46,10 +47,16 @@ class TinyNet(nn.Module):
 # Checkpoint name -> (stage, precision, variant). Variants: "" plain; "groups": two optimizer param
 # groups (no weight decay for biases and norms) and one frozen parameter; "fp32grads": bf16 with
 # fp32 gradient accumulation, which DeepSpeed runs with its separate BF16_Optimizer at stage 1.
-CASES = {f"stage{stage}_{precision}": (stage, precision, "") for stage in (1, 2, 3)
-         for precision in ("fp32", "bf16", "fp16")}
-CASES.update({"stage2_fp32_groups": (2, "fp32", "groups"), "stage3_fp32_groups": (3, "fp32", "groups"),
-              "stage1_bf16_fp32grads": (1, "bf16", "fp32grads")})
+CASES = {
+    f"stage{stage}_{precision}": (stage, precision, "") for stage in (1, 2, 3) for precision in ("fp32", "bf16", "fp16")
+}
+CASES.update(
+    {
+        "stage2_fp32_groups": (2, "fp32", "groups"),
+        "stage3_fp32_groups": (3, "fp32", "groups"),
+        "stage1_bf16_fp32grads": (1, "bf16", "fp32grads"),
+    }
+)
 FROZEN = "blocks.0.norm.weight"
 
 
@@ -78,7 +85,7 @@ def batch(step: int, rank: int, world_size: int, dtype=torch.float32):
     y = torch.randn(GLOBAL_BATCH, OUT, generator=generator)
     per = GLOBAL_BATCH // world_size
     lo = rank * per
-    return x[lo:lo + per].to(dtype), y[lo:lo + per].to(dtype)
+    return x[lo : lo + per].to(dtype), y[lo : lo + per].to(dtype)
 
 
 def loss_fn(out, y):
@@ -93,10 +100,14 @@ def config(stage: int, precision: str, world_size: int, variant: str = "") -> di
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8,
-                                                  "weight_decay": 0.05, "torch_adam": True}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01,
-                                                     "warmup_num_steps": 5, "warmup_type": "linear"}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 0.01, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True},
+        },
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 5, "warmup_type": "linear"},
+        },
         "zero_optimization": {"stage": stage},
     }
     if precision == "bf16":

@@ -4,6 +4,7 @@ Works on the parameters of a live engine (it enters `engine.gathered_parameters`
 built under `zero.Init` that is not handed to an engine yet ([Note: per-parameter partitioning]).
 Parameters that zeroshard does not partition need nothing: for them the context does nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,16 +24,20 @@ class GatheredParameters:
     and partitioned again (the master weights of an engine take them, so training continues from
     them); without it, changes are discarded where parameters are partitioned. Every rank must enter it."""
 
-    def __init__(self, params, modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
-                 enabled: bool = True):
+    def __init__(
+        self, params, modifier_rank: int | None = None, fwd_module: nn.Module | None = None, enabled: bool = True
+    ):
         self.params = _unique_params(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._stack = contextlib.ExitStack()
         if fwd_module is not None:
-            warnings.warn("zeroshard accepts but does not act on GatheredParameters(fwd_module=...): a parameter "
-                          "used in another module's forward is not registered to be gathered there",
-                          ConfigKeyNotActedOnWarning, stacklevel=2)
+            warnings.warn(
+                "zeroshard accepts but does not act on GatheredParameters(fwd_module=...): a parameter "
+                "used in another module's forward is not registered to be gathered there",
+                ConfigKeyNotActedOnWarning,
+                stacklevel=2,
+            )
 
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:

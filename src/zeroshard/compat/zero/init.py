@@ -19,6 +19,7 @@ Two official torch extension points, active only inside the context (torch itsel
     Shape, dtype and autograd queries are answered by the stub and need nothing.
 Every rank runs the same constructor, so every rank issues the same collectives in the same order.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -41,26 +42,80 @@ log = logging.getLogger(__name__)
 _T = torch.Tensor
 # Answered from a tensor's metadata or autograd state, which a stub has: they read no values.
 METADATA = frozenset(
-    [getattr(_T, name).__get__ for name in (
-        "shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "ndim", "is_cuda", "is_meta",
-        "is_sparse", "is_quantized", "is_nested", "layout", "names", "_version", "output_nr", "itemsize", "nbytes")
-     if hasattr(_T, name)]
+    [
+        getattr(_T, name).__get__
+        for name in (
+            "shape",
+            "dtype",
+            "device",
+            "requires_grad",
+            "is_leaf",
+            "grad",
+            "grad_fn",
+            "ndim",
+            "is_cuda",
+            "is_meta",
+            "is_sparse",
+            "is_quantized",
+            "is_nested",
+            "layout",
+            "names",
+            "_version",
+            "output_nr",
+            "itemsize",
+            "nbytes",
+        )
+        if hasattr(_T, name)
+    ]
     # descriptors: torch's stubs type them as their values
-    + [_T.requires_grad.__set__, _T.grad.__set__,  # type: ignore[attr-defined, union-attr]
-       _T.dim, _T.size, _T.numel, _T.nelement, _T.element_size,
-       _T.is_floating_point, _T.is_complex, _T.get_device, _T.requires_grad_, _T.register_hook,
-       _T.register_post_accumulate_grad_hook, _T.new, _T.new_empty, _T.new_zeros, _T.new_ones, _T.new_full,
-       _T.__len__, _T.__hash__])
+    + [
+        _T.requires_grad.__set__,  # type: ignore[attr-defined]
+        _T.grad.__set__,  # type: ignore[union-attr]
+        _T.dim,
+        _T.size,
+        _T.numel,
+        _T.nelement,
+        _T.element_size,
+        _T.is_floating_point,
+        _T.is_complex,
+        _T.get_device,
+        _T.requires_grad_,
+        _T.register_hook,
+        _T.register_post_accumulate_grad_hook,
+        _T.new,
+        _T.new_empty,
+        _T.new_zeros,
+        _T.new_ones,
+        _T.new_full,
+        _T.__len__,
+        _T.__hash__,
+    ]
+)
 
 # Overwrite every element whatever the old values: an empty full tensor is enough.
-_OVERWRITES = frozenset([_T.normal_, _T.uniform_, _T.fill_, _T.zero_, _T.random_, _T.exponential_, _T.cauchy_,
-                         _T.log_normal_, _T.geometric_, _T.bernoulli_, _T.copy_, _T.data.__set__])  # type: ignore[attr-defined]  # a descriptor: torch's stubs type the attribute as its value
+_OVERWRITES = frozenset(
+    [
+        _T.normal_,
+        _T.uniform_,
+        _T.fill_,
+        _T.zero_,
+        _T.random_,
+        _T.exponential_,
+        _T.cauchy_,
+        _T.log_normal_,
+        _T.geometric_,
+        _T.bernoulli_,
+        _T.copy_,
+        _T.data.__set__,  # type: ignore[attr-defined]  # a descriptor: torch's stubs type it as its value
+    ]
+)
 _DESCRIBES = frozenset([_T.__repr__, _T.__format__])
 
 
 def _overwrites(func) -> bool:
-    return func in _OVERWRITES or (getattr(func, "__module__", None) == "torch.nn.init"
-                                   and getattr(func, "__name__", "").endswith("_"))
+    return func in _OVERWRITES or (
+        getattr(func, "__module__", None) == "torch.nn.init" and getattr(func, "__name__", "").endswith("_")
+    )
 
 
 class _PartitionedParameterMode(TorchFunctionMode):
@@ -116,21 +171,38 @@ class Init:
     `GatheredParameters(params, modifier_rank=0)`. Call `zeroshard.initialize` after the context.
     """
 
-    def __init__(self, module: nn.Module | None = None, data_parallel_group=None, mem_efficient_linear: bool = True,
-                 remote_device=None, pin_memory: bool = False, config_dict_or_path=None, config=None,
-                 enabled: bool = True, dtype: torch.dtype | None = None, mpu=None, zero_param_parallel_group=None,
-                 zero_quantized_weights: bool = False, zero_quantized_nontrainable_weights: bool = False,
-                 sequence_data_parallel_group=None, param_swapper=None):
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group=None,
+        mem_efficient_linear: bool = True,
+        remote_device=None,
+        pin_memory: bool = False,
+        config_dict_or_path=None,
+        config=None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu=None,
+        zero_param_parallel_group=None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group=None,
+        param_swapper=None,
+    ):
         self.enabled = enabled
         self._handles: list = []
         self._mode: _PartitionedParameterMode | None = None
         self._pending = WeakIdKeyDictionary()  # parameters registered inside the context, not yet partitioned
         if not enabled:
             return
-        _refuse(mpu=mpu, zero_param_parallel_group=zero_param_parallel_group, param_swapper=param_swapper,
-                sequence_data_parallel_group=sequence_data_parallel_group,
-                zero_quantized_weights=zero_quantized_weights or None,
-                zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights or None)
+        _refuse(
+            mpu=mpu,
+            zero_param_parallel_group=zero_param_parallel_group,
+            param_swapper=param_swapper,
+            sequence_data_parallel_group=sequence_data_parallel_group,
+            zero_quantized_weights=zero_quantized_weights or None,
+            zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights or None,
+        )
         from zeroshard.compat.api import init_distributed  # api imports the engine, which imports this package
 
         init_distributed()
@@ -139,11 +211,15 @@ class Init:
         device = _shard_device(remote_device)
         for key, given in (("pin_memory", pin_memory), ("mem_efficient_linear", not mem_efficient_linear)):
             if given:
-                warnings.warn(f"zeroshard accepts but does not act on zero.Init({key}=...)", ConfigKeyNotActedOnWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"zeroshard accepts but does not act on zero.Init({key}=...)",
+                    ConfigKeyNotActedOnWarning,
+                    stacklevel=2,
+                )
         extras = load_config(config_dict_or_path or config, dist.get_world_size()).zeroshard
-        self.partition = part.Partition(dist.get_world_size(), dist.get_rank(), device, dtype,
-                                        extras.comm_timeout_s, extras.check_collectives)
+        self.partition = part.Partition(
+            dist.get_world_size(), dist.get_rank(), device, dtype, extras.comm_timeout_s, extras.check_collectives
+        )
         if module is not None:
             with self._communicator(), torch._C.DisableTorchFunction():
                 self._partition_all(module.parameters())
@@ -154,8 +230,10 @@ class Init:
         if not self.enabled:
             return self
         self.partition.comm = self.partition.communicator()
-        self._handles = [torch_module.register_module_module_registration_hook(self._on_module),
-                         torch_module.register_module_parameter_registration_hook(self._on_parameter)]
+        self._handles = [
+            torch_module.register_module_module_registration_hook(self._on_module),
+            torch_module.register_module_parameter_registration_hook(self._on_parameter),
+        ]
         self._mode = _PartitionedParameterMode(self.partition)
         self._mode.__enter__()
         return self
@@ -221,20 +299,29 @@ class Init:
                 part.release(param, record)
         full = sum(r.shape.numel() * r.dtype.itemsize for _, r in records)
         kept = sum(r.shard.numel() * r.shard.element_size() for _, r in records)
-        log.info("zero.Init: %d parameters partitioned, %.1f MiB in full, %.1f MiB kept by rank %d",
-                 len(records), full / 2**20, kept / 2**20, self.partition.rank)
+        log.info(
+            "zero.Init: %d parameters partitioned, %.1f MiB in full, %.1f MiB kept by rank %d",
+            len(records),
+            full / 2**20,
+            kept / 2**20,
+            self.partition.rank,
+        )
 
 
 def _shard_device(remote_device) -> torch.device:
     gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
     if remote_device not in (None, "none") and not (remote_device == "cpu" and not gpu):
-        raise ValueError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not implemented in "
-                         "this version of zeroshard; allowed: None")
+        raise ValueError(
+            f"zero.Init(remote_device={remote_device!r}): parameter offload is not implemented in "
+            "this version of zeroshard; allowed: None"
+        )
     return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
 
 
 def _refuse(**given) -> None:
     for key, value in given.items():
         if value is not None:
-            raise ValueError(f"zero.Init({key}=...) is not supported by zeroshard (no model parallelism, "
-                             "quantisation or parameter swapping); leave it unset")
+            raise ValueError(
+                f"zero.Init({key}=...) is not supported by zeroshard (no model parallelism, "
+                "quantisation or parameter swapping); leave it unset"
+            )

@@ -17,6 +17,7 @@ a rank: every formula above takes that rank's Ψ_local (`estimator.local_params`
 `zeroshard estimate --tp --pp` does. tp and pp traffic is the same at every stage, so it does not
 enter the comparison.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -111,8 +112,17 @@ def _predict(p: Problem, c: Candidate) -> None:
     c.need = c.states.total + p.activations
     usable = int(p.memory * (1 - p.reserve))
     c.comm_bytes = est.comm_bytes_per_step(local, c.stage, p.recipe.param_bytes)
-    c.prediction = steptime.predict(c.stage, local, p.ranks, p.recipe.param_bytes, p.recipe.grad_bytes,
-                                    p.compute(c.stage), p.network, p.overlap, p.comm)
+    c.prediction = steptime.predict(
+        c.stage,
+        local,
+        p.ranks,
+        p.recipe.param_bytes,
+        p.recipe.grad_bytes,
+        p.compute(c.stage),
+        p.network,
+        p.overlap,
+        p.comm,
+    )
     c.wire_bytes = c.prediction.sent_bytes
     shard = -(-local // p.ranks)
     if c.offload_optimizer:  # gradients down, updated parameters up (ZeRO-Offload, arXiv 2101.06840 §4)
@@ -122,12 +132,16 @@ def _predict(p: Problem, c: Candidate) -> None:
     c.time_s = c.prediction.time_s + c.host_bytes / p.host_bandwidth
     c.fits = c.need <= usable
     if not c.fits:
-        c.why_not = (f"needs {est.format_bytes(c.need)} per rank, more than the {est.format_bytes(usable)} usable "
-                     f"({est.format_bytes(p.memory)} less {p.reserve:.0%} reserve)")
+        c.why_not = (
+            f"needs {est.format_bytes(c.need)} per rank, more than the {est.format_bytes(usable)} usable "
+            f"({est.format_bytes(p.memory)} less {p.reserve:.0%} reserve)"
+        )
     elif p.cpu_memory is not None and c.states.offloaded_cpu > p.cpu_memory:
         c.fits = False
-        c.why_not = (f"offloads {est.format_bytes(c.states.offloaded_cpu)} per rank to the host, more than "
-                     f"--cpu-memory {est.format_bytes(p.cpu_memory)}")
+        c.why_not = (
+            f"offloads {est.format_bytes(c.states.offloaded_cpu)} per rank to the host, more than "
+            f"--cpu-memory {est.format_bytes(p.cpu_memory)}"
+        )
 
 
 def headroom(p: Problem, c: Candidate) -> float:
@@ -159,25 +173,44 @@ def explain(problem: Problem, best: Candidate | None, every: list[Candidate]) ->
         smallest = min(every, key=lambda c: c.need)
         usable = p.memory * (1 - p.reserve)
         if p.activations >= usable:
-            return [f"nothing fits: activations alone ({est.format_bytes(p.activations)} per rank) exceed the "
-                    f"{est.format_bytes(usable)} usable; lower the micro batch or sequence length, or recompute "
-                    "activations (activation checkpointing)"]
+            return [
+                f"nothing fits: activations alone ({est.format_bytes(p.activations)} per rank) exceed the "
+                f"{est.format_bytes(usable)} usable; lower the micro batch or sequence length, or recompute "
+                "activations (activation checkpointing)"
+            ]
         hint = "" if p.offload else "; try --offload"
-        return [f"nothing fits: even {smallest.name} {smallest.why_not}{hint}, or add ranks "
-                f"(model states at stage 3 shrink as 1/N{', and as 1/(tp·pp) with more tp or pp' if p.tp * p.pp > 1 else ''})"]
-    where = "" if p.tp * p.pp == 1 else (f" on each rank of dp {p.ranks} x tp {p.tp} x pp {p.pp} (ZeRO over dp of "
-                                         f"its {est.format_count(p.local_params)} parameters)")
-    lines = [f"recommend {best.name}{where}: fits with {headroom(p, best):.0%} headroom ({est.format_bytes(best.need)} of "
-             f"{est.format_bytes(p.memory)} per rank) and moves {_psi(best)}{'_local' if where else ''} = "
-             f"{est.format_bytes(best.comm_bytes)} per step (~{_seconds(best.wire_bytes / p.bandwidth)} at "
-             f"{est.format_bytes(p.bandwidth)}/s)" + (f", plus {est.format_bytes(best.host_bytes)} over the host "
-                                                       f"link" if best.host_bytes else "")]
+        return [
+            f"nothing fits: even {smallest.name} {smallest.why_not}{hint}, or add ranks "
+            f"(model states at stage 3 shrink as 1/N{', and as 1/(tp·pp) with more tp or pp' if p.tp * p.pp > 1 else ''})"
+        ]
+    where = (
+        ""
+        if p.tp * p.pp == 1
+        else (
+            f" on each rank of dp {p.ranks} x tp {p.tp} x pp {p.pp} (ZeRO over dp of "
+            f"its {est.format_count(p.local_params)} parameters)"
+        )
+    )
+    lines = [
+        f"recommend {best.name}{where}: fits with {headroom(p, best):.0%} headroom ({est.format_bytes(best.need)} of "
+        f"{est.format_bytes(p.memory)} per rank) and moves {_psi(best)}{'_local' if where else ''} = "
+        f"{est.format_bytes(best.comm_bytes)} per step (~{_seconds(best.wire_bytes / p.bandwidth)} at "
+        f"{est.format_bytes(p.bandwidth)}/s)"
+        + (f", plus {est.format_bytes(best.host_bytes)} over the host link" if best.host_bytes else "")
+    ]
     for c in every:
         if c is best:
             continue
         lines.append(f"  {c.name}: {_verdict(p, best, c)}")
-    return lines + ["", "predicted step time per rank (compute + communication it does not hide, on "
-                    f"{p.backend}, reduce-scatter: {p.network.reduce_scatter}):"] + [f"  {_breakdown(p, c)}" for c in every]
+    return (
+        lines
+        + [
+            "",
+            "predicted step time per rank (compute + communication it does not hide, on "
+            f"{p.backend}, reduce-scatter: {p.network.reduce_scatter}):",
+        ]
+        + [f"  {_breakdown(p, c)}" for c in every]
+    )
 
 
 def _breakdown(p: Problem, c: Candidate) -> str:
@@ -185,10 +218,11 @@ def _breakdown(p: Problem, c: Candidate) -> str:
     assert pred is not None  # _predict set it
     hidden = sum(pred.comm_s.values()) - sum(pred.exposed_s.values())
     host = f" + {_seconds(c.host_bytes / p.host_bandwidth)} host link" if c.host_bytes else ""
-    return (f"{c.name}: {_seconds(c.time_s)} = compute {_seconds(pred.compute_s)} + "
-            f"{_seconds(sum(pred.exposed_s.values()))} exposed of {_seconds(sum(pred.comm_s.values()))} sending "
-            f"{est.format_bytes(c.wire_bytes)} ({_seconds(hidden)} hidden){host}"
-            + ("" if c.fits else " [does not fit]"))
+    return (
+        f"{c.name}: {_seconds(c.time_s)} = compute {_seconds(pred.compute_s)} + "
+        f"{_seconds(sum(pred.exposed_s.values()))} exposed of {_seconds(sum(pred.comm_s.values()))} sending "
+        f"{est.format_bytes(c.wire_bytes)} ({_seconds(hidden)} hidden){host}" + ("" if c.fits else " [does not fit]")
+    )
 
 
 def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
@@ -208,11 +242,15 @@ def _verdict(p: Problem, best: Candidate, c: Candidate) -> str:
             reason = "computes longer"
         if c.host_bytes and more_bytes > 0.005:
             reason += " and state over the host link"
-        return (f"not needed: {best.name} fits and is faster; this fits with {headroom(p, c):.0%} headroom but "
-                f"{reason} (+{_seconds(extra)} per step)")
+        return (
+            f"not needed: {best.name} fits and is faster; this fits with {headroom(p, c):.0%} headroom but "
+            f"{reason} (+{_seconds(extra)} per step)"
+        )
     if c.sharding_rank() > best.sharding_rank():
-        return (f"moves the same bytes, fits with {headroom(p, c):.0%} headroom; shards more than this needs, "
-                "worth it to spend the freed memory on a larger micro batch")
+        return (
+            f"moves the same bytes, fits with {headroom(p, c):.0%} headroom; shards more than this needs, "
+            "worth it to spend the freed memory on a larger micro batch"
+        )
     return f"fits with {headroom(p, c):.0%} headroom and the same predicted time"
 
 

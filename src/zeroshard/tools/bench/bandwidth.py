@@ -5,6 +5,7 @@ Bus bandwidth as nccl-tests defines it: an all-reduce of S bytes over N ranks ma
 moves the (N-1)/N share of the paper's volume the advisor divides by. Collectives go through zeroshard's
 `Communicator`, like every other collective of ours.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -38,8 +39,15 @@ def work(ctx: RankContext) -> dict:
     size = tensor.numel() * tensor.element_size()
     bus = 2 * (n - 1) / n * size / median if n > 1 else float("inf")
     comm.destroy()
-    return {"ranks": n, "bytes": size, "median_s": median, "times_s": times, "bus_bandwidth": bus,
-            "device": str(ctx.device), "backend": dist.get_backend()}
+    return {
+        "ranks": n,
+        "bytes": size,
+        "median_s": median,
+        "times_s": times,
+        "bus_bandwidth": bus,
+        "device": str(ctx.device),
+        "backend": dist.get_backend(),
+    }
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ On an allocation failure the rank lifts its own soft limit again (so that report
 raises `AllocationFailure` naming the phase; `run_rank` writes it to `error.rank<r>.txt`, torchrun stops
 the other ranks, and the parent classifies the trial as "does not fit" (maxmodel.classify).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,8 +39,15 @@ from zeroshard.tools.models.gpt import GPT, GPTConfig
 _STATUS = Path("/proc/self/status")
 # How an allocation failure reads, whichever layer reports it: torch's CPU allocator, Python, C++, the
 # kernel's ENOMEM through any wrapper, a thread whose stack could not be mapped under the cap.
-ALLOCATION_MARKERS = ("can't allocate memory", "Cannot allocate memory", "MemoryError", "std::bad_alloc",
-                      "out of memory", "can't start new thread", "Error code 12")
+ALLOCATION_MARKERS = (
+    "can't allocate memory",
+    "Cannot allocate memory",
+    "MemoryError",
+    "std::bad_alloc",
+    "out of memory",
+    "can't start new thread",
+    "Error code 12",
+)
 
 
 class AllocationFailure(MemoryError):
@@ -120,8 +128,9 @@ def train(ctx: RankContext, spec: dict, tokens: torch.Tensor, vocab: int, phases
     phases.enter("building the model")
     model = build_model(spec, vocab)
     phases.enter("building the engine")
-    engine, *_ = initialize(model=model, optimizer=bench_optimizer(spec)(model.parameters()),
-                            config=engine_config(spec))
+    engine, *_ = initialize(
+        model=model, optimizer=bench_optimizer(spec)(model.parameters()), config=engine_config(spec)
+    )
     del model
     batches = Batches(tokens, spec["shape"]["block_size"], spec["batch"], spec["seed"], ctx.rank)
     losses = []
@@ -137,8 +146,13 @@ def train(ctx: RankContext, spec: dict, tokens: torch.Tensor, vocab: int, phases
     phases.enter("reporting")
     # VmHWM: the resident peak, for reference. The cap bounds mapped memory (VmData), whose peak the
     # kernel does not keep; `data_after` has it at the end of every phase.
-    figures = {"rank": ctx.rank, "baseline_data": baseline, "data_after": phases.data_after,
-               "peak_rss": status_bytes("VmHWM"), "losses": losses}
+    figures = {
+        "rank": ctx.rank,
+        "baseline_data": baseline,
+        "data_after": phases.data_after,
+        "peak_rss": status_bytes("VmHWM"),
+        "losses": losses,
+    }
     ranks = engine.comm.all_gather_objects(figures, "max-model: per-rank figures")
     params = engine.num_parameters()
     engine.destroy()
@@ -163,8 +177,7 @@ def work(ctx: RankContext) -> dict:
             first = (str(error).splitlines() or [""])[0][:300]
             raise AllocationFailure(f"{phases.current}: {type(error).__name__}: {first}") from error
         raise
-    return {"fits": True, **figures, "vocab": tokenizer.vocab_size,
-            "torch": torch.__version__}
+    return {"fits": True, **figures, "vocab": tokenizer.vocab_size, "torch": torch.__version__}
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ vocabulary and sequence length: 3.2M, 25M, 85M, 201M parameters for k = 4, 8, 12
 character vocabulary. The largest model that fits a memory cap is not modelled from this family: it is
 tried, along the layers of a fixed width, by `bench --max-model` (maxmodel.py).
 """
+
 from __future__ import annotations
 
 from zeroshard.tools import estimator as est
@@ -21,5 +22,6 @@ def gpt_shape(size: int, vocab: int, seq_len: int) -> dict:
 
 def num_params(size: int, vocab: int, seq_len: int) -> int:
     shape = gpt_shape(size, vocab, seq_len)
-    return est.GPTSpec(vocab=vocab, n_layer=shape["n_layer"], n_embd=shape["n_embd"], n_head=shape["n_head"],
-                       block_size=seq_len).num_params()
+    return est.GPTSpec(
+        vocab=vocab, n_layer=shape["n_layer"], n_embd=shape["n_embd"], n_head=shape["n_head"], block_size=seq_len
+    ).num_params()

@@ -3,6 +3,7 @@ their result. zeroshard brings no launcher of its own (DESIGN.md): this is
 `python -m torch.distributed.run --standalone --nproc_per_node N -m <worker> RUN_DIR`, and the protocol
 of RUN_DIR (spec.json, progress.jsonl, result.json, error.rank<r>.txt) is described in `rank.py`.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,16 @@ def default_threads(ranks: int) -> int:
 
 
 def torchrun_command(module: str, ranks: int, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-            "-m", module, str(run_dir)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "-m",
+        module,
+        str(run_dir),
+    ]
 
 
 @dataclass
@@ -67,9 +76,16 @@ class Outcome:
         return re.findall(r"exitcode\s*:\s*-\d+ \(pid: \d+\)\s*\((SIG[A-Z]+)\)", self.log)
 
 
-def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], None] = lambda event: None,
-              timeout_s: float = 3600.0, threads_per_rank: int | None = None, keep_failed: bool = True,
-              fixed_mmap_threshold: bool = True) -> Outcome:
+def run_ranks(
+    module: str,
+    spec: dict,
+    ranks: int,
+    on_progress: Callable[[dict], None] = lambda event: None,
+    timeout_s: float = 3600.0,
+    threads_per_rank: int | None = None,
+    keep_failed: bool = True,
+    fixed_mmap_threshold: bool = True,
+) -> Outcome:
     """Run `module` on `ranks` local ranks with `spec` and say how it ended (raises CommandError only
     for a bad rank count or a timeout). `keep_failed=False` removes the run directory of a failed run too,
     for callers that expect failures and keep what they need from the Outcome. `fixed_mmap_threshold`:
@@ -81,8 +97,13 @@ def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict],
     command = torchrun_command(module, ranks, run_dir)
     log.debug("launching: %s", " ".join(command))
     with open(run_dir / "ranks.log", "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env=child_env(threads_per_rank or default_threads(ranks), fixed_mmap_threshold))
+        process = subprocess.Popen(
+            command,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=child_env(threads_per_rank or default_threads(ranks), fixed_mmap_threshold),
+        )
         try:
             _follow(process, run_dir / "progress.jsonl", on_progress, timeout_s)
         except BaseException:
@@ -95,8 +116,10 @@ def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict],
         outcome = Outcome(json.loads(result_path.read_text()), process.returncode)
         shutil.rmtree(run_dir, ignore_errors=True)
         return outcome
-    errors = {path.stem.split(".")[-1].replace("rank", "rank "): path.read_text()
-              for path in sorted(run_dir.glob("error.rank*.txt"))}
+    errors = {
+        path.stem.split(".")[-1].replace("rank", "rank "): path.read_text()
+        for path in sorted(run_dir.glob("error.rank*.txt"))
+    }
     text = (run_dir / "ranks.log").read_text(errors="replace")
     outcome = Outcome(None, process.returncode, errors, text[-_LOG_TAIL:], text, run_dir if keep_failed else None)
     if not keep_failed:
@@ -104,11 +127,19 @@ def run_ranks(module: str, spec: dict, ranks: int, on_progress: Callable[[dict],
     return outcome
 
 
-def launch(module: str, spec: dict, ranks: int, on_progress: Callable[[dict], None] = lambda event: None,
-           timeout_s: float = 3600.0, threads_per_rank: int | None = None, fixed_mmap_threshold: bool = True) -> dict:
+def launch(
+    module: str,
+    spec: dict,
+    ranks: int,
+    on_progress: Callable[[dict], None] = lambda event: None,
+    timeout_s: float = 3600.0,
+    threads_per_rank: int | None = None,
+    fixed_mmap_threshold: bool = True,
+) -> dict:
     """Run `module` on `ranks` local ranks with `spec`; returns rank 0's result (raises CommandError)."""
-    outcome = run_ranks(module, spec, ranks, on_progress, timeout_s, threads_per_rank,
-                        fixed_mmap_threshold=fixed_mmap_threshold)
+    outcome = run_ranks(
+        module, spec, ranks, on_progress, timeout_s, threads_per_rank, fixed_mmap_threshold=fixed_mmap_threshold
+    )
     if outcome.result is None:
         raise CommandError(failure_message(outcome))
     return outcome.result
@@ -160,7 +191,11 @@ def failure_message(outcome: Outcome) -> str:
     if outcome.errors:
         rank, text = next(iter(outcome.errors.items()))
         lines = text.strip().splitlines()
-        return f"{rank} failed: {lines[-1] if lines else '?'}\n(traceback and the output of every rank in " \
-               f"the run directory{where})"
-    return f"torchrun exited with code {outcome.returncode} before any rank reported a result:\n" \
-           f"{outcome.log_tail}\n(full logs in the run directory{where})"
+        return (
+            f"{rank} failed: {lines[-1] if lines else '?'}\n(traceback and the output of every rank in "
+            f"the run directory{where})"
+        )
+    return (
+        f"torchrun exited with code {outcome.returncode} before any rank reported a result:\n"
+        f"{outcome.log_tail}\n(full logs in the run directory{where})"
+    )

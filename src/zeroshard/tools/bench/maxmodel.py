@@ -15,6 +15,7 @@ else broke, which is an error of the harness and stops the search rather than be
 fits and a larger one does not, then halve the gap until they are adjacent. The answer is always a pair
 of sizes that were both run: the largest that fit and the smallest that did not.
 """
+
 from __future__ import annotations
 
 import json
@@ -67,13 +68,15 @@ class Boundary:
 
 # ---- the family ----
 
+
 def shape(layers: int, width: int, seq_len: int) -> dict:
     return dict(vocab_size=0, block_size=seq_len, n_layer=layers, n_head=width // HEAD_DIM, n_embd=width)
 
 
 def num_params(layers: int, width: int, vocab: int, seq_len: int) -> int:
-    return est.GPTSpec(vocab=vocab, n_layer=layers, n_embd=width, n_head=width // HEAD_DIM,
-                       block_size=seq_len).num_params()
+    return est.GPTSpec(
+        vocab=vocab, n_layer=layers, n_embd=width, n_head=width // HEAD_DIM, block_size=seq_len
+    ).num_params()
 
 
 def layers_for(params: int | None, width: int, vocab: int, seq_len: int) -> int | None:
@@ -85,6 +88,7 @@ def layers_for(params: int | None, width: int, vocab: int, seq_len: int) -> int 
 
 
 # ---- the estimator's prediction ----
+
 
 def predicted_params(memory: int, ranks: int, config: dict, recipe: est.Recipe) -> int | None:
     """Largest Ψ whose model states (estimator, paper §5) fit `memory` bytes of this process.
@@ -137,15 +141,28 @@ def run_trial(spec: dict, layers: int, ranks: int, timeout_s: float, threads: in
     the cap: if that trains, the cap caused the crash and the size does not fit; if not, CommandError."""
     trial_spec = {**spec, "shape": shape(layers, spec["width"], spec["seq_len"])}
     started = time.perf_counter()
-    outcome = run_ranks("zeroshard.tools.bench.capped", trial_spec, ranks, timeout_s=timeout_s,
-                        threads_per_rank=threads, keep_failed=False)
+    outcome = run_ranks(
+        "zeroshard.tools.bench.capped",
+        trial_spec,
+        ranks,
+        timeout_s=timeout_s,
+        threads_per_rank=threads,
+        keep_failed=False,
+    )
     verdict, detail = classify(outcome)
     if verdict == CRASH:
-        uncapped = run_ranks("zeroshard.tools.bench.capped", {**trial_spec, "cap_bytes": None}, ranks,
-                             timeout_s=timeout_s, threads_per_rank=threads)
+        uncapped = run_ranks(
+            "zeroshard.tools.bench.capped",
+            {**trial_spec, "cap_bytes": None},
+            ranks,
+            timeout_s=timeout_s,
+            threads_per_rank=threads,
+        )
         if uncapped.result is None:
-            raise CommandError(f"the trial of {layers} layers failed under the cap ({detail}) and without it, so "
-                               f"the search stopped: {failure_message(uncapped)}")
+            raise CommandError(
+                f"the trial of {layers} layers failed under the cap ({detail}) and without it, so "
+                f"the search stopped: {failure_message(uncapped)}"
+            )
         verdict, detail = NO_FIT, f"crashed under the cap ({detail}) and trains without it"
     wall = time.perf_counter() - started
     log.info("%s, %d layers: %s (%.0f s)", spec["run"]["name"], layers, detail or verdict, wall)
@@ -157,12 +174,23 @@ def trial_spec(args) -> dict:
     from zeroshard.tools.demo.corpus import CharTokenizer, load_corpus
 
     vocab = CharTokenizer(load_corpus().text).vocab_size  # the ranks' tokenizer: same corpus, same vocabulary
-    return {"width": args.width, "seq_len": args.seq_len, "batch": args.batch, "vocab": vocab, "lr": args.lr,
-            "seed": args.seed, "precision": args.precision, "steps": args.steps, "threads": args.threads,
-            "cap_bytes": args.memory, "ceiling": args.max_layers}
+    return {
+        "width": args.width,
+        "seq_len": args.seq_len,
+        "batch": args.batch,
+        "vocab": vocab,
+        "lr": args.lr,
+        "seed": args.seed,
+        "precision": args.precision,
+        "steps": args.steps,
+        "threads": args.threads,
+        "cap_bytes": args.memory,
+        "ceiling": args.max_layers,
+    }
 
 
 # ---- the search ----
+
 
 def find_boundary(fits: Callable[[int], Trial], guess: int, ceiling: int) -> Boundary:
     """Largest size in [1, ceiling] that fits, by galloping from `guess` and bisecting; see the module doc.
@@ -202,8 +230,15 @@ def _ordered(trials: dict[int, Trial]) -> list[Trial]:
     return list(trials.values())  # in the order they ran
 
 
-def search(spec: dict, config_key: str, ranks: int, ceiling: int, timeout_s: float, threads: int | None,
-           nvme_root: Path | None = None) -> dict:
+def search(
+    spec: dict,
+    config_key: str,
+    ranks: int,
+    ceiling: int,
+    timeout_s: float,
+    threads: int | None,
+    nvme_root: Path | None = None,
+) -> dict:
     """One configuration's boundary, its estimator predictions and its trials, as a JSON-ready row."""
     config = CONFIGS[config_key]
     rec = est.recipe(spec["precision"], "adamw")
@@ -242,20 +277,34 @@ def row(spec: dict, config_key: str, ranks: int, boundary: Boundary, rec: est.Re
         psi = predicted_params(memory, ranks, config, rec)
         return {"memory_bytes": memory, "params": psi, "layers": layers_for(psi, width, vocab, seq_len)}
 
-    return {"key": config_key, **config, "width": width,
-            "largest": None if fit is None else {
-                "layers": fit.layers, "params": fit.figures["params"],
-                "peak_rss": max(r["peak_rss"] for r in fit.figures["ranks"]),
-                "baseline_data": baseline, "data_after_phase": _worst_phases(fit.figures["ranks"])},
-            "smallest_failing": None if failing is None else {
-                "layers": failing.layers, "params": num_params(failing.layers, width, vocab, seq_len),
-                "failure": failing.detail},
-            "estimator_cap": prediction(cap),
-            "estimator_cap_minus_baseline": prediction(None if baseline is None else cap - baseline),
-            "trials": [asdict(t) | {"figures": None} for t in boundary.trials]}
+    return {
+        "key": config_key,
+        **config,
+        "width": width,
+        "largest": None
+        if fit is None
+        else {
+            "layers": fit.layers,
+            "params": fit.figures["params"],
+            "peak_rss": max(r["peak_rss"] for r in fit.figures["ranks"]),
+            "baseline_data": baseline,
+            "data_after_phase": _worst_phases(fit.figures["ranks"]),
+        },
+        "smallest_failing": None
+        if failing is None
+        else {
+            "layers": failing.layers,
+            "params": num_params(failing.layers, width, vocab, seq_len),
+            "failure": failing.detail,
+        },
+        "estimator_cap": prediction(cap),
+        "estimator_cap_minus_baseline": prediction(None if baseline is None else cap - baseline),
+        "trials": [asdict(t) | {"figures": None} for t in boundary.trials],
+    }
 
 
 # ---- output ----
+
 
 def write_outputs(out_dir: Path, document: dict) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -263,10 +312,12 @@ def write_outputs(out_dir: Path, document: dict) -> list[Path]:
     load = ", ".join(f"{v:.1f}" for v in machine["load_average_after"])
     written = [out_dir / "max_model.json", out_dir / "max_model.txt"]
     written[0].write_text(json.dumps(document, indent=2))
-    written[1].write_text(f"$ {document['command']}\n\n{format_table(document)}\nmachine: {machine['cpu_model']}, "
-                          f"{machine['cpus']} CPUs, {est.format_bytes(machine['memory_bytes'])}, torch "
-                          f"{machine['torch']}; {document['wall_s'] / 60:.1f} min; load average (1, 5, 15 min) "
-                          f"after the run: {load}\n")
+    written[1].write_text(
+        f"$ {document['command']}\n\n{format_table(document)}\nmachine: {machine['cpu_model']}, "
+        f"{machine['cpus']} CPUs, {est.format_bytes(machine['memory_bytes'])}, torch "
+        f"{machine['torch']}; {document['wall_s'] / 60:.1f} min; load average (1, 5, 15 min) "
+        f"after the run: {load}\n"
+    )
     return written
 
 
@@ -290,35 +341,56 @@ def _prediction(entry: dict | None, tried: dict | None) -> str:
 def format_table(document: dict) -> str:
     spec = document["spec"]
     cap, ceiling = spec["cap_bytes"], spec["ceiling"]
-    out = [f"zeroshard bench --max-model: the largest GPT (width {spec['width']}, L layers) that trains "
-           f"{spec['steps']} optimizer steps on {document['ranks']} ranks under a cap of "
-           f"{est.format_bytes(cap)} ({cap / 2**30:.2f} GiB) per rank, {spec['precision']} AdamW, micro batch "
-           f"{spec['batch']} x {spec['seq_len']} tokens", ""]
-    header = ["config", "largest that ran: L (params)", "smallest that failed: L",
-              "estimator, states <= cap - baseline", "trials"]
+    out = [
+        f"zeroshard bench --max-model: the largest GPT (width {spec['width']}, L layers) that trains "
+        f"{spec['steps']} optimizer steps on {document['ranks']} ranks under a cap of "
+        f"{est.format_bytes(cap)} ({cap / 2**30:.2f} GiB) per rank, {spec['precision']} AdamW, micro batch "
+        f"{spec['batch']} x {spec['seq_len']} tokens",
+        "",
+    ]
+    header = [
+        "config",
+        "largest that ran: L (params)",
+        "smallest that failed: L",
+        "estimator, states <= cap - baseline",
+        "trials",
+    ]
     cells = [header]
     for r in document["rows"]:
         failing = r["smallest_failing"]
-        cells.append([r["name"], _size(r["largest"], ceiling),
-                      "-" if failing is None else f"{failing['layers']} ({est.format_count(failing['params'])})",
-                      _prediction(r["estimator_cap_minus_baseline"], r["largest"]), str(len(r["trials"]))])
+        cells.append(
+            [
+                r["name"],
+                _size(r["largest"], ceiling),
+                "-" if failing is None else f"{failing['layers']} ({est.format_count(failing['params'])})",
+                _prediction(r["estimator_cap_minus_baseline"], r["largest"]),
+                str(len(r["trials"])),
+            ]
+        )
     widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
-    out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-            for line in cells]
+    out += [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells
+    ]
     out.append("")
     for r in document["rows"]:
         if r["smallest_failing"]:
-            out.append(f"{r['name']}: {r['smallest_failing']['layers']} layers failed in {r['smallest_failing']['failure']}")
+            out.append(
+                f"{r['name']}: {r['smallest_failing']['layers']} layers failed in {r['smallest_failing']['failure']}"
+            )
         elif r["largest"]:
             out.append(f"{r['name']}: the search ceiling of {ceiling} layers fits; raise --max-layers to look further")
     baselines = [r["largest"]["baseline_data"] for r in document["rows"] if r["largest"]]
-    out.append(f"cap: RLIMIT_DATA on every rank (private writable memory: heap, anonymous mappings, thread stacks),"
-               f" including the process baseline of {est.format_bytes(max(baselines)) if baselines else '?'} "
-               f"(torch, gloo, data) mapped before the model; an allocation beyond it fails, and such a trial is "
-               f"\"does not fit\". Both sizes of a boundary were run.")
-    out.append("estimator: largest Ψ whose model states (paper §5; fp32 AdamW: 16 B/param unsharded) fit in the cap "
-               "less the baseline, in layers of this family; [x] = tried / predicted. Activations, buckets and "
-               "gathered units are not in it. On a CPU "
-               "machine CPU-offloaded states are in the same process memory; NVMe-offloaded states are file "
-               "mappings, outside the cap.")
+    out.append(
+        f"cap: RLIMIT_DATA on every rank (private writable memory: heap, anonymous mappings, thread stacks),"
+        f" including the process baseline of {est.format_bytes(max(baselines)) if baselines else '?'} "
+        f"(torch, gloo, data) mapped before the model; an allocation beyond it fails, and such a trial is "
+        f'"does not fit". Both sizes of a boundary were run.'
+    )
+    out.append(
+        "estimator: largest Ψ whose model states (paper §5; fp32 AdamW: 16 B/param unsharded) fit in the cap "
+        "less the baseline, in layers of this family; [x] = tried / predicted. Activations, buckets and "
+        "gathered units are not in it. On a CPU "
+        "machine CPU-offloaded states are in the same process memory; NVMe-offloaded states are file "
+        "mappings, outside the cap."
+    )
     return "\n".join(out)

@@ -13,6 +13,7 @@ and `--max-model` measure memory only). The peak of a step is the kernel's high-
 spike). On GPU it is the caching allocator's `max_memory_allocated`. `PeakMemory.method` says which
 one ran.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -130,11 +131,17 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # Which tensor argument is the full (unsharded) one, and the paper's factor (ZeRO §7: all-reduce = 2Ψ).
-_C10D_OPS = {"allreduce_": ("all_reduce", 0, 2), "allreduce_coalesced_": ("all_reduce", 0, 2),
-             "broadcast_": ("broadcast", 0, 1), "_allgather_base_": ("all_gather", 0, 1),
-             "allgather_into_tensor_coalesced_": ("all_gather", 0, 1), "allgather_": ("all_gather", 0, 1),
-             "_reduce_scatter_base_": ("reduce_scatter", 1, 1), "reduce_scatter_": ("reduce_scatter", 1, 1),
-             "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 1)}
+_C10D_OPS = {
+    "allreduce_": ("all_reduce", 0, 2),
+    "allreduce_coalesced_": ("all_reduce", 0, 2),
+    "broadcast_": ("broadcast", 0, 1),
+    "_allgather_base_": ("all_gather", 0, 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0, 1),
+    "allgather_": ("all_gather", 0, 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1, 1),
+    "reduce_scatter_": ("reduce_scatter", 1, 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, 1),
+}
 
 
 class C10dByteCounter(TorchDispatchMode):

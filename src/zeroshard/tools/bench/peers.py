@@ -12,6 +12,7 @@
 This module calls torch.distributed directly: these are torch's implementations, not zeroshard's, and
 their communication is counted by `measure.C10dByteCounter` from the outside.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -63,8 +64,14 @@ def count_c10d(fn) -> dict:
     return dict(counter.paper)
 
 
-def _torch_subject(model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
-                   params: int, autocast_bf16: bool, clip: float) -> Subject:
+def _torch_subject(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    params: int,
+    autocast_bf16: bool,
+    clip: float,
+) -> Subject:
     grad_bytes = [0]
 
     def step(x, y) -> float:
@@ -79,8 +86,11 @@ def _torch_subject(model: torch.nn.Module, optimizer: torch.optim.Optimizer, dev
         return loss.item()
 
     def states() -> dict:
-        held = {"params": measure.tensor_bytes(model.parameters()), "grads": grad_bytes[0],
-                "optimizer": measure.optimizer_state_bytes(optimizer)}
+        held = {
+            "params": measure.tensor_bytes(model.parameters()),
+            "grads": grad_bytes[0],
+            "optimizer": measure.optimizer_state_bytes(optimizer),
+        }
         return {**held, "total": sum(held.values())}
 
     slowest, gather = _collective_helpers(device)
@@ -112,8 +122,9 @@ def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict,
     if kind == "torch-zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=make_optimizer.func,
-                                            **make_optimizer.keywords)
+        optimizer = ZeroRedundancyOptimizer(
+            ddp.parameters(), optimizer_class=make_optimizer.func, **make_optimizer.keywords
+        )
         return _torch_subject(ddp, optimizer, device, params, bf16, clip)
     raise ValueError(f"unknown peer {run['kind']!r}; allowed: {', '.join(KINDS)}")
 
@@ -123,8 +134,9 @@ def _deepspeed_subject(model, device, config: dict, params: int, make_optimizer)
 
     config = {k: v for k, v in config.items() if k != "zeroshard"}
     config["zero_allow_untested_optimizer"] = True  # the client optimizer is torch's fused AdamW
-    engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=make_optimizer(model.parameters()),
-                                                   config=config)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, optimizer=make_optimizer(model.parameters()), config=config
+    )
 
     def step(x, y) -> float:
         _, loss = engine(x, y)
@@ -133,8 +145,11 @@ def _deepspeed_subject(model, device, config: dict, params: int, make_optimizer)
         return loss.item()
 
     def states() -> dict:  # stage 3 keeps each parameter's shard in `ds_tensor`
-        held = {"params": measure.tensor_bytes(getattr(p, "ds_tensor", p) for p in model.parameters()),
-                "grads": 0, "optimizer": measure.optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer))}
+        held = {
+            "params": measure.tensor_bytes(getattr(p, "ds_tensor", p) for p in model.parameters()),
+            "grads": 0,
+            "optimizer": measure.optimizer_state_bytes(getattr(optimizer, "optimizer", optimizer)),
+        }
         return {**held, "total": sum(held.values())}  # DeepSpeed's gradient buffers are not counted
 
     slowest, gather = _collective_helpers(device)

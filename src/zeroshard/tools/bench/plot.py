@@ -2,13 +2,17 @@
 parameters / gradients / optimizer states, the measured bar next to the predicted one; beside it the
 measured peak memory per rank of every configuration, peers included. Also the memory sweep's chart
 (`write_sweep_chart`) and the bandwidth sweep's (`write_bandwidth_chart`, scripts/bandwidth_sweep.py)."""
+
 from __future__ import annotations
 
 import textwrap
 from pathlib import Path
 
-KINDS = (("params", "parameters", "#4C72B0"), ("grads", "gradients", "#55A868"),
-         ("optimizer", "optimizer states (incl. fp32 master)", "#C44E52"))
+KINDS = (
+    ("params", "parameters", "#4C72B0"),
+    ("grads", "gradients", "#55A868"),
+    ("optimizer", "optimizer states (incl. fp32 master)", "#C44E52"),
+)
 _MB = 1e6
 
 
@@ -28,7 +32,9 @@ def write_chart(rows: list[dict], title: str, path: Path) -> Path:
     plt = _pyplot()
 
     measured = [r for r in rows if "skipped" not in r]
-    staged = [r for r in measured if r["kind"] == "zeroshard" and not (r.get("offload_optimizer") or r.get("offload_param"))]
+    staged = [
+        r for r in measured if r["kind"] == "zeroshard" and not (r.get("offload_optimizer") or r.get("offload_param"))
+    ]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
     _model_states(left, staged)
     _peaks(right, measured)
@@ -47,8 +53,16 @@ def _model_states(ax, rows: list[dict]) -> None:
             bottom = 0.0
             for kind, label, color in KINDS:
                 value = row[key][kind] / _MB
-                ax.bar(i + offset, value, width, bottom=bottom, color=color, hatch=hatch, edgecolor="white",
-                       label=label if i == 0 and hatch is None else None)
+                ax.bar(
+                    i + offset,
+                    value,
+                    width,
+                    bottom=bottom,
+                    color=color,
+                    hatch=hatch,
+                    edgecolor="white",
+                    label=label if i == 0 and hatch is None else None,
+                )
                 bottom += value
             ax.text(i + offset, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(rows)), [_label(r) for r in rows], fontsize=8)
@@ -95,12 +109,25 @@ def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
         x = [p["params"] / 1e6 for p in line]
         color = STAGE_COLORS[stage % len(STAGE_COLORS)]
         ax.plot(x, [p["peak_memory"] / _MB for p in line], "o-", color=color, label=f"stage {stage}, measured")
-        ax.plot(x, [p["predicted_peak"] / _MB for p in line], "--", color=color, zorder=3,  # drawn over the measured
-                label=f"stage {stage}, estimator (baseline + model states)")
+        ax.plot(
+            x,
+            [p["predicted_peak"] / _MB for p in line],
+            "--",
+            color=color,
+            zorder=3,  # drawn over the measured
+            label=f"stage {stage}, estimator (baseline + model states)",
+        )
     baseline = max(p["baseline_memory"] for p in points) / _MB
     ax.axhline(baseline, color="#999999", linewidth=0.8)
-    ax.text(max(p["params"] for p in points) / 1e6, baseline, "process baseline (torch, gloo) ", ha="right",
-            va="bottom", fontsize=7, color="#666666")
+    ax.text(
+        max(p["params"] for p in points) / 1e6,
+        baseline,
+        "process baseline (torch, gloo) ",
+        ha="right",
+        va="bottom",
+        fontsize=7,
+        color="#666666",
+    )
     ax.set_xlabel("parameters (M)")
     ax.set_ylabel("peak memory per rank (MB)")
     ax.set_title(textwrap.fill(title, 120), fontsize=8)
@@ -114,11 +141,22 @@ def write_sweep_chart(points: list[dict], title: str, path: Path) -> Path:
 
 
 # The runs of scripts/sweep_job.py by name, as the sweep's table and chart label them.
-BANDWIDTH_RUNS = {"ddp": "DDP", "0": "stage 0", "1": "stage 1", "2": "stage 2", "3": "stage 3",
-                  "3q": "stage 3 + qwZ + qgZ", "3h": "stage 3 + hpZ", "3pp": "stage 3 + hpZ + qwZ + qgZ",
-                  "1o": "stage 1 + overlap_param_gather", "2o": "stage 2 + overlap_param_gather",
-                  "2i": "stage 2, 1 reduction in flight", "3i": "stage 3, 1 reduction in flight",
-                  "2t": "stage 2, 2 reductions in flight", "3t": "stage 3, 2 reductions in flight"}
+BANDWIDTH_RUNS = {
+    "ddp": "DDP",
+    "0": "stage 0",
+    "1": "stage 1",
+    "2": "stage 2",
+    "3": "stage 3",
+    "3q": "stage 3 + qwZ + qgZ",
+    "3h": "stage 3 + hpZ",
+    "3pp": "stage 3 + hpZ + qwZ + qgZ",
+    "1o": "stage 1 + overlap_param_gather",
+    "2o": "stage 2 + overlap_param_gather",
+    "2i": "stage 2, 1 reduction in flight",
+    "3i": "stage 3, 1 reduction in flight",
+    "2t": "stage 2, 2 reductions in flight",
+    "3t": "stage 3, 2 reductions in flight",
+}
 
 
 def bandwidth_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:
@@ -129,8 +167,9 @@ def bandwidth_series(sweep: dict) -> dict[str, list[tuple[float, float, bool]]]:
     series: dict[str, list[tuple[float, float, bool]]] = {}
     for row in rows:
         for run in row["runs"]:
-            series.setdefault(run["run"], []).append((row["probe_bps"] / 1e9, run["median_s"],
-                                                      row.get("rate_bps") is not None))
+            series.setdefault(run["run"], []).append(
+                (row["probe_bps"] / 1e9, run["median_s"], row.get("rate_bps") is not None)
+            )
     return series
 
 

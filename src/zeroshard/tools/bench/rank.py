@@ -9,6 +9,7 @@ work is done ("terminate called without an active exception", see tests/harness.
 written before teardown and the process leaves without running those destructors, so the parent judges
 a run by its files, not by an exit code that teardown may have spoiled.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,9 @@ class RankContext:
         self.run_dir = run_dir
         self.spec = json.loads((run_dir / "spec.json").read_text())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = (torch.device("cuda", torch.cuda.current_device())
-                       if dist.get_backend() == "nccl" else torch.device("cpu"))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
         self._progress = open(run_dir / "progress.jsonl", "a") if self.rank == 0 else None
 
     def progress(self, **fields) -> None:
@@ -56,8 +58,9 @@ class RankContext:
 
 def run_rank(work: Callable[[RankContext], dict]) -> None:
     """Entry point of a worker module: `python -m zeroshard.tools.bench.worker RUN_DIR` under torchrun."""
-    logging.basicConfig(level=logging.WARNING, format=f"rank {os.environ.get('RANK', '?')} %(levelname)s "
-                                                      "%(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format=f"rank {os.environ.get('RANK', '?')} %(levelname)s %(name)s: %(message)s"
+    )
     if len(sys.argv) != 2:
         sys.stderr.write(f"usage: torchrun ... -m {work.__module__} RUN_DIR\n")
         os._exit(2)

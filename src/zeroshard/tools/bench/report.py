@@ -5,6 +5,7 @@ against the paper's §5 formulas, communication per step against 2Ψ (stages 0-2
 paper's convention (§7). Peers are predicted as the ZeRO stage they implement (DDP 0, torch's
 ZeroRedundancyOptimizer 1, FSDP2 3).
 """
+
 from __future__ import annotations
 
 from zeroshard.tools import estimator as est
@@ -45,26 +46,43 @@ def _row(run: dict, spec: dict, ranks: int, host_is_device: bool) -> dict:
     measured_states = {k: worst["states"].get(k, 0) for k in ("params", "grads", "optimizer", "master", "total")}
     measured_states["optimizer"] += measured_states.pop("master")  # K includes the fp32 master copy
     comm = {k: v for k, v in run["comm_paper_bytes"].items() if k != "control"}
-    row = {"name": run["name"], "kind": run["kind"], "stage": stage, "params": psi,
-           "offload_optimizer": run.get("offload_optimizer"), "offload_param": run.get("offload_param"),
-           "step_time": run["step_time"], "tokens_per_s": run["tokens_per_s"],
-           "loss_first": run["losses"][0], "loss_last": run["losses"][-1],
-           "peak_memory": max(r["peak_memory"] for r in per_rank),
-           "baseline_memory": max(r["baseline_memory"] for r in per_rank),
-           "states_measured": measured_states, "comm_measured": sum(comm.values()), "comm_by_kind": comm}
+    row = {
+        "name": run["name"],
+        "kind": run["kind"],
+        "stage": stage,
+        "params": psi,
+        "offload_optimizer": run.get("offload_optimizer"),
+        "offload_param": run.get("offload_param"),
+        "step_time": run["step_time"],
+        "tokens_per_s": run["tokens_per_s"],
+        "loss_first": run["losses"][0],
+        "loss_last": run["losses"][-1],
+        "peak_memory": max(r["peak_memory"] for r in per_rank),
+        "baseline_memory": max(r["baseline_memory"] for r in per_rank),
+        "states_measured": measured_states,
+        "comm_measured": sum(comm.values()),
+        "comm_by_kind": comm,
+    }
     if stage is not None:
-        predicted = est.model_state_bytes(psi, ranks, stage, rec, run.get("offload_optimizer"), run.get("offload_param"))
+        predicted = est.model_state_bytes(
+            psi, ranks, stage, rec, run.get("offload_optimizer"), run.get("offload_param")
+        )
         # On a CPU run, what offload moves "off the device" stays in the same process memory we count.
         host = predicted.offloaded_cpu if host_is_device else 0
-        row["states_predicted"] = {"params": predicted.params, "grads": predicted.grads,
-                                   "optimizer": predicted.optimizer, "offloaded_cpu": predicted.offloaded_cpu,
-                                   "total": predicted.total + host}
+        row["states_predicted"] = {
+            "params": predicted.params,
+            "grads": predicted.grads,
+            "optimizer": predicted.optimizer,
+            "offloaded_cpu": predicted.offloaded_cpu,
+            "total": predicted.total + host,
+        }
         row["comm_predicted"] = est.comm_bytes_per_step(psi, stage, rec.param_bytes)
         row["comm_ratio"] = row["comm_measured"] / row["comm_predicted"] if row["comm_predicted"] else None
     return row
 
 
 # ---- terminal table ----
+
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f}"
@@ -77,20 +95,34 @@ def _vs(measured: int, predicted: int | None) -> str:
 
 
 def table_rows(rows: list[dict]) -> list[list[str]]:
-    header = ["config", "step ms med [min-max]", "tokens/s", "peak mem/rank", "model states meas/pred",
-              "comm/step meas/pred", "ratio"]
+    header = [
+        "config",
+        "step ms med [min-max]",
+        "tokens/s",
+        "peak mem/rank",
+        "model states meas/pred",
+        "comm/step meas/pred",
+        "ratio",
+    ]
     lines = [header]
     for row in rows:
         if "skipped" in row:
             continue  # listed under the table
         t = row["step_time"]
         comparable = row["kind"] != "deepspeed"  # see the DeepSpeed footnote in format_table
-        lines.append([
-            row["name"], f"{_ms(t['median_s'])} [{_ms(t['min_s'])}-{_ms(t['max_s'])}]", f"{row['tokens_per_s']:,.0f}",
-            est.format_bytes(row["peak_memory"]),
-            _vs(row["states_measured"]["total"], row.get("states_predicted", {}).get("total")) if comparable else "n/a",
-            _vs(row["comm_measured"], row.get("comm_predicted")) if comparable else "n/a",
-            f"{row['comm_ratio']:.3f}" if row.get("comm_ratio") and comparable else "-"])
+        lines.append(
+            [
+                row["name"],
+                f"{_ms(t['median_s'])} [{_ms(t['min_s'])}-{_ms(t['max_s'])}]",
+                f"{row['tokens_per_s']:,.0f}",
+                est.format_bytes(row["peak_memory"]),
+                _vs(row["states_measured"]["total"], row.get("states_predicted", {}).get("total"))
+                if comparable
+                else "n/a",
+                _vs(row["comm_measured"], row.get("comm_predicted")) if comparable else "n/a",
+                f"{row['comm_ratio']:.3f}" if row.get("comm_ratio") and comparable else "-",
+            ]
+        )
     return lines
 
 
@@ -103,11 +135,13 @@ def format_table(result: dict, rows: list[dict]) -> str:
     spec = result["spec"]
     shape = spec["shape"]
     params = next((r["params"] for r in rows if "params" in r), 0)
-    out = [f"zeroshard bench: GPT k={spec['size']} ({shape['n_layer']} layers, width {shape['n_embd']}, "
-           f"{est.format_count(params)} parameters), {result['world_size']} ranks on {result['device']}, "
-           f"{spec['precision']}, every system given the same torch.optim.AdamW(fused={spec.get('fused_adam', True)}) "
-           f"and {_clipping(spec)}, micro batch {spec['batch']} x {shape['block_size']} tokens, "
-           f"{spec['steps']} timed steps after {spec['warmup']} warm-up"]
+    out = [
+        f"zeroshard bench: GPT k={spec['size']} ({shape['n_layer']} layers, width {shape['n_embd']}, "
+        f"{est.format_count(params)} parameters), {result['world_size']} ranks on {result['device']}, "
+        f"{spec['precision']}, every system given the same torch.optim.AdamW(fused={spec.get('fused_adam', True)}) "
+        f"and {_clipping(spec)}, micro batch {spec['batch']} x {shape['block_size']} tokens, "
+        f"{spec['steps']} timed steps after {spec['warmup']} warm-up"
+    ]
     cells = table_rows(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     out.append("")
@@ -121,25 +155,40 @@ def format_table(result: dict, rows: list[dict]) -> str:
     out += [f"not run: {', '.join(names)}: {reason}" for reason, names in skipped.items()]
     memory_steps = spec.get("memory_steps", 0)
     if memory_steps:  # [Note: measuring peak memory]
-        halves = (" in two launches of its own (the configurations in order, then in reverse; half the steps each)"
-                  if spec.get("timing_passes", 1) == 2 else " in a launch of its own")
-        out.append("step ms: per step the slowest rank; median, min and max over the timed steps; each "
-                   f"configuration timed{halves}, with glibc's default allocator settings.")
-        out.append(f"peak mem/rank: {result['memory_method']}, in a launch of each configuration of its own, over "
-                   f"{memory_steps} steps after {spec['warmup'] + 1}; the largest over the ranks.")
+        halves = (
+            " in two launches of its own (the configurations in order, then in reverse; half the steps each)"
+            if spec.get("timing_passes", 1) == 2
+            else " in a launch of its own"
+        )
+        out.append(
+            "step ms: per step the slowest rank; median, min and max over the timed steps; each "
+            f"configuration timed{halves}, with glibc's default allocator settings."
+        )
+        out.append(
+            f"peak mem/rank: {result['memory_method']}, in a launch of each configuration of its own, over "
+            f"{memory_steps} steps after {spec['warmup'] + 1}; the largest over the ranks."
+        )
     else:
         out.append("step ms: per step the slowest rank; median, min and max over the timed steps.")
         out.append(f"peak mem/rank: {result['memory_method']}; the largest over the ranks.")
-    out.append("model states: bytes of params + grads + optimizer (incl. fp32 master) this rank holds, "
-               "counted from its tensors, vs the paper's §5 formula.")
-    out.append("comm/step: paper convention (all-reduce of Ψ = 2Ψ, all-gather/reduce-scatter = Ψ) vs 2Ψ "
-               "(stages 0-2) / 3Ψ (stage 3).")
+    out.append(
+        "model states: bytes of params + grads + optimizer (incl. fp32 master) this rank holds, "
+        "counted from its tensors, vs the paper's §5 formula."
+    )
+    out.append(
+        "comm/step: paper convention (all-reduce of Ψ = 2Ψ, all-gather/reduce-scatter = Ψ) vs 2Ψ "
+        "(stages 0-2) / 3Ψ (stage 3)."
+    )
     if any(r.get("kind") == "deepspeed" and "skipped" not in r for r in rows):
-        out.append("DeepSpeed rows: step time and peak memory only. Its gradient partitions live in internal "
-                   "buffers that a census of torch-visible tensors misses, and part of its communication "
-                   "bypasses the torch.distributed calls we count, so those columns would not be comparable.")
+        out.append(
+            "DeepSpeed rows: step time and peak memory only. Its gradient partitions live in internal "
+            "buffers that a census of torch-visible tensors misses, and part of its communication "
+            "bypasses the torch.distributed calls we count, so those columns would not be comparable."
+        )
     if result["device"] == "cpu" and any(r.get("offload_optimizer") for r in rows):
-        out.append("offload rows: on CPU the host is the device, so their model states are compared with the "
-                   "formula's device + offloaded bytes.")
+        out.append(
+            "offload rows: on CPU the host is the device, so their model states are compared with the "
+            "formula's device + offloaded bytes."
+        )
     out.append(LARGEST_NOTE)
     return "\n".join(out)

@@ -11,6 +11,7 @@ orders its launches the same way). Before them one throwaway launch of the first
 the machine: the first launch of a run took 1.1 s for steps its second pass took in 0.7 s (stage 0,
 the README's table), after the machine had run other work.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,8 +26,14 @@ from zeroshard.tools.commands import CommandError
 MEMORY_STEPS = 2
 
 
-def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Callable[[dict], None],
-                       timeout_s: float, threads_per_rank: int | None) -> dict:
+def run_configurations(
+    runs: list[dict],
+    spec: dict,
+    ranks: int,
+    on_progress: Callable[[dict], None],
+    timeout_s: float,
+    threads_per_rank: int | None,
+) -> dict:
     """The worker's result for `runs` as one launch would give it: time, losses and communication from
     launches with glibc's defaults (what a user's script runs with; the first pass gives the losses
     and communication, both passes the step times), memory and state bytes per rank from a launch
@@ -42,14 +49,22 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
         left = deadline - time.monotonic()
         if left <= 0:
             raise CommandError(f"--timeout {timeout_s:g} s ran out before the configuration {run['name']!r}")
-        return launch("zeroshard.tools.bench.worker", {**spec, "steps": steps, "runs": [run]}, ranks,
-                      on_progress=on_progress, timeout_s=left, threads_per_rank=threads_per_rank,
-                      fixed_mmap_threshold=fixed_mmap_threshold)
+        return launch(
+            "zeroshard.tools.bench.worker",
+            {**spec, "steps": steps, "runs": [run]},
+            ranks,
+            on_progress=on_progress,
+            timeout_s=left,
+            threads_per_rank=threads_per_rank,
+            fixed_mmap_threshold=fixed_mmap_threshold,
+        )
 
     ready = [run for run in runs if run["kind"] == "zeroshard" or peers.available(run["kind"])]
     if not ready:
-        raise CommandError("no configuration could run: " + "; ".join(
-            f"{run['name']}: {peers.unavailable_reason(run['kind'])}" for run in runs))
+        raise CommandError(
+            "no configuration could run: "
+            + "; ".join(f"{run['name']}: {peers.unavailable_reason(run['kind'])}" for run in runs)
+        )
     one(ready[0], False, 1)  # the machine's warm-up, discarded: a first launch ran up to 1.5x slower (the doc)
     timed, launched = {}, None
     for run in ready:
@@ -69,5 +84,9 @@ def run_configurations(runs: list[dict], spec: dict, ranks: int, on_progress: Ca
             continue
         memory = one(run, True, memory_steps)
         results.append({**timed[run["name"]], "ranks": memory["runs"][0]["ranks"]})
-    return {**launched, "memory_method": memory["memory_method"], "runs": results,
-            "spec": {**spec, "memory_steps": memory_steps, "timing_passes": 2 if second_half else 1}}
+    return {
+        **launched,
+        "memory_method": memory["memory_method"],
+        "runs": results,
+        "spec": {**spec, "memory_steps": memory_steps, "timing_passes": 2 if second_half else 1},
+    }

@@ -30,6 +30,7 @@ each collective costs beyond what overlaps with compute:
 
 With C = 0 every transfer is exposed and the model is the plain bytes / bandwidth upper bound.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -155,24 +156,38 @@ def _quantized(params: int) -> float:
     return params * (1 + 4 / QUANT_BLOCK)  # int8 + one fp32 scale per block
 
 
-def transfers(stage: int, params: int, world: int, param_bytes: int, grad_bytes: int, last_unit: float,
-              comm: Comm = Comm(), kept_unit: float = 0.0) -> list[Transfer]:
+def transfers(
+    stage: int,
+    params: int,
+    world: int,
+    param_bytes: int,
+    grad_bytes: int,
+    last_unit: float,
+    comm: Comm = Comm(),
+    kept_unit: float = 0.0,
+) -> list[Transfer]:
     """The collectives of one step at `stage` and the phase each runs in (see the note)."""
     rest, last = 1 - last_unit, last_unit
     grads, weights = params * grad_bytes, params * param_bytes
     if stage == 0:
-        return [Transfer("gradient all-reduce", "all_reduce", grads * rest, "backward"),
-                Transfer("last unit's gradient all-reduce", "all_reduce", grads * last, "exposed")]
+        return [
+            Transfer("gradient all-reduce", "all_reduce", grads * rest, "backward"),
+            Transfer("last unit's gradient all-reduce", "all_reduce", grads * last, "exposed"),
+        ]
     if stage in (1, 2):
         gather_phase = "forward" if comm.overlap_param_gather else "exposed"
-        return [Transfer("gradient reduce-scatter", "reduce_scatter", grads * rest, "backward"),
-                Transfer("last unit's gradient reduce-scatter", "reduce_scatter", grads * last, "exposed"),
-                Transfer("updated parameter all-gather", "all_gather", weights, gather_phase)]
+        return [
+            Transfer("gradient reduce-scatter", "reduce_scatter", grads * rest, "backward"),
+            Transfer("last unit's gradient reduce-scatter", "reduce_scatter", grads * last, "exposed"),
+            Transfer("updated parameter all-gather", "all_gather", weights, gather_phase),
+        ]
     if stage != 3:
         raise ValueError(f"stage {stage!r}: allowed 0, 1, 2, 3")
     gathered = _quantized(params) if comm.quantized_weights else weights
-    out = [Transfer("forward all-gather", "all_gather", gathered * rest, "forward"),
-           Transfer("first unit's forward all-gather", "all_gather", gathered * last, "exposed")]
+    out = [
+        Transfer("forward all-gather", "all_gather", gathered * rest, "forward"),
+        Transfer("first unit's forward all-gather", "all_gather", gathered * last, "exposed"),
+    ]
     if not comm.hierarchical:
         kept = kept_unit if comm.keep_last_unit and comm.keep_last_forward_unit else 0.0
         out.append(Transfer("backward all-gather", "all_gather", gathered * (rest - kept), "backward"))
@@ -182,12 +197,23 @@ def transfers(stage: int, params: int, world: int, param_bytes: int, grad_bytes:
         reduced, kind = _quantized(params), "all_to_all"
     else:
         reduced, kind = grads, "reduce_scatter"
-    return out + [Transfer("gradient reduce-scatter", kind, reduced * rest, "backward"),
-                  Transfer("last unit's gradient reduce-scatter", kind, reduced * last, "exposed")]
+    return out + [
+        Transfer("gradient reduce-scatter", kind, reduced * rest, "backward"),
+        Transfer("last unit's gradient reduce-scatter", kind, reduced * last, "exposed"),
+    ]
 
 
-def predict(stage: int, params: int, world: int, param_bytes: int, grad_bytes: int, compute_s: float,
-            network: Network, overlap: Overlap = Overlap(), comm: Comm = Comm()) -> Prediction:
+def predict(
+    stage: int,
+    params: int,
+    world: int,
+    param_bytes: int,
+    grad_bytes: int,
+    compute_s: float,
+    network: Network,
+    overlap: Overlap = Overlap(),
+    comm: Comm = Comm(),
+) -> Prediction:
     prediction = Prediction(compute_s)
     for t in transfers(stage, params, world, param_bytes, grad_bytes, overlap.last_unit, comm, overlap.kept_unit):
         t.sent_bytes = t.full_bytes * sent_per_byte(t.kind, world, network.reduce_scatter)
@@ -202,8 +228,17 @@ def predict(stage: int, params: int, world: int, param_bytes: int, grad_bytes: i
     return prediction
 
 
-def compute_from_step(step_s: float, stage: int, params: int, world: int, param_bytes: int, grad_bytes: int,
-                      network: Network, overlap: Overlap = Overlap(), comm: Comm = Comm()) -> float:
+def compute_from_step(
+    step_s: float,
+    stage: int,
+    params: int,
+    world: int,
+    param_bytes: int,
+    grad_bytes: int,
+    network: Network,
+    overlap: Overlap = Overlap(),
+    comm: Comm = Comm(),
+) -> float:
     """The compute C for which `predict` gives a measured `step_s` (C + exposed(C) grows with C: bisect)."""
     low, high = 0.0, step_s
     for _ in range(60):

@@ -1,4 +1,5 @@
 """The implementations a bench compares, each reduced to a `Subject`: zeroshard here, torch's own in peers.py."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -23,8 +24,9 @@ class Subject:
     settle: Callable[[], None] = lambda: None
 
 
-def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device, make_optimizer,
-                      adjust=None) -> Subject:
+def zeroshard_subject(
+    model: torch.nn.Module, config: dict, device: torch.device, make_optimizer, adjust=None
+) -> Subject:
     """`adjust(engine)`, when given, changes what no config key reaches (a benchmark's what-if)."""
     from zeroshard.compat.api import initialize
 
@@ -49,6 +51,13 @@ def zeroshard_subject(model: torch.nn.Module, config: dict, device: torch.device
         engine.comm.all_reduce(tensor, "bench: slowest rank's step time", op="max", kind="control")
         return float(tensor.item())
 
-    return Subject(step, engine.memory_report, count_comm, slowest,
-                   lambda obj: engine.comm.all_gather_objects(obj, "bench: per-rank figures"),
-                   engine.num_parameters(), engine.destroy, engine.sharded.wait_parameters)
+    return Subject(
+        step,
+        engine.memory_report,
+        count_comm,
+        slowest,
+        lambda obj: engine.comm.all_gather_objects(obj, "bench: per-rank figures"),
+        engine.num_parameters(),
+        engine.destroy,
+        engine.sharded.wait_parameters,
+    )

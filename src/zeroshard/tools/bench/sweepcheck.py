@@ -9,6 +9,7 @@ calibration rows are not checks of time.
 The bandwidth of a row is what its link carried: the tbf rate, or less where one TCP stream
 measured less (this box's CPU bounds its veth links at a few Gbit/s).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,12 +22,18 @@ from zeroshard.tools import estimator as est
 from zeroshard.tools.bench import advisor, steptime
 
 # sweep_job.py's runs as the advisor's candidates: (stage, communication variant)
-RUNS = {"ddp": (0, steptime.Comm()), "0": (0, steptime.Comm()), "1": (1, steptime.Comm()),
-        "2": (2, steptime.Comm()), "3": (3, steptime.Comm()),
-        "1o": (1, steptime.Comm(overlap_param_gather=True)), "2o": (2, steptime.Comm(overlap_param_gather=True)),
-        "3q": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True)),
-        "3h": (3, steptime.Comm(hierarchical=True)),
-        "3pp": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True, hierarchical=True))}
+RUNS = {
+    "ddp": (0, steptime.Comm()),
+    "0": (0, steptime.Comm()),
+    "1": (1, steptime.Comm()),
+    "2": (2, steptime.Comm()),
+    "3": (3, steptime.Comm()),
+    "1o": (1, steptime.Comm(overlap_param_gather=True)),
+    "2o": (2, steptime.Comm(overlap_param_gather=True)),
+    "3q": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True)),
+    "3h": (3, steptime.Comm(hierarchical=True)),
+    "3pp": (3, steptime.Comm(quantized_weights=True, quantized_gradients=True, hierarchical=True)),
+}
 STAGE_RUNS = ("0", "1", "2", "3")  # what the advisor chooses between
 RECIPE = est.recipe("fp32", "adamw")  # sweep_job: fp32, torch AdamW
 TIME_TOLERANCE = 0.25  # issue 15 item 3
@@ -59,8 +66,10 @@ def load(path: Path) -> dict:
     if not rows:
         raise SweepError(f"sweep {path}: no 'rates' list (written by scripts/bandwidth_sweep.py)")
     if not any(row.get("rate_bps") is None for row in rows):
-        raise SweepError(f"sweep {path}: no unlimited-rate row ('none') to measure compute time from; rates: "
-                         f"{', '.join(str(r.get('rate')) for r in rows)}")
+        raise SweepError(
+            f"sweep {path}: no unlimited-rate row ('none') to measure compute time from; rates: "
+            f"{', '.join(str(r.get('rate')) for r in rows)}"
+        )
     for row in rows:
         for key in ("rate", "probe_bps", "world", "gpt", "runs"):
             if key not in row:
@@ -80,8 +89,9 @@ EFFICIENCIES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def overlap(gpt: dict, params: int, run: str = "0", efficiency: float = 1.0) -> steptime.Overlap:
-    o = steptime.gpt_overlap(gpt["vocab_size"], gpt["n_layer"], gpt["n_embd"], gpt["block_size"],
-                             gpt.get("tie_weights", True), params)
+    o = steptime.gpt_overlap(
+        gpt["vocab_size"], gpt["n_layer"], gpt["n_embd"], gpt["block_size"], gpt.get("tie_weights", True), params
+    )
     last = o.last_unit
     if run == "ddp":  # its last bucket holds at least the embedding, up to DDP_BUCKET of gradients
         last = max(last, min(1.0, DDP_BUCKET / (4 * params)))
@@ -108,8 +118,11 @@ def comm_of(row: dict, run: str) -> steptime.Comm:
     (no such field) regathered every unit in backward, and one recorded before the last forward unit
     was kept too (no `keeps_last_forward_unit`) regathered all but the root."""
     comm = RUNS[run][1]
-    return dataclasses.replace(comm, keep_last_unit=row.get("stage3_max_reuse_distance", 0) > 0,
-                               keep_last_forward_unit=row.get("keeps_last_forward_unit", False))
+    return dataclasses.replace(
+        comm,
+        keep_last_unit=row.get("stage3_max_reuse_distance", 0) > 0,
+        keep_last_forward_unit=row.get("keeps_last_forward_unit", False),
+    )
 
 
 def calibrate(sweep: dict, efficiency: float = 1.0) -> dict[str, float]:
@@ -122,8 +135,9 @@ def calibrate(sweep: dict, efficiency: float = 1.0) -> dict[str, float]:
     for run in row["runs"]:
         stage, comm = RUNS[run["run"]][0], comm_of(row, run["run"])
         params, world, o = shape(row, run["run"], efficiency)
-        out[run["run"]] = steptime.compute_from_step(run["median_s"], stage, params, world, RECIPE.param_bytes,
-                                                     RECIPE.grad_bytes, network(row), o, comm)
+        out[run["run"]] = steptime.compute_from_step(
+            run["median_s"], stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, network(row), o, comm
+        )
     pooled = [out[r] for r in SAME_COMPUTE if r in out]
     for run in SAME_COMPUTE:
         if run in out:
@@ -140,6 +154,7 @@ def efficiency(sweep: dict) -> float:
     def worst(eta: float) -> float:
         row = next(c for c in _check(sweep, eta) if c.rate == OVERLAP_RATE)
         return max(abs(row.error(run)) for run in row.predicted_s)
+
     return min(EFFICIENCIES, key=worst)
 
 
@@ -157,8 +172,9 @@ def _check(sweep: dict, eta: float) -> list[RowCheck]:
         for run in row["runs"]:
             stage, comm = RUNS[run["run"]][0], comm_of(row, run["run"])
             params, world, o = shape(row, run["run"], eta)
-            p = steptime.predict(stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, compute[run["run"]],
-                                 net, o, comm)
+            p = steptime.predict(
+                stage, params, world, RECIPE.param_bytes, RECIPE.grad_bytes, compute[run["run"]], net, o, comm
+            )
             result.predicted_s[run["run"]], result.measured_s[run["run"]] = p.time_s, run["median_s"]
             result.predicted_sent[run["run"]] = p.sent_bytes
             sent = run.get("link_tx_bytes_per_step", {})
@@ -173,9 +189,17 @@ def problem(sweep: dict, row: dict, memory: int) -> advisor.Problem:
     compute = calibrate(sweep, eta)
     params, world, o = shape(row, efficiency=eta)
     net = network(row)
-    return advisor.Problem(params=params, ranks=world, memory=memory, bandwidth=net.bandwidth, recipe=RECIPE,
-                           backend=net.backend, reduce_scatter=net.reduce_scatter, overlap=o,
-                           compute_by_stage={int(r): compute[r] for r in STAGE_RUNS if r in compute})
+    return advisor.Problem(
+        params=params,
+        ranks=world,
+        memory=memory,
+        bandwidth=net.bandwidth,
+        recipe=RECIPE,
+        backend=net.backend,
+        reduce_scatter=net.reduce_scatter,
+        overlap=o,
+        compute_by_stage={int(r): compute[r] for r in STAGE_RUNS if r in compute},
+    )
 
 
 def memory_fitting(sweep: dict, stages: tuple[int, ...], reserve: float = 0.1) -> int:

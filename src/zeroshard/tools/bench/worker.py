@@ -6,6 +6,7 @@ communication, then time `steps` steps (per step the slowest rank) while trackin
 [Note: measuring peak memory] in measure.py). Between configurations everything is freed and trimmed, so
 each one starts from the same baseline.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,9 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def ds_config(spec: dict, run: dict) -> dict:
-    zero = {"stage": run["stage"],
-            # 0: every parameter is sharded, so the measured volume is exactly the paper's 3Ψ at stage 3.
-            "stage3_param_persistence_threshold": 0}
+    zero = {
+        "stage": run["stage"],
+        # 0: every parameter is sharded, so the measured volume is exactly the paper's 3Ψ at stage 3.
+        "stage3_param_persistence_threshold": 0,
+    }
     if run.get("offload_optimizer"):
         zero["offload_optimizer"] = {"device": run["offload_optimizer"]}
     if run.get("offload_param"):
@@ -34,9 +37,13 @@ def ds_config(spec: dict, run: dict) -> dict:
     # No optimizer section: every system is handed the same torch optimizer (bench_optimizer), and
     # zeroshard runs with the defaults a user gets (the cross-rank collective check stays on). The
     # clipping is spelled out because the torch peers apply it too (peers.build): the same update.
-    return {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
-            "gradient_clipping": spec.get("clip", 1.0), "zero_optimization": zero,
-            "bf16": {"enabled": spec["precision"] == "bf16"}}
+    return {
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": spec.get("clip", 1.0),
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec["precision"] == "bf16"},
+    }
 
 
 def bench_optimizer(spec: dict) -> functools.partial:
@@ -68,16 +75,27 @@ class Bench:
         del model  # the subject holds what it needs
         self.ctx.progress(event="start", run=run["name"], total=spec["warmup"] + spec["steps"])
         figures = self._measure(spec, subject, run["name"])
-        per_rank = subject.gather({"rank": self.ctx.rank, "states": subject.states(), "baseline_memory": baseline,
-                                   "start_memory": figures.pop("start_memory"),
-                                   "peak_memory": figures.pop("peak_memory")})
+        per_rank = subject.gather(
+            {
+                "rank": self.ctx.rank,
+                "states": subject.states(),
+                "baseline_memory": baseline,
+                "start_memory": figures.pop("start_memory"),
+                "peak_memory": figures.pop("peak_memory"),
+            }
+        )
         params = subject.params
         subject.close()
         del subject
         measure.trim()
         tokens_per_step = spec["batch"] * spec["shape"]["block_size"] * self.ctx.world_size
-        return {**run, **figures, "params": params, "ranks": per_rank,
-                "tokens_per_s": tokens_per_step / figures["step_time"]["median_s"]}
+        return {
+            **run,
+            **figures,
+            "params": params,
+            "ranks": per_rank,
+            "tokens_per_s": tokens_per_step / figures["step_time"]["median_s"],
+        }
 
     def _measure(self, spec: dict, subject: Subject, label: str) -> dict:
         ctx = self.ctx
@@ -99,8 +117,14 @@ class Bench:
             losses.append(subject.step(x, y))  # .item() inside synchronises
             times.append(subject.slowest(time.perf_counter() - started))
             ctx.progress(event="step", run=label, phase="timed", step=i + 1, loss=losses[-1], step_s=times[-1])
-        return {"comm_paper_bytes": comm, "step_time": measure.step_stats(times), "step_times": times, "losses": losses,
-                "start_memory": start, "peak_memory": self.meter.peak()}
+        return {
+            "comm_paper_bytes": comm,
+            "step_time": measure.step_stats(times),
+            "step_times": times,
+            "losses": losses,
+            "start_memory": start,
+            "peak_memory": self.meter.peak(),
+        }
 
     def _to(self, batch):
         return tuple(t.to(self.ctx.device) for t in batch)
@@ -127,8 +151,15 @@ def work(ctx: RankContext) -> dict:
             continue
         results.append(bench.run(spec, run))
         ctx.progress(event="done", run=run["name"])
-    return {"spec": spec, "world_size": ctx.world_size, "device": str(ctx.device), "vocab": tokenizer.vocab_size,
-            "memory_method": bench.meter.method, "torch": torch.__version__, "runs": results}
+    return {
+        "spec": spec,
+        "world_size": ctx.world_size,
+        "device": str(ctx.device),
+        "vocab": tokenizer.vocab_size,
+        "memory_method": bench.meter.method,
+        "torch": torch.__version__,
+        "runs": results,
+    }
 
 
 if __name__ == "__main__":

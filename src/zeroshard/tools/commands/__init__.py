@@ -6,6 +6,7 @@ does the work. `zeroshard.tools.cli.COMMAND_MODULES` lists the modules; one that
 Import only light modules at module level and heavy ones (torch) inside `run`, so that `zeroshard --help`
 and `zeroshard estimate` stay fast.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,17 +16,20 @@ class CommandError(Exception):
     """A user error: the CLI prints `zeroshard <command>: error: <message>` and exits with code 2."""
 
 
-def add_command(subparsers: argparse._SubParsersAction, name: str, *, summary: str, description: str,
-                examples: list[str]) -> argparse.ArgumentParser:
+def add_command(
+    subparsers: argparse._SubParsersAction, name: str, *, summary: str, description: str, examples: list[str]
+) -> argparse.ArgumentParser:
     """Add a subparser whose --help shows the description and an 'examples:' section."""
     epilog = "examples:\n" + "\n".join(f"  {example}" for example in examples)
-    return subparsers.add_parser(name, help=summary, description=description, epilog=epilog,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    return subparsers.add_parser(
+        name, help=summary, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
 
 
 def bounded(parse, minimum: float, *, inclusive: bool = True):
     """An argparse `type` that parses with `parse` (e.g. "7.5B", "32GiB") and enforces a lower bound,
     naming the flag's value in the error."""
+
     def convert(text: str):
         try:
             value = parse(text)
@@ -35,6 +39,7 @@ def bounded(parse, minimum: float, *, inclusive: bool = True):
             bound = "at least" if inclusive else "greater than"
             raise argparse.ArgumentTypeError(f"must be {bound} {minimum}, got {text!r}")
         return value
+
     return convert
 
 

@@ -1,4 +1,5 @@
 """`zeroshard advise`: which ZeRO stage to use, for a model, ranks, memory per rank and interconnect."""
+
 from __future__ import annotations
 
 import argparse
@@ -50,62 +51,160 @@ def parse_rate(text: str) -> float:
             return float(bits.group(1)) * scale / 8
         return float(est.parse_bytes(body))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read a bandwidth from {text!r}: expected e.g. 25GB/s, "
-                                         "12.5GiB/s, 100Gbit/s or bytes per second") from None
+        raise argparse.ArgumentTypeError(
+            f"cannot read a bandwidth from {text!r}: expected e.g. 25GB/s, 12.5GiB/s, 100Gbit/s or bytes per second"
+        ) from None
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(subparsers, "advise", summary="recommend a ZeRO stage for a model, ranks, memory, network",
-                         description=DESCRIPTION, examples=EXAMPLES)
+    parser = add_command(
+        subparsers,
+        "advise",
+        summary="recommend a ZeRO stage for a model, ranks, memory, network",
+        description=DESCRIPTION,
+        examples=EXAMPLES,
+    )
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--params", type=bounded(est.parse_count, 0, inclusive=False), metavar="N", help="parameter count: 7.5e9, 7.5B, 350M")
-    size.add_argument("--model", metavar="NAME_OR_JSON",
-                      help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
-    parser.add_argument("--ranks", type=bounded(int, 0, inclusive=False), metavar="N",
-                        help="data-parallel ranks (required, or --dp)")
-    parser.add_argument("--dp", type=bounded(int, 0, inclusive=False), metavar="N", help="data-parallel ranks (same as --ranks)")
-    parser.add_argument("--tp", type=bounded(int, 0, inclusive=False), default=1, metavar="N",
-                        help="tensor-parallel ranks: parameters split over tp before ZeRO (default: 1)")
-    parser.add_argument("--pp", type=bounded(int, 0, inclusive=False), default=1, metavar="N",
-                        help="pipeline stages: layers split over pp before ZeRO (default: 1)")
-    parser.add_argument("--memory", type=bounded(est.parse_bytes, 0, inclusive=False), metavar="SIZE",
-                        help="device memory per rank: 24GiB, 80GB (required, except with --sweep)")
+    size.add_argument(
+        "--params",
+        type=bounded(est.parse_count, 0, inclusive=False),
+        metavar="N",
+        help="parameter count: 7.5e9, 7.5B, 350M",
+    )
+    size.add_argument(
+        "--model",
+        metavar="NAME_OR_JSON",
+        help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json",
+    )
+    parser.add_argument(
+        "--ranks", type=bounded(int, 0, inclusive=False), metavar="N", help="data-parallel ranks (required, or --dp)"
+    )
+    parser.add_argument(
+        "--dp", type=bounded(int, 0, inclusive=False), metavar="N", help="data-parallel ranks (same as --ranks)"
+    )
+    parser.add_argument(
+        "--tp",
+        type=bounded(int, 0, inclusive=False),
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks: parameters split over tp before ZeRO (default: 1)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=bounded(int, 0, inclusive=False),
+        default=1,
+        metavar="N",
+        help="pipeline stages: layers split over pp before ZeRO (default: 1)",
+    )
+    parser.add_argument(
+        "--memory",
+        type=bounded(est.parse_bytes, 0, inclusive=False),
+        metavar="SIZE",
+        help="device memory per rank: 24GiB, 80GB (required, except with --sweep)",
+    )
     net = parser.add_mutually_exclusive_group()
-    net.add_argument("--bandwidth", type=parse_rate, metavar="RATE",
-                     help="interconnect bus bandwidth per rank: 25GB/s, 100Gbit/s (nccl-tests' busbw)")
-    net.add_argument("--measure-bandwidth", action="store_true",
-                     help="measure all-reduce bus bandwidth between --measure-ranks local ranks first")
-    net.add_argument("--sweep", metavar="JSON", help="check the time model against a recorded bandwidth sweep "
-                     "(docs/bench/multinode_sweep.json): its model, ranks, link rates and compute times")
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
-                        help="what the collectives run on; it decides a reduce-scatter's bytes (default: nccl)")
-    parser.add_argument("--reduce-scatter", choices=steptime.REDUCE_SCATTER_ALGORITHMS,
-                        help="the reduce-scatter algorithm, if not the one zeroshard runs on --backend")
-    parser.add_argument("--no-overlap", action="store_true",
-                        help="assume no communication overlaps compute (an upper bound)")
-    parser.add_argument("--overlap-efficiency", type=float, default=1.0, metavar="SHARE",
-                        help="share of the overlap windows communication really runs in (default: 1; a CPU "
-                             "box whose ranks use every core measured 0, docs/multinode.md)")
-    parser.add_argument("--overlap-param-gather", action=argparse.BooleanOptionalAction, default=True,
-                        help="stages 1-2 gather updated parameters under the next forward (default: on, as "
-                             "zeroshard.overlap_param_gather)")
-    parser.add_argument("--measure-ranks", type=bounded(int, 1, inclusive=False), default=2, metavar="N",
-                        help="local ranks for --measure-bandwidth (default: 2)")
+    net.add_argument(
+        "--bandwidth",
+        type=parse_rate,
+        metavar="RATE",
+        help="interconnect bus bandwidth per rank: 25GB/s, 100Gbit/s (nccl-tests' busbw)",
+    )
+    net.add_argument(
+        "--measure-bandwidth",
+        action="store_true",
+        help="measure all-reduce bus bandwidth between --measure-ranks local ranks first",
+    )
+    net.add_argument(
+        "--sweep",
+        metavar="JSON",
+        help="check the time model against a recorded bandwidth sweep "
+        "(docs/bench/multinode_sweep.json): its model, ranks, link rates and compute times",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="what the collectives run on; it decides a reduce-scatter's bytes (default: nccl)",
+    )
+    parser.add_argument(
+        "--reduce-scatter",
+        choices=steptime.REDUCE_SCATTER_ALGORITHMS,
+        help="the reduce-scatter algorithm, if not the one zeroshard runs on --backend",
+    )
+    parser.add_argument(
+        "--no-overlap", action="store_true", help="assume no communication overlaps compute (an upper bound)"
+    )
+    parser.add_argument(
+        "--overlap-efficiency",
+        type=float,
+        default=1.0,
+        metavar="SHARE",
+        help="share of the overlap windows communication really runs in (default: 1; a CPU "
+        "box whose ranks use every core measured 0, docs/multinode.md)",
+    )
+    parser.add_argument(
+        "--overlap-param-gather",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stages 1-2 gather updated parameters under the next forward (default: on, as "
+        "zeroshard.overlap_param_gather)",
+    )
+    parser.add_argument(
+        "--measure-ranks",
+        type=bounded(int, 1, inclusive=False),
+        default=2,
+        metavar="N",
+        help="local ranks for --measure-bandwidth (default: 2)",
+    )
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16", help="default: bf16")
     parser.add_argument("--optimizer", choices=list(est.OPTIMIZER_STATES), default="adam", help="default: adam")
-    parser.add_argument("--activations", type=bounded(est.parse_bytes, -1, inclusive=False), metavar="SIZE",
-                        help="memory per rank besides model states (activations, buffers); "
-                             "estimated for built-in GPTs from --batch/--seq-len, else 0")
-    parser.add_argument("--batch", type=bounded(int, 0, inclusive=False), metavar="B", help="micro batch per rank, for the activation estimate")
-    parser.add_argument("--seq-len", type=bounded(int, 0, inclusive=False), metavar="T", help="sequence length, for the activation estimate")
-    parser.add_argument("--reserve", type=float, default=0.1, metavar="FRACTION",
-                        help="share of memory kept free for fragmentation and temporaries (default: 0.1)")
-    parser.add_argument("--compute-time", type=float, default=0.0, metavar="S",
-                        help="compute seconds per step, to show communication as a share of the step")
+    parser.add_argument(
+        "--activations",
+        type=bounded(est.parse_bytes, -1, inclusive=False),
+        metavar="SIZE",
+        help="memory per rank besides model states (activations, buffers); "
+        "estimated for built-in GPTs from --batch/--seq-len, else 0",
+    )
+    parser.add_argument(
+        "--batch",
+        type=bounded(int, 0, inclusive=False),
+        metavar="B",
+        help="micro batch per rank, for the activation estimate",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=bounded(int, 0, inclusive=False),
+        metavar="T",
+        help="sequence length, for the activation estimate",
+    )
+    parser.add_argument(
+        "--reserve",
+        type=float,
+        default=0.1,
+        metavar="FRACTION",
+        help="share of memory kept free for fragmentation and temporaries (default: 0.1)",
+    )
+    parser.add_argument(
+        "--compute-time",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="compute seconds per step, to show communication as a share of the step",
+    )
     parser.add_argument("--offload", action="store_true", help="also consider ZeRO-Offload to CPU")
-    parser.add_argument("--host-bandwidth", type=parse_rate, default=12e9, metavar="RATE",
-                        help="device<->host bandwidth for offload (default: 12GB/s, PCIe 4 x16 in practice)")
-    parser.add_argument("--cpu-memory", type=bounded(est.parse_bytes, 0, inclusive=False), metavar="SIZE", help="host memory per rank for offload")
+    parser.add_argument(
+        "--host-bandwidth",
+        type=parse_rate,
+        default=12e9,
+        metavar="RATE",
+        help="device<->host bandwidth for offload (default: 12GB/s, PCIe 4 x16 in practice)",
+    )
+    parser.add_argument(
+        "--cpu-memory",
+        type=bounded(est.parse_bytes, 0, inclusive=False),
+        metavar="SIZE",
+        help="host memory per rank for offload",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -125,8 +224,9 @@ def _activations(args: argparse.Namespace) -> tuple[int, str]:
         return args.activations, "given"
     spec = est.BUILTIN_MODELS.get(args.model or "")
     if spec is not None and args.batch and args.seq_len:
-        return gpt_activation_bytes(spec, args.batch, args.seq_len, est.PRECISIONS[args.precision], args.tp), \
-            "estimated (Korthikanti et al. 2022, no recomputation)"
+        return gpt_activation_bytes(
+            spec, args.batch, args.seq_len, est.PRECISIONS[args.precision], args.tp
+        ), "estimated (Korthikanti et al. 2022, no recomputation)"
     return 0, "not counted: give --activations, or --batch and --seq-len with a built-in --model"
 
 
@@ -146,9 +246,17 @@ def measure_bandwidth(ranks: int) -> dict:
     from zeroshard.tools.bench.launch import launch
 
     spec = {"bytes": 64 * 2**20, "warmup": 2, "repeats": 8}
-    with tqdm(total=spec["warmup"] + spec["repeats"], desc=f"all-reduce between {ranks} local ranks",
-              unit="op", file=sys.stderr, leave=False, disable=None) as bar:
-        return launch("zeroshard.tools.bench.bandwidth", spec, ranks, on_progress=lambda e: bar.update(1), timeout_s=600)
+    with tqdm(
+        total=spec["warmup"] + spec["repeats"],
+        desc=f"all-reduce between {ranks} local ranks",
+        unit="op",
+        file=sys.stderr,
+        leave=False,
+        disable=None,
+    ) as bar:
+        return launch(
+            "zeroshard.tools.bench.bandwidth", spec, ranks, on_progress=lambda e: bar.update(1), timeout_s=600
+        )
 
 
 def _overlap(args: argparse.Namespace, params: int) -> steptime.Overlap:
@@ -189,48 +297,89 @@ def run(args: argparse.Namespace) -> int:
     params = params_from_args(args)
     replicated = _tp_replicated(args)
     if replicated > params:
-        raise CommandError(f"--tp {args.tp}: the {replicated} parameters every tp rank holds whole exceed the model's "
-                           f"{params}")
+        raise CommandError(
+            f"--tp {args.tp}: the {replicated} parameters every tp rank holds whole exceed the model's {params}"
+        )
     bandwidth, source = args.bandwidth, "given"
     if args.measure_bandwidth:
         probe = measure_bandwidth(args.measure_ranks)
         bandwidth = probe["bus_bandwidth"]
-        source = (f"measured: all-reduce of {est.format_bytes(probe['bytes'])} between {probe['ranks']} local ranks "
-                  f"({probe['backend']}), median {probe['median_s'] * 1e3:.1f} ms")
+        source = (
+            f"measured: all-reduce of {est.format_bytes(probe['bytes'])} between {probe['ranks']} local ranks "
+            f"({probe['backend']}), median {probe['median_s'] * 1e3:.1f} ms"
+        )
     activations, act_source = _activations(args)
-    problem = advise.Problem(params=params, ranks=args.ranks, memory=args.memory, bandwidth=bandwidth,
-                             recipe=est.recipe(args.precision, args.optimizer), activations=activations,
-                             reserve=args.reserve, compute_s=args.compute_time, offload=args.offload,
-                             host_bandwidth=args.host_bandwidth, cpu_memory=args.cpu_memory,
-                             tp=args.tp, pp=args.pp, replicated=replicated, backend=args.backend,
-                             reduce_scatter=args.reduce_scatter, overlap=_overlap(args, params),
-                             comm=steptime.Comm(overlap_param_gather=args.overlap_param_gather))
+    problem = advise.Problem(
+        params=params,
+        ranks=args.ranks,
+        memory=args.memory,
+        bandwidth=bandwidth,
+        recipe=est.recipe(args.precision, args.optimizer),
+        activations=activations,
+        reserve=args.reserve,
+        compute_s=args.compute_time,
+        offload=args.offload,
+        host_bandwidth=args.host_bandwidth,
+        cpu_memory=args.cpu_memory,
+        tp=args.tp,
+        pp=args.pp,
+        replicated=replicated,
+        backend=args.backend,
+        reduce_scatter=args.reduce_scatter,
+        overlap=_overlap(args, params),
+        comm=steptime.Comm(overlap_param_gather=args.overlap_param_gather),
+    )
     best, every = advise.choose(problem)
     lines = advise.explain(problem, best, every)
     if args.json:
-        document = {"params": params, "ranks": args.ranks, "memory_bytes": args.memory, "bandwidth": bandwidth,
-                    "mesh": {"dp": args.ranks, "tp": args.tp, "pp": args.pp, "replicated_params": replicated},
-                    "local_params": problem.local_params,
-                    "bandwidth_source": source, "activations_bytes": activations, "activations_source": act_source,
-                    "recommendation": best.name if best else None,
-                    "deepspeed_config": advise.ds_config(best) if best else None, "explanation": lines,
-                    "candidates": [{"name": c.name, "stage": c.stage, "fits": c.fits, "need_bytes": c.need,
-                                    "comm_bytes": c.comm_bytes, "wire_bytes": c.wire_bytes, "host_bytes": c.host_bytes,
-                                    "predicted_s": c.time_s,
-                                    "predicted_comm_s": c.time_s - problem.compute(c.stage)} for c in every]}
+        document = {
+            "params": params,
+            "ranks": args.ranks,
+            "memory_bytes": args.memory,
+            "bandwidth": bandwidth,
+            "mesh": {"dp": args.ranks, "tp": args.tp, "pp": args.pp, "replicated_params": replicated},
+            "local_params": problem.local_params,
+            "bandwidth_source": source,
+            "activations_bytes": activations,
+            "activations_source": act_source,
+            "recommendation": best.name if best else None,
+            "deepspeed_config": advise.ds_config(best) if best else None,
+            "explanation": lines,
+            "candidates": [
+                {
+                    "name": c.name,
+                    "stage": c.stage,
+                    "fits": c.fits,
+                    "need_bytes": c.need,
+                    "comm_bytes": c.comm_bytes,
+                    "wire_bytes": c.wire_bytes,
+                    "host_bytes": c.host_bytes,
+                    "predicted_s": c.time_s,
+                    "predicted_comm_s": c.time_s - problem.compute(c.stage),
+                }
+                for c in every
+            ],
+        }
         sys.stdout.write(json.dumps(document, indent=2) + "\n")
         return 0 if best else 1
-    ranks = (f"{args.ranks} ranks" if args.tp * args.pp == 1 else
-             f"dp {args.ranks} x tp {args.tp} x pp {args.pp} ({est.format_count(problem.local_params)} parameters on "
-             "each rank before ZeRO)")
-    head = [f"{est.format_count(params)} parameters{f' ({args.model})' if args.model else ''}, {ranks}, "
-            f"{est.format_bytes(args.memory)} per rank, {problem.recipe.name} "
-            f"(K={problem.recipe.k}), interconnect {est.format_bytes(bandwidth)}/s ({source})",
-            f"activations and buffers: {est.format_bytes(activations)} per rank, {act_source}", ""]
+    ranks = (
+        f"{args.ranks} ranks"
+        if args.tp * args.pp == 1
+        else f"dp {args.ranks} x tp {args.tp} x pp {args.pp} ({est.format_count(problem.local_params)} parameters on "
+        "each rank before ZeRO)"
+    )
+    head = [
+        f"{est.format_count(params)} parameters{f' ({args.model})' if args.model else ''}, {ranks}, "
+        f"{est.format_bytes(args.memory)} per rank, {problem.recipe.name} "
+        f"(K={problem.recipe.k}), interconnect {est.format_bytes(bandwidth)}/s ({source})",
+        f"activations and buffers: {est.format_bytes(activations)} per rank, {act_source}",
+        "",
+    ]
     tail = ["", "DeepSpeed / zeroshard config: " + json.dumps(advise.ds_config(best))] if best else []
     if best and args.compute_time:
         comm = best.time_s - args.compute_time
-        tail.append(f"communication compute does not hide is ~{comm / best.time_s:.0%} of a predicted "
-                    f"{best.time_s:.2f} s step")
+        tail.append(
+            f"communication compute does not hide is ~{comm / best.time_s:.0%} of a predicted {best.time_s:.2f} s step"
+        )
     sys.stdout.write("\n".join(head + lines + tail) + "\n")
     return 0 if best else 1

@@ -1,4 +1,5 @@
 """`zeroshard bench`: ZeRO stages 0-3 (optionally offload variants and torch's own peers) side by side."""
+
 from __future__ import annotations
 
 import argparse
@@ -46,9 +47,11 @@ EXAMPLES = [
 
 # Defaults that differ by mode: a size sweep and the largest-model trials are kept short (their models are
 # 10-100x the default one), and a largest-model trial is exactly two optimizer steps.
-MODE_DEFAULTS = {"bench": {"seq_len": 128, "batch": 8, "steps": 10, "warmup": 3},
-                 "sweep": {"seq_len": 64, "batch": 2, "steps": 1, "warmup": 1},
-                 "max-model": {"seq_len": 64, "batch": 1, "steps": 2, "warmup": 0}}
+MODE_DEFAULTS = {
+    "bench": {"seq_len": 128, "batch": 8, "steps": 10, "warmup": 3},
+    "sweep": {"seq_len": 64, "batch": 2, "steps": 1, "warmup": 1},
+    "max-model": {"seq_len": 64, "batch": 1, "steps": 2, "warmup": 0},
+}
 MAX_MODEL_MEMORY = "1GiB"
 
 
@@ -105,8 +108,9 @@ def _configs(text: str) -> list[str]:
     keys = [k.strip() for k in text.split(",") if k.strip()]
     unknown = [k for k in keys if k not in CONFIGS]
     if not keys or unknown:
-        raise argparse.ArgumentTypeError(f"unknown configuration {', '.join(unknown) or repr(text)}; "
-                                         f"allowed: {','.join(CONFIGS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown configuration {', '.join(unknown) or repr(text)}; allowed: {','.join(CONFIGS)}"
+        )
     return list(dict.fromkeys(keys))
 
 
@@ -119,61 +123,132 @@ def _width(text: str) -> int:
     return value
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, size: int, seq_len: int | None, batch: int | None,
-                        mode_note: str = "") -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, size: int, seq_len: int | None, batch: int | None, mode_note: str = ""
+) -> None:
     """Flags shared by bench and train: the family member, sequence, batch (None: set by the mode)."""
     parser.add_argument("--ranks", type=_positive, default=2, metavar="N", help="local ranks (default: 2)")
-    parser.add_argument("--size", type=_positive, default=size, metavar="K",
-                        help=f"GPT family member: K layers, width 64K, K heads (default: {size}; 12 = GPT-2 small)")
-    parser.add_argument("--seq-len", type=_positive, default=seq_len, metavar="T",
-                        help=f"tokens per sample (default: {seq_len or MODE_DEFAULTS['bench']['seq_len']}{mode_note})")
-    parser.add_argument("--batch", type=_positive, default=batch, metavar="B",
-                        help=f"micro batch per rank (default: {batch or MODE_DEFAULTS['bench']['batch']}{mode_note})")
+    parser.add_argument(
+        "--size",
+        type=_positive,
+        default=size,
+        metavar="K",
+        help=f"GPT family member: K layers, width 64K, K heads (default: {size}; 12 = GPT-2 small)",
+    )
+    parser.add_argument(
+        "--seq-len",
+        type=_positive,
+        default=seq_len,
+        metavar="T",
+        help=f"tokens per sample (default: {seq_len or MODE_DEFAULTS['bench']['seq_len']}{mode_note})",
+    )
+    parser.add_argument(
+        "--batch",
+        type=_positive,
+        default=batch,
+        metavar="B",
+        help=f"micro batch per rank (default: {batch or MODE_DEFAULTS['bench']['batch']}{mode_note})",
+    )
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype (default: fp32)")
-    parser.add_argument("--threads", type=_positive, metavar="N", help="torch threads per rank (default: cores / ranks)")
+    parser.add_argument(
+        "--threads", type=_positive, metavar="N", help="torch threads per rank (default: cores / ranks)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default: 0)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(subparsers, "bench", summary="ZeRO stages side by side: time, memory, communication",
-                         description=DESCRIPTION, examples=EXAMPLES)
+    parser = add_command(
+        subparsers,
+        "bench",
+        summary="ZeRO stages side by side: time, memory, communication",
+        description=DESCRIPTION,
+        examples=EXAMPLES,
+    )
     note = "; --sweep, --max-model: see MODE DEFAULTS below"
     add_model_arguments(parser, size=4, seq_len=None, batch=None, mode_note=note)
     parser.add_argument("--stages", type=_stages, default=[0, 1, 2, 3], metavar="LIST", help="default: 0,1,2,3")
     parser.add_argument("--steps", type=_positive, help=f"timed steps per configuration (default: 10{note})")
     parser.add_argument("--warmup", type=int, help=f"untimed steps first (default: 3{note})")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
-    parser.add_argument("--clip", type=_clip, default=1.0, metavar="NORM",
-                        help="gradient clipping every system applies: zeroshard's and DeepSpeed's "
-                             "gradient_clipping, torch's clip_grad_norm_ for the torch peers (default: 1.0, "
-                             "the config default; 0: none)")
-    parser.add_argument("--offload", action="store_true",
-                        help="also run optimizer offload to CPU (stages 1-3) and parameter offload (stage 3)")
-    parser.add_argument("--peers", action="store_true",
-                        help="also run torch DDP, ZeroRedundancyOptimizer, FSDP2 fully_shard, DeepSpeed if installed")
+    parser.add_argument(
+        "--clip",
+        type=_clip,
+        default=1.0,
+        metavar="NORM",
+        help="gradient clipping every system applies: zeroshard's and DeepSpeed's "
+        "gradient_clipping, torch's clip_grad_norm_ for the torch peers (default: 1.0, "
+        "the config default; 0: none)",
+    )
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="also run optimizer offload to CPU (stages 1-3) and parameter offload (stage 3)",
+    )
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also run torch DDP, ZeroRedundancyOptimizer, FSDP2 fully_shard, DeepSpeed if installed",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true", help="peak memory per rank against parameters, per stage")
-    mode.add_argument("--max-model", action="store_true",
-                      help="the largest model that trains under a per-rank memory cap, tried, per stage and offload")
-    parser.add_argument("--sizes", type=_sizes, metavar="LIST",
-                        help="--sweep: family members k (k layers, width 64k) (default: 4,8,12,16)")
-    parser.add_argument("--memory", type=_bytes, metavar="SIZE",
-                        help=f"--max-model: the cap per rank, RLIMIT_DATA, process baseline included (default: "
-                             f"{MAX_MODEL_MEMORY})")
-    parser.add_argument("--configs", type=_configs, metavar="LIST",
-                        help="--max-model: among 0,1,2,3,3-cpu,3-nvme (default: all)")
-    parser.add_argument("--width", type=_width, default=256, metavar="D",
-                        help="--max-model: width of the searched GPT; layers are the size knob (default: 256)")
-    parser.add_argument("--max-layers", type=_positive, default=96, metavar="L",
-                        help="--max-model: the search ceiling in layers (default: 96)")
-    parser.add_argument("--nvme-path", type=Path, metavar="DIR",
-                        help="--max-model: where the NVMe configuration's swap files go (default: the temp dir)")
-    parser.add_argument("--out", type=Path, default=Path("bench_out"), metavar="DIR",
-                        help="where bench.txt, bench.json, bench.png go (default: bench_out)")
-    parser.add_argument("--timeout", type=float, default=3600.0, metavar="S",
-                        help="time limit of the whole run; the ranks are stopped when it runs out")
-    parser.epilog = (parser.epilog or "") + ("\n\nMODE DEFAULTS (--seq-len, --batch, --steps, --warmup):\n"
-                      + "\n".join(f"  {m}: {', '.join(f'{k}={v}' for k, v in d.items())}" for m, d in MODE_DEFAULTS.items()))
+    mode.add_argument(
+        "--max-model",
+        action="store_true",
+        help="the largest model that trains under a per-rank memory cap, tried, per stage and offload",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        metavar="LIST",
+        help="--sweep: family members k (k layers, width 64k) (default: 4,8,12,16)",
+    )
+    parser.add_argument(
+        "--memory",
+        type=_bytes,
+        metavar="SIZE",
+        help=f"--max-model: the cap per rank, RLIMIT_DATA, process baseline included (default: {MAX_MODEL_MEMORY})",
+    )
+    parser.add_argument(
+        "--configs", type=_configs, metavar="LIST", help="--max-model: among 0,1,2,3,3-cpu,3-nvme (default: all)"
+    )
+    parser.add_argument(
+        "--width",
+        type=_width,
+        default=256,
+        metavar="D",
+        help="--max-model: width of the searched GPT; layers are the size knob (default: 256)",
+    )
+    parser.add_argument(
+        "--max-layers",
+        type=_positive,
+        default=96,
+        metavar="L",
+        help="--max-model: the search ceiling in layers (default: 96)",
+    )
+    parser.add_argument(
+        "--nvme-path",
+        type=Path,
+        metavar="DIR",
+        help="--max-model: where the NVMe configuration's swap files go (default: the temp dir)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_out"),
+        metavar="DIR",
+        help="where bench.txt, bench.json, bench.png go (default: bench_out)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="time limit of the whole run; the ranks are stopped when it runs out",
+    )
+    parser.epilog = (parser.epilog or "") + (
+        "\n\nMODE DEFAULTS (--seq-len, --batch, --steps, --warmup):\n"
+        + "\n".join(f"  {m}: {', '.join(f'{k}={v}' for k, v in d.items())}" for m, d in MODE_DEFAULTS.items())
+    )
     parser.set_defaults(func=run)
 
 
@@ -189,17 +264,24 @@ def check_mode(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.warmup < 0:
         raise CommandError(f"--warmup must be >= 0, got {args.warmup}")
-    owners = {"--peers": ("bench", args.peers), "--offload": ("bench", args.offload),
-              "--sizes": ("sweep", args.sizes is not None), "--memory": ("max-model", args.memory is not None),
-              "--configs": ("max-model", args.configs is not None),
-              "--nvme-path": ("max-model", args.nvme_path is not None)}
+    owners = {
+        "--peers": ("bench", args.peers),
+        "--offload": ("bench", args.offload),
+        "--sizes": ("sweep", args.sizes is not None),
+        "--memory": ("max-model", args.memory is not None),
+        "--configs": ("max-model", args.configs is not None),
+        "--nvme-path": ("max-model", args.nvme_path is not None),
+    }
     for flag, (owner, given) in owners.items():
         if given and owner != mode:
-            raise CommandError(f"{flag} applies to {'the side-by-side bench' if owner == 'bench' else '--' + owner} "
-                               f"only, not to {'the side-by-side bench' if mode == 'bench' else '--' + mode}")
+            raise CommandError(
+                f"{flag} applies to {'the side-by-side bench' if owner == 'bench' else '--' + owner} "
+                f"only, not to {'the side-by-side bench' if mode == 'bench' else '--' + mode}"
+            )
     if mode == "max-model" and args.steps < 2:
-        raise CommandError(f"--max-model: --steps must be >= 2 (the first step creates the optimizer states), "
-                           f"got {args.steps}")
+        raise CommandError(
+            f"--max-model: --steps must be >= 2 (the first step creates the optimizer states), got {args.steps}"
+        )
     if args.nvme_path is not None and not args.nvme_path.is_dir():
         raise CommandError(f"--nvme-path {str(args.nvme_path)!r} is not a directory")
 
@@ -207,15 +289,27 @@ def check_mode(args: argparse.Namespace) -> None:
 def runs_for(args: argparse.Namespace) -> list[dict]:
     runs = [{"name": f"stage {s}", "kind": "zeroshard", "stage": s} for s in args.stages]
     if args.offload:
-        runs += [{"name": f"stage {s} +opt->cpu", "kind": "zeroshard", "stage": s, "offload_optimizer": "cpu"}
-                 for s in args.stages if s >= 1]
+        runs += [
+            {"name": f"stage {s} +opt->cpu", "kind": "zeroshard", "stage": s, "offload_optimizer": "cpu"}
+            for s in args.stages
+            if s >= 1
+        ]
         if 3 in args.stages:
-            runs.append({"name": "stage 3 +opt,param->cpu", "kind": "zeroshard", "stage": 3,
-                         "offload_optimizer": "cpu", "offload_param": "cpu"})
+            runs.append(
+                {
+                    "name": "stage 3 +opt,param->cpu",
+                    "kind": "zeroshard",
+                    "stage": 3,
+                    "offload_optimizer": "cpu",
+                    "offload_param": "cpu",
+                }
+            )
     if args.peers:
-        runs += [{"name": "torch DDP", "kind": "ddp", "stage": None},
-                 {"name": "torch ZeroRedundancyOpt", "kind": "torch-zero", "stage": None},
-                 {"name": "torch FSDP2", "kind": "fsdp2", "stage": None}]
+        runs += [
+            {"name": "torch DDP", "kind": "ddp", "stage": None},
+            {"name": "torch ZeroRedundancyOpt", "kind": "torch-zero", "stage": None},
+            {"name": "torch FSDP2", "kind": "fsdp2", "stage": None},
+        ]
         runs += [{"name": f"DeepSpeed stage {s}", "kind": "deepspeed", "stage": s} for s in args.stages]
     return runs
 
@@ -223,17 +317,49 @@ def runs_for(args: argparse.Namespace) -> list[dict]:
 def bench_spec(args: argparse.Namespace, runs: list[dict]) -> dict:
     from zeroshard.tools.bench import family
 
-    return {"size": args.size, "shape": family.gpt_shape(args.size, 0, args.seq_len), "batch": args.batch,
-            "lr": args.lr, "clip": args.clip, "seed": args.seed, "precision": args.precision,
-            "warmup": args.warmup, "steps": args.steps, "threads": args.threads, "runs": runs}
+    return {
+        "size": args.size,
+        "shape": family.gpt_shape(args.size, 0, args.seq_len),
+        "batch": args.batch,
+        "lr": args.lr,
+        "clip": args.clip,
+        "seed": args.seed,
+        "precision": args.precision,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "threads": args.threads,
+        "runs": runs,
+    }
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The command with every effective value spelled out, so a result says exactly how it was made."""
-    parts = ["zeroshard", "bench", "--ranks", args.ranks, "--size", args.size, "--seq-len", args.seq_len,
-             "--batch", args.batch, "--precision", args.precision, "--stages", ",".join(map(str, args.stages)),
-             "--steps", args.steps, "--warmup", args.warmup, "--seed", args.seed, "--lr", args.lr,
-             "--clip", args.clip]
+    parts = [
+        "zeroshard",
+        "bench",
+        "--ranks",
+        args.ranks,
+        "--size",
+        args.size,
+        "--seq-len",
+        args.seq_len,
+        "--batch",
+        args.batch,
+        "--precision",
+        args.precision,
+        "--stages",
+        ",".join(map(str, args.stages)),
+        "--steps",
+        args.steps,
+        "--warmup",
+        args.warmup,
+        "--seed",
+        args.seed,
+        "--lr",
+        args.lr,
+        "--clip",
+        args.clip,
+    ]
     parts += ["--threads", args.threads] if args.threads else []
     parts += ["--offload"] * args.offload + ["--peers"] * args.peers + ["--out", args.out]
     return shlex.join(str(p) for p in parts)
@@ -241,15 +367,45 @@ def command_line(args: argparse.Namespace) -> str:
 
 def mode_command_line(args: argparse.Namespace) -> str:
     """`--sweep` / `--max-model` with every effective value spelled out."""
-    parts = ["zeroshard", "bench", f"--{mode_of(args)}", "--ranks", args.ranks, "--seq-len", args.seq_len,
-             "--batch", args.batch, "--precision", args.precision, "--steps", args.steps, "--seed", args.seed,
-             "--lr", args.lr]
+    parts = [
+        "zeroshard",
+        "bench",
+        f"--{mode_of(args)}",
+        "--ranks",
+        args.ranks,
+        "--seq-len",
+        args.seq_len,
+        "--batch",
+        args.batch,
+        "--precision",
+        args.precision,
+        "--steps",
+        args.steps,
+        "--seed",
+        args.seed,
+        "--lr",
+        args.lr,
+    ]
     if args.sweep:
-        parts += ["--warmup", args.warmup, "--stages", ",".join(map(str, args.stages)),
-                  "--sizes", ",".join(map(str, args.sizes))]
+        parts += [
+            "--warmup",
+            args.warmup,
+            "--stages",
+            ",".join(map(str, args.stages)),
+            "--sizes",
+            ",".join(map(str, args.sizes)),
+        ]
     else:
-        parts += ["--memory", args.memory, "--configs", ",".join(args.configs), "--width", args.width,
-                  "--max-layers", args.max_layers] + (["--nvme-path", args.nvme_path] if args.nvme_path else [])
+        parts += [
+            "--memory",
+            args.memory,
+            "--configs",
+            ",".join(args.configs),
+            "--width",
+            args.width,
+            "--max-layers",
+            args.max_layers,
+        ] + (["--nvme-path", args.nvme_path] if args.nvme_path else [])
     parts += (["--threads", args.threads] if args.threads else []) + ["--out", args.out]
     return shlex.join(str(p) for p in parts)
 
@@ -270,14 +426,21 @@ class StepBars:
             known = event["run"] != "process warm-up"
             self.index += known
             prefix = f"[{self.index}/{self.total_runs}] " if known else ""
-            self.bar = self._tqdm(total=event["total"], desc=f"{prefix}{event['run']}", unit="step",
-                                  leave=False, file=sys.stderr, disable=None)
+            self.bar = self._tqdm(
+                total=event["total"],
+                desc=f"{prefix}{event['run']}",
+                unit="step",
+                leave=False,
+                file=sys.stderr,
+                disable=None,
+            )
             if self.bar.disable and known:  # not a terminal: a log line per configuration instead
                 log.info("%srunning %s", prefix, event["run"])
         elif event["event"] == "step" and self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{event['loss']:.3f}", **({"ms": f"{event['step_s'] * 1e3:.0f}"}
-                                                                  if "step_s" in event else {}))
+            self.bar.set_postfix(
+                loss=f"{event['loss']:.3f}", **({"ms": f"{event['step_s'] * 1e3:.0f}"} if "step_s" in event else {})
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -293,8 +456,14 @@ def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     runs = runs_for(args)
     bars = StepBars(3 * len(runs))
     try:
-        result = separate.run_configurations(runs, bench_spec(args, runs), args.ranks, on_progress=bars,
-                                             timeout_s=args.timeout, threads_per_rank=args.threads)
+        result = separate.run_configurations(
+            runs,
+            bench_spec(args, runs),
+            args.ranks,
+            on_progress=bars,
+            timeout_s=args.timeout,
+            threads_per_rank=args.threads,
+        )
     finally:
         bars.close()
     return result, report.summarize(result)
@@ -303,10 +472,15 @@ def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict]]:
 def machine_info(torch_version: str) -> dict:
     import psutil
 
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch_version,
-            "cpus": psutil.cpu_count(), "cpu_model": platform.processor() or _cpu_model(),
-            "memory_bytes": psutil.virtual_memory().total,
-            "load_average_after": list(os.getloadavg())}  # other work on the machine skews step times
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "cpus": psutil.cpu_count(),
+        "cpu_model": platform.processor() or _cpu_model(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "load_average_after": list(os.getloadavg()),
+    }  # other work on the machine skews step times
 
 
 def _cpu_model() -> str:
@@ -322,14 +496,21 @@ def _cpu_model() -> str:
 def write_outputs(args: argparse.Namespace, result: dict, rows: list[dict], table: str) -> list[Path]:
     args.out.mkdir(parents=True, exist_ok=True)
     machine = machine_info(result["torch"])
-    document = {"command": command_line(args), "machine": machine, "memory_method": result["memory_method"],
-                "rows": rows, "raw": result}
+    document = {
+        "command": command_line(args),
+        "machine": machine,
+        "memory_method": result["memory_method"],
+        "rows": rows,
+        "raw": result,
+    }
     written = [args.out / "bench.json", args.out / "bench.txt"]
     written[0].write_text(json.dumps(document, indent=2))
     load = ", ".join(f"{v:.1f}" for v in machine["load_average_after"])
-    written[1].write_text(f"$ {command_line(args)}\n\n{table}\nmachine: {machine['cpus']} CPUs, "
-                          f"{est.format_bytes(machine['memory_bytes'])}, torch {machine['torch']}; load average "
-                          f"(1, 5, 15 min) after the run: {load}\n")
+    written[1].write_text(
+        f"$ {command_line(args)}\n\n{table}\nmachine: {machine['cpus']} CPUs, "
+        f"{est.format_bytes(machine['memory_bytes'])}, torch {machine['torch']}; load average "
+        f"(1, 5, 15 min) after the run: {load}\n"
+    )
     from zeroshard.tools.bench.plot import write_chart
 
     title = table.splitlines()[0].replace("zeroshard bench: ", "")
@@ -364,15 +545,22 @@ def run_sweep(args: argparse.Namespace) -> int:
     spec = {**bench_spec(args, runs), "size": max(args.sizes)}
     bars = StepBars(len(runs))
     try:
-        result = launch("zeroshard.tools.bench.worker", spec, args.ranks, on_progress=bars, timeout_s=args.timeout,
-                        threads_per_rank=args.threads)
+        result = launch(
+            "zeroshard.tools.bench.worker",
+            spec,
+            args.ranks,
+            on_progress=bars,
+            timeout_s=args.timeout,
+            threads_per_rank=args.threads,
+        )
     finally:
         bars.close()
     points = sweep.summarize(result)
     command = mode_command_line(args)
     written = sweep.write_outputs(args.out, result, points, command, machine_info(result["torch"]))
-    sys.stdout.write(sweep.format_table(result, points, command) + "\n\nwrote "
-                     + ", ".join(str(p) for p in written) + "\n")
+    sys.stdout.write(
+        sweep.format_table(result, points, command) + "\n\nwrote " + ", ".join(str(p) for p in written) + "\n"
+    )
     return 0
 
 
@@ -382,8 +570,10 @@ def run_max_model(args: argparse.Namespace) -> int:
     from zeroshard.tools.bench import maxmodel
 
     if torch.cuda.is_available():  # the ranks would compute on the GPUs, whose memory RLIMIT_DATA does not bound
-        raise CommandError("--max-model caps the process memory of CPU ranks (RLIMIT_DATA); on a GPU machine "
-                           "run it with CUDA_VISIBLE_DEVICES= to measure the CPU case")
+        raise CommandError(
+            "--max-model caps the process memory of CPU ranks (RLIMIT_DATA); on a GPU machine "
+            "run it with CUDA_VISIBLE_DEVICES= to measure the CPU case"
+        )
     args.memory = args.memory or est.parse_bytes(MAX_MODEL_MEMORY)
     args.configs = args.configs or list(maxmodel.CONFIGS)
     spec = maxmodel.trial_spec(args)
@@ -391,10 +581,15 @@ def run_max_model(args: argparse.Namespace) -> int:
     rows = []
     for i, key in enumerate(args.configs, 1):
         log.info("[%d/%d] %s", i, len(args.configs), maxmodel.CONFIGS[key]["name"])
-        rows.append(maxmodel.search(spec, key, args.ranks, args.max_layers, args.timeout, args.threads,
-                                    args.nvme_path))
-    document = {"command": mode_command_line(args), "machine": machine_info(torch.__version__),
-                "ranks": args.ranks, "spec": spec, "rows": rows, "wall_s": time.perf_counter() - started}
+        rows.append(maxmodel.search(spec, key, args.ranks, args.max_layers, args.timeout, args.threads, args.nvme_path))
+    document = {
+        "command": mode_command_line(args),
+        "machine": machine_info(torch.__version__),
+        "ranks": args.ranks,
+        "spec": spec,
+        "rows": rows,
+        "wall_s": time.perf_counter() - started,
+    }
     written = maxmodel.write_outputs(args.out, document)
     sys.stdout.write(maxmodel.format_table(document) + "\n\nwrote " + ", ".join(str(p) for p in written) + "\n")
     return 0

@@ -1,4 +1,5 @@
 """`zeroshard consolidate`: a sharded checkpoint -> one full state dict file, streamed unit by unit."""
+
 from __future__ import annotations
 
 import argparse
@@ -31,15 +32,28 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(subparsers, "consolidate", summary="sharded checkpoint -> one full state dict file",
-                         description=DESCRIPTION, examples=EXAMPLES)
+    parser = add_command(
+        subparsers,
+        "consolidate",
+        summary="sharded checkpoint -> one full state dict file",
+        description=DESCRIPTION,
+        examples=EXAMPLES,
+    )
     parser.add_argument("checkpoint", metavar="CKPT_DIR", help="save_dir of save_checkpoint, or one checkpoint")
     parser.add_argument("output", metavar="OUT", help="output file (.safetensors, or .pt/.bin for torch.save)")
     parser.add_argument("--tag", help="checkpoint tag inside CKPT_DIR (default: the one 'latest' names)")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="fp32",
-                        help="dtype of the parameters written (default: fp32, the master weights as they are)")
-    parser.add_argument("--format", choices=["safetensors", "pt"], dest="fmt",
-                        help="output format (default: from OUT's suffix, safetensors unless .pt/.pth/.bin)")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="fp32",
+        help="dtype of the parameters written (default: fp32, the master weights as they are)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=["safetensors", "pt"],
+        dest="fmt",
+        help="output format (default: from OUT's suffix, safetensors unless .pt/.pth/.bin)",
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 checks of the shard files")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -52,15 +66,24 @@ def run(args: argparse.Namespace) -> int:
     from zeroshard.checkpoint import CheckpointError, consolidate
 
     try:
-        summary = consolidate(args.checkpoint, args.output, tag=args.tag, dtype=getattr(torch, DTYPES[args.dtype]),
-                              fmt=args.fmt, verify=not args.no_verify, progress=not args.quiet)
+        summary = consolidate(
+            args.checkpoint,
+            args.output,
+            tag=args.tag,
+            dtype=getattr(torch, DTYPES[args.dtype]),
+            fmt=args.fmt,
+            verify=not args.no_verify,
+            progress=not args.quiet,
+        )
     except CheckpointError as error:
         raise CommandError(str(error)) from None
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:
-        sys.stdout.write(f"wrote {summary['output']}: {summary['tensors']} tensors, "
-                         f"{summary['bytes'] / 1e6:.1f} MB "
-                         f"({summary['format']}, {args.dtype}) from {summary['checkpoint']} in "
-                         f"{summary['seconds']:.1f} s\n")
+        sys.stdout.write(
+            f"wrote {summary['output']}: {summary['tensors']} tensors, "
+            f"{summary['bytes'] / 1e6:.1f} MB "
+            f"({summary['format']}, {args.dtype}) from {summary['checkpoint']} in "
+            f"{summary['seconds']:.1f} s\n"
+        )
     return 0

@@ -1,4 +1,5 @@
 """`zeroshard convert`: a DeepSpeed ZeRO checkpoint -> a zeroshard checkpoint."""
+
 from __future__ import annotations
 
 import argparse
@@ -24,12 +25,16 @@ EXAMPLES = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(subparsers, "convert", summary="DeepSpeed ZeRO checkpoint -> zeroshard checkpoint",
-                         description=DESCRIPTION, examples=EXAMPLES)
+    parser = add_command(
+        subparsers,
+        "convert",
+        summary="DeepSpeed ZeRO checkpoint -> zeroshard checkpoint",
+        description=DESCRIPTION,
+        examples=EXAMPLES,
+    )
     parser.add_argument("checkpoint", metavar="DS_DIR", help="DeepSpeed's save_dir, or one of its tag directories")
     parser.add_argument("output", metavar="OUT_DIR", help="save_dir of the zeroshard checkpoint to write")
-    parser.add_argument("--tag", help="DeepSpeed tag to convert (default: the one 'latest' names); also the "
-                                      "output tag")
+    parser.add_argument("--tag", help="DeepSpeed tag to convert (default: the one 'latest' names); also the output tag")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
 
@@ -42,16 +47,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = find(args.checkpoint, args.tag)
         if path is None:
-            raise CheckpointError(f"{args.checkpoint}: no DeepSpeed checkpoint there (no 'latest' naming a tag "
-                                  "directory with mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_"
-                                  "states.pt, and --tag not given or not found)")
+            raise CheckpointError(
+                f"{args.checkpoint}: no DeepSpeed checkpoint there (no 'latest' naming a tag "
+                "directory with mp_rank_00_model_states.pt or zero_pp_rank_0_mp_rank_00_model_"
+                "states.pt, and --tag not given or not found)"
+            )
         summary = convert_deepspeed(path, args.output, tag=args.tag)
     except CheckpointError as error:
         raise CommandError(str(error)) from None
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
     else:
-        sys.stdout.write(f"wrote {summary['output']}: {summary['parameters']} parameters from {summary['checkpoint']} "
-                         f"(DeepSpeed, stage {summary['deepspeed_stage']}, {summary['deepspeed_world_size']} ranks, "
-                         f"step {summary['global_steps']}) in {summary['seconds']:.1f} s\n")
+        sys.stdout.write(
+            f"wrote {summary['output']}: {summary['parameters']} parameters from {summary['checkpoint']} "
+            f"(DeepSpeed, stage {summary['deepspeed_stage']}, {summary['deepspeed_world_size']} ranks, "
+            f"step {summary['global_steps']}) in {summary['seconds']:.1f} s\n"
+        )
     return 0

@@ -1,4 +1,5 @@
 """`zeroshard estimate`: ZeRO's memory table (arXiv 1910.02054 §5, Figure 1) for a parameter count or a model."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,39 +27,92 @@ EXAMPLES = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(subparsers, "estimate", summary="model-state memory and communication per ZeRO stage",
-                         description=DESCRIPTION, examples=EXAMPLES)
+    parser = add_command(
+        subparsers,
+        "estimate",
+        summary="model-state memory and communication per ZeRO stage",
+        description=DESCRIPTION,
+        examples=EXAMPLES,
+    )
     size = parser.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", type=bounded(est.parse_count, 1), metavar="N",
-                      help="parameter count: 7.5e9, 7.5B, 350M")
-    size.add_argument("--model", metavar="NAME_OR_JSON",
-                      help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json")
-    parser.add_argument("--ranks", type=bounded(int, 1), default=None, metavar="N",
-                        help="data-parallel ranks (default: 1)")
+    size.add_argument(
+        "--params", type=bounded(est.parse_count, 1), metavar="N", help="parameter count: 7.5e9, 7.5B, 350M"
+    )
+    size.add_argument(
+        "--model",
+        metavar="NAME_OR_JSON",
+        help=f"built-in model ({', '.join(est.BUILTIN_MODELS)}) or a HuggingFace config.json",
+    )
+    parser.add_argument(
+        "--ranks", type=bounded(int, 1), default=None, metavar="N", help="data-parallel ranks (default: 1)"
+    )
     parser.add_argument("--dp", type=bounded(int, 1), metavar="N", help="data-parallel ranks (same as --ranks)")
-    parser.add_argument("--tp", type=bounded(int, 1), default=1, metavar="N",
-                        help="tensor-parallel ranks: parameters split over tp before ZeRO (default: 1)")
-    parser.add_argument("--pp", type=bounded(int, 1), default=1, metavar="N",
-                        help="pipeline stages: layers split over pp before ZeRO (default: 1)")
-    parser.add_argument("--tokens", type=bounded(int, 1), metavar="N",
-                        help="tokens per micro-batch and rank (batch x sequence), for tp/pp traffic; "
-                             "needs a built-in --model (hidden size, layers)")
-    parser.add_argument("--micro-batches", type=bounded(int, 1), default=1, metavar="N",
-                        help="micro-batches per step (pipeline / accumulation), for tp/pp traffic (default: 1)")
-    parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16",
-                        help="compute dtype; bf16/fp16 keep fp32 master weights (default: bf16)")
-    parser.add_argument("--optimizer", choices=list(est.OPTIMIZER_STATES), default="adam",
-                        help="sets K, the optimizer bytes per parameter (default: adam, K=12 mixed)")
-    parser.add_argument("--k", type=bounded(int, 0), metavar="BYTES",
-                        help="override K, optimizer-state bytes per parameter (incl. fp32 master copy)")
-    parser.add_argument("--offload-optimizer", choices=list(est.OFFLOAD_TARGETS),
-                        help="ZeRO-Offload: optimizer states and their fp32 gradients off the device")
-    parser.add_argument("--offload-param", choices=list(est.OFFLOAD_TARGETS),
-                        help="stage 3 only: the parameter shard off the device")
-    parser.add_argument("--memory", type=bounded(est.parse_bytes, 1), metavar="SIZE",
-                        help="device memory per rank (32GiB, 80GB, 1.5e10): adds the largest model that fits")
-    parser.add_argument("--cpu-memory", type=bounded(est.parse_bytes, 1), metavar="SIZE",
-                        help="host memory per rank bounding CPU offload in the largest-model column")
+    parser.add_argument(
+        "--tp",
+        type=bounded(int, 1),
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks: parameters split over tp before ZeRO (default: 1)",
+    )
+    parser.add_argument(
+        "--pp",
+        type=bounded(int, 1),
+        default=1,
+        metavar="N",
+        help="pipeline stages: layers split over pp before ZeRO (default: 1)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=bounded(int, 1),
+        metavar="N",
+        help="tokens per micro-batch and rank (batch x sequence), for tp/pp traffic; "
+        "needs a built-in --model (hidden size, layers)",
+    )
+    parser.add_argument(
+        "--micro-batches",
+        type=bounded(int, 1),
+        default=1,
+        metavar="N",
+        help="micro-batches per step (pipeline / accumulation), for tp/pp traffic (default: 1)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=list(est.PRECISIONS),
+        default="bf16",
+        help="compute dtype; bf16/fp16 keep fp32 master weights (default: bf16)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=list(est.OPTIMIZER_STATES),
+        default="adam",
+        help="sets K, the optimizer bytes per parameter (default: adam, K=12 mixed)",
+    )
+    parser.add_argument(
+        "--k",
+        type=bounded(int, 0),
+        metavar="BYTES",
+        help="override K, optimizer-state bytes per parameter (incl. fp32 master copy)",
+    )
+    parser.add_argument(
+        "--offload-optimizer",
+        choices=list(est.OFFLOAD_TARGETS),
+        help="ZeRO-Offload: optimizer states and their fp32 gradients off the device",
+    )
+    parser.add_argument(
+        "--offload-param", choices=list(est.OFFLOAD_TARGETS), help="stage 3 only: the parameter shard off the device"
+    )
+    parser.add_argument(
+        "--memory",
+        type=bounded(est.parse_bytes, 1),
+        metavar="SIZE",
+        help="device memory per rank (32GiB, 80GB, 1.5e10): adds the largest model that fits",
+    )
+    parser.add_argument(
+        "--cpu-memory",
+        type=bounded(est.parse_bytes, 1),
+        metavar="SIZE",
+        help="host memory per rank bounding CPU offload in the largest-model column",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -70,24 +124,33 @@ def _stage_row(args: argparse.Namespace, params: int, stage: int, rec: est.Recip
     if reason is not None:  # e.g. offload_param below stage 3: that row is n/a, the others still count
         return {**row, "error": reason}
     state = est.mesh_state_bytes(params, args.layout, stage, rec, replicated=args.replicated, **offload)
-    row.update(params_bytes=state.params, grads_bytes=state.grads, optimizer_bytes=state.optimizer,
-               total_bytes=state.total, offloaded_cpu_bytes=state.offloaded_cpu,
-               offloaded_nvme_bytes=state.offloaded_nvme,
-               comm_elements=est.comm_elements_per_step(params, stage),
-               comm_bytes=est.comm_bytes_per_step(params, stage, rec.param_bytes),
-               ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes))
+    row.update(
+        params_bytes=state.params,
+        grads_bytes=state.grads,
+        optimizer_bytes=state.optimizer,
+        total_bytes=state.total,
+        offloaded_cpu_bytes=state.offloaded_cpu,
+        offloaded_nvme_bytes=state.offloaded_nvme,
+        comm_elements=est.comm_elements_per_step(params, stage),
+        comm_bytes=est.comm_bytes_per_step(params, stage, rec.param_bytes),
+        ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(params, args.ranks, stage, rec.param_bytes),
+    )
     if args.layout.model_parallel > 1:  # ZeRO's volume is that of the rank's model-parallel part
         local = est.local_params(params, args.layout, args.replicated)
-        row.update(local_params=local, comm_elements=est.comm_elements_per_step(local, stage),
-                   comm_bytes=est.comm_bytes_per_step(local, stage, rec.param_bytes),
-                   ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(local, args.ranks, stage, rec.param_bytes),
-                   comm_bytes_per_dim=est.mesh_comm_bytes(params, args.layout, stage, rec.param_bytes,
-                                                          replicated=args.replicated,
-                                                          activations=args.activations))
+        row.update(
+            local_params=local,
+            comm_elements=est.comm_elements_per_step(local, stage),
+            comm_bytes=est.comm_bytes_per_step(local, stage, rec.param_bytes),
+            ring_bytes_sent_per_rank=est.ring_bytes_sent_per_rank(local, args.ranks, stage, rec.param_bytes),
+            comm_bytes_per_dim=est.mesh_comm_bytes(
+                params, args.layout, stage, rec.param_bytes, replicated=args.replicated, activations=args.activations
+            ),
+        )
     if args.memory is not None:
         try:
             row["largest_params"] = args.layout.model_parallel * est.largest_model(
-                args.memory, args.ranks, stage, rec, **offload, cpu_bytes=args.cpu_memory)
+                args.memory, args.ranks, stage, rec, **offload, cpu_bytes=args.cpu_memory
+            )
         except ValueError:  # every model state is offloaded and no host budget bounds it
             row["largest_params"] = None
     return row
@@ -104,8 +167,9 @@ def _mesh(args: argparse.Namespace) -> None:
     args.activations = None
     if args.tokens is not None:
         if spec is None:
-            raise CommandError("--tokens needs a built-in --model (its hidden size and layer count): "
-                               + ", ".join(est.BUILTIN_MODELS))
+            raise CommandError(
+                "--tokens needs a built-in --model (its hidden size and layer count): " + ", ".join(est.BUILTIN_MODELS)
+            )
         args.activations = est.Activations(args.tokens, spec.n_embd, spec.n_layer, args.micro_batches)
 
 
@@ -113,19 +177,35 @@ def _result(args: argparse.Namespace) -> dict:
     params = params_from_args(args)
     _mesh(args)
     rec = est.recipe(args.precision, args.optimizer, args.k)  # argparse has validated every input
-    return {"params": params, "model": args.model, "ranks": args.ranks,
-            "mesh": {"dp": args.layout.dp, "tp": args.layout.tp, "pp": args.layout.pp,
-                     "replicated_params": args.replicated},
-            "recipe": {"name": rec.name, "param_bytes": rec.param_bytes, "grad_bytes": rec.grad_bytes, "k": rec.k},
-            "offload_optimizer": args.offload_optimizer, "offload_param": args.offload_param,
-            "memory_bytes": args.memory, "cpu_memory_bytes": args.cpu_memory,
-            "stages": [_stage_row(args, params, stage, rec) for stage in range(4)]}
+    return {
+        "params": params,
+        "model": args.model,
+        "ranks": args.ranks,
+        "mesh": {
+            "dp": args.layout.dp,
+            "tp": args.layout.tp,
+            "pp": args.layout.pp,
+            "replicated_params": args.replicated,
+        },
+        "recipe": {"name": rec.name, "param_bytes": rec.param_bytes, "grad_bytes": rec.grad_bytes, "k": rec.k},
+        "offload_optimizer": args.offload_optimizer,
+        "offload_param": args.offload_param,
+        "memory_bytes": args.memory,
+        "cpu_memory_bytes": args.cpu_memory,
+        "stages": [_stage_row(args, params, stage, rec) for stage in range(4)],
+    }
 
 
 def _columns(result: dict) -> list[tuple[str, str]]:
     """(header, row key) of the table, offload and largest-model columns only when they carry something."""
-    columns = [("stage", "stage"), ("sharded", "sharded"), ("params", "params_bytes"), ("grads", "grads_bytes"),
-               ("optimizer", "optimizer_bytes"), ("total/rank", "total_bytes")]
+    columns = [
+        ("stage", "stage"),
+        ("sharded", "sharded"),
+        ("params", "params_bytes"),
+        ("grads", "grads_bytes"),
+        ("optimizer", "optimizer_bytes"),
+        ("total/rank", "total_bytes"),
+    ]
     if result["offload_optimizer"] == "cpu" or result["offload_param"] == "cpu":
         columns.append(("on cpu", "offloaded_cpu_bytes"))
     if result["offload_optimizer"] == "nvme" or result["offload_param"] == "nvme":
@@ -150,14 +230,22 @@ def format_table(result: dict) -> str:
     rec, columns = result["recipe"], _columns(result)
     source = f" ({result['model']})" if result["model"] else ""
     mesh = result["mesh"]
-    ranks = (f"{result['ranks']} ranks" if mesh["tp"] * mesh["pp"] == 1 else
-             f"dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} (ZeRO over dp of each rank's "
-             f"{est.format_count(result['stages'][0].get('local_params', result['params']))} parameters)")
-    lines = [f"ZeRO model states per rank: {est.format_count(result['params'])} parameters{source}, "
-             f"{ranks}, {rec['name']} "
-             f"({rec['param_bytes']} + {rec['grad_bytes']} + K={rec['k']} bytes per parameter)"]
-    offload = [f"{name} -> {result[key]}" for name, key in
-               (("optimizer", "offload_optimizer"), ("params", "offload_param")) if result[key]]
+    ranks = (
+        f"{result['ranks']} ranks"
+        if mesh["tp"] * mesh["pp"] == 1
+        else f"dp {mesh['dp']} x tp {mesh['tp']} x pp {mesh['pp']} (ZeRO over dp of each rank's "
+        f"{est.format_count(result['stages'][0].get('local_params', result['params']))} parameters)"
+    )
+    lines = [
+        f"ZeRO model states per rank: {est.format_count(result['params'])} parameters{source}, "
+        f"{ranks}, {rec['name']} "
+        f"({rec['param_bytes']} + {rec['grad_bytes']} + K={rec['k']} bytes per parameter)"
+    ]
+    offload = [
+        f"{name} -> {result[key]}"
+        for name, key in (("optimizer", "offload_optimizer"), ("params", "offload_param"))
+        if result[key]
+    ]
     if offload:
         lines.append("offload: " + ", ".join(offload) + "; params/grads/optimizer/total are device bytes")
     if result["memory_bytes"] is not None:
@@ -172,8 +260,10 @@ def format_table(result: dict) -> str:
     for line in cells:  # text columns left-aligned, sizes right-aligned
         lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
     lines.append("")
-    lines.append(f"comm/step: paper convention (§7: all-reduce of Ψ = 2Ψ, stage 3 = 3Ψ) in "
-                 f"{rec['param_bytes']}-byte elements; a ring sends (N-1)/N of it per rank.")
+    lines.append(
+        f"comm/step: paper convention (§7: all-reduce of Ψ = 2Ψ, stage 3 = 3Ψ) in "
+        f"{rec['param_bytes']}-byte elements; a ring sends (N-1)/N of it per rank."
+    )
     reasons: dict[str, list[str]] = {}
     for row in result["stages"]:
         if "error" in row:
@@ -187,10 +277,14 @@ def _per_dimension(result: dict) -> list[str]:
     rows = [r for r in result["stages"] if "comm_bytes_per_dim" in r]
     if not rows:
         return []
+
     def cell(value):
         return "needs --model and --tokens" if value is None else est.format_bytes(value)
-    lines = ["comm/step per rank and mesh dimension (dp: ZeRO; tp: Megatron's 4 activation all-reduces "
-             "per layer; pp: activations and their gradients at stage boundaries):"]
+
+    lines = [
+        "comm/step per rank and mesh dimension (dp: ZeRO; tp: Megatron's 4 activation all-reduces "
+        "per layer; pp: activations and their gradients at stage boundaries):"
+    ]
     for row in rows:
         dims = row["comm_bytes_per_dim"]
         lines.append(f"  stage {row['stage']}: " + ", ".join(f"{d} {cell(dims[d])}" for d in ("dp", "tp", "pp")))
@@ -201,4 +295,3 @@ def run(args: argparse.Namespace) -> int:
     result = _result(args)
     sys.stdout.write((json.dumps(result, indent=2) if args.json else format_table(result)) + "\n")
     return 0
-

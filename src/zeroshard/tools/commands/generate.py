@@ -1,4 +1,5 @@
 """`zeroshard generate`: ZeRO-Inference from a Hugging Face checkpoint, weights streamed from CPU or NVMe."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,22 +33,41 @@ EXAMPLES = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(subparsers, "generate", summary="generate with a model larger than memory (ZeRO-Inference)",
-                         description=DESCRIPTION, examples=EXAMPLES)
+    parser = add_command(
+        subparsers,
+        "generate",
+        summary="generate with a model larger than memory (ZeRO-Inference)",
+        description=DESCRIPTION,
+        examples=EXAMPLES,
+    )
     parser.add_argument("model", metavar="MODEL_DIR", type=Path, help="a save_pretrained() directory (safetensors)")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the tokenizer files in MODEL_DIR or --tokenizer)")
     prompt.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, comma separated (no tokenizer needed)")
     parser.add_argument("--tokenizer", type=Path, help="tokenizer directory (default: MODEL_DIR)")
-    parser.add_argument("--max-new-tokens", type=bounded(int, 1), default=32, metavar="N",
-                        help="tokens to generate (default: 32)")
-    parser.add_argument("--batch-size", type=bounded(int, 1), default=1, metavar="B",
-                        help="copies of the prompt generated together (default: 1)")
-    parser.add_argument("--offload", choices=("cpu", "nvme"), default=None,
-                        help="where the weights live (default: cpu, or the --config's offload_param)")
+    parser.add_argument(
+        "--max-new-tokens", type=bounded(int, 1), default=32, metavar="N", help="tokens to generate (default: 32)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=bounded(int, 1),
+        default=1,
+        metavar="B",
+        help="copies of the prompt generated together (default: 1)",
+    )
+    parser.add_argument(
+        "--offload",
+        choices=("cpu", "nvme"),
+        default=None,
+        help="where the weights live (default: cpu, or the --config's offload_param)",
+    )
     parser.add_argument("--nvme-path", metavar="DIR", help="directory of the NVMe store (with --offload nvme)")
-    parser.add_argument("--config", type=Path, metavar="JSON",
-                        help="DeepSpeed config (zero_optimization stage 3, offload_param, bf16/fp16, ...)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="JSON",
+        help="DeepSpeed config (zero_optimization stage 3, offload_param, bf16/fp16, ...)",
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
     parser.add_argument("--temperature", type=bounded(float, 0.0, inclusive=False), default=None)
@@ -66,8 +86,10 @@ def build_config(args: argparse.Namespace) -> dict:
         raise CommandError(f"--config {args.config}: {error}") from None
     zero = dict(config.get("zero_optimization") or {})
     if zero.get("stage", 3) != 3:
-        raise CommandError(f"--config: zero_optimization.stage is {zero['stage']}; ZeRO-Inference streams stage-3 "
-                           "parameter shards, so the stage must be 3 (or left out)")
+        raise CommandError(
+            f"--config: zero_optimization.stage is {zero['stage']}; ZeRO-Inference streams stage-3 "
+            "parameter shards, so the stage must be 3 (or left out)"
+        )
     zero["stage"] = 3
     offload = dict(zero.get("offload_param") or {})
     if args.offload is not None:
@@ -91,7 +113,9 @@ def _prompt_ids(args: argparse.Namespace):
         try:
             ids = [int(token) for token in args.prompt_ids.split(",")]
         except ValueError:
-            raise CommandError(f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,6,7") from None
+            raise CommandError(
+                f"--prompt-ids {args.prompt_ids!r}: give integers separated by commas, e.g. 5,6,7"
+            ) from None
         return torch.tensor([ids] * args.batch_size), None
     from transformers import AutoTokenizer
 
@@ -99,8 +123,9 @@ def _prompt_ids(args: argparse.Namespace):
     try:
         tokenizer = AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as error:
-        raise CommandError(f"--prompt needs a tokenizer and {where} has none ({error}); give --tokenizer DIR "
-                           "or --prompt-ids") from None
+        raise CommandError(
+            f"--prompt needs a tokenizer and {where} has none ({error}); give --tokenizer DIR or --prompt-ids"
+        ) from None
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids  # (1, T)
     return ids.repeat(args.batch_size, 1), tokenizer
 
@@ -120,17 +145,22 @@ def run(args: argparse.Namespace) -> int:
     vocab = cast(Any, engine.module).config.vocab_size  # a Hugging Face model's config
     if int(prompt.max()) >= vocab or int(prompt.min()) < 0:
         raise CommandError(f"prompt ids must lie in [0, {vocab}) for this model, got {prompt[0].tolist()}")
-    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                  attention_mask=torch.ones_like(prompt))
+    kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, attention_mask=torch.ones_like(prompt))
     kwargs.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k)) if v is not None})
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     tokens = engine.generate(prompt, **kwargs)
     seconds = time.perf_counter() - started
     new = tokens.shape[1] - prompt.shape[1]
-    report = {"tokens": tokens.tolist(), "new_tokens": new, "batch_size": args.batch_size, "seconds": seconds,
-              "tokens_per_s": new * args.batch_size / seconds, "ranks": engine.world_size,
-              "store": config["zero_optimization"]["offload_param"]["device"]}
+    report = {
+        "tokens": tokens.tolist(),
+        "new_tokens": new,
+        "batch_size": args.batch_size,
+        "seconds": seconds,
+        "tokens_per_s": new * args.batch_size / seconds,
+        "ranks": engine.world_size,
+        "store": config["zero_optimization"]["offload_param"]["device"],
+    }
     if tokenizer is not None:
         report["text"] = tokenizer.batch_decode(tokens, skip_special_tokens=True)
     if engine.global_rank == 0:
@@ -145,6 +175,8 @@ def _print(report: dict, as_json: bool) -> None:
         return
     for row, tokens in enumerate(report.get("text") or report["tokens"]):
         sys.stdout.write(f"[{row}] {tokens}\n")
-    sys.stdout.write(f"{report['new_tokens']} new tokens x {report['batch_size']} in {report['seconds']:.2f} s: "
-                     f"{report['tokens_per_s']:.2f} tokens/s ({report['ranks']} rank(s), weights in "
-                     f"{report['store']})\n")
+    sys.stdout.write(
+        f"{report['new_tokens']} new tokens x {report['batch_size']} in {report['seconds']:.2f} s: "
+        f"{report['tokens_per_s']:.2f} tokens/s ({report['ranks']} rank(s), weights in "
+        f"{report['store']})\n"
+    )

@@ -1,4 +1,5 @@
 """`zeroshard train`: the demo job (`make demo`), a small GPT trained with ZeRO on local ranks."""
+
 from __future__ import annotations
 
 import argparse
@@ -32,19 +33,32 @@ EXAMPLES = [
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = add_command(subparsers, "train", summary="train a small GPT with ZeRO (the demo)",
-                         description=DESCRIPTION, examples=EXAMPLES)
+    parser = add_command(
+        subparsers,
+        "train",
+        summary="train a small GPT with ZeRO (the demo)",
+        description=DESCRIPTION,
+        examples=EXAMPLES,
+    )
     add_model_arguments(parser, size=3, seq_len=128, batch=8)
-    parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
-                        help="ZeRO stage (default: 3, or the config file's)")
+    parser.add_argument(
+        "--stage", type=int, choices=(0, 1, 2, 3), default=None, help="ZeRO stage (default: 3, or the config file's)"
+    )
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps (default: 400)")
     parser.add_argument("--lr", type=float, default=2e-3, help="peak AdamW learning rate (default: 2e-3)")
-    parser.add_argument("--config", type=Path, metavar="JSON",
-                        help="DeepSpeed config merged over the defaults (optimizer, scheduler, zero_optimization, ...)")
-    parser.add_argument("--sample-chars", type=int, default=300, metavar="N", help="characters to generate (default: 300)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        metavar="JSON",
+        help="DeepSpeed config merged over the defaults (optimizer, scheduler, zero_optimization, ...)",
+    )
+    parser.add_argument(
+        "--sample-chars", type=int, default=300, metavar="N", help="characters to generate (default: 300)"
+    )
     parser.add_argument("--no-table", action="store_true", help="skip the stage table at the end")
-    parser.add_argument("--table-steps", type=int, default=5, metavar="N",
-                        help="timed steps per stage in the table (default: 5)")
+    parser.add_argument(
+        "--table-steps", type=int, default=5, metavar="N", help="timed steps per stage in the table (default: 5)"
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON instead of text")
     parser.add_argument("--timeout", type=float, default=3600.0, metavar="S", help="stop the ranks after S seconds")
     parser.set_defaults(func=run)
@@ -79,10 +93,19 @@ def train_spec(args: argparse.Namespace) -> dict:
         raise CommandError(f"--steps must be >= 1, got {args.steps}")
     if args.sample_chars < 0:
         raise CommandError(f"--sample-chars must be >= 0, got {args.sample_chars}")
-    spec = {"size": args.size, "shape": family.gpt_shape(args.size, 0, args.seq_len), "batch": args.batch,
-            "steps": args.steps, "lr": args.lr, "seed": args.seed, "precision": args.precision,
-            "stage": args.stage if args.stage is not None else (None if args.config else 3),
-            "config": _read_config(args.config), "sample_chars": args.sample_chars, "threads": args.threads}
+    spec = {
+        "size": args.size,
+        "shape": family.gpt_shape(args.size, 0, args.seq_len),
+        "batch": args.batch,
+        "steps": args.steps,
+        "lr": args.lr,
+        "seed": args.seed,
+        "precision": args.precision,
+        "stage": args.stage if args.stage is not None else (None if args.config else 3),
+        "config": _read_config(args.config),
+        "sample_chars": args.sample_chars,
+        "threads": args.threads,
+    }
     _check_config(spec, args.ranks, args.config)
     return spec
 
@@ -99,8 +122,9 @@ class TrainBar:
     def __call__(self, event: dict) -> None:
         if event["event"] == "start":
             desc = f"stage {event['stage']}, {est.format_count(event['params'])} params"
-            self.bar = self._tqdm(total=event["total"], unit="step", file=sys.stderr, dynamic_ncols=True,
-                                  desc=desc, disable=None)
+            self.bar = self._tqdm(
+                total=event["total"], unit="step", file=sys.stderr, dynamic_ncols=True, desc=desc, disable=None
+            )
             self.every = max(1, event["total"] // 10)
         elif event["event"] == "step" and self.bar is not None:
             self._step(event)
@@ -126,15 +150,21 @@ class TrainBar:
 def format_result(result: dict) -> str:
     losses, states = result["losses"], result["memory_report"]
     first, last = sum(losses[:10]) / len(losses[:10]), sum(losses[-10:]) / len(losses[-10:])
-    lines = [f"trained GPT k={result['spec']['size']} ({est.format_count(result['params'])} parameters, vocab "
-             f"{result['vocab']} characters) with ZeRO stage {result['stage']} on {result['world_size']} ranks: "
-             f"{len(losses)} steps in {result['train_seconds']:.0f} s, {result['tokens_per_s']:,.0f} tokens/s",
-             f"loss {first:.3f} -> {last:.3f} (mean of the first / last 10 steps); held-out loss "
-             f"{result['validation_loss']:.3f}",
-             f"model states on rank 0: {est.format_bytes(states['total'])} (params {est.format_bytes(states['params'])},"
-             f" grads {est.format_bytes(states['grads'])}, optimizer {est.format_bytes(states['optimizer'] + states['master'])})",
-             f"corpus: {len(result['corpus'])} standard-library files, e.g. {result['corpus'][0]}",
-             "", "sample:", "-" * 60, result["sample"], "-" * 60]
+    lines = [
+        f"trained GPT k={result['spec']['size']} ({est.format_count(result['params'])} parameters, vocab "
+        f"{result['vocab']} characters) with ZeRO stage {result['stage']} on {result['world_size']} ranks: "
+        f"{len(losses)} steps in {result['train_seconds']:.0f} s, {result['tokens_per_s']:,.0f} tokens/s",
+        f"loss {first:.3f} -> {last:.3f} (mean of the first / last 10 steps); held-out loss "
+        f"{result['validation_loss']:.3f}",
+        f"model states on rank 0: {est.format_bytes(states['total'])} (params {est.format_bytes(states['params'])},"
+        f" grads {est.format_bytes(states['grads'])}, optimizer {est.format_bytes(states['optimizer'] + states['master'])})",
+        f"corpus: {len(result['corpus'])} standard-library files, e.g. {result['corpus'][0]}",
+        "",
+        "sample:",
+        "-" * 60,
+        result["sample"],
+        "-" * 60,
+    ]
     return "\n".join(lines)
 
 
@@ -142,16 +172,28 @@ def stage_table(args: argparse.Namespace) -> str:
     from zeroshard.tools.bench import report
     from zeroshard.tools.commands.bench import run_bench
 
-    bench_args = argparse.Namespace(**{**vars(args), "stages": [0, 1, 2, 3], "steps": args.table_steps,
-                                       "warmup": 2, "offload": False, "peers": False, "lr": 1e-3,
-                                       "clip": 1.0})  # the bench's default, as the training loop clips
+    bench_args = argparse.Namespace(
+        **{
+            **vars(args),
+            "stages": [0, 1, 2, 3],
+            "steps": args.table_steps,
+            "warmup": 2,
+            "offload": False,
+            "peers": False,
+            "lr": 1e-3,
+            "clip": 1.0,
+        }
+    )  # the bench's default, as the training loop clips
     result, rows = run_bench(bench_args)
     cells = report.table_rows(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
-    text = [f"stage table (`zeroshard bench --size {args.size} --seq-len {args.seq_len} --batch {args.batch} "
-            f"--ranks {args.ranks} --steps {args.table_steps} --warmup 2`):"]
-    text += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
-             for line in cells]
+    text = [
+        f"stage table (`zeroshard bench --size {args.size} --seq-len {args.seq_len} --batch {args.batch} "
+        f"--ranks {args.ranks} --steps {args.table_steps} --warmup 2`):"
+    ]
+    text += [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells
+    ]
     text.append(f"peak mem: {result['memory_method']}; comm: paper convention, predicted 2Ψ/3Ψ.")
     return "\n".join(text)
 
@@ -162,8 +204,14 @@ def run(args: argparse.Namespace) -> int:
     spec = train_spec(args)
     bar, started = TrainBar(), time.monotonic()
     try:
-        result = launch("zeroshard.tools.demo.loop", spec, args.ranks, on_progress=bar, timeout_s=args.timeout,
-                        threads_per_rank=args.threads)
+        result = launch(
+            "zeroshard.tools.demo.loop",
+            spec,
+            args.ranks,
+            on_progress=bar,
+            timeout_s=args.timeout,
+            threads_per_rank=args.threads,
+        )
     finally:
         bar.close()
     if args.json:

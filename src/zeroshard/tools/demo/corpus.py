@@ -5,6 +5,7 @@ The text is the source of a fixed list of standard-library modules, read from th
 still ship docstrings, so the fallback is the docstrings of the same modules. The same interpreter always
 yields the same corpus and the same vocabulary (sorted characters), so runs are reproducible.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,8 +19,22 @@ import torch
 log = logging.getLogger(__name__)
 
 # Small, plain-prose-heavy modules first; about 470 kB of text in CPython 3.11.
-STDLIB_MODULES = ("textwrap", "string", "fnmatch", "shlex", "glob", "heapq", "bisect", "colorsys", "queue",
-                  "calendar", "difflib", "functools", "dataclasses", "argparse")
+STDLIB_MODULES = (
+    "textwrap",
+    "string",
+    "fnmatch",
+    "shlex",
+    "glob",
+    "heapq",
+    "bisect",
+    "colorsys",
+    "queue",
+    "calendar",
+    "difflib",
+    "functools",
+    "dataclasses",
+    "argparse",
+)
 
 
 @dataclass(frozen=True)

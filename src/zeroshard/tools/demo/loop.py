@@ -4,6 +4,7 @@ Launched by `zeroshard train` as `torchrun --nproc_per_node N -m zeroshard.tools
 reports every step (loss averaged over ranks, tokens/s, memory of every rank) for the parent's progress
 bar, then the held-out loss and a sample of generated text.
 """
+
 from __future__ import annotations
 
 import copy
@@ -26,15 +27,24 @@ PROMPT = "def "
 def default_config(spec: dict) -> dict:
     steps = spec["steps"]
     warmup = max(2, min(30, steps // 10))
-    config = {"train_micro_batch_size_per_gpu": spec["batch"], "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0,
-              "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "betas": [0.9, 0.99],
-                                                        "weight_decay": 0.01}},
-              "zero_optimization": {"stage": 3, "overlap_comm": True},
-              "bf16": {"enabled": spec["precision"] == "bf16"}}
+    config = {
+        "train_micro_batch_size_per_gpu": spec["batch"],
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": spec["lr"], "betas": [0.9, 0.99], "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True},
+        "bf16": {"enabled": spec["precision"] == "bf16"},
+    }
     if steps > warmup:
-        config["scheduler"] = {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": steps, "warmup_num_steps": warmup, "warmup_type": "linear", "cos_min_ratio": 0.1}}
+        config["scheduler"] = {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": steps,
+                "warmup_num_steps": warmup,
+                "warmup_type": "linear",
+                "cos_min_ratio": 0.1,
+            },
+        }
     return config
 
 
@@ -68,11 +78,12 @@ class Trainer:
         torch.manual_seed(spec["seed"])
         self.model = GPT(GPTConfig(**{**spec["shape"], "vocab_size": self.tokenizer.vocab_size}))
         self.config = build_config(spec)
-        self.engine, *_ = initialize(model=self.model, model_parameters=self.model.parameters(),
-                                               config=self.config)
+        self.engine, *_ = initialize(model=self.model, model_parameters=self.model.parameters(), config=self.config)
         # the engine resolved the batch sizes (a config may give train_batch_size only)
-        self.micro, self.accumulation = self.engine.train_micro_batch_size_per_gpu(), \
-            self.engine.gradient_accumulation_steps()
+        self.micro, self.accumulation = (
+            self.engine.train_micro_batch_size_per_gpu(),
+            self.engine.gradient_accumulation_steps(),
+        )
         train_tokens, val_tokens = split(self.tokenizer.encode(corpus.text))
         seq_len = spec["shape"]["block_size"]
         self.train = Batches(train_tokens, seq_len, self.micro, spec["seed"], ctx.rank)
@@ -133,23 +144,42 @@ def work(ctx: RankContext) -> dict:
         torch.set_num_threads(spec["threads"])
     trainer = Trainer(ctx)
     tokens_per_step = trainer.tokens_per_step
-    ctx.progress(event="start", total=spec["steps"], params=trainer.engine.num_parameters(),
-                 stage=trainer.engine.zero_optimization_stage())
+    ctx.progress(
+        event="start",
+        total=spec["steps"],
+        params=trainer.engine.num_parameters(),
+        stage=trainer.engine.zero_optimization_stage(),
+    )
     losses, started = [], time.perf_counter()
     for step in range(1, spec["steps"] + 1):
         step_started = time.perf_counter()
         loss, memory = trainer.across_ranks(trainer.step())
         losses.append(loss)
-        ctx.progress(event="step", step=step, loss=loss, memory=memory,
-                     tokens_per_s=tokens_per_step / (time.perf_counter() - step_started))
+        ctx.progress(
+            event="step",
+            step=step,
+            loss=loss,
+            memory=memory,
+            tokens_per_s=tokens_per_step / (time.perf_counter() - step_started),
+        )
     elapsed = time.perf_counter() - started
     ctx.progress(event="sampling")
-    result = {"spec": spec, "config": trainer.config, "params": trainer.engine.num_parameters(),
-              "stage": trainer.engine.zero_optimization_stage(), "world_size": ctx.world_size,
-              "corpus": list(trainer.sources), "vocab": trainer.tokenizer.vocab_size, "losses": losses,
-              "train_seconds": elapsed, "tokens_per_s": tokens_per_step * len(losses) / elapsed,
-              "validation_loss": trainer.validation_loss(), "memory_report": trainer.engine.memory_report(),
-              "sample": trainer.sample(spec["sample_chars"]), "prompt": PROMPT}
+    result = {
+        "spec": spec,
+        "config": trainer.config,
+        "params": trainer.engine.num_parameters(),
+        "stage": trainer.engine.zero_optimization_stage(),
+        "world_size": ctx.world_size,
+        "corpus": list(trainer.sources),
+        "vocab": trainer.tokenizer.vocab_size,
+        "losses": losses,
+        "train_seconds": elapsed,
+        "tokens_per_s": tokens_per_step * len(losses) / elapsed,
+        "validation_loss": trainer.validation_loss(),
+        "memory_report": trainer.engine.memory_report(),
+        "sample": trainer.sample(spec["sample_chars"]),
+        "prompt": PROMPT,
+    }
     trainer.engine.destroy()
     return result
 

@@ -7,6 +7,7 @@ Parameter count is the standard GPT-2 one: token embedding + position embedding 
 (2 LayerNorm w+b, qkv W+b, attention proj W+b, MLP fc W+b, MLP proj W+b) + final LayerNorm w+b,
 plus the head weight only when it is not tied to the token embedding.
 """
+
 from __future__ import annotations
 
 import math
@@ -138,11 +139,12 @@ class GPT(nn.Module):
         return logits, loss
 
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None) -> torch.Tensor:
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
         """Extend idx (B, T) by max_new_tokens tokens; temperature == 0 means greedy (argmax)."""
         for _ in range(max_new_tokens):
-            context = idx[:, -self.config.block_size:]  # (B, <=block_size)
+            context = idx[:, -self.config.block_size :]  # (B, <=block_size)
             logits = self(context)[:, -1, :]  # (B, V)
             if temperature == 0:
                 next_idx = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
