@@ -13,21 +13,19 @@ otherwise (DeepSpeed's default `gradient_clipping`), so local, ddp and fsdp2 cal
   * `local`: the bare model, no data parallelism: the compute floor of forward, backward and the step;
   * `ddp`: `DistributedDataParallel(gradient_as_bucket_view=True)`;
   * `stage 0/1/2/3`: `zeroshard.initialize` with the config `zeroshard bench` uses: the defaults a user
-    gets (overlap_comm on, the cross-rank collective check on), except that stage 3 shards every
+    gets (overlap_comm on, the collective check off), except that stage 3 shards every
     parameter (`stage3_param_persistence_threshold: 0`, as the bench does for its 3Psi volume);
   * `stage 1/2 step-gather` (not run unless named in --systems): the same with
     `zeroshard.overlap_param_gather: false`, step() waiting for the all-gather of updated parameters
-    (the default before the eleventh session); `stage 1/2 overlap` names the option explicitly on,
-    which is now the default;
+    `stage 1/2 overlap` names the default explicitly;
   * `stage 0-3 copy` (not run unless named): the same with `zeroshard.transactional_step: "copy"`,
     to price the opt-in copy that undoes a step failing half-way (the default takes none,
     [Note: failed optimizer steps] in core/rollback.py);
   * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
-  * `stage 0-3 no-check` (not run unless named): the same with `zeroshard.check_collectives: false`,
-    to price the cross-rank collective check;
+  * `stage 0-3 check` (not run unless named): the same with `zeroshard.check_collectives: true`,
+    to price the debug mode's per-collective check;
   * `stage 3 persist`: stage 3 with the default `stage3_param_persistence_threshold` (1e5);
-    `stage 2/3 2-in-flight`: two reductions in flight in backward instead of the default one (a what-if,
-    the default before the ninth session).
+    `stage 2/3 2-in-flight`: two reductions in flight in backward instead of the default one (a what-if).
 
 Each phase is timed as wall time and as the CPU time of the rank's main thread (`time.thread_time`;
 gloo's own threads are not in it), which the machine's load distorts much less than wall time. The
@@ -79,10 +77,10 @@ SYSTEMS = (
     "stage 1 copy",
     "stage 2 copy",
     "stage 3 copy",
-    "stage 0 no-check",
-    "stage 1 no-check",
-    "stage 2 no-check",
-    "stage 3 no-check",
+    "stage 0 check",
+    "stage 1 check",
+    "stage 2 check",
+    "stage 3 check",
 )
 DEFAULT_SYSTEMS = SYSTEMS[:5]
 # (label, path in the span tree) in display order; a path's exclusive time excludes its timed children.
@@ -97,9 +95,9 @@ ROWS = [
     ("backward: end_backward waits", "backward/end/wait"),
     ("step: gradient norm (+ flags all-reduce)", "step/norm"),
     ("step: clip_grad_norm_ (torch)", "step/clip"),
-    ("step: transactional snapshot", "step/snapshot"),
+    ('step: copy for a failed update ("copy")', "step/snapshot"),
     ("step: optimizer (fused AdamW)", "step/optimizer"),
-    ("step: transactional snapshot, group by group", "step/optimizer/snapshot"),
+    ("step: copy for a failed update, group by group", "step/optimizer/snapshot"),
     ("step: parameter all-gather (issue, copy)", "step/gather"),
     ("step: parameter all-gather waits", "step/gather/wait"),
     ("step: zero gradients", "step/zero_grad"),
@@ -259,8 +257,8 @@ def _system(kind: str, args, make_model, make_optimizer):
         config["zeroshard"] = {"overlap_param_gather": variant == "overlap"}
     if variant == "copy":  # what the opt-in copy costs ([Note: failed optimizer steps])
         config["zeroshard"] = {"transactional_step": "copy"}
-    if variant == "no-check":  # what the cross-rank check costs ([Note: asynchronous collective check])
-        config["zeroshard"] = {"check_collectives": False}
+    if variant == "check":  # what the debug check costs ([Note: asynchronous collective check])
+        config["zeroshard"] = {"check_collectives": True}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
     if variant == "2-in-flight":  # a what-if, not a config key (as benchmarks/stage3_memory.py)
         engine.sharded.lifecycle.max_inflight = 2

@@ -7,9 +7,11 @@ on the bench's GPT family member (default k=16: 16 layers, width 1024, ~202M par
 
 `--stage N` runs the zeroshard variants at stage N (0-3; the gradient shard's lifetime is the same code at 2 and 3).
 
-Each setting runs in its own 2-rank gloo launch (1 torch thread per rank, fp32, torch's fused AdamW,
-random tokens of a 256-token vocabulary, micro-batch --batch x --seq-len): one warm-up step (records the
-unit orders), then one measured step. Memory is the kernel's RSS high-water mark (VmHWM) with
+Each setting runs in its own 2-rank gloo launch (1 torch thread per rank, fp32, torch's AdamW, fused
+unless `--optimizer plain`, random tokens of a 256-token vocabulary, micro-batch --batch x --seq-len):
+one warm-up step (records the unit orders), then one measured step; with `--first-step` the first step
+itself is measured, the one that creates the optimizer state, as a user's run and the shared peers
+harness count it. Memory is the kernel's RSS high-water mark (VmHWM) with
 MALLOC_MMAP_THRESHOLD_=65536, as `zeroshard bench` measures it ([Note: measuring peak memory] in
 tools/bench/measure.py), reset through /proc/self/clear_refs at the start of each phase, so each
 phase's figure is its own peak; `peak` is the largest of them, the bench's figure. `rss` is the
@@ -132,7 +134,7 @@ def _rank(rank: int, world: int, port: int, args: dict, name: str, queue) -> Non
     model = GPT(GPTConfig(**family.gpt_shape(args["size"], VOCAB, args["seq_len"])))
 
     def optimizer_of(params):
-        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=True)
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.0, fused=args["optimizer"] == "fused")
 
     if VARIANTS[name] is None:
         forward, backward, step, grads, snapshot, live, states = _fsdp2(model, optimizer_of)
@@ -149,8 +151,9 @@ def _rank(rank: int, world: int, port: int, args: dict, name: str, queue) -> Non
         logits = forward(tokens[:, :-1])
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
-    backward(loss())
-    step()
+    if not args["first_step"]:
+        backward(loss())
+        step()
     measure.trim()
     if live is not None:
         live.reset_peak()
@@ -264,6 +267,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)"
     )
+    parser.add_argument("--optimizer", choices=("fused", "plain"), default="fused", help="torch's AdamW kernel")
+    parser.add_argument("--first-step", action="store_true", help="measure the first step, not the second")
     parser.add_argument("--port", type=int, default=29613)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a variant may run (default: 1800)")
     parser.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.txt")
@@ -275,7 +280,14 @@ def main(argv=None) -> None:
     if ns.size < 1 or ns.batch < 1 or ns.seq_len < 1:
         parser.error(f"--size, --batch and --seq-len must be >= 1, got {ns.size}, {ns.batch}, {ns.seq_len}")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned ranks
-    args = {"size": ns.size, "batch": ns.batch, "seq_len": ns.seq_len, "stage": ns.stage}
+    args = {
+        "size": ns.size,
+        "batch": ns.batch,
+        "seq_len": ns.seq_len,
+        "stage": ns.stage,
+        "optimizer": ns.optimizer,
+        "first_step": ns.first_step,
+    }
     results = {}
     for offset, name in enumerate(names):
         results[name] = run_variant(args, name, ns.port + offset, ns.timeout)
