@@ -193,6 +193,6 @@ def test_unsupported_half_precision_is_named(monkeypatch):
         raise RuntimeError("\"LayerNormKernelImpl\" not implemented for 'Half'")
 
     monkeypatch.setattr(torch.nn.functional, "layer_norm", no_half_layer_norm)
-    with pytest.raises(RuntimeError, match="fp16 is enabled in the config.*cannot train in fp16 on cpu"):
+    with pytest.raises(RuntimeError, match="cannot train in fp16 on cpu"):
         check_supported(torch.float16, torch.device("cpu"))
     check_supported(torch.float32, torch.device("cpu"))  # fp32 needs no probe
