@@ -1,5 +1,5 @@
 """Stages 2/3 free the reduced gradient shard after each step and make it again at the first
-reduction of the next backward ([Note: gradient shard lifetime] in core/grad_buffers.py), so it never sits
+reduction of the next backward ([Note: gradient shard lifetime] in core/group.py), so it never sits
 under the next forward's activations; within an accumulation window it is kept and added into.
 Counted at every unit's forward pre-hook: the bytes of gradient tensors the engine's flat groups
 hold in compute memory (an offload store's shard lives in the store and is not counted). Losses and

@@ -265,7 +265,7 @@ def _landed_case(stage: int) -> dict:
     first awaited its reduce-scatter), and training stays bit for bit DDP's."""
     unit_module = importlib.import_module("zeroshard.core.unit")
     lifecycle = importlib.import_module("zeroshard.core.lifecycle").Lifecycle
-    spent = importlib.import_module("zeroshard.core.grad_buffers").SpentGradients
+    spent = importlib.import_module("zeroshard.core.group").SpentGradients
     fresh: list[int] = []
     grads, issued = [0], {}
     originals = spent.take, unit_module.Unit.reduction_done, unit_module.Unit.reduce_grads, lifecycle._on_grad

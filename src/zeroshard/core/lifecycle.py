@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.comm import CollectiveError
 from zeroshard.core.gathered import GatherPolicy, LiveCount, reuse_offsets
-from zeroshard.core.grad_buffers import SpentGradients
+from zeroshard.core.group import SpentGradients
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import InflightReductions, Unit, UnitState
 

@@ -302,7 +302,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
                         plans[id(group)],
                         lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype),
                     )
-                if self._per_group:  # [Note: gradient shard lifetime] in grad_buffers.py
+                if self._per_group:  # [Note: gradient shard lifetime] in group.py
                     grads[i] = None
                     group.free_grad_shard()
         return results
