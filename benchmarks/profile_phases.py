@@ -21,7 +21,7 @@ otherwise (DeepSpeed's default `gradient_clipping`), so local, ddp and fsdp2 cal
     which is now the default;
   * `stage 0-3 copy` (not run unless named): the same with `zeroshard.transactional_step: "copy"`,
     to price the opt-in copy that undoes a step failing half-way (the default takes none,
-    [Note: failed optimizer steps] in core/rollback.py);
+    [Note: failed optimizer steps] in core/optim/rollback.py);
   * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
   * `stage 0-3 no-check` (not run unless named): the same with `zeroshard.check_collectives: false`,
     to price the cross-rank collective check;
@@ -166,7 +166,8 @@ def _timed(cls, method: str, name: str) -> None:
 
 
 def instrument() -> None:
-    from zeroshard.core import comm, group, lifecycle, optimizer, rollback, unit
+    from zeroshard.core import comm, group, lifecycle, unit
+    from zeroshard.core.optim import optimizer, rollback
 
     _timed(lifecycle.Lifecycle, "_on_grad", "hook")
     _timed(lifecycle.Lifecycle, "end_backward", "end")

@@ -7,7 +7,7 @@ parameters stay bit-for-bit DDP's, and with CPU offload of the optimizer too.
 
 The step frees each group's gradient shard once that group's update has read it, stepping the
 groups one at a time where that is the same update ([Note: one group at a time] in
-core/rollback.py); with `transactional_step: "copy"` a failure in a later group's update still
+core/optim/rollback.py); with `transactional_step: "copy"` a failure in a later group's update still
 undoes the earlier groups."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
 from zeroshard import initialize
-from zeroshard.core.rollback import steps_apart_alike
+from zeroshard.core.optim.rollback import steps_apart_alike
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 3

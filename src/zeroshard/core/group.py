@@ -152,7 +152,7 @@ class FlatGroup:
         self.reduced_slice: torch.Tensor | None = None  # see [Note: a second reduction before the step]
         self.holds_reduced_slice = False
         # Which parameters got a gradient on this rank since the last step ([Note: parameters
-        # without a gradient] in masked.py).
+        # without a gradient] in core/optim/masked.py).
         self.grad_seen = [False] * len(self.layout.slots)
         if self.trainable:
             if self.grads_persist_full:

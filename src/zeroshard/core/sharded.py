@@ -33,15 +33,15 @@ from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.gathered import GatherPolicy
 from zeroshard.core.lifecycle import Lifecycle, Phase, tensors_in
 from zeroshard.core.mesh import ModelParallel, NormScope, zero_groups
-from zeroshard.core.optimizer import ZeroOptimizer
-from zeroshard.core.optimizer_groups import optimizer_group_index, repoint_optimizer
+from zeroshard.core.optim.groups import optimizer_group_index, repoint_optimizer
+from zeroshard.core.optim.optimizer import ZeroOptimizer
+from zeroshard.core.optim.streamed import StreamedStep, split
 from zeroshard.core.param_gather import DeferredGather, refresh_parameters
 from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, check_supported
 from zeroshard.core.shard import shard_module
-from zeroshard.core.streamed import StreamedStep, split
 from zeroshard.core.unit import build_links
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ class Sharded:
     def set_on_failed_update(self, mode: str) -> None:
         """What a step that raises during its update leaves: "fail_stop" (the default: no copy, every
         later call refuses until a checkpoint is loaded) or "copy" (masters and optimizer state are
-        copied before each group's update and put back): [Note: failed optimizer steps] in rollback.py."""
+        copied before each group's update and put back): [Note: failed optimizer steps] in core/optim/rollback.py."""
         self._require_optimizer("set_on_failed_update")
         assert self.optimizer is not None
         self.optimizer.on_failed_update = mode
@@ -233,7 +233,7 @@ class Sharded:
     # A forward or backward that raises leaves parameters, masters, optimizer state and loss scaler
     # as they were before it; so does a step that raises before its update begins. One that raises
     # during the update refuses every later call until a checkpoint is loaded, unless the update
-    # was copied ("copy"): [Note: failed optimizer steps] in rollback.py. What
+    # was copied ("copy"): [Note: failed optimizer steps] in core/optim/rollback.py. What
     # this rank has in flight is completed -- every rank that got as far issued the same
     # collectives -- and dropped, gathered units are freed, nothing is recorded from the partial
     # pass. Gradients are the exception: a failed backward or step leaves the window's gradients

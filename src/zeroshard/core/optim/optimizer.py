@@ -19,15 +19,15 @@ import torch
 from zeroshard.core import consistency
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.mesh import NormScope
-from zeroshard.core.norm import NormWhenAsked, sum_of_squares
-from zeroshard.core.optimizer_groups import keeps_state
+from zeroshard.core.optim.groups import keeps_state
+from zeroshard.core.optim.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.optim.norm import NormWhenAsked, sum_of_squares
+from zeroshard.core.optim.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
+from zeroshard.core.optim.streamed import StreamedStep, is_elementwise
 from zeroshard.core.param_gather import refresh_parameters
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import DynamicLossScaler
-from zeroshard.core.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
-from zeroshard.core.streamed import StreamedStep, is_elementwise
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
@@ -160,7 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         `squares` the flags only (the norm is 0.0)."""
         flags = [seen for g in self.groups for seen in g.grad_seen]
         # (norm, flags..., h, h*h): the last two compare the ranks' collectives ([Note: collective
-        # fingerprint] in consistency.py)
+        # fingerprint] in core/consistency.py)
         total = torch.zeros(3 + len(flags), dtype=torch.float64, device=self.comm.device)
         for group, grad in zip(self.groups, grads) if squares else ():
             for piece in self.norm.counted(group, grad):
@@ -302,7 +302,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                         plans[id(group)],
                         lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype),
                     )
-                if self._per_group:  # [Note: gradient shard lifetime] in group.py
+                if self._per_group:  # [Note: gradient shard lifetime] in core/group.py
                     grads[i] = None
                     group.free_grad_shard()
         return results
