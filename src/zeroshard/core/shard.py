@@ -11,10 +11,10 @@ import logging
 import torch
 from torch import nn
 
+from zeroshard.core import registry
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import local_tensor
-from zeroshard.core.partition import materialize
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import PrecisionPolicy
@@ -87,7 +87,7 @@ def shard_module(
         if not members:
             continue
         reshards = policy.shard_parameters and unit_name != PERSISTENT
-        materialize([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
+        registry.take_values([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
         groups = _build_groups(
             members, policy, comm, optimizer_groups, precision, reshards, placement or Placement(), partition
         )

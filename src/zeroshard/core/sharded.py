@@ -37,10 +37,10 @@ from zeroshard.core.optim.groups import optimizer_group_index, repoint_optimizer
 from zeroshard.core.optim.optimizer import ZeroOptimizer
 from zeroshard.core.optim.streamed import StreamedStep, split
 from zeroshard.core.param_gather import DeferredGather, refresh_parameters
-from zeroshard.core.partition import register_engine
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, check_supported
+from zeroshard.core.registry import register_engine
 from zeroshard.core.shard import shard_module
 from zeroshard.core.unit import build_links
 
