@@ -20,7 +20,7 @@ otherwise (DeepSpeed's default `gradient_clipping`), so local, ddp and fsdp2 cal
     `stage 1/2 overlap` names the default explicitly;
   * `stage 0-3 copy` (not run unless named): the same with `zeroshard.transactional_step: "copy"`,
     to price the opt-in copy that undoes a step failing half-way (the default takes none,
-    [Note: failed optimizer steps] in core/rollback.py);
+    [Note: failed optimizer steps] in core/optim/rollback.py);
   * `stage 0-2 no-overlap` (not run unless named): the same with `overlap_comm: false`;
   * `stage 0-3 check` (not run unless named): the same with `zeroshard.check_collectives: true`,
     to price the debug mode's per-collective check;
@@ -164,7 +164,8 @@ def _timed(cls, method: str, name: str) -> None:
 
 
 def instrument() -> None:
-    from zeroshard.core import comm, group, lifecycle, optimizer, rollback, unit
+    from zeroshard.core import comm, group, lifecycle, unit
+    from zeroshard.core.optim import optimizer, rollback
 
     _timed(lifecycle.Lifecycle, "_on_grad", "hook")
     _timed(lifecycle.Lifecycle, "end_backward", "end")

@@ -18,7 +18,7 @@ phase's figure is its own peak; `peak` is the largest of them, the bench's figur
 resident memory at the end of a phase, `grads` the bytes of gradients held at the start of the forward
 and at the end of the backward (zeroshard's flat gradient shards and full gradients; FSDP2's
 `param.grad`), `snapshot` what the opt-in `zeroshard.transactional_step: "copy"` copied (0 by default,
-which takes no copy: [Note: failed optimizer steps] in core/rollback.py). `live` is the most parameter elements the units had gathered at once during that
+which takes no copy: [Note: failed optimizer steps] in core/optim/rollback.py). `live` is the most parameter elements the units had gathered at once during that
 forward and backward ([Note: bounded gathering] in core/gathered.py). Memory does not depend on
 machine load: one measured step is enough.
 """

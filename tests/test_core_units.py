@@ -172,7 +172,7 @@ def test_a_large_untied_head_is_a_unit_of_its_own():
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_zeroed_gradient_buffer_reads_as_zeros_until_a_gradient_is_copied_in(stage):
-    """[Note: zeroed when first read] in grad_buffers.py: zero_grads leaves the stale values in the
+    """[Note: zeroed when first read] in group.py: zero_grads leaves the stale values in the
     buffer of stages 0/1 and only marks it; every way of reading it sees zeros where no gradient came."""
     params, group = _group(stage)
     w, b = torch.full((2, 3), 2.0), torch.full((3,), 3.0)
@@ -194,7 +194,7 @@ def test_a_zeroed_gradient_buffer_reads_as_zeros_until_a_gradient_is_copied_in(s
 
 @pytest.mark.parametrize("stage", range(4))
 def test_the_pre_divide_in_the_copy_is_the_copy_then_the_divide(stage):
-    """[Note: the pre-divide in the copy] in grad_buffers.py: gradients copied in times 1/N, the
+    """[Note: the pre-divide in the copy] in group.py: gradients copied in times 1/N, the
     others (accumulated in an earlier micro-step, another dtype) multiplied by prescale, equal bit
     for bit to copying everything in and multiplying the buffer, at N = 2 and N = 3."""
     torch.manual_seed(0)

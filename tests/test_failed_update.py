@@ -1,4 +1,4 @@
-"""What a step that fails in its update leaves ([Note: failed optimizer steps] in core/rollback.py).
+"""What a step that fails in its update leaves ([Note: failed optimizer steps] in core/optim/rollback.py).
 
 Two ranks, a tiny GPT, two param groups (decay / no decay), torch's AdamW, plain and fused. The
 default ("fail_stop") copies nothing and trains bit for bit like `transactional_step: "copy"`, which
@@ -20,8 +20,8 @@ from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.test_failures import Injected, _assert_same, _state
 from tests.zs_common import gpt_model_fn, make_config
-from zeroshard.core.masked import SlotStates
-from zeroshard.core.rollback import UpdateFailed
+from zeroshard.core.optim.masked import SlotStates
+from zeroshard.core.optim.rollback import UpdateFailed
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 3

@@ -8,7 +8,7 @@ the failing call, bit for bit; backward() and step() refuse until zero_grad(); a
 the run goes on exactly like a run that never had the failed micro steps. With the default
 ("fail_stop") a step that fails during its update refuses every later call, naming what changed,
 until a checkpoint is loaded; from there the run goes on exactly like one that never failed
-([Note: failed optimizer steps] in core/rollback.py). Every stage, with and without offload and
+([Note: failed optimizer steps] in core/optim/rollback.py). Every stage, with and without offload and
 accumulation.
 
 One rank raises: it gets its own error, every other rank a CollectiveError within a bounded time
@@ -27,7 +27,7 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import gpt_model_fn, make_config
-from zeroshard.core.rollback import UpdateFailed
+from zeroshard.core.optim.rollback import UpdateFailed
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 3

@@ -1,5 +1,5 @@
 """Stages 2/3 free the reduced gradient shard after each step and make it again at the first
-reduction of the next backward ([Note: gradient shard lifetime] in core/grad_buffers.py), so it never sits
+reduction of the next backward ([Note: gradient shard lifetime] in core/group.py), so it never sits
 under the next forward's activations; within an accumulation window it is kept and added into.
 Counted at every unit's forward pre-hook: the bytes of gradient tensors the engine's flat groups
 hold in compute memory (an offload store's shard lives in the store and is not counted). Losses and
@@ -7,7 +7,7 @@ parameters stay bit-for-bit DDP's, and with CPU offload of the optimizer too.
 
 The step frees each group's gradient shard once that group's update has read it, stepping the
 groups one at a time where that is the same update ([Note: one group at a time] in
-core/rollback.py); with `transactional_step: "copy"` a failure in a later group's update still
+core/optim/rollback.py); with `transactional_step: "copy"` a failure in a later group's update still
 undoes the earlier groups."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
 from zeroshard import initialize
-from zeroshard.core.rollback import steps_apart_alike
+from zeroshard.core.optim.rollback import steps_apart_alike
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 3

@@ -2,7 +2,7 @@
 and the all-gather are one exchange of halves each, bit for bit what gloo's own collectives give, in
 place and into a separate buffer; other world sizes keep the backend's collectives. The exchange is
 one message within a node and pieces across nodes ([Note: pieces across a link, one message within a
-node] in core/comm.py); every rank must place the ranks on nodes alike."""
+node] in core/backend.py); every rank must place the ranks on nodes alike."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_distributed
-from zeroshard.core.comm import PAIRWISE_PIECE_BYTES, Communicator
+from zeroshard.core.backend import PAIRWISE_PIECE_BYTES
+from zeroshard.core.comm import Communicator
 
 
 def _worker(rank: int, world: int, numel: int = 1000, nodes: int = 1) -> dict:

@@ -15,11 +15,12 @@ import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
 from tests.zs_common import adamw, assert_close, gpt_model_fn, make_config, train_engine
+from zeroshard.core import backend
 from zeroshard.tools.bench import measure
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 BLOCKS = 8
-shard = importlib.import_module("zeroshard.core.shard")  # the package's `shard` is a function
+
 UNBOUNDED = {"stage3_prefetch_bucket_size": 50_000_000, "stage3_max_live_parameters": 10**9}  # DeepSpeed's
 
 
@@ -225,8 +226,8 @@ def _split_case(stage: int, gas: int) -> dict:
         reduce_every_micro_step=True,
         record_params=True,
     )
-    default = shard.GATHER_GROUP_BYTES
-    shard.GATHER_GROUP_BYTES = cap
+    default = backend.GATHER_GROUP_BYTES
+    backend.GATHER_GROUP_BYTES = cap
     try:
         ours = train_engine(gpt_model_fn(), batches, config=make_config(stage, gas), steps=3, record_params=True)
         model = gpt_model_fn()()
@@ -234,7 +235,7 @@ def _split_case(stage: int, gas: int) -> dict:
             model=model, optimizer=adamw(model.parameters()), config=make_config(stage, gas)
         )
     finally:
-        shard.GATHER_GROUP_BYTES = default
+        backend.GATHER_GROUP_BYTES = default
     groups = {
         unit.name: [(g.layout.numel * 4, len(g.params)) for g in unit.groups]
         for unit in engine.units
@@ -265,7 +266,7 @@ def _landed_case(stage: int) -> dict:
     first awaited its reduce-scatter), and training stays bit for bit DDP's."""
     unit_module = importlib.import_module("zeroshard.core.unit")
     lifecycle = importlib.import_module("zeroshard.core.lifecycle").Lifecycle
-    spent = importlib.import_module("zeroshard.core.grad_buffers").SpentGradients
+    spent = importlib.import_module("zeroshard.core.group").SpentGradients
     fresh: list[int] = []
     grads, issued = [0], {}
     originals = spent.take, unit_module.Unit.reduction_done, unit_module.Unit.reduce_grads, lifecycle._on_grad

@@ -39,7 +39,7 @@ class Checkpointable(Protocol):
     units: list  # zeroshard.core.unit.Unit
     module: Any  # the wrapped nn.Module
     policy: Any  # zeroshard.core.policy.StagePolicy
-    optimizer: Any  # zeroshard.core.optimizer.ZeroOptimizer
+    optimizer: Any  # zeroshard.core.optim.optimizer.ZeroOptimizer
     loss_scaler: Any  # DynamicLossScaler or None
     lr_scheduler: Any  # anything with state_dict()/load_state_dict(), or None
     config: Any  # the parsed config: written to the manifest for readers (never read back); its

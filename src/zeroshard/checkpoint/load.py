@@ -43,7 +43,7 @@ from zeroshard.checkpoint.manifest import (
 )
 from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.reader import CheckpointReader
-from zeroshard.core.masked import PER_PARAMETER
+from zeroshard.core.optim.masked import PER_PARAMETER
 
 log = logging.getLogger(__name__)
 
@@ -301,7 +301,7 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
     (applied by `_apply`); None: the checkpoint has none of its parameters here. Elementwise
     state re-sliced; scalar state (Adam's `step`) from the saved group(s) holding this
     group's parameters -- one value when they agree, else one per parameter ([Note: parameters
-    without a gradient] in core/masked.py: step counts differ where some had no gradient)."""
+    without a gradient] in core/optim/masked.py: step counts differ where some had no gradient)."""
     sources = {s.name: reader.index.locate(s.name)[0] for s in group.layout.slots if s.name in reader.index}
     if not any(slot.name in sources for slot, _, _, _ in group.master_pieces()):
         return None

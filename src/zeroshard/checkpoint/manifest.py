@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.files import CheckpointError, dtype_name, hash_file
-from zeroshard.core.streamed import is_elementwise
+from zeroshard.core.optim.streamed import is_elementwise
 
 log = logging.getLogger(__name__)
 

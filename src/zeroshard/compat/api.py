@@ -18,7 +18,7 @@ from zeroshard.compat.optimizers import build_optimizer, check_shardable
 from zeroshard.compat.schedulers import build_scheduler
 from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
 from zeroshard.core.mesh import from_device_mesh, from_mpu
-from zeroshard.core.optimizer import ZeroOptimizer
+from zeroshard.core.optim.optimizer import ZeroOptimizer
 
 log = logging.getLogger(__name__)
 

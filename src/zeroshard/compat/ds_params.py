@@ -9,7 +9,7 @@ these names read-only, backed by our objects, from the compatibility layer alone
   * `register(sharded)` gives each parameter of a stage-3 engine the class `PartitionedParameter`
     (`param.__class__ = ...`), an nn.Parameter subclass that defines no storage and no attributes of
     its own: its properties look the answer up in `_PLACES`, a weak map parameter -> (weak reference
-    to the Sharded object, unit, group, slot index) — the same pattern as core/partition.py's
+    to the Sharded object, unit, group, slot index) — the same pattern as core/registry.py's
     [Note: the parameter registry], with entries vanishing with their parameter. Nothing is set on
     the parameter's `__dict__`; `isinstance(p, nn.Parameter)` stays true; `ds_status` is derived
     from the unit's state at every read, so it cannot go stale.

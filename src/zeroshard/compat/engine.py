@@ -20,9 +20,9 @@ from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import CollectiveError, Communicator
+from zeroshard.core.optim.rollback import UpdateFailed
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.precision import cast_floating
-from zeroshard.core.rollback import UpdateFailed
 from zeroshard.core.sharded import Sharded
 from zeroshard.offload import build_placement
 
@@ -126,7 +126,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """The last step's norm before clipping; at stage 0 without clipping or loss scaling it is
         summed when first asked, up to the next backward ([Note: the stage-0 norm, computed when
-        asked] in core/norm.py; DeepSpeed's stage-0 engine returns None there)."""
+        asked] in core/optim/norm.py; DeepSpeed's stage-0 engine returns None there)."""
         return self.optimizer.last_grad_norm
 
     def get_loss_scale(self) -> float:

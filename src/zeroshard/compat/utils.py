@@ -20,7 +20,7 @@ import logging
 import torch
 
 from zeroshard.compat import zero_to_fp32  # deepspeed.utils.zero_to_fp32
-from zeroshard.core import partition as part
+from zeroshard.core.registry import engine_of
 
 __all__ = [
     "log_dist",
@@ -54,7 +54,7 @@ def log_dist(message: str, ranks=None, level: int = logging.INFO) -> None:
 
 def _locate(param, what: str):
     """(sharded, group, slot) of an engine's parameter."""
-    sharded = part.engine_of(param)
+    sharded = engine_of(param)
     if sharded is None:
         raise ValueError(
             f"{what}: the tensor {tuple(getattr(param, 'shape', ()))} is not a parameter of a "

@@ -404,7 +404,7 @@ class ZeroShardExtConfig(Section):
     training refuses to go on until a checkpoint is loaded (a step that raises before its update
     changes nothing either way). "copy": masters and optimizer state are copied before the update
     (12 bytes an element with Adam, while the step runs) and put back if it raises, so training can
-    go on after zero_grad() ([Note: failed optimizer steps] in core/rollback.py)."""
+    go on after zero_grad() ([Note: failed optimizer steps] in core/optim/rollback.py)."""
     wrap_modules: list[str] | None = None
     """Module class names that become sharding units; None = chosen automatically."""
     nvme_io: Literal["direct", "buffered", "mapped"] | None = None

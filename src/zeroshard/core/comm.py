@@ -12,7 +12,9 @@ Every collective goes through a `Communicator`, which
     deadlock or, worse, silently exchange the wrong tensors of equal size;
   * runs on its own process group with a bounded timeout, and turns every failure into a
     `CollectiveError` naming the rank, the collective and what it was for;
-  * moves every tensor on the backend's device ([Note: staging host tensors] in staging.py).
+  * moves every tensor on the backend's device ([Note: staging host tensors] in staging.py);
+  * between two gloo ranks runs the reduce-scatter and the all-gather as an exchange of halves, as
+    backend.py decides and sizes it ([Note: reduce-scatter on gloo], [Note: all-gather on gloo]).
 What it counts, and how, is comm_bytes.py's ([Note: bytes over the slow link]).
 """
 
@@ -26,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeroshard.core import consistency
+from zeroshard.core import backend, consistency
 from zeroshard.core.comm_bytes import KIND_ID, KINDS, ByteCounter
 from zeroshard.core.staging import Staging
 
@@ -63,32 +65,11 @@ class _Check:
         )
 
 
-# [Note: pieces across a link, one message within a node]
-# Between two nodes the pairwise exchange goes in pieces of at most this many bytes, all in flight
-# at once: one message of a whole unit's half (6-17 MB for the 33.7M GPT) ran at half the link rate
-# or less over a tbf-limited veth at 0.1 Gbit/s when both ranks sent at once (16 MB tensor:
-# 1.26-1.40 s against 0.70 s for its bytes), and stages 1-3 were 1.5-1.9x DDP there with the same
-# bytes; pieces of 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which
-# pipelines chunks, does (docs/multinode.md). Within a node there is no link to pace, and each piece
-# is a collective of its own with its dispatch and its wake-ups of gloo's threads: over loopback the
-# 33.7M GPT's process CPU fell 45-75 ms a step with one message per unit, and stage 1/2/3 went from
-# 1.07/1.11/1.27x to 0.97-0.99/0.99-1.00/1.16-1.19x DDP (docs/performance.md, twelfth session). So
-# the two ranks of a pair on one node (`place_on_nodes`, torchrun's LOCAL_WORLD_SIZE) send one
-# message, and only a pair across nodes sends pieces.
-PAIRWISE_PIECE_BYTES = 512 * 1024
-
-
-def _pieces(numel: int, element_size: int, piece_bytes: int | None) -> list[tuple[int, int]]:
-    """(start, length) of each message of an exchange of `numel` elements: one when piece_bytes is None."""
-    piece = max(1, numel if piece_bytes is None else piece_bytes // element_size)
-    return [(start, min(piece, numel - start)) for start in range(0, numel, piece)]
-
-
 class _PairwiseReduceScatter:
     """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
-    ours, add. See [Note: reduce-scatter on gloo]. The peer's half is received straight into `out`
-    where `out` is a tensor of its own (stages 2/3: no temporary, whose fresh pages cost 25 MB of
-    first touches per 50 MB unit); into a temporary where `out` is our half of `full` (stage 1)."""
+    ours, add. See [Note: reduce-scatter on gloo] in backend.py. The peer's half is received straight
+    into `out` where `out` is a tensor of its own (stages 2/3: no temporary, whose fresh pages cost
+    25 MB of first touches per 50 MB unit); into a temporary where `out` is our half of `full` (stage 1)."""
 
     def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group, piece_bytes: int | None):
         shard = out.numel()
@@ -97,7 +78,7 @@ class _PairwiseReduceScatter:
         self.theirs = out if apart else torch.empty_like(self.mine)
         send = full[(1 - rank) * shard : (2 - rank) * shard]
         self.works = []
-        for start, n in _pieces(shard, full.element_size(), piece_bytes):
+        for start, n in backend.pieces(shard, full.element_size(), piece_bytes):
             splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
             self.works.append(
                 dist.all_to_all_single(
@@ -125,14 +106,14 @@ class _PairwiseReduceScatter:
 
 class _PairwiseAllGather:
     """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
-    straight into their half of `out`. See [Note: all-gather on gloo]."""
+    straight into their half of `out`. See [Note: all-gather on gloo] in backend.py."""
 
     def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group, piece_bytes: int | None):
         shard, numel = shard.reshape(-1), shard.numel()
         out = out.view(-1)  # 1-D, numel = 2 * shard numel
         theirs = out[(1 - rank) * numel : (2 - rank) * numel]
         self.works = []
-        for start, n in _pieces(numel, shard.element_size(), piece_bytes):  # as the reduce-scatter
+        for start, n in backend.pieces(numel, shard.element_size(), piece_bytes):  # as the reduce-scatter
             splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
             self.works.append(
                 dist.all_to_all_single(
@@ -239,8 +220,8 @@ class Communicator:
         if group is None:
             self._agree_on_nodes(ranks_per_node, local)
         self.place_on_nodes(ranks_per_node)
-        # [Note: reduce-scatter on gloo], [Note: all-gather on gloo]
-        self.pairwise = dist.get_backend(self.group) == "gloo" and self.world_size == 2
+        # [Note: reduce-scatter on gloo], [Note: all-gather on gloo] in backend.py
+        self.pairwise = backend.pairwise(dist.get_backend(self.group), self.world_size)
 
     def _agree_on_nodes(self, ranks_per_node: int, local: str) -> None:
         """Every rank must place the ranks on nodes alike: the pairwise exchange's messages (one or
@@ -264,8 +245,7 @@ class Communicator:
         local = sum(1 for g in self.global_ranks() if g // ranks_per_node == node)
         self.ranks_per_node = ranks_per_node
         self.counter.off_node = (self.world_size - local) / self.world_size
-        # [Note: pieces across a link, one message within a node]
-        self.piece_bytes = PAIRWISE_PIECE_BYTES if local < self.world_size else None
+        self.piece_bytes = backend.piece_bytes(local, self.world_size)  # of the pairwise exchange
 
     def split(self, rank_sets: list[list[int]]) -> Communicator:
         """A communicator over the set of `rank_sets` (ranks of this communicator's group, disjoint,
@@ -288,51 +268,25 @@ class Communicator:
         return sub
 
     # -- collectives --------------------------------------------------------------------------------
-    # [Note: all-gather on gloo]
-    # gloo's all_gather_into_tensor is its list all-gather: it allocates a flat buffer of the whole
-    # output, gathers into it (copying this rank's shard in), then copies the buffer into the output's
-    # chunks, all on its worker thread: per stage-3 gather of a 50 MB unit, 50 MB of fresh pages and
-    # 75 MB of copies more than the bytes it receives (benchmarks/profile_phases.py; docs/performance.md,
-    # stage 3: 59 ms of process CPU against 34 ms for the exchange below, on a 2-core machine where
-    # that thread takes its time from the compute). Between two ranks an all-gather is one exchange,
-    # as the reduce-scatter is ([Note: reduce-scatter on gloo]): send the peer our shard, receive
-    # theirs into their half of the output, and copy ours into our half (nothing when it is already
-    # there, as at a stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and
-    # an all-to-all, so a collective in gloo's sequence like every other; sent in the reduce-scatter's
-    # pieces across nodes (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate),
-    # which at loopback cost 45-52 ms of process CPU per 50 MB against one message's 33 and gloo's 56,
-    # so within a node one message ([Note: pieces across a link, one message within a node]).
-    # Other sizes and NCCL keep the backend's all-gather.
     def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
         slice of `out` itself."""
         assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
         stage = Staging(self)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
-        if self.pairwise:
+        if self.pairwise:  # two gloo ranks: [Note: all-gather on gloo] in backend.py
             launch = lambda: _PairwiseAllGather(staged_out, staged_shard, self.rank, self.group, self.piece_bytes)  # noqa: E731
         else:
             launch = lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True)  # noqa: E731
         return self._run("all_gather", out, what, async_op, launch, stage)
 
-    # [Note: reduce-scatter on gloo]
-    # gloo's reduce_scatter_tensor is an all-reduce followed by a copy of this rank's slice: it sends
-    # an all-reduce's bytes (docs/multinode.md: 1.5x DDP's at stages 1-2) and makes its input copy on
-    # the calling thread (docs/performance.md). Between two ranks a reduce-scatter is one exchange:
-    # each sends the other the half it owns and adds the half it receives, (N-1)/N of the buffer as
-    # a ring sends, and the sum a + b is the all-reduce's bit for bit. So a gloo group of two ranks
-    # takes that path (`pairwise`); other sizes and NCCL keep the backend's reduce-scatter. The
-    # exchange is an all-to-all, a collective, not isend/irecv: point-to-point messages take no
-    # place in gloo's sequence of collectives, so ranks that diverged (one failed mid-backward) met
-    # each other's next collectives with buffers of different sizes, which aborts the process from
-    # gloo's transport thread, instead of failing the consistency check (test_failures.py).
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`.
         `out` may be that slice of `full` itself."""
         assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
         stage = Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
-        if self.pairwise:
+        if self.pairwise:  # two gloo ranks: [Note: reduce-scatter on gloo] in backend.py
             launch = lambda: _PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group, self.piece_bytes)  # noqa: E731
         else:
             launch = lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True)  # noqa: E731

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.comm import CollectiveError
 from zeroshard.core.gathered import GatherPolicy, LiveCount, reuse_offsets
-from zeroshard.core.grad_buffers import SpentGradients
+from zeroshard.core.group import SpentGradients
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import InflightReductions, Unit, UnitState
 
@@ -52,7 +52,7 @@ def _tensors_in(output) -> list[torch.Tensor]:
     return [t for leaf in leaves for t in _tensors_in(leaf)]
 
 
-tensors_in = _tensors_in  # for the engine's output hooks ([Note: loss.backward() on the engine's outputs])
+tensors_in = _tensors_in  # for Sharded's output hooks ([Note: loss.backward() on the outputs] in sharded.py)
 
 
 class Phase(enum.Enum):
@@ -85,9 +85,9 @@ class Lifecycle:
                 group.spent = self.spent
         self.max_inflight = max_inflight_reductions
         self.phase = Phase.IDLE
-        # Set by the engine after a forward whose outputs it hooked: a gradient reaching a unit before
-        # the engine's own output hook opens the backward through it ([Note: loss.backward() on the
-        # engine's outputs], compat/engine.py). Cleared by the next forward or backward.
+        # Set by Sharded after a forward whose outputs it hooked: a gradient reaching a unit before
+        # Sharded's own output hook opens the backward through it ([Note: loss.backward() on the
+        # outputs] in sharded.py). Cleared by the next forward or backward.
         self.backward_opener: Callable[[], None] | None = None
         self.grad_factor = 1.0  # multiplies each gradient as it is taken (a loss.backward() the engine scales)
         self.boundary = True  # reduce in this backward? (always at stages 2/3)

@@ -34,14 +34,12 @@ the rule (reads from another thread, code that is not theirs).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 
-from zeroshard.core.comm import CollectiveError, Communicator
+from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.lifecycle import Phase
 from zeroshard.core.unit import Unit
 from zeroshard.core.wrap import ROOT
 
@@ -49,6 +47,13 @@ from zeroshard.core.wrap import ROOT
 def _gathers(group: FlatGroup) -> bool:
     """Is this group's full buffer all-gathered from the ranks' master slices after a step?"""
     return group.trainable and group.sharded_master and group.keep_full
+
+
+def _gather_updated(comm: Communicator | None, group: FlatGroup):
+    """Issue the all-gather of the other ranks' slices of `group`'s updated parameters."""
+    assert comm is not None and group.full is not None  # issued after a step; kept: it does not reshard
+    what = f"all-gather of updated parameters ({group.names[0]}...)"
+    return comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True)
 
 
 @torch.no_grad()
@@ -64,9 +69,7 @@ def refresh_parameters(groups: list[FlatGroup], comm: Communicator, deferred=Non
         if group.reshards:
             continue
         if group.sharded_master and deferred is None:
-            what = f"all-gather of updated parameters ({group.names[0]}...)"
-            assert group.full is not None  # kept: it does not reshard
-            handles.append(comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True))
+            handles.append(_gather_updated(comm, group))
     for handle in handles:
         handle.wait()
     if deferred is not None:
@@ -79,7 +82,7 @@ class DeferredGather:
         roots = [u for u in gathered if u.name == ROOT]
         self.units = roots + [u for u in gathered if u.name != ROOT]  # the issue order, on every rank
         self.max_inflight = max(1, max_inflight)
-        self._comm = None
+        self._comm: Communicator | None = None  # set by issue()
         self._queue: list[Unit] = []  # gathers not issued yet, in order
         self._inflight: dict[int, list] = {}  # id(unit) -> handles, oldest first
         self._handles: list = []
@@ -122,13 +125,7 @@ class DeferredGather:
     def _top_up(self) -> None:
         while self._queue and len(self._inflight) < self.max_inflight:
             unit = self._queue.pop(0)
-            self._inflight[id(unit)] = [
-                self._comm.all_gather(
-                    g.full, g.own_slice_of_full(), f"all-gather of updated parameters ({g.names[0]}...)", async_op=True
-                )
-                for g in unit.groups
-                if _gathers(g)
-            ]
+            self._inflight[id(unit)] = [_gather_updated(self._comm, g) for g in unit.groups if _gathers(g)]
 
     def _wait_oldest(self) -> None:
         handles = self._inflight.pop(next(iter(self._inflight)))
@@ -158,55 +155,3 @@ class DeferredGather:
         finally:
             self._queue.clear()
             self._inflight.clear()
-
-
-class ParameterReaders:
-    """`Sharded`'s access to parameters outside forward and backward: every reader waits for the
-    deferred gather first."""
-
-    deferred_gather: DeferredGather | None
-    _broken: str | None
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, params, modifier_rank: int | None = None):
-        """Full parameters inside the block (stage 3 keeps only shards otherwise). With
-        `modifier_rank`, that rank's changes are broadcast and re-partitioned on exit."""
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        unknown = [p for p in params if id(p) not in self._param_groups]
-        if unknown:
-            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters of this model")
-        self.wait_parameters()
-        wanted = {id(self._param_groups[id(p)][0]) for p in params}
-        units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
-        for unit in units:
-            unit.unshard("gathered parameters")
-            unit.wait_unshard()
-        try:
-            yield
-        finally:
-            if modifier_rank is not None:
-                for unit in units:
-                    for group in unit.groups:
-                        self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
-                        group.copy_full_into_master()
-            if self.lifecycle.phase is Phase.IDLE:
-                for unit in units:
-                    unit.reshard(release=True)  # what the block took from them stays valid
-
-    def wait_parameters(self) -> None:
-        """Complete the all-gathers of updated parameters still in flight after a step: call it
-        before a script reads parameter values between step() and the next forward ([Note: reads
-        before the next forward] in param_gather.py); zeroshard's own readers do. A failure is a failed collective ([Note: failed
-        steps] in sharded.py): every later call refuses."""
-        gather = self.deferred_gather
-        if gather is None or not gather.pending:
-            return
-        if self._broken is not None:  # the gathers may never complete: drop them, refuse
-            gather.abort(wait=False)
-            self._check_usable("reading parameters")
-        try:
-            gather.wait_all()
-        except CollectiveError as error:
-            self._broken = str(error)
-            gather.abort(wait=False)
-            raise

@@ -11,10 +11,10 @@ import logging
 import torch
 from torch import nn
 
+from zeroshard.core import backend, registry
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import local_tensor
-from zeroshard.core.partition import materialize
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import PrecisionPolicy
@@ -24,23 +24,6 @@ from zeroshard.core.wrap import assign_owners, unit_modules
 log = logging.getLogger(__name__)
 
 PERSISTENT = "<persistent>"
-
-# [Note: gathered buffers under glibc's mmap ceiling]
-# A stage-3 unit's flat groups are gathered into a full buffer before each use and freed after it
-# (their storage resized to nothing, [Note: parameter storage] in group.py), and at stages 2/3 a
-# unit's full gradient lives from its first gradient to its reduction. On CPU that memory is
-# glibc's: blocks above its largest mmap threshold (32 MiB on 64-bit) are mapped for each request and
-# unmapped on free, so each such buffer touched fresh pages, zero-filled by the kernel one 4 KiB fault
-# at a time. The 202M GPT's 50 MB blocks took 344 thousand faults a step at stage 3, which ran at
-# 1.19-1.20x DDP; the same code with glibc told to keep its memory ran at 1.05x (docs/performance.md,
-# "Thirteenth session"). Blocks at or below the ceiling are served from the heap, and glibc raises
-# its threshold to the largest one freed, so freed buffers are reused. Hence on CPU, at stages 2/3,
-# a unit's parameters go into flat groups of at most GATHER_GROUP_BYTES each (gathered buffer or full
-# gradient, whichever dtype is wider), split at parameter boundaries (a larger parameter has a
-# group of its own). Stages 0/1 keep their full gradient for good, and stage 3's persistent unit is
-# never gathered. CUDA's caching allocator reuses blocks of any size, so there a unit keeps one
-# group per optimizer param group.
-GATHER_GROUP_BYTES = 30 << 20  # under 32 MiB with room for the allocator's header and alignment
 
 
 def shard_module(
@@ -87,7 +70,7 @@ def shard_module(
         if not members:
             continue
         reshards = policy.shard_parameters and unit_name != PERSISTENT
-        materialize([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
+        registry.take_values([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
         groups = _build_groups(
             members, policy, comm, optimizer_groups, precision, reshards, placement or Placement(), partition
         )
@@ -110,13 +93,16 @@ def _build_groups(
     for name, param in members:
         index = optimizer_groups.get(id(param)) if param.requires_grad else None
         by_key.setdefault((index is not None, index), []).append((name, param))
-    # [Note: gathered buffers under glibc's mmap ceiling]; the persistent unit has reshards False
-    capped = policy.shard_gradients and (reshards or not policy.shard_parameters) and comm.device.type == "cpu"
+    # Stages 2/3 free a unit's full gradient after its reduction, stage 3 its gathered parameters after
+    # use (not the persistent unit's, which has reshards False): such units' groups may be capped in
+    # size ([Note: gathered buffers under glibc's mmap ceiling] in backend.py).
+    freed = policy.shard_gradients and (reshards or not policy.shard_parameters)
     itemsize = max(precision.param_dtype.itemsize, precision.reduce_dtype.itemsize)  # gathered, full gradient
+    cap = backend.flat_group_numel(comm.device, itemsize) if freed else None
     keyed = [
         (key, chunk)
         for key, items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
-        for chunk in (_chunks(items, GATHER_GROUP_BYTES // itemsize) if capped else [items])
+        for chunk in (_chunks(items, cap) if cap is not None else [items])
     ]
     groups = []
     for (_, index), items in keyed:

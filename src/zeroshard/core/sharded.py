@@ -33,15 +33,15 @@ from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.gathered import GatherPolicy
 from zeroshard.core.lifecycle import Lifecycle, Phase, tensors_in
 from zeroshard.core.mesh import ModelParallel, NormScope, zero_groups
-from zeroshard.core.optimizer import ZeroOptimizer
-from zeroshard.core.optimizer_groups import optimizer_group_index, repoint_optimizer
-from zeroshard.core.param_gather import DeferredGather, ParameterReaders, refresh_parameters
-from zeroshard.core.partition import register_engine
+from zeroshard.core.optim.groups import optimizer_group_index, repoint_optimizer
+from zeroshard.core.optim.optimizer import ZeroOptimizer
+from zeroshard.core.optim.streamed import StreamedStep, split
+from zeroshard.core.param_gather import DeferredGather, refresh_parameters
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, check_supported
+from zeroshard.core.registry import register_engine
 from zeroshard.core.shard import shard_module
-from zeroshard.core.streamed import StreamedStep, split
 from zeroshard.core.unit import build_links
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def shard(
     )
 
 
-class Sharded(ParameterReaders):
+class Sharded:
     """A model and its optimizer under ZeRO; build it with `shard()`."""
 
     def __init__(
@@ -200,7 +200,7 @@ class Sharded(ParameterReaders):
     def set_on_failed_update(self, mode: str) -> None:
         """What a step that raises during its update leaves: "fail_stop" (the default: no copy, every
         later call refuses until a checkpoint is loaded) or "copy" (masters and optimizer state are
-        copied before each group's update and put back): [Note: failed optimizer steps] in rollback.py."""
+        copied before each group's update and put back): [Note: failed optimizer steps] in core/optim/rollback.py."""
         self._require_optimizer("set_on_failed_update")
         assert self.optimizer is not None
         self.optimizer.on_failed_update = mode
@@ -233,7 +233,7 @@ class Sharded(ParameterReaders):
     # A forward or backward that raises leaves parameters, masters, optimizer state and loss scaler
     # as they were before it; so does a step that raises before its update begins. One that raises
     # during the update refuses every later call until a checkpoint is loaded, unless the update
-    # was copied ("copy"): [Note: failed optimizer steps] in rollback.py. What
+    # was copied ("copy"): [Note: failed optimizer steps] in core/optim/rollback.py. What
     # this rank has in flight is completed -- every rank that got as far issued the same
     # collectives -- and dropped, gathered units are freed, nothing is recorded from the partial
     # pass. Gradients are the exception: a failed backward or step leaves the window's gradients
@@ -407,7 +407,52 @@ class Sharded(ParameterReaders):
                 "gradients accumulated since the last step are partial: call zero_grad() first"
             )
 
-    # -- parameters outside forward: gathered_parameters() and wait_parameters() (ParameterReaders) --
+    # -- parameters outside forward and backward: every reader waits for the deferred gather first -----
+    @contextlib.contextmanager
+    def gathered_parameters(self, params, modifier_rank: int | None = None):
+        """Full parameters inside the block (stage 3 keeps only shards otherwise). With
+        `modifier_rank`, that rank's changes are broadcast and re-partitioned on exit."""
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        unknown = [p for p in params if id(p) not in self._param_groups]
+        if unknown:
+            raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters of this model")
+        self.wait_parameters()
+        wanted = {id(self._param_groups[id(p)][0]) for p in params}
+        units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
+        for unit in units:
+            unit.unshard("gathered parameters")
+            unit.wait_unshard()
+        try:
+            yield
+        finally:
+            if modifier_rank is not None:
+                for unit in units:
+                    for group in unit.groups:
+                        assert group.full is not None  # gathered above
+                        self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
+                        group.copy_full_into_master()
+            if self.lifecycle.phase is Phase.IDLE:
+                for unit in units:
+                    unit.reshard(release=True)  # what the block took from them stays valid
+
+    def wait_parameters(self) -> None:
+        """Complete the all-gathers of updated parameters still in flight after a step: call it
+        before a script reads parameter values between step() and the next forward ([Note: reads
+        before the next forward] in param_gather.py); zeroshard's own readers do. A failure is a failed collective ([Note: failed
+        steps] in sharded.py): every later call refuses."""
+        gather = self.deferred_gather
+        if gather is None or not gather.pending:
+            return
+        if self._broken is not None:  # the gathers may never complete: drop them, refuse
+            gather.abort(wait=False)
+            self._check_usable("reading parameters")
+        try:
+            gather.wait_all()
+        except CollectiveError as error:
+            self._broken = str(error)
+            gather.abort(wait=False)
+            raise
+
     def owns(self, param) -> bool:
         return id(param) in self._param_groups
 

@@ -265,7 +265,7 @@ class Unit:
                 continue
             if group.full_grad is None:  # no parameter of this group got a gradient: reduce zeros
                 group.full_grad = group.zeros_full_grad()
-            group.complete_full_grad()  # [Note: a fresh full gradient] in grad_buffers.py
+            group.complete_full_grad()  # [Note: a fresh full gradient] in group.py
             group.prescale(1.0 / average_over)  # [Note: the pre-divide in the copy]
             self._reductions.append(self._reduce_group(group))
         self.reduced_this_backward = True
@@ -325,7 +325,7 @@ class Unit:
         if group.grads_persist_full:  # stages 0/1: [Note: a second reduction before the step]
             group.restore_reduced_slice()
         if out is not None:
-            group.add_reduced(out)  # [Note: gradient shard lifetime] in grad_buffers.py
+            group.add_reduced(out)  # [Note: gradient shard lifetime] in group.py
             group.drop_full_grad()  # stages 2/3: the full gradient lives only until reduced
 
     def abort(self, wait: bool) -> None:

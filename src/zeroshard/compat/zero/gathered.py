@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from zeroshard.compat.zero import partition as part
 from zeroshard.config import ConfigKeyNotActedOnWarning
-from zeroshard.core import partition as part
+from zeroshard.core.registry import engine_of
 
 
 class GatheredParameters:
@@ -47,7 +48,7 @@ class GatheredParameters:
         for param in self.params:  # the same order on every rank, so the same collectives
             if part.record_of(param) is not None:
                 partitioned.append(param)
-            elif (engine := part.engine_of(param)) is not None:
+            elif (engine := engine_of(param)) is not None:
                 engines.setdefault(id(engine), (engine, []))[1].append(param)
         with self._stack as stack:
             for engine, params in engines.values():

@@ -34,8 +34,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zeroshard.compat.zero import partition as part
 from zeroshard.config import ConfigKeyNotActedOnWarning, load_config
-from zeroshard.core import partition as part
 
 log = logging.getLogger(__name__)
 

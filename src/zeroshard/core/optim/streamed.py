@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.masked import is_elementwise, step_runs
+from zeroshard.core.optim.masked import is_elementwise, step_runs
 
 
 @dataclass
@@ -45,7 +45,7 @@ def split(groups: list[FlatGroup], sub_group_size: int) -> list[SubGroup]:
 class StreamedStep:
     """Runs `optimizer.step()` one sub-group at a time, with state tensors living in `store`. Each
     group's master is read and written back through its own `master_store` (the optimizer store or
-    the stage-3 param store, or none; [Note: master placement] in shard.py)."""
+    the stage-3 param store, or none; [Note: master placement] in core/shard.py)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, sub_groups: list[SubGroup], store):
         self.optimizer = optimizer

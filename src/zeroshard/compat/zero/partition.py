@@ -12,31 +12,26 @@ fails (torch refuses to write through overlapping memory). `zeroshard.initialize
 parameters back unit by unit while it lays out that unit's flat groups ([Note: flat layout]), so no
 rank ever holds more than one unit in full.
 
-[Note: the parameter registry]
-DeepSpeed keeps a parameter's partitioning state in `ds_*` attributes on the parameter; we refuse that
-(STYLE.md, habit 3). `zeroshard.initialize(model=...)` and `GatheredParameters(params)` get no handle to
-the Init context or to the engine, so this module holds the one exception to "no module globals": two
-weak maps keyed by parameter identity (entries vanish with their parameter; nothing keeps a model alive):
-  * `_SHARDS`: parameter -> ParamShard, while zero.Init partitions it (until initialize gathers it);
-  * `_ENGINES`: parameter -> weak reference to the engine that owns it (for GatheredParameters).
-Process groups are not kept here: a Partition's communicator lives only while its Init context is open.
+`_SHARDS` below is one of the weak maps of [Note: the parameter registry] (core/registry.py): a
+partitioned parameter's record, from its partitioning until an engine takes it. Each record is also
+held in the core's registry with `materialize` as its hand-over, which the core calls unit by unit
+while it lays out the engine's flat groups.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zeroshard.core import registry
 from zeroshard.core.comm import Communicator
 
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # see [Note: the parameter registry]
-_ENGINES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class ShardState(enum.Enum):
@@ -98,6 +93,7 @@ def partition_param(param: nn.Parameter, partition: Partition, comm: Communicato
     record = _SHARDS.get(param)
     if record is None:
         record = _SHARDS[param] = ParamShard(partition, data.shape, data.dtype, data.device, shard)
+        registry.hold(param, materialize)  # the engine takes its values unit by unit
     else:  # partitioned again after Init's mode made it full: `.data = ...` may have changed anything
         record.shape, record.dtype, record.device, record.shard = data.shape, data.dtype, data.device, shard
     release(param, record)
@@ -226,16 +222,3 @@ def _gather_together(items: list, comm: Communicator) -> None:
         full = by_rank[:, offset : offset + size].reshape(-1)  # a copy: rank-major = the flattened parameter
         param.data = full[: record.shape.numel()].view(record.shape).to(record.device, record.dtype)
         offset += size
-
-
-def register_engine(engine) -> None:
-    ref = weakref.ref(engine)
-    for group in engine.groups:
-        for param in group.params:
-            _ENGINES[param] = ref
-
-
-def engine_of(param):
-    ref = _ENGINES.get(param) if isinstance(param, nn.Parameter) else None
-    engine = ref() if ref is not None else None
-    return engine if engine is not None and id(param) in engine._param_groups else None

@@ -25,7 +25,7 @@ host memory for the step, which is the memory their offload saves.
 Where one optimizer.step() per flat group is the same update as one step() over all of them
 (`steps_apart_alike`: torch's optimizers, which keep every state per tensor), ZeroOptimizer steps the
 groups one after the other and frees each group's gradient shard as soon as its update has read it
-([Note: gradient shard lifetime] in grad_buffers.py). The first step allocates the optimizer state
+([Note: gradient shard lifetime] in core/group.py). The first step allocates the optimizer state
 group by group, then into the memory the earlier groups' gradients left, and with "copy" the copies
 of the groups already stepped take that memory too. An optimizer that counts steps per param group
 (apex's and DeepSpeed's FusedAdam) would count one step per group: it gets one step() over all
@@ -53,7 +53,7 @@ class UpdateFailed(RuntimeError):
             f"the optimizer step raised {type(error).__name__}: {error} after it began updating {len(updated)} of "
             f"{total} flat groups{first}: their master weights and optimizer state are partly updated and cannot "
             'be put back. Load the last checkpoint to continue; on_failed_update="copy" keeps a copy that undoes '
-            "such a failure ([Note: failed optimizer steps] in core/rollback.py)"
+            "such a failure ([Note: failed optimizer steps] in core/optim/rollback.py)"
         )
 
 

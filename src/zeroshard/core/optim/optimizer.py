@@ -4,7 +4,8 @@ The user's (or the config's) torch optimizer is kept — its class, hyper-parame
 dicts, so LR schedulers built against it keep working — but each param group's `params` is
 re-pointed at the fp32 master shards of the flat groups (see [Note: flat layout]). That is correct
 exactly for optimizers whose update of an element depends only on that element's own state
-(SGD, Adam, AdamW, ...), which `check_shardable` enforces.
+(SGD, Adam, AdamW, ...), which `check_shardable` enforces. Its state is also kept per flat group in
+the form checkpoints save and load (`group_state`, `load_group_state`: the checkpoint contract).
 """
 
 from __future__ import annotations
@@ -18,19 +19,18 @@ import torch
 from zeroshard.core import consistency
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.mesh import NormScope
-from zeroshard.core.norm import NormWhenAsked, sum_of_squares
-from zeroshard.core.optimizer_groups import keeps_state
-from zeroshard.core.optimizer_state import CheckpointState
+from zeroshard.core.optim.groups import keeps_state
+from zeroshard.core.optim.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.optim.norm import NormWhenAsked, sum_of_squares
+from zeroshard.core.optim.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
+from zeroshard.core.optim.streamed import StreamedStep, is_elementwise
 from zeroshard.core.param_gather import refresh_parameters
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import DynamicLossScaler
-from zeroshard.core.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
-from zeroshard.core.streamed import StreamedStep, is_elementwise
 
 
-class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
+class ZeroOptimizer(torch.optim.Optimizer):
     """What `initialize` returns as the optimizer: the torch optimizer over this rank's shards.
 
     A `torch.optim.Optimizer` so that torch's LR schedulers (which check `isinstance`) and code that
@@ -160,7 +160,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
         `squares` the flags only (the norm is 0.0)."""
         flags = [seen for g in self.groups for seen in g.grad_seen]
         # (norm, flags..., h, h*h): the last two compare the ranks' collectives ([Note: collective
-        # fingerprint] in consistency.py)
+        # fingerprint] in core/consistency.py)
         total = torch.zeros(3 + len(flags), dtype=torch.float64, device=self.comm.device)
         for group, grad in zip(self.groups, grads) if squares else ():
             for piece in self.norm.counted(group, grad):
@@ -302,7 +302,7 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
                         plans[id(group)],
                         lambda key, dtype, g=group: torch.zeros_like(g.master, dtype=dtype),
                     )
-                if self._per_group:  # [Note: gradient shard lifetime] in grad_buffers.py
+                if self._per_group:  # [Note: gradient shard lifetime] in core/group.py
                     grads[i] = None
                     group.free_grad_shard()
         return results
@@ -398,6 +398,66 @@ class ZeroOptimizer(CheckpointState, torch.optim.Optimizer):
                 if isinstance(value, torch.Tensor) and all(s.resident(value) for s in stores):
                     total += value.numel() * value.element_size()
         return total
+
+    # -- state for checkpoints -------------------------------------------------------------------------
+    def group_state(self, group: FlatGroup) -> dict:
+        """The optimizer state of one flat group as if the torch optimizer stepped `group.master` in
+        one piece: elementwise tensors (1-D, numel = master.numel()) and scalars (Adam's `step`),
+        whatever sub-groups the streamed step cuts it into. {} before the first step."""
+        state = (
+            self.streamed.state_of(group)
+            if self.streamed is not None
+            else dict(self.optimizer.state.get(group.master, {}))
+        )
+        if not self.slot_states.is_uniform(group):
+            state = {k: v for k, v in state.items() if is_elementwise(v, group.master)}
+            state.update(self.slot_states.expand(group))
+        return state
+
+    def load_group_state(self, group: FlatGroup, state: dict) -> None:
+        """Replace one group's optimizer state with `state` (the form `group_state` returns)."""
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and not is_elementwise(value, group.master):
+                raise ValueError(
+                    f"optimizer state '{key}' of '{group.names[0]}...' has {value.numel()} elements, "
+                    f"the group's shard has {group.master.numel()}"
+                )
+        state = self.slot_states.absorb(group, state)
+        if self.streamed is not None:
+            self.streamed.load_state(group, state)
+        elif state:  # copies, as torch's load_state_dict makes: the caller keeps its tensors
+            self.optimizer.state[group.master] = {
+                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
+            }
+        else:
+            self.optimizer.state.pop(group.master, None)
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state in torch's form: `state` maps the index of each trainable flat
+        group to its `group_state`; `param_groups` holds the hyper-parameters and, as `params`, the
+        indices of the flat groups each optimizer param group steps."""
+        param_groups = []
+        for index, param_group in enumerate(self.param_groups):
+            saved = {k: v for k, v in param_group.items() if k != "params"}
+            saved["params"] = [i for i, g in enumerate(self.groups) if g.optimizer_group == index]
+            param_groups.append(saved)
+        return {
+            "state": {i: self.group_state(group) for i, group in enumerate(self.groups)},
+            "param_groups": param_groups,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Inverse of `state_dict` for the same layout (same world size, stage and model)."""
+        saved_groups = state["param_groups"]
+        if len(state["state"]) != len(self.groups) or len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"optimizer state of {len(state['state'])} flat groups and {len(saved_groups)} param "
+                f"groups does not fit this optimizer ({len(self.groups)} and {len(self.param_groups)})"
+            )
+        for param_group, saved in zip(self.param_groups, saved_groups):
+            param_group.update({k: v for k, v in saved.items() if k != "params"})
+        for index, group in enumerate(self.groups):
+            self.load_group_state(group, state["state"][index])
 
 
 class _Update:
