@@ -64,7 +64,7 @@ def pairwise(backend: str, world_size: int) -> bool:
 # pipelines chunks, does (docs/multinode.md). Within a node there is no link to pace, and each piece
 # is a collective of its own with its dispatch and its wake-ups of gloo's threads: over loopback the
 # 33.7M GPT's process CPU fell 45-75 ms a step with one message per unit, and stage 1/2/3 went from
-# 1.07/1.11/1.27x to 0.97-0.99/0.99-1.00/1.16-1.19x DDP (docs/performance.md, twelfth session). So
+# 1.07/1.11/1.27x to 0.97-0.99/0.99-1.00/1.16-1.19x DDP (docs/performance.md). So
 # the two ranks of a pair on one node (`place_on_nodes`, torchrun's LOCAL_WORLD_SIZE) send one
 # message, and only a pair across nodes sends pieces.
 PAIRWISE_PIECE_BYTES = 512 * 1024
@@ -90,8 +90,8 @@ def pieces(numel: int, element_size: int, piece_bytes: int | None) -> list[tuple
 # glibc's: blocks above its largest mmap threshold (32 MiB on 64-bit) are mapped for each request and
 # unmapped on free, so each such buffer touched fresh pages, zero-filled by the kernel one 4 KiB fault
 # at a time. The 202M GPT's 50 MB blocks took 344 thousand faults a step at stage 3, which ran at
-# 1.19-1.20x DDP; the same code with glibc told to keep its memory ran at 1.05x (docs/performance.md,
-# "Thirteenth session"). Blocks at or below the ceiling are served from the heap, and glibc raises
+# 1.19-1.20x DDP; the same code with glibc told to keep its memory ran at 1.05x (docs/performance.md).
+# Blocks at or below the ceiling are served from the heap, and glibc raises
 # its threshold to the largest one freed, so freed buffers are reused. Hence on CPU, at stages 2/3,
 # a unit's parameters go into flat groups of at most GATHER_GROUP_BYTES each (gathered buffer or full
 # gradient, whichever dtype is wider), split at parameter boundaries (a larger parameter has a

@@ -27,8 +27,8 @@ persistent unit of small parameters) are model states, not counted. Three bounds
 
 zeroshard's defaults (`GatherPolicy()`): the next unit prefetched, no element bound beyond it, reuse
 distance 1; so at most the enclosing units + the current unit + the next one are live, FSDP2's
-shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse; its stage3_* keys) apply when a
-config gives them, and then a small model may be gathered whole.
+shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse) apply when a config gives them
+(compat/policies.py), and then a small model may be gathered whole.
 """
 
 from __future__ import annotations

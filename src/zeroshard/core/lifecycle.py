@@ -282,11 +282,10 @@ class Lifecycle:
     # backward cannot be run; it stops with the cause named.
     def _outside_backward(self, unit: Unit) -> NoReturn:
         raise RuntimeError(
-            f"rank {self.rank}: a backward reached unit '{unit.name}' of a stage-3 engine outside its "
-            "engine.backward(): either another engine's backward flows through this model's parameters (a GAN's "
-            "generator loss through the discriminator: detach() the input, or use stage 0-2 for that model, as "
-            "DeepSpeed does), or loss.backward() was called on a loss not computed through engine(...) (call "
-            "engine.backward(loss))"
+            f"rank {self.rank}: a backward reached unit '{unit.name}' of a stage-3 model outside its own "
+            "backward: either another sharded model's backward flows through this model's parameters (a GAN's "
+            "generator loss through the discriminator: detach() the input, or use stage 0-2 for that model), or "
+            "loss.backward() was called on a loss not computed by calling the sharded model (the engine) itself"
         )
 
     def _pre_backward(self, unit: Unit, grad):

@@ -75,8 +75,8 @@ class Store(Protocol):
 class Placement:
     """Where offloaded states go; None = they stay where they are computed.
 
-    optimizer_store: optimizer states, fp32 master shards, fp32 gradient shards (offload_optimizer);
-    param_store: stage-3 parameter shards (offload_param), which are also their master weights;
+    optimizer_store: optimizer states, fp32 master shards, fp32 gradient shards;
+    param_store: stage-3 parameter shards, which are also their master weights;
     sub_group_size: elements per optimizer sub-step when states are offloaded ([Note: streamed step]).
     """
 

@@ -2,8 +2,8 @@
 
 Master weights and optimizer states are always fp32 shards (ZeRO §3.1: "mixed-precision Adam keeps
 fp32 copies of parameters, momentum and variance"). Parameters used in compute are `param_dtype`.
-Gradients are accumulated and reduced in `reduce_dtype` — DeepSpeed's `communication_data_type`,
-defaulting like DeepSpeed to the compute dtype, so that the bytes held and moved are the paper's
+Gradients are accumulated and reduced in `reduce_dtype` (a config's communication data type),
+by default the compute dtype as in DeepSpeed, so that the bytes held and moved are the paper's
 2Ψ / 2Ψ/N — and converted to fp32 only for the optimizer step.
 """
 

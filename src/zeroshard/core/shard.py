@@ -43,8 +43,7 @@ def shard_module(
 
     Rank 0's values (of `comm`'s group) are broadcast first, as DDP does, so that every rank starts from the same model.
     Parameters with fewer than `persistence_threshold` elements stay unsharded at stage 3 (their
-    gathering would cost more in latency than it saves in memory), like DeepSpeed's
-    `stage3_param_persistence_threshold`.
+    gathering would cost more in latency than it saves in memory).
     `partition`: the group the flat layouts are sliced over (default `comm`; a MiCS shard group), and
     `links` the unit's other communicators ([Note: ZeRO++ and MiCS] in unit.py).
     """
@@ -157,11 +156,11 @@ def _master_placement(
 
     [Note: master placement]
     Where a master goes is decided by *device*, not by dtype: the optimizer step runs where the
-    optimizer states are, so with offload_optimizer the master must be a tensor the store's device can
+    optimizer states are, so with an optimizer store the master must be a tensor the store's device can
     step in place.
-      * Stage 3 with offload_param: the parameter shard lives in the param store and is also the
+      * Stage 3 with a parameter store: the parameter shard lives in the param store and is also the
         master (ZeRO-Infinity); every gather reads it from there.
-      * offload_optimizer whose memory the compute device cannot address (a GPU computing, host memory
+      * An optimizer store whose memory the compute device cannot address (a GPU computing, host memory
         or NVMe files storing): the master is a separate fp32 copy in the store whatever the compute
         dtype, and the step runs there (states created next to it). Updated values go back to the
         device parameters (stages 1/2: this rank's slice of the full buffer, then the all-gather) or

@@ -23,13 +23,13 @@ units (qwZ quantizes what it gathers, hpZ keeps secondary copies: `gather_must_c
 [Note: ZeRO++ and MiCS]
 Communication policies of the same stage 3 (core/policy.py `CommPolicy`); `Links` carries the
 communicators they need, built by sharded.py from core/mesh.py's rank groups.
-  * MiCS (`mics_shard_size` k): a unit's `comm` is its *partition group*, k consecutive ranks: flat
+  * MiCS (`CommPolicy.shard_size` k): a unit's `comm` is its *partition group*, k consecutive ranks: flat
     layouts are padded and sliced over k, parameters all-gathered and gradients reduce-scattered
     inside it; then each reduced shard is all-reduced over the *replica group* (the ranks holding
     the same shard in the other partition groups), the hierarchical reduction of MiCS §3.3.
     Per rank: model states / k. Sums run in another order than one all-reduce: at 4 ranks, k = 2,
     results match plain stage 3 to rounding, not bit for bit (at k = world it *is* plain stage 3).
-  * hpZ (`zero_hpz_partition_size` h): a primary gather (forward, or any gather that is not for
+  * hpZ (`CommPolicy.secondary_size` h): a primary gather (forward, or any gather that is not for
     backward) leaves every rank a *secondary copy*, its 1/h piece of the gathered parameters
     (FlatGroup.keep_secondary), over the h consecutive ranks of its node; the backward gather of
     the unit (and an activation-checkpointing recomputation inside backward) then runs inside that
@@ -42,14 +42,14 @@ communicators they need, built by sharded.py from core/mesh.py's rank groups.
     copied, the backward reads it from the shard the rank holds anyway. The backward gathers the
     piece as N/h node all-gathers, the m-th of shards mh .. mh + h - 1, each into its contiguous
     slice of the gathered buffer. Cost: padded numel x (1/h - 1/N) per unit between forward and
-    step, half of a contiguous piece's 1/h at two nodes (issue 15 item 5: its memory budget).
-  * qwZ (`zero_quantized_weights`): primary gathers send int8 blocks and scales
+    step, half of a contiguous piece's 1/h at two nodes.
+  * qwZ (`CommPolicy.quantize_weights`): primary gathers send int8 blocks and scales
     (`quantize.all_gather`), dequantized into the gathered buffer; masters stay exact
     fp32, so the quantization error does not accumulate across steps (ZeRO++ §3.1). The backward
     sees exactly the forward's weights: it dequantizes the same shard again, or, with hpZ, the
     secondary copy, which is then kept as received (int8 blocks and scales, ~1 byte per element
     instead of 4; FlatGroup.keep_secondary_encoded) and gathered inside the node as such.
-  * qgZ (`zero_quantized_gradients`): the gradient reduce-scatter is an all-to-all of int8 blocks,
+  * qgZ (`CommPolicy.quantize_gradients`): the gradient reduce-scatter is an all-to-all of int8 blocks,
     summed locally in fp32 (`quantize.reduce_scatter`); the MiCS replica all-reduce
     after it stays exact.
 Parameters below the persistence threshold are never gathered and are reduced like the others.

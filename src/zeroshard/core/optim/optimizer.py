@@ -111,8 +111,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         raise ValueError(
-            "add_param_group() after initialize(): zeroshard laid out the shards for the param "
-            "groups given to initialize(); pass every group there"
+            "add_param_group() after sharding: zeroshard laid out the shards for the param groups the "
+            "optimizer had when it was sharded; give it every group before"
         )
 
     def __repr__(self) -> str:

@@ -36,7 +36,7 @@ RUNS = {
 }
 STAGE_RUNS = ("0", "1", "2", "3")  # what the advisor chooses between
 RECIPE = est.recipe("fp32", "adamw")  # sweep_job: fp32, torch AdamW
-TIME_TOLERANCE = 0.25  # issue 15 item 3
+TIME_TOLERANCE = 0.25  # how far a measured step time may sit from the model
 
 
 class SweepError(ValueError):
