@@ -283,9 +283,10 @@ class Lifecycle:
     def _outside_backward(self, unit: Unit) -> NoReturn:
         raise RuntimeError(
             f"rank {self.rank}: a backward reached unit '{unit.name}' of a stage-3 model outside its own "
-            "backward: either another sharded model's backward flows through this model's parameters (a GAN's "
-            "generator loss through the discriminator: detach() the input, or use stage 0-2 for that model), or "
-            "loss.backward() was called on a loss not computed by calling the sharded model (the engine) itself"
+            "backward: either another engine's backward flows through this model's parameters (a GAN's generator "
+            "loss through the discriminator: detach() the input, or use stage 0-2 for that model), or "
+            "loss.backward() was called on a loss not computed through the sharded model (compute it by calling "
+            "the sharded model or the engine, not the module inside it)"
         )
 
     def _pre_backward(self, unit: Unit, grad):
