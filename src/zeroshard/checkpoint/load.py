@@ -387,7 +387,7 @@ def _elementwise_kinds(kinds: dict) -> tuple[str, ...]:
 
 def _check_state_not_lost(reader: CheckpointReader, optimizer) -> None:
     """A checkpoint of an optimizer that keeps state (Adam's moments, SGD's momentum) and had
-    stepped, yet holds no optimizer state at all, lost it (as offloaded sub-groups once did): an error, never a silently fresh optimizer. A group of its own may lack
+    stepped, yet holds no optimizer state at all, lost it (offloaded sub-groups saved wrongly would): an error, never a silently fresh optimizer. A group of its own may lack
     state, since its parameters may never have had a gradient; all of them cannot."""
     manifest = reader.manifest
     applied = manifest["global_steps"] - manifest.get("skipped_steps", 0)
