@@ -173,7 +173,6 @@ def _demo_curve(zero: dict) -> list[float]:
     torch.manual_seed(0)
     model = GPT(tiny_gpt_config(vocab_size=tokenizer.vocab_size))
     config = make_config(3, clip=1.0, **zero)
-    config["zeroshard"]["check_collectives"] = False  # halves the collectives of a 200-step run
     engine, *_ = zeroshard.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=CURVE_LR), config=config
     )
