@@ -1,4 +1,4 @@
-"""Small models that exercise what trips ZeRO stage 3 up (issue 2, item 5)."""
+"""Small models that exercise what trips ZeRO stage 3 up."""
 
 from __future__ import annotations
 

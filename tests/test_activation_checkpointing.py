@@ -1,4 +1,4 @@
-"""Activation checkpointing (issue 3, item 2): per-unit checkpointing from the config and the
+"""Activation checkpointing: per-unit checkpointing from the config and the
 `checkpoint(fn, *args)` API give results bit-for-bit equal to the oracle at stages 0-3 (2 ranks, fp32);
 under stage 3 recomputation runs on gathered parameters, costs no extra all-gather, and every unit is
 freed after backward; fewer activations are kept; options that mean nothing here are reported."""

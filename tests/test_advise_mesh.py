@@ -1,4 +1,4 @@
-"""`zeroshard advise --tp --pp`: the advisor knows the mesh (issue 14, item 5). Its memory per rank is
+"""`zeroshard advise --tp --pp`: the advisor knows the mesh. Its memory per rank is
 the estimator's for the same mesh (`zeroshard estimate --tp --pp --dp`, whose numbers tests/test_mesh.py
 measures against real dp x tp and dp x pp runs), its communication is ZeRO's on the rank's Ψ_local,
 and the recommendation follows: what needs stage 2 over 16 data-parallel ranks fits at stage 1 once

@@ -1,4 +1,4 @@
-"""The advisor's time model against the recorded bandwidth sweep (issue 15 item 3): for every rate, its
+"""The advisor's time model against the recorded bandwidth sweep: for every rate, its
 pick is the measured fastest stage that fits, and its step time per stage is within 25% of the measured
 median. Compute time per stage is calibrated on the unlimited-rate row only; the rate-limited rows are
 the check ([Note: the advisor's time model], tools/bench/sweepcheck.py). No processes: the sweep is

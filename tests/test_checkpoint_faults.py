@@ -1,4 +1,4 @@
-"""Checkpoints under injected faults, as torch's DCP tests do (issue 11, item 7).
+"""Checkpoints under injected faults, as torch's DCP tests do.
 
 One process group of 2 ranks, many sub-cases. An exception is injected at each phase of a save and
 of a load, on rank 0 and on rank 1; a full disk (ENOSPC after part of a shard is written) during a

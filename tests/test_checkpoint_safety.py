@@ -1,4 +1,4 @@
-"""Nothing a checkpoint holds can run code (issue 11, item 9).
+"""Nothing a checkpoint holds can run code.
 
 Manifests are JSON checked against a schema (a field outside it is an error naming the file),
 tensors are safetensors, and objects.pt (client state, scheduler, loss scaler, optimizer

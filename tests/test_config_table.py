@@ -371,7 +371,7 @@ def dumped(cfg):
         assert absent not in reads, absent
 
 
-# ------------------------------------------------------------- the keys issue 11 found silent, acting
+# ------------------------------------------------------------- keys that act, each reported by name
 
 
 def test_aio_request_knobs_are_reported_once_by_name():

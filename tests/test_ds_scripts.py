@@ -1,6 +1,6 @@
 """Scripts written the way DeepSpeedExamples writes them (examples/deepspeed_patterns/), with only the
 import changed, run under torchrun at 2 ranks and ZeRO stages 0-3 (one torchrun per script, the
-stages looped inside): they start, train, save and resume (issue 13)."""
+stages looped inside): they start, train, save and resume."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's surface around the engine (issue 13): module paths, the accelerator, `zeroshard.comm`,
+"""DeepSpeed's surface around the engine: module paths, the accelerator, `zeroshard.comm`,
 engine accessors, the optimizer as a torch Optimizer, torch-style `loss.backward()`, two engines in
 one script (a GAN), the safe_get/set accessors and the config semantics of DeepSpeed 0.19.8.
 

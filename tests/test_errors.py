@@ -1,4 +1,4 @@
-"""Issue 2, item 7: bad input is an error that names the key, the value and what is allowed."""
+"""Bad input is an error that names the key, the value and what is allowed."""
 
 from __future__ import annotations
 

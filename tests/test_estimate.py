@@ -295,7 +295,7 @@ def test_gptspec_counts_a_reference_module(tie):
     assert spec.num_params() == sum(p.numel() for p in _ReferenceGPT(spec).parameters())
 
 
-# ---- 3D parallelism (issue 14): tp and pp split Ψ first, ZeRO partitions each rank's part over dp ----
+# ---- 3D parallelism: tp and pp split Ψ first, ZeRO partitions each rank's part over dp ----
 
 
 def test_mesh_divides_states_by_tp_pp_then_zero_over_dp():

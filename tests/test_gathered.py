@@ -1,4 +1,4 @@
-"""zero.GatheredParameters (issue 3, item 4): what the modifier rank changes inside the context is what
+"""zero.GatheredParameters: what the modifier rank changes inside the context is what
 every rank sees after it, and what training continues from (bit-for-bit against the oracle started from
 the same change), at stages 0-3 on a live engine and on a model built under zero.Init before
 initialize; other ranks' changes, and all changes without a modifier rank, are discarded."""

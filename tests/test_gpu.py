@@ -1,4 +1,4 @@
-"""Issue 17: the CUDA / NCCL paths. Marked `gpu`; benchmarks/gpu_check.sh runs them on a GPU machine.
+"""The CUDA / NCCL paths. Marked `gpu`; benchmarks/gpu_check.sh runs them on a GPU machine.
 
 CI has no GPU, so every test here is skipped without CUDA — except with GPU_CHECK_DRY_RUN=1, where
 the same steps run on the CPU (gloo instead of NCCL) so that the script and these tests are known to

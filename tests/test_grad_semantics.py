@@ -1,4 +1,4 @@
-"""Issue 11, items 3 and 8: what happens to gradients between two optimizer steps.
+"""What happens to gradients between two optimizer steps.
 
 Item 8, several backward() calls before one step() (a GAN's or a multi-loss script's pattern, with
 gradient_accumulation_steps 1): gradients of every backward since the last step are summed, as in

@@ -1,4 +1,4 @@
-"""Issue 2, item 5: tied and shared parameters, frozen and unused parameters, a unit called twice,
+"""Tied and shared parameters, frozen and unused parameters, a unit called twice,
 buffers, and parameters read outside forward — at every stage, against the single-process oracle
 emulating 2 ranks (bit-for-bit in fp32)."""
 
@@ -43,7 +43,7 @@ def _hard_case(variant: str, stage: int) -> None:
     model_fn = functools.partial(_build, variant)
     # gas = 1: "reduce every micro step" and "reduce once" are the same math, so one oracle serves
     # all stages; an unused parameter keeps `.grad` None and is not stepped, as with DDP
-    # (find_unused_parameters=True) and torch (issue 11, item 2; DeepSpeed steps it on a zero gradient).
+    # (find_unused_parameters=True) and torch (DeepSpeed steps it on a zero gradient).
     ref = train_single(
         model_fn, _batches, optimizer_fn=_trainable_adamw, steps=STEPS, world_size=2, loss_fn=_loss, record_params=True
     )

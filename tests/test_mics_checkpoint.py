@@ -1,4 +1,4 @@
-"""MiCS checkpoints (issue 15): an engine with `mics_shard_size` k shards its states over partition
+"""MiCS checkpoints: an engine with `mics_shard_size` k shards its states over partition
 groups of k ranks and replicates them across the N/k groups ([Note: ZeRO++ and MiCS] in
 core/unit.py). Its checkpoint is a plain zeroshard checkpoint at k ranks, written by one replica
 group ([Note: checkpoints of replicated shards] in checkpoint/save.py).

@@ -1,4 +1,4 @@
-"""NVMe swap files do not outlive killed processes (issue 11, item 5; [Note: swap files of dead
+"""NVMe swap files do not outlive killed processes ([Note: swap files of dead
 processes] in zeroshard/offload/cleanup.py).
 
   * a rank of a real 2-rank NVMe-offload run is SIGKILLed after a step: its swap files stay; the

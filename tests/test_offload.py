@@ -1,4 +1,4 @@
-"""Issue 6: offload of optimizer states / masters / stage-3 parameters to CPU memory or NVMe files.
+"""Offload of optimizer states / masters / stage-3 parameters to CPU memory or NVMe files.
 
 Parity: every offload setting trains bit-for-bit like the same run without offload (fp32, 2 ranks,
 10 steps). Failures: an unwritable path, too little free space, a truncated or deleted swap file

@@ -1,4 +1,4 @@
-"""Issue 17: where offloaded model states live ([Note: master placement] in core/shard.py).
+"""Where offloaded model states live ([Note: master placement] in core/shard.py).
 
 The placement is asked of the stores themselves (`Store.holds`): with optimizer offload the fp32
 master and every optimizer state tensor are the store's, the reduced gradient shards (stages 2/3) too,

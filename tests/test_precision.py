@@ -1,4 +1,4 @@
-"""Issue 3, item 1: bf16 / fp16 compute with fp32 master shards, and fp16 dynamic loss scaling.
+"""bf16 / fp16 compute with fp32 master shards, and fp16 dynamic loss scaling.
 
 The oracle is the same recipe written out in one process for 2 emulated ranks: a low-precision copy
 of the model computes each rank's gradients, which are averaged the way DDP does (each times 1/N,

@@ -1,4 +1,4 @@
-"""Issue 11, item 1: resume and reshard with an offloaded optimizer lose nothing.
+"""Resume and reshard with an offloaded optimizer lose nothing.
 
 With `offload_optimizer` the streamed step cuts each flat group's shard into sub-groups, and the
 optimizer state is keyed by those pieces; a checkpoint must still hold all of it. Matrix, in one

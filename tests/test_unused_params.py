@@ -1,4 +1,4 @@
-"""Issue 11, item 2: parameters that get no gradient are left alone, exactly as DDP and torch do.
+"""Parameters that get no gradient are left alone, exactly as DDP and torch do.
 
 A mixture-of-experts model routes each token to one of four experts per block by its id, and a
 small adapter runs only on even steps. The data of each (step, micro step, rank) uses only some

@@ -1,4 +1,4 @@
-"""zero.Init (issue 3, item 3): a model built already partitioned has, once the engine is built, weights
+"""zero.Init: a model built already partitioned has, once the engine is built, weights
 bit-for-bit equal to normal construction + sharding (world 2 and 4, stages 0-3, GPT and a model that
 re-initialises its weights in every style after construction), and building it never needs more memory
 than about one unit plus this rank's slice (peak RSS in fresh processes, MALLOC_MMAP_THRESHOLD_=65536)."""

@@ -9,6 +9,7 @@ choice of accelerator.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 
@@ -17,7 +18,7 @@ import torch
 _SUPPORTED = ("cpu", "cuda")
 
 
-class _Accelerator:
+class _Accelerator(abc.ABC):
     """Methods whose meaning does not depend on the device kind."""
 
     _name = "cpu"
@@ -33,14 +34,15 @@ class _Accelerator:
     def current_device_name(self) -> str:
         return f"{self._name}:{self.current_device()}" if self._name != "cpu" else "cpu"
 
-    def current_device(self) -> int:  # each device kind's own, as the two below
-        raise NotImplementedError
+    # Each device kind answers these itself (CPU_Accelerator, CUDA_Accelerator).
+    @abc.abstractmethod
+    def current_device(self) -> int: ...
 
-    def is_bf16_supported(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def is_bf16_supported(self) -> bool: ...
 
-    def is_fp16_supported(self) -> bool:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def is_fp16_supported(self) -> bool: ...
 
     def is_synchronized_device(self) -> bool:
         return self._name == "cpu"
