@@ -5,7 +5,8 @@ default ("fail_stop") copies nothing and trains bit for bit like `transactional_
 copies masters and optimizer state every step. A failure before the update changes nothing with
 either; one during the update (a bad `lr` that only the last param group's update rejects, after
 earlier flat groups were updated) is undone with "copy", and by default refuses every later call,
-naming how many flat groups changed.
+naming how many flat groups changed; Ctrl-C during the update stays a KeyboardInterrupt and
+refuses later calls the same way.
 """
 
 from __future__ import annotations
@@ -110,10 +111,32 @@ def _during_update_case(stage: int, mode: str | None) -> None:
     engine.destroy()
 
 
+def _interrupted_case(stage: int) -> None:
+    """Ctrl-C during the update stays a KeyboardInterrupt; by default every later call refuses."""
+    engine = _engine(stage)
+    _micro(engine, 0)
+    inner = engine.optimizer.optimizer
+    real_step = inner.step
+
+    def interrupted(*args, **kwargs):
+        real_step(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    inner.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        _micro(engine, 1)
+    inner.step = real_step
+    engine.zero_grad()
+    with pytest.raises(UpdateFailed, match=r"step\(\) refused"):
+        engine.optimizer.step()
+    engine.destroy()
+
+
 def _worker(rank: int, world: int) -> None:
     subtests([dict(stage=s, fused=f) for s in (0, 1, 2, 3) for f in (False, True)], _alike_case)
     subtests([dict(stage=s, mode=m) for s in (0, 3) for m in (None, "copy")], _before_update_case)
     subtests([dict(stage=s, mode=m) for s in (0, 1, 3) for m in (None, "copy")], _during_update_case)
+    subtests([dict(stage=s) for s in (0, 3)], _interrupted_case)
 
 
 def test_failed_updates_refuse_by_default_and_are_undone_with_copy():

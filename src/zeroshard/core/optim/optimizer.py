@@ -368,7 +368,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 update.snapshot.restore()
             elif update.began:
                 self.failed_update = UpdateFailed.after(error, update.began, len(self.groups))
-                raise self.failed_update from error
+                if isinstance(error, Exception):  # Ctrl-C stays a KeyboardInterrupt; later calls refuse all the same
+                    raise self.failed_update from error
             raise
         finally:
             self.snapshot_peak_bytes = update.snapshot.nbytes if update.snapshot is not None else 0

@@ -13,6 +13,7 @@ pays. So a failure is handled in one of two ways, chosen by `ZeroOptimizer.on_fa
   nothing and can be retried after zero_grad(), as any failed step; one that raises after an update
   began marks the optimizer `UpdateFailed`: every later forward, backward and step refuses, naming
   the flat groups that changed, until a checkpoint is loaded. Nothing is silently half-applied.
+  Ctrl-C there is raised as the KeyboardInterrupt it is; the later calls refuse all the same.
 * "copy" (a config's `zeroshard.transactional_step: "copy"`) copies each group's master and optimizer state
   just before that group's update (`Snapshot`) and puts them back if the update raises, so the step
   leaves them as they were and training can go on after zero_grad().
