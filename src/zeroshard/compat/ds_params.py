@@ -1,7 +1,7 @@
 """DeepSpeed's read-only parameter metadata (`ds_id`, `ds_status`, `ds_numel`, `ds_shape`,
 `ds_tensor`) on the parameters of a stage-3 engine, so that DeepSpeed-aware code (DeepSpeed-Chat's
 save_zero_three_model, transformers, PEFT, Accelerate) finds them partitioned and gathers them with
-`zero.GatheredParameters`, and a partitioned parameter can never be saved empty by accident.
+`zero.GatheredParameters`.
 
 [Note: DeepSpeed's parameter metadata]
 STYLE.md habit 3 forbids state on nn.Parameter, with this one exception for compatibility: expose
@@ -16,17 +16,21 @@ these names read-only, backed by our objects, from the compatibility layer alone
     Why a class and not attributes: properties compute from the live unit, and a parameter that is
     no longer registered (engine destroyed, or a copy) simply has no `ds_id` (AttributeError, so
     `hasattr(p, "ds_id")` is False), as DeepSpeed-aware code expects of a plain parameter.
-  * Saving a parameter whose unit is sharded fails loudly instead of writing an empty tensor:
-    `PartitionedParameter.__reduce_ex__` (torch.save / pickle of the parameter itself) and a
-    state-dict hook on the model (`model.state_dict()` without keep_vars) raise `NotGatheredError`
-    naming the parameter and the ways to get full weights. Inside `GatheredParameters` both work,
-    and the parameter pickles as a plain nn.Parameter (no zeroshard type in the file).
+  * Pickling a parameter whose unit is sharded (`torch.save(param)`, `copy.deepcopy`) raises
+    `NotGatheredError` naming the parameter and the ways to get full weights; gathered, it pickles as
+    a plain nn.Parameter (no zeroshard type in the file).
+  * `model.state_dict()` returns a sharded parameter as DeepSpeed does, an empty tensor, and warns
+    (`PartitionedStateDictWarning`) with the same advice. Scripts written for DeepSpeed rely on it:
+    DeepSpeed-Chat saves `model.state_dict()` on rank 0 and overwrites the file with gathered
+    weights right after; PEFT's `save_pretrained` takes the whole state dict and keeps only the
+    adapter's entries, which are whole when they are below the persistence threshold or gathered.
 Every stage-3 parameter is registered, persistent ones too (their status is always AVAILABLE), as
 DeepSpeed marks every parameter of a ZeRO-3 model; stages 0-2 register nothing (DeepSpeed neither).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -48,7 +52,11 @@ _STATUS = {
 
 
 class NotGatheredError(RuntimeError):
-    """A partitioned parameter was saved outside a gather."""
+    """A partitioned parameter was pickled outside a gather."""
+
+
+class PartitionedStateDictWarning(UserWarning):
+    """`state_dict()` of a stage-3 model returned partitioned parameters as empty tensors."""
 
 
 def _place(param):
@@ -57,6 +65,13 @@ def _place(param):
     if sharded is None or not sharded.owns(param):
         raise AttributeError("not a partitioned parameter of a live zeroshard engine")
     return entry[1:4]
+
+
+_EMPTY_IN_STATE_DICT = (
+    "state_dict() of a ZeRO stage-3 model: partitioned parameters come back as empty tensors, as in DeepSpeed. "
+    "For full values gather them (`with zeroshard.zero.GatheredParameters(params): ...`), or save the full model "
+    "with engine.save_16bit_model() / zeroshard.checkpoint.full_state_dict(engine)"
+)
 
 
 def _not_gathered(name: str) -> NotGatheredError:
@@ -162,9 +177,9 @@ def unregister(sharded) -> None:
 
 
 def _check_state_dict(module, state_dict, prefix, local_metadata) -> None:
-    """Post-hook of `state_dict()` on each module owning partitioned parameters: refuse to return the
-    empty tensor of a sharded one. `state_dict(keep_vars=True)` returns the parameters themselves,
-    which callers gather as they need (zeroshard's own checkpoint code does): those pass."""
+    """Post-hook of `state_dict()` on each module owning partitioned parameters: warn when one comes
+    back empty (see [Note: DeepSpeed's parameter metadata]). `state_dict(keep_vars=True)` returns the
+    parameters themselves, which callers gather as they need (zeroshard's own checkpoint code does)."""
     for name, param in module.named_parameters(recurse=False):
         value = state_dict.get(prefix + name)
         if value is None or isinstance(value, nn.Parameter) or type(param) is not PartitionedParameter:
@@ -174,4 +189,5 @@ def _check_state_dict(module, state_dict, prefix, local_metadata) -> None:
         except AttributeError:
             continue
         if unit.state is not UnitState.UNSHARDED:
-            raise _not_gathered(prefix + name)
+            warnings.warn(_EMPTY_IN_STATE_DICT, PartitionedStateDictWarning, stacklevel=4)
+            return

@@ -10,6 +10,21 @@ trainable parameter of a unit has its gradient, the unit's reduction is issued (
 the unit is freed. `end_backward` reduces units whose parameters were unused, waits for every
 reduction and frees whatever is still gathered.
 
+[Note: frozen parameters in backward]
+A unit's last trainable gradient does not mean backward is done with its parameters when some of them
+have no gradient of their own: in a LoRA layer `y = x W^T + B(A(x))` the adapter's gradients can land
+before the frozen W is read to carry the gradient on to x. Freeing W at the adapters' last gradient
+left backward a parameter with no storage. So a unit with frozen parameters watches its forward's
+tensor inputs (positional and keyword) that require grad, with one multi-grad hook per forward call
+(mode "all"): every read of its parameters that sends a gradient out of the unit happens before
+those inputs' gradients are complete. It is freed once both its trainable gradients and its inputs'
+gradients are in; a unit whose inputs need no gradient (the first layers under a frozen embedding)
+is freed as before, since nothing then needs its frozen weights in backward. Reentrant activation
+checkpointing runs the forward without autograd and recomputes it inside backward, so a unit not
+watched in the forward is watched in its recomputation; non-reentrant checkpointing backpropagates
+through the first forward's graph, so its recomputation is not watched. Whatever a hook never
+reports (a forward with no backward after it) is freed by end_backward, as unused units are.
+
 [Note: inference prefetch]
 A forward without autograd (eval, ZeRO-Inference, HF `generate`, which calls the model directly and so
 never passes through begin_forward) has no backward to prepare and may run many times between steps:
@@ -108,6 +123,8 @@ class Lifecycle:
         self._retained: list[Unit] = []  # kept gathered from forward for backward (reuse distance)
         self._reuse: dict[int, tuple[int, int | None]] | None = None  # see reuse_offsets (gathered.py)
         self._forward_suffix: list[int] = []  # [i]: elements of forward_order[i:]
+        self._input_watches: list = []  # multi-grad hook handles: [Note: frozen parameters in backward]
+        self._watched_in_forward: set[int] = set()
 
     # -- registration ------------------------------------------------------------------------------
     def register(self) -> None:
@@ -115,6 +132,9 @@ class Lifecycle:
             if unit.reshards and unit.module is not None:
                 self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
                 self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+                if unit.frozen:  # [Note: frozen parameters in backward]
+                    watch = functools.partial(self._watch_inputs, unit)
+                    self._handles.append(unit.module.register_forward_pre_hook(watch, with_kwargs=True))
             for group in unit.groups:
                 for index, param in enumerate(group.params):
                     if param.requires_grad:
@@ -254,6 +274,36 @@ class Lifecycle:
         need = following.numel if following.state is UnitState.SHARDED and following is not unit else 0
         return self.limits.live_allows(self.live.numel, need)
 
+    def _watch_inputs(self, unit: Unit, module, args, kwargs) -> None:
+        """[Note: frozen parameters in backward]"""
+        if not torch.is_grad_enabled():
+            return
+        if self.phase is Phase.FORWARD:
+            self._watched_in_forward.add(id(unit))
+        elif self.phase is not Phase.BACKWARD or id(unit) in self._watched_in_forward:
+            return  # not a training pass, or a non-reentrant recomputation
+        inputs = [t for t in _tensors_in(args) + _tensors_in(kwargs) if t.requires_grad]
+        if not inputs:
+            return
+        unit.input_grads_pending += 1
+        done = functools.partial(self._inputs_done, unit)
+        self._input_watches.append(torch.autograd.graph.register_multi_grad_hook(inputs, done, mode="all"))
+
+    def _inputs_done(self, unit: Unit, grads) -> None:
+        if self.phase is not Phase.BACKWARD or unit.input_grads_pending == 0:
+            return
+        unit.input_grads_pending -= 1
+        if unit.input_grads_pending == 0 and unit.grads_done and not self.hold_gathered:
+            unit.reshard()
+
+    def _clear_input_watches(self) -> None:
+        for handle in self._input_watches:
+            handle.remove()
+        self._input_watches.clear()
+        self._watched_in_forward.clear()
+        for unit in self.units:
+            unit.input_grads_pending = 0
+
     def _hook_outputs(self, unit: Unit, output) -> None:
         for tensor in _tensors_in(output):
             if tensor.requires_grad:
@@ -268,6 +318,7 @@ class Lifecycle:
         self._recording = []
         for unit in self.units:
             unit.grads_pending = unit.trainable_params
+            unit.grads_done = unit.trainable_params == 0
             unit.reduced_this_backward = False
             for group in unit.groups:
                 group.set_aside_reduced_slice()  # stages 0/1; see its note in group.py
@@ -335,6 +386,7 @@ class Lifecycle:
             unit.grads_pending = unit.trainable_params
 
     def _unit_backward_done(self, unit: Unit) -> None:
+        unit.grads_done = True
         if self.boundary:
             unit.reduce_grads(self.world_size)
             self._inflight.add(unit)
@@ -347,7 +399,7 @@ class Lifecycle:
             # step, 0.2-1 Gbit/s and loopback; 50 MB more at 202M, docs/multinode.md).
             if not (self.max_inflight and all(g.grads_persist_full for g in unit.groups)):
                 self._inflight.keep_at_most(self.max_inflight)
-        if not self.hold_gathered:
+        if not self.hold_gathered and unit.input_grads_pending == 0:  # [Note: frozen parameters in backward]
             unit.reshard()
 
     def end_backward(self) -> None:
@@ -358,6 +410,7 @@ class Lifecycle:
             if unit.trainable_params and self.boundary and partial:
                 self._unit_backward_done(unit)
         self._inflight.finish_all()
+        self._clear_input_watches()
         for unit in self.units:
             unit.reshard()
         self._retained.clear()  # freed above with every other unit
@@ -373,6 +426,7 @@ class Lifecycle:
         again), their results dropped, gathered parameters freed, nothing recorded from the
         partial pass. Raises the first CollectiveError met while waiting, after cleaning up."""
         self._inflight.clear()
+        self._clear_input_watches()
         self._retained.clear()  # every unit is freed below
         self.spent.clear()
         self._recording = []

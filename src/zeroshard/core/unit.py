@@ -138,6 +138,11 @@ class Unit:
         self.live = live if live is not None else LiveCount()  # shared by a model's units (Lifecycle)
         self._state = UnitState.SHARDED if reshards else UnitState.UNSHARDED
         self.trainable_params = sum(len(g.params) for g in groups if g.trainable)
+        # Parameters without a gradient of their own (a LoRA model's base weights) can still be read by
+        # backward: [Note: frozen parameters in backward] in lifecycle.py.
+        self.frozen = any(not g.trainable for g in groups)
+        self.input_grads_pending = 0  # forward calls whose inputs' gradients backward has yet to compute
+        self.grads_done = False  # every trainable parameter has its gradient in this backward
         self._gathers: list[Handle | quantize.Composite] = []
         self._reductions: list[tuple[Handle | quantize.Composite, FlatGroup, torch.Tensor | None]] = []
         self.grads_pending = self.trainable_params
