@@ -268,7 +268,18 @@ def _child_main(rank, world_size, port, timeout, stack_file, payload, conn) -> N
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
+    _save_coverage()
     os._exit(0)  # see the module docstring: the report is sent, skip the teardown that may abort
+
+
+def _save_coverage() -> None:
+    """Under `coverage run` (concurrency "multiprocessing" starts it in each rank), write this rank's
+    data: os._exit skips the atexit hook that would."""
+    coverage = sys.modules.get("coverage")
+    current = coverage.Coverage.current() if coverage is not None else None
+    if current is not None:
+        current.stop()
+        current.save()
 
 
 def _arm_guards(backstop_s: float, stack_file: str) -> None:
