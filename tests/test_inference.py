@@ -481,11 +481,13 @@ def _load_checkpoint_worker(rank: int, world_size: int, root: str, swap: str) ->
     box = [_trained_checkpoint(Path(root))]
     torch.distributed.broadcast_object_list(box, src=0)  # rank 0's full weights, the oracle's
     subtests(
-        [{"case": "zeroshard"}, {"case": "deepspeed"}],
+        [{"case": "zeroshard"}, {"case": "deepspeed"}, {"case": "deepspeed_frozen"}],
         lambda case: (
             _case_load_checkpoint(root, swap, box[0])
             if case == "zeroshard"
             else _case_load_deepspeed("stage3_fp32", swap)
+            if case == "deepspeed"
+            else _case_load_deepspeed_frozen("stage1_fp32_frozen", swap)
         ),
     )
 
@@ -527,11 +529,26 @@ def _case_load_deepspeed(source: str, swap: str) -> None:
     engine.destroy()
 
 
+def _case_load_deepspeed_frozen(source: str, swap: str) -> None:
+    """DeepSpeed's stage-1 checkpoint of a model with frozen parameters, which it keeps in the module
+    state dict alone: every parameter is what DeepSpeed's running engine held."""
+    from tests.test_deepspeed_checkpoints import DATA, tm
+
+    engine, *_ = zeroshard.initialize(model=tm.build_adapter_model(), config=inference_config("nvme", f"{swap}/dsf"))
+    engine.load_checkpoint(str(DATA / source))
+    with engine.gathered_parameters(list(engine.module.parameters())):
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    reference = torch.load(DATA / source / "reference.pt", weights_only=True)["saved"]
+    assert params.keys() == reference.keys() and all(torch.equal(params[n], reference[n]) for n in params)
+    engine.destroy()
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_load_checkpoint_streams_a_training_checkpoint_into_the_store(world_size, tmp_path):
     """InferenceEngine.load_checkpoint over a model built on the meta device: a zeroshard checkpoint
     trained at these ranks generates the tokens of the plain model with its full weights; one
-    DeepSpeed wrote loads its zero_to_fp32 weights; a checkpoint of another model, or none, is refused."""
+    DeepSpeed wrote loads its zero_to_fp32 weights, and one of a model with frozen parameters all of
+    them; a checkpoint of another model, or none, is refused."""
     run_distributed(
         _load_checkpoint_worker,
         world_size,

@@ -23,10 +23,29 @@ docs/deepspeed_checkpoints.md):
         size) elements (the last padded); rank r's `fp32_flat_groups` hold slice r of each parameter,
         back to back in `param_shapes` order, and `optimizer_state_dict['state'][i]` the optimizer
         state of sub-group i laid out alike.
+
 `DeepSpeedCheckpoint.read(name, key, lo, hi, out)` reads elements [lo, hi) of one parameter's fp32
 master (`key='fp32'`) or optimizer state (`'exp_avg'`, ...) from whichever rank files hold them, which
 is all that re-slicing into zeroshard's layout needs ([Note: resharding by element ranges]).
 Files are opened memory-mapped, one rank's file at a time in memory.
+
+[Note: where DeepSpeed keeps frozen parameters]
+DeepSpeed's optimizers own only the parameters with requires_grad and at least one element; the
+others ("frozen": a LoRA or adapter fine-tune's base weights, a frozen embedding, zero-element
+parameters) are in no optimizer-states file. Its engine saves them with the ZeRO stage's own rule
+(engine.py `_save_checkpoint`: `save_frozen_param` is `zero_optimization_partition_gradients()`):
+  * stage 1: in the module state dict (`module`) alone, in full, in the compute dtype (fp32 for the
+    modules kept in fp32); `frozen_param_shapes` and `frozen_param_fragments` are None;
+  * stage 2: in `frozen_param_shapes` and `frozen_param_fragments` (name -> full tensor), and in
+    `module` as well;
+  * stage 3: `frozen_param_shapes` (name -> full shape), and in each rank's model-states file
+    `frozen_param_fragments` (name -> that rank's slice, ds_tensor: ceil(numel / world size)
+    elements, the last padded); `module` holds empty placeholders.
+So with `frozen_param_shapes` saved it names the frozen parameters; without it (stage 1, or stage 2
+saved with `exclude_frozen_parameters=True`) at stages 1/2 they are the module state dict's tensors
+outside `param_shapes`, the buffers and the tied aliases; at stage 3 without it, none were saved.
+`DeepSpeedCheckpoint.frozen()` and `frozen_param()` read them so and check each value's shape and
+dtype against what DeepSpeed writes.
 """
 
 from __future__ import annotations
@@ -119,6 +138,7 @@ class DeepSpeedCheckpoint:
         self.places = self._places(first)
         self.index = {p.name: p for p in self.places}
         self._partition = self._stage12_partitions(first) if self.stage < 3 else None
+        self._frozen = self._frozen_shapes()
 
     # -- files --------------------------------------------------------------------------------------
     def _optim_files(self) -> list[Path]:
@@ -305,23 +325,79 @@ class DeepSpeedCheckpoint:
     def aliases(self) -> dict[str, str]:
         return dict(self.model_states.get("shared_params") or {})
 
+    @property
+    def model_file(self) -> Path:
+        """Rank 0's model-states file (stages 1/2: the only one)."""
+        return self._model_file(0)
+
+    def frozen_source(self) -> str:
+        """Where this checkpoint keeps its frozen parameters, in words for errors
+        ([Note: where DeepSpeed keeps frozen parameters])."""
+        if self.model_states.get("frozen_param_shapes") is not None:
+            return "'frozen_param_shapes' and 'frozen_param_fragments'"
+        if self.stage == 3:
+            return "nowhere: no 'frozen_param_shapes' (saved with exclude_frozen_parameters=True?)"
+        return "the module state dict ('module')"
+
+    def _frozen_shapes(self) -> dict[str, torch.Size]:
+        """Parameters no optimizer owns, name -> shape ([Note: where DeepSpeed keeps frozen parameters])."""
+        shapes = self.model_states.get("frozen_param_shapes")
+        if shapes is not None:
+            return {n: torch.Size(s) for n, s in shapes.items()}
+        if self.stage == 3:
+            return {}
+        module = self.model_states.get("module") or {}
+        others = set(self.index) | set(self.model_states.get("buffer_names") or []) | set(self.aliases())
+        return {n: v.shape for n, v in module.items() if isinstance(v, torch.Tensor) and n not in others}
+
     def frozen(self) -> dict[str, torch.Size]:
-        return {n: torch.Size(s) for n, s in (self.model_states.get("frozen_param_shapes") or {}).items()}
+        return dict(self._frozen)
 
     def frozen_param(self, name: str) -> torch.Tensor:
         """A parameter no optimizer owns, in full (its compute dtype, as DeepSpeed saved it)."""
-        shape = self.frozen()[name]
+        shape = self._frozen[name]
         if self.stage == 3:
-            pieces = [
-                deepspeed_pickle.load(self._model_file(r))["frozen_param_fragments"][name].reshape(-1)
-                for r in range(self.world_size)
-            ]
-            return torch.cat(pieces)[: shape.numel()].view(shape)
+            pieces = []
+            for rank in range(self.world_size):
+                file = self._model_file(rank)
+                fragments = deepspeed_pickle.load(file).get("frozen_param_fragments") or {}
+                pieces.append(
+                    self._checked_frozen(name, fragments.get(name), file, "frozen_param_fragments").reshape(-1)
+                )
+            full = torch.cat(pieces)  # 1-D, world size x ceil(numel / world size): the last slice padded
+            self._check_numel(
+                name, full, shape, self._model_file(0), "frozen_param_fragments (all ranks)", at_least=True
+            )
+            return full[: shape.numel()].view(shape)
         fragments = self.model_states.get("frozen_param_fragments") or {}
-        value = fragments.get(name, (self.model_states.get("module") or {}).get(name))
-        if value is None:
-            raise CheckpointError(f"{self._model_file(0)}: frozen parameter '{name}' is not saved")
+        key = "frozen_param_fragments" if name in fragments else "module"
+        value = self._checked_frozen(
+            name, fragments.get(name, (self.model_states.get("module") or {}).get(name)), self.model_file, key
+        )
+        self._check_numel(name, value, shape, self.model_file, key)
         return value.view(shape)
+
+    def _checked_frozen(self, name: str, value, file: Path, key: str) -> torch.Tensor:
+        """`value`, the saved frozen parameter `name` (or a slice of it), if it is a tensor of a dtype
+        DeepSpeed saves parameters in: the compute dtype, or fp32 (its modules kept in fp32)."""
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{file}: frozen parameter '{name}' is not saved in '{key}'")
+        allowed = {self.param_dtype(), torch.float32}
+        if value.dtype not in allowed:
+            raise CheckpointError(
+                f"{file}: frozen parameter '{name}' in '{key}' has dtype {value.dtype}; a checkpoint "
+                f"trained in {self.param_dtype()} saves parameters in one of {sorted(map(str, allowed))}"
+            )
+        return value
+
+    @staticmethod
+    def _check_numel(name: str, value: torch.Tensor, shape: torch.Size, file: Path, key: str, at_least: bool = False):
+        numel = value.numel()
+        if numel < shape.numel() or (numel != shape.numel() and not at_least):
+            raise CheckpointError(
+                f"{file}: frozen parameter '{name}' in '{key}' holds {numel} elements, its shape "
+                f"{list(shape)} needs {shape.numel()}: the file is truncated or from another model"
+            )
 
     def client_state(self) -> dict:
         return {k: v for k, v in self.model_states.items() if k not in DEEPSPEED_KEYS}

@@ -90,7 +90,12 @@ def check_model(checkpoint: DeepSpeedCheckpoint, params: dict[str, list[int]], s
             f"checkpoint, {list(params[n])} in the model)"
         )
     if strict and missing:
-        problems.append(f"{len(missing)} parameter(s) of the model missing from it (e.g. {missing[:3]})")
+        problems.append(
+            f"{len(missing)} parameter(s) of the model missing from it (e.g. {missing[:3]}): "
+            f"{checkpoint.model_file.name} has neither their optimizer partitions ('param_shapes') "
+            f"nor their frozen values (read from {checkpoint.frozen_source()}); to keep the model's own "
+            "values for them, pass load_module_strict=False"
+        )
     if strict and unexpected:
         problems.append(f"{len(unexpected)} parameter(s) the model does not have (e.g. {unexpected[:3]})")
     if problems:

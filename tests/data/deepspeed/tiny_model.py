@@ -120,3 +120,64 @@ def config(stage: int, precision: str, world_size: int, variant: str = "") -> di
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# -- a model with frozen parameters: a LoRA-style fine-tune (make_frozen_checkpoints.py) --------------
+VOCAB, TOKENS, LORA_RANK = 13, 3, 2
+
+
+class LoraLinear(nn.Module):
+    """A linear layer whose base weight and bias are frozen, plus a trainable low-rank adapter."""
+
+    def __init__(self, width: int, rank: int):
+        super().__init__()
+        self.base = nn.Linear(width, width)
+        self.lora_a = nn.Parameter(torch.randn(rank, width) * 0.2)
+        self.lora_b = nn.Parameter(torch.randn(width, rank) * 0.2)  # not zero: every step moves both
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class AdapterNet(nn.Module):
+    """Tokens -> a frozen embedding -> a block with a LoRA-adapted frozen linear layer -> a fully
+    trainable block (but for its frozen norm bias) -> a trainable head. Frozen and trainable
+    parameters alternate in the module's order, the first parameter being frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList([Block(WIDTH), Block(WIDTH)])
+        self.blocks[0].fc = LoraLinear(WIDTH, LORA_RANK)
+        self.head = nn.Linear(WIDTH, OUT)
+
+    def forward(self, tokens):
+        h = self.embed(tokens).mean(dim=1)  # (B, T) -> (B, T, C) -> (B, C)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+FROZEN_ADAPTER = ["embed.weight", "blocks.0.fc.base.weight", "blocks.0.fc.base.bias", "blocks.1.norm.bias"]
+# Checkpoint name -> ZeRO stage; every one fp32, one optimizer param group.
+FROZEN_CASES = {f"stage{stage}_fp32_frozen": stage for stage in (1, 2, 3)}
+# The stage-1 run saved a second time, with save_checkpoint(exclude_frozen_parameters=True).
+FROZEN_EXCLUDED = "stage1_fp32_frozen_excluded"
+
+
+def build_adapter_model() -> AdapterNet:
+    torch.manual_seed(SEED)
+    model = AdapterNet()
+    for name in FROZEN_ADAPTER:
+        model.get_parameter(name).requires_grad_(False)
+    return model
+
+
+def token_batch(step: int, rank: int, world_size: int):
+    """This rank's contiguous slice of global step `step`'s batch (token ids, targets)."""
+    generator = torch.Generator().manual_seed(20_000 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, TOKENS), generator=generator)
+    y = torch.randn(GLOBAL_BATCH, OUT, generator=generator)
+    per = GLOBAL_BATCH // world_size
+    lo = rank * per
+    return tokens[lo : lo + per], y[lo : lo + per]
