@@ -43,7 +43,7 @@ parameters) are in no optimizer-states file. Its engine saves them with the ZeRO
     elements, the last padded); `module` holds empty placeholders.
 So with `frozen_param_shapes` saved it names the frozen parameters; without it (stage 1, or stage 2
 saved with `exclude_frozen_parameters=True`) at stages 1/2 they are the module state dict's tensors
-outside `param_shapes`, the buffers and the tied aliases; at stage 3 without it, none were saved.
+outside `param_shapes`, the buffers, the tied aliases and modules' `_extra_state`; at stage 3 without it, none were saved.
 `DeepSpeedCheckpoint.frozen()` and `frozen_param()` read them so and check each value's shape and
 dtype against what DeepSpeed writes.
 """
@@ -61,6 +61,7 @@ from zeroshard.checkpoint import deepspeed_pickle
 from zeroshard.checkpoint.files import CheckpointError
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
+_EXTRA_STATE = "_extra_state"  # a module's get_extra_state() entry in a state dict: not a parameter
 _ZERO3_MODEL = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt")
 _OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt")
 FP32 = "fp32"
@@ -348,7 +349,11 @@ class DeepSpeedCheckpoint:
             return {}
         module = self.model_states.get("module") or {}
         others = set(self.index) | set(self.model_states.get("buffer_names") or []) | set(self.aliases())
-        return {n: v.shape for n, v in module.items() if isinstance(v, torch.Tensor) and n not in others}
+        return {
+            n: v.shape
+            for n, v in module.items()
+            if isinstance(v, torch.Tensor) and n not in others and not n.endswith(_EXTRA_STATE)
+        }
 
     def frozen(self) -> dict[str, torch.Size]:
         return dict(self._frozen)
