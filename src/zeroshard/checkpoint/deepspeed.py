@@ -43,7 +43,8 @@ parameters) are in no optimizer-states file. Its engine saves them with the ZeRO
     elements, the last padded); `module` holds empty placeholders.
 So with `frozen_param_shapes` saved it names the frozen parameters; without it (stage 1, or stage 2
 saved with `exclude_frozen_parameters=True`) at stages 1/2 they are the module state dict's tensors
-outside `param_shapes`, the buffers, the tied aliases and modules' `_extra_state`; at stage 3 without it, none were saved.
+outside `param_shapes`, the buffers, the tied aliases and modules' `_extra_state`; at stage 3
+without it, none were saved.
 `DeepSpeedCheckpoint.frozen()` and `frozen_param()` read them so and check each value's shape and
 dtype against what DeepSpeed writes.
 """
