@@ -369,9 +369,11 @@ class NetCluster:
         module: bool = False,
         env: dict | None = None,
         cwd: str | None = None,
+        nodes: list[int] | None = None,
         **torchrun,
     ) -> None:
-        """Start one torchrun per node running `job` (a script and its arguments; `module`: python -m)."""
+        """Start one torchrun per node running `job` (a script and its arguments; `module`: python -m);
+        `nodes`: only on these (the others' machines are up but never join)."""
         if not job:
             raise ValueError("launch(job=[]): give a script (or, with module=True, a module) to run")
         if not 1 <= nproc_per_node <= 64:
@@ -383,7 +385,7 @@ class NetCluster:
             "OMP_NUM_THREADS": "1",
             **{k: str(v) for k, v in (env or {}).items()},
         }
-        for i in range(self.nodes):
+        for i in range(self.nodes) if nodes is None else nodes:
             cmd = [
                 "ip",
                 "netns",

@@ -26,12 +26,13 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import zeroshard
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import adamw, full_params, gpt_model_fn, make_config
 from zeroshard.tools.models.gpt import tiny_gpt_config
+
+POINTS = ("init_process_group", "initialize", "training")  # where --markers marks, in order
 
 
 def _stages(text: str) -> list[int]:
@@ -55,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="load --ckpt first, continue from its step")
     parser.add_argument("--progress", action="store_true", help="rewrite the report after every step")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="stop training after this long")
+    parser.add_argument("--markers", type=Path, default=None, help="write <point>.rank<R> here at each start-up point")
+    parser.add_argument("--hold-at", choices=POINTS, default=None, help="with --hold-node: where its ranks stop")
+    parser.add_argument("--hold-node", type=int, default=None, help="this node's ranks sleep at --hold-at")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: at least 1")
@@ -94,7 +98,12 @@ class Reporter:
     def error(self, exc: BaseException) -> None:
         self.write(
             self.path.with_suffix(".error.json"),
-            {"type": type(exc).__name__, "message": str(exc), "since_last_step_s": time.monotonic() - self.last_step},
+            {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "since_last_step_s": time.monotonic() - self.last_step,
+                "at": time.time(),  # wall clock, to compare with when a test killed a node
+            },
         )
 
 
@@ -103,6 +112,7 @@ def train_stage(stage: int, args, report: Reporter, deadline: float) -> None:
     config = make_config(stage)
     config["zeroshard"] = {"comm_timeout_s": args.comm_timeout_s}
     model = gpt_model_fn()()
+    reach("initialize", args)
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
     first = 0
     if args.resume:
@@ -118,6 +128,8 @@ def train_stage(stage: int, args, report: Reporter, deadline: float) -> None:
         engine.step()
         record["losses"].append(loss.item())
         report.last_step = time.monotonic()
+        if step == first:
+            reach("training", args)
         if args.save_at is not None and step + 1 == args.save_at:
             engine.save_checkpoint(args.ckpt, client_state={"step": step + 1})
             record["saved_at"] = step + 1
@@ -128,15 +140,28 @@ def train_stage(stage: int, args, report: Reporter, deadline: float) -> None:
     engine.destroy()
 
 
+def reach(point: str, args) -> None:
+    """Mark that this rank reached `point` (--markers); on --hold-node, stay there until killed."""
+    if args.markers is None:
+        return
+    rank = int(os.environ["RANK"])
+    args.markers.mkdir(parents=True, exist_ok=True)
+    (args.markers / f"{point}.rank{rank}").write_text(str(time.time()))
+    if point == args.hold_at and int(os.environ.get("NETCLUSTER_NODE", 0)) == args.hold_node:
+        while True:  # a machine that stopped here; the test kills it
+            time.sleep(60)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    zeroshard.init_distributed(timeout_s=args.comm_timeout_s)  # nothing may wait longer than that
-    rank, world = dist.get_rank(), dist.get_world_size()
     args.out.mkdir(parents=True, exist_ok=True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # torchrun's
     report = Reporter(args.out, rank, world)
     torch.set_num_threads(1)
-    deadline = time.monotonic() + args.max_seconds
     try:
+        reach("init_process_group", args)
+        zeroshard.init_distributed(timeout_s=args.comm_timeout_s)  # nothing may wait longer than that
+        deadline = time.monotonic() + args.max_seconds
         for stage in args.stages:
             train_stage(stage, args, report, deadline)
     except Exception as exc:  # noqa: BLE001 - report the named error, then leave without gloo's teardown

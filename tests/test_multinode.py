@@ -7,6 +7,7 @@ After every test no namespace of this process's prefix may remain (the cleanup i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -301,3 +302,112 @@ def test_sweep_table_regenerates_from_its_json(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert doc.read_text() == committed
+
+
+START_UP_TIMEOUT_S = 6.0  # comm_timeout_s and torchrun's join_timeout in the start-up cases
+# After the kill, beyond the timeout: a survivor's own start-up work between its marker and its first
+# wait on the dead machine (seconds on a loaded 2-core box), naming the missing ranks (at most
+# liveness.DIAGNOSE_S, well under 1 s here) and writing its report.
+START_UP_MARGIN_S = 5.0
+
+
+class _StartUpKill:
+    """One cluster of 2 x 2 ranks whose node 1 stops at `point` and is SIGKILLed there.
+
+    The job's ranks write a marker on reaching the point, and node 1's stay there
+    (tests/multinode_job.py --markers, --hold-at); once every rank has marked it, node 1 is killed.
+    At "rendezvous" node 1's machine never starts its torchrun, and the point is reached once node 0's
+    agent has entered the rendezvous."""
+
+    def __init__(self, stack, tmp: Path, point: str, after: _StartUpKill | None = None):
+        self.point, self.out, self.after = point, tmp / point, after
+        self.cluster = stack.enter_context(netcluster.NetCluster(2, rate_bps=10**9))
+        self.launched = False
+        self.killed_at: float | None = None  # time.time(): the job's reports use the wall clock
+        self.exit_s: float | None = None  # node 0's torchrun, after the kill
+
+    def launch(self) -> None:
+        job = _job(self.out, "--stages", 3, "--steps", 3, "--comm-timeout-s", START_UP_TIMEOUT_S)
+        job += ["--markers", str(self.out / "markers"), "--hold-node", "1"]
+        job += [] if self.point == "rendezvous" else ["--hold-at", self.point]
+        rendezvous = self.point == "rendezvous"
+        self.cluster.launch(
+            job,
+            2,
+            module=True,
+            cwd=REPO,
+            monitor_interval_s=1.0,
+            env={"LOGLEVEL": "INFO"} if rendezvous else None,
+            nodes=[0] if rendezvous else None,
+            join_timeout_s=START_UP_TIMEOUT_S if rendezvous else RUN_TIMEOUT_S,
+        )
+        self.launched = True
+
+    def reached(self) -> bool:
+        if self.point == "rendezvous":  # torchrun's agent logs this as it enters the rendezvous
+            return "Rendezvous'ing worker group" in (self.cluster.log_dir / "node0.log").read_text(errors="replace")
+        return len(list((self.out / "markers").glob(f"{self.point}.rank*"))) == 4
+
+    def poll(self) -> bool:
+        """Launch once `after` has killed its node, kill node 1 once the point is reached; True once
+        node 0's torchrun has exited."""
+        if not self.launched:
+            if self.after is not None and self.after.killed_at is None:
+                return False
+            self.launch()
+        if self.killed_at is None:
+            assert self.cluster.procs[0].poll() is None, f"{self.point}: node 0 ended before the kill"
+            if not self.reached():
+                return False
+            if self.point != "rendezvous":
+                self.cluster.kill_node(1)
+            self.killed_at, self._killed_mono = time.time(), time.monotonic()
+        if self.exit_s is None and self.cluster.procs[0].poll() is not None:
+            self.exit_s = time.monotonic() - self._killed_mono
+        return self.exit_s is not None
+
+
+@pytest.mark.slow
+def test_machine_killed_during_start_up_survivors_exit_within_the_timeout(cluster_env):
+    """Node 1 SIGKILLed during torchrun's rendezvous, init_process_group, initialize's first collectives
+    and training (four clusters, two at a time: each second one starts once the first has killed its
+    node, so that no survivor's timeout runs while two others import torch): node 0 exits within the timeout plus a margin after the kill,
+    its ranks with a CollectiveError naming ranks 2 and 3. The rendezvous is bounded by torchrun's
+    join_timeout (no ranks exist yet: torchrun raises RendezvousTimeoutError); init_process_group by
+    its timeout, which zeroshard.init_distributed takes; the rest by comm_timeout_s."""
+    with contextlib.ExitStack() as stack:
+        first = [_StartUpKill(stack, cluster_env, point) for point in ("init_process_group", "initialize")]
+        runs = [
+            *first,
+            *(_StartUpKill(stack, cluster_env, p, after) for p, after in zip(("rendezvous", "training"), first)),
+        ]
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not all([run.poll() for run in runs]):  # every run polled each round
+            assert time.monotonic() < deadline, [(r.point, r.killed_at, r.exit_s) for r in runs]
+            time.sleep(0.05)
+        results = {run.point: run.cluster.wait(0)[0] for run in runs}
+    problems = [problem for run in runs for problem in _start_up_problems(run, results[run.point])]
+    assert not problems, "\n".join(problems)
+
+
+def _start_up_problems(run: _StartUpKill, result) -> list[str]:
+    """What node 0 did wrong after node 1 was killed at `run.point`; [] when nothing."""
+    bound, tail = START_UP_TIMEOUT_S + START_UP_MARGIN_S, result.output[-3000:]
+    if result.returncode in (0, None) or run.exit_s >= bound + EXIT_SLACK_S:
+        return [f"{run.point}: node 0 exit {result.returncode} {run.exit_s:.1f} s after the kill\n{tail}"]
+    if run.point == "rendezvous":  # the survivor is node 0's agent itself
+        if "RendezvousTimeoutError" not in result.output or run.exit_s >= bound:
+            return [f"rendezvous: node 0's torchrun exited after {run.exit_s:.1f} s, bound {bound:g}\n{tail}"]
+        return []
+    reports = {r: run.out / f"rank{r}.error.json" for r in range(4)}
+    errors = {r: json.loads(path.read_text()) for r, path in reports.items() if path.exists()}
+    if len(errors) != 2:  # node 0's ranks, and only they
+        return [f"{run.point}: error reports from ranks {sorted(errors)}\n{tail}"]
+    lost = ", ".join(str(r) for r in range(4) if r not in errors)  # the rendezvous chose node 1's
+    return [
+        f"{run.point}: rank {rank} after {error['at'] - run.killed_at:.1f} s: {error['type']}: {error['message']}"
+        for rank, error in errors.items()
+        if error["type"] != "CollectiveError"
+        or f"ranks {lost} " not in error["message"]
+        or error["at"] - run.killed_at >= bound
+    ]

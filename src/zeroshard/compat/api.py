@@ -55,7 +55,7 @@ def initialize(
         raise ValueError("initialize(mesh=..., mpu=...): give the parallel layout once, as a DeviceMesh or an mpu")
     _refuse_hf_deepspeed_config()
     config = _pick_config(args, config, config_params)
-    init_distributed(dist_init_required=dist_init_required)
+    config = _init_distributed(config, dist_init_required, mesh is None and mpu is None)
     group, model_parallel = _parallel_layout(mesh, mpu, model)
     cfg = load_config(config, dist.get_world_size(group) if group is not None else dist.get_world_size())
     deferred = any(p.is_meta for p in model.parameters())  # values loaded into the shards later
@@ -75,6 +75,20 @@ def initialize(
     engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine)
     loader = _dataloader(training_data, collate_fn, engine) if training_data is not None else None
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _init_distributed(config, dist_init_required, whole_world: bool):
+    """Initialise torch.distributed if no one has, bounded by the config's comm_timeout_s, not torch's
+    30 minutes; the config is parsed here for that (for torchrun's WORLD_SIZE) and returned parsed."""
+    if dist.is_available() and dist.is_initialized() or dist_init_required is False:
+        return config
+    world = os.environ.get("WORLD_SIZE", "")
+    if not (whole_world and world.isdigit() and int(world) > 0):
+        init_distributed(dist_init_required=dist_init_required)  # raises when launched without torchrun
+        return config
+    parsed = load_config(config, int(world))
+    init_distributed(dist_init_required=dist_init_required, timeout_s=parsed.zeroshard.comm_timeout_s)
+    return parsed
 
 
 def _parallel_layout(mesh, mpu, model):

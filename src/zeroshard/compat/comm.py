@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+
+from zeroshard.core import liveness
+from zeroshard.core.comm import CollectiveError
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +80,25 @@ def init_distributed(
     kwargs: dict[str, Any] = {"init_method": init_method} if init_method is not None else {}
     if verbose:
         log.info("initialising torch.distributed with backend %s", backend)
-    dist.init_process_group(backend, timeout=timeout, **kwargs)
+    _init_process_group(backend, timeout, kwargs)
+
+
+def _init_process_group(backend: str, timeout: timedelta, kwargs: dict) -> None:
+    """torch's init_process_group, bounded by `timeout`; a failure names the ranks that are missing
+    ([Note: naming the missing ranks] in core/liveness.py)."""
+    rank, world = int(os.environ.get("RANK", -1)), int(os.environ.get("WORLD_SIZE", 0))
+    if rank >= 0:
+        liveness.announce(rank, timeout.total_seconds())  # under torchrun: before, so its peers can tell
+    started = time.monotonic()
+    try:
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    except Exception as error:
+        missing = liveness.describe_missing(list(range(world)), rank, timeout.total_seconds())
+        raise CollectiveError(
+            f"rank {rank}/{world}: init_process_group failed after {time.monotonic() - started:.1f}s "
+            f"(timeout {timeout.total_seconds():g}s); {missing}: {error}"
+        ) from error
+    liveness.announce(dist.get_rank(), timeout.total_seconds())  # without torchrun: the store is up now
 
 
 def is_initialized() -> bool:

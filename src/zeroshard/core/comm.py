@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from zeroshard.core import backend, consistency
+from zeroshard.core import backend, consistency, liveness
 from zeroshard.core.comm_bytes import KIND_ID, KINDS, ByteCounter
 from zeroshard.core.staging import Staging
 
@@ -201,9 +201,14 @@ class Communicator:
         self.check_collectives = check_collectives
         self.fingerprint = 0  # of every collective run so far: [Note: collective fingerprint]
         self._owns_group = group is None
-        self.group = (
-            dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s)) if group is None else group
-        )
+        liveness.announce(dist.get_rank(), timeout_s)  # see [Note: naming the missing ranks]
+        if group is None:
+            started = time.monotonic()
+            try:
+                group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s))
+            except Exception as error:  # a rank that died before or while the group's connections form
+                raise self._start_up_error("creating its process group", started, error) from error
+        self.group = group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         # Where small control tensors must live: NCCL only moves CUDA tensors, gloo CPU ones.
@@ -228,7 +233,11 @@ class Communicator:
         pieces) and the node groups follow from it, and ranks that disagreed would meet collectives
         of different sizes, which gloo answers by aborting the process instead of an error."""
         seen = torch.tensor([ranks_per_node, -ranks_per_node], dtype=torch.int64, device=self.device)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        started = time.monotonic()
+        try:  # the group's first collective: not counted, as no step's
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as error:
+            raise self.error("agreeing on the ranks per node", started, error) from error
         if seen[0].item() != -seen[1].item():
             raise ValueError(
                 f"rank {self.rank}: LOCAL_WORLD_SIZE={local!r} gives {ranks_per_node} ranks per node, "
@@ -394,7 +403,23 @@ class Communicator:
         return CollectiveError(
             f"rank {self.rank}/{self.world_size}: collective '{what}' failed after {waited:.1f}s "
             f"(timeout {self.timeout_s:g}s; another rank may have crashed, skipped a call or run a "
-            f"different unit): {cause}"
+            f"different unit); {self._missing()}: {cause}"
+        )
+
+    def _missing(self) -> str:
+        """Which ranks of this group are gone: [Note: naming the missing ranks] in liveness.py."""
+        try:
+            ranks = self.global_ranks()
+        except Exception:  # noqa: BLE001 - the group is already destroyed: ask about every rank
+            ranks = list(range(dist.get_world_size()))
+        return liveness.describe_missing(ranks, dist.get_rank(), self.timeout_s)
+
+    def _start_up_error(self, what: str, started: float, cause: BaseException) -> CollectiveError:
+        """A failure before this communicator has a group of its own (so no rank within it yet)."""
+        missing = liveness.describe_missing(list(range(dist.get_world_size())), dist.get_rank(), self.timeout_s)
+        return CollectiveError(
+            f"rank {dist.get_rank()}/{dist.get_world_size()}: {what} failed after "
+            f"{time.monotonic() - started:.1f}s (timeout {self.timeout_s:g}s); {missing}: {cause}"
         )
 
     def destroy(self) -> None:
