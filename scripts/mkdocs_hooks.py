@@ -2,6 +2,7 @@
 
 - `index.md` is README.md, its `docs/` link prefixes removed: the README stays the one first page, on
   the forge and on the site alike, and the strict build checks its links and anchors.
+- `changelog.md` is CHANGELOG.md.
 - `cli.md` is every `zeroshard` command's `--help`, read from the parser the CLI builds.
 - `config_reference.md` is committed (a forge shows it too); the build fails when it differs from
   what `python -m zeroshard.tools.config_reference` writes, so the page cannot go stale.
@@ -36,6 +37,7 @@ def on_config(config: Any) -> Any:
 
 def on_files(files: Files, config: Any) -> Files:
     files.append(File.generated(config, "index.md", content=readme_as_index()))
+    files.append(File.generated(config, "changelog.md", content=(ROOT / "CHANGELOG.md").read_text(encoding="utf-8")))
     files.append(File.generated(config, "cli.md", content=cli_reference()))
     check_config_reference()
     return files
