@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint demo bench clean
+.PHONY: venv test test-fast lint docs demo bench clean
 
 venv: $(STAMP)
 
@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev,plot,hf,lightning]'
+	$(BIN)/pip install -e '.[dev,plot,hf,lightning,docs]'
 	touch $(STAMP)
 
 test: venv
@@ -22,11 +22,19 @@ test: venv
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
 
-# ruff (lint, then formatting) and mypy; settings in pyproject.toml ([tool.ruff], [tool.mypy]).
+# ruff (lint, then formatting), mypy and the strict docs build; settings in pyproject.toml
+# ([tool.ruff], [tool.mypy]) and mkdocs.yml.
 lint: venv
 	$(BIN)/ruff check src tests benchmarks examples scripts
 	$(BIN)/ruff format --check src tests benchmarks examples scripts
 	$(BIN)/mypy src
+	$(MAKE) docs
+
+# The user guide into site/. --strict: a broken link or anchor, an API reference that does not resolve
+# or a stale docs/config_reference.md fails the build. NO_MKDOCS_2_WARNING silences mkdocs-material's
+# banner about its successor, which is not a warning about this site.
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 demo: venv
 	$(BIN)/zeroshard train
@@ -35,4 +43,4 @@ bench: venv
 	$(BIN)/zeroshard bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info

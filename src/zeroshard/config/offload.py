@@ -48,7 +48,8 @@ class OffloadParamConfig(Section):
     """Elements per buffer of the NVMe parameter pool."""
     max_in_cpu: NonNegInt = 1_000_000_000
     """Parameter elements kept in CPU memory when offloading to NVMe: the first shards up to this many
-    stay resident, the rest stream. Acted on only when set (absent: every shard streams); see [Note:
+    stay resident, the rest stream. Acted on only when set (absent: every shard streams, where
+    DeepSpeed's default 1e9 would keep any model below 4 GB resident); see [Note:
     max_in_cpu is acted on when set] in offload/split.py."""
 
 

@@ -99,17 +99,21 @@ class ZeroShardConfig(Section):
     """Micro batches accumulated before each optimizer step."""
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient norm to this value; 0 = off. DeepSpeed 0.19.8's default is 1.0
-    (``GRADIENT_CLIPPING_DEFAULT`` in deepspeed/runtime/constants.py): a config without the key clips."""
+    (``GRADIENT_CLIPPING_DEFAULT`` in deepspeed/runtime/constants.py): a config without the key clips.
+    The norm is the L2 norm over every rank's shards, accumulated in fp64, with DeepSpeed's 1e-6
+    epsilon; ``get_global_grad_norm()`` returns it before clipping."""
     communication_data_type: Literal["fp32", "fp16", "bf16"] | None = None
-    """Dtype of gradient reduction; None = the training dtype."""
+    """Dtype gradients are accumulated and reduced in; None = the compute dtype (as DeepSpeed)."""
     prescale_gradients: bool = False
     """DeepSpeed: divide gradients before rather than after the reduction (accepted, not acted on)."""
     gradient_predivide_factor: PosFloat = 1.0
     """DeepSpeed: factor divided out before the reduction (accepted, not acted on)."""
     optimizer: OptimizerConfig | None = None
-    """Optimizer built by the engine; None = the client passes one."""
+    """Optimizer built by the engine, with DeepSpeed's semantics and torch's fused kernel (like
+    FusedAdam); None = the client passes one (any elementwise ``torch.optim`` class)."""
     scheduler: SchedulerConfig | None = None
-    """Lr schedule built by the engine; None = none, or the client passes one."""
+    """Lr schedule built by the engine with DeepSpeed's formulas, stepped after each applied optimizer
+    step; None = none, or the client passes one."""
     fp16: FP16Config = FP16Config()
     """fp16 mixed precision."""
     bf16: BF16Config = Field(BF16Config(), validation_alias=AliasChoices("bf16", "bfloat16"))

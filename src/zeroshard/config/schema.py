@@ -186,7 +186,7 @@ class FP16Config(Section):
     auto_keys: ClassVar[frozenset[str]] = frozenset({"enabled"})
 
     enabled: bool = False
-    """Train in fp16."""
+    """Train in fp16, with fp32 master shards; an overflow on any rank skips the step on all ranks."""
     auto_cast: bool = False
     """Cast module inputs to fp16 automatically."""
     loss_scale: NonNegFloat = 0.0
@@ -323,7 +323,8 @@ class ZeroConfig(Section):
             "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save"
         ),
     )
-    """Stage 3: gather full 16-bit weights when saving the model."""
+    """Stage 3: gather full 16-bit weights when saving the model; when false ``save_16bit_model``
+    logs and returns False without writing, as in DeepSpeed."""
     offload_optimizer: OffloadOptimizerConfig | None = None
     """Optimizer-state offload (stages 1-3)."""
     offload_param: OffloadParamConfig | None = None
@@ -391,7 +392,10 @@ class ZeroShardExtConfig(Section):
     """Debugging: before each collective every rank exchanges a small tag naming it, so ranks whose
     code paths diverged (another unit order, a skipped backward) fail at once with every rank's
     description, instead of at comm_timeout_s or by exchanging the wrong tensors of equal size. It
-    costs one more small all-gather per collective and, on a GPU, a host sync at each wait."""
+    costs one more small all-gather per collective and, on a GPU, a host sync at each wait. Off,
+    diverged ranks still fail together: each step compares a fingerprint of every rank's collectives
+    inside the gradient-norm all-reduce it runs anyway ([Note: collective fingerprint] in
+    core/consistency.py)."""
     overlap_param_gather: bool = True
     """Stages 1/2: step() only issues the all-gather of updated parameters, and each unit waits for
     its own just before its next forward (Megatron's overlap_param_gather), hiding it behind
@@ -406,7 +410,9 @@ class ZeroShardExtConfig(Section):
     (12 bytes an element with Adam, while the step runs) and put back if it raises, so training can
     go on after zero_grad() ([Note: failed optimizer steps] in core/optim/rollback.py)."""
     wrap_modules: list[str] | None = None
-    """Module class names that become sharding units; None = chosen automatically."""
+    """Module class names that become sharding units; None = each block of the model's largest
+    ``nn.ModuleList``, an untied LM head of at least half a block's size (so its gradient is reduced
+    while backward goes on), plus the root."""
     nvme_io: Literal["direct", "buffered", "mapped"] | None = None
     """How the NVMe store reads and writes the tensors it is told of ahead of time (the optimizer's
     sub-group stream, ZeRO-Inference's weights): "direct" (aligned O_DIRECT requests into buffers,

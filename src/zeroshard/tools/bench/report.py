@@ -59,6 +59,8 @@ def _row(run: dict, spec: dict, ranks: int, host_is_device: bool) -> dict:
         "loss_last": run["losses"][-1],
         "peak_memory": max(r["peak_memory"] for r in per_rank),
         "baseline_memory": max(r["baseline_memory"] for r in per_rank),
+        # what the configuration added to its process: the peak less the memory before the model was built
+        "peak_above_baseline": max(r["peak_memory"] - r["baseline_memory"] for r in per_rank),
         "states_measured": measured_states,
         "comm_measured": sum(comm.values()),
         "comm_by_kind": comm,

@@ -44,7 +44,7 @@ def run_configurations(
     first_half = (spec["steps"] + 1) // 2
     second_half = spec["steps"] - first_half  # 0 for a single step: one pass
 
-    def one(run: dict, fixed_mmap_threshold: bool, steps: int) -> dict:
+    def one(run: dict, fixed_mmap_threshold: bool, steps: int, progress=on_progress) -> dict:
         """The worker's result for `run` alone."""
         left = deadline - time.monotonic()
         if left <= 0:
@@ -53,7 +53,7 @@ def run_configurations(
             "zeroshard.tools.bench.worker",
             {**spec, "steps": steps, "runs": [run]},
             ranks,
-            on_progress=on_progress,
+            on_progress=progress,
             timeout_s=left,
             threads_per_rank=threads_per_rank,
             fixed_mmap_threshold=fixed_mmap_threshold,
@@ -65,7 +65,9 @@ def run_configurations(
             "no configuration could run: "
             + "; ".join(f"{run['name']}: {peers.unavailable_reason(run['kind'])}" for run in runs)
         )
-    one(ready[0], False, 1)  # the machine's warm-up, discarded: a first launch ran up to 1.5x slower (the doc)
+    # The machine's warm-up, discarded: a first launch ran up to 1.5x slower (the doc). Its progress is
+    # marked, so that a count of configurations leaves it out.
+    one(ready[0], False, 1, progress=lambda event: on_progress({**event, "warm_up": True}))
     timed, launched = {}, None
     for run in ready:
         launched = one(run, False, first_half)

@@ -423,12 +423,13 @@ class StepBars:
     def __call__(self, event: dict) -> None:
         if event["event"] == "start":
             self.close()
-            known = event["run"] != "process warm-up"
+            # the worker's warm-up in every launch, and the machine's warm-up launch (bench/separate.py)
+            known = event["run"] != "process warm-up" and not event.get("warm_up")
             self.index += known
             prefix = f"[{self.index}/{self.total_runs}] " if known else ""
             self.bar = self._tqdm(
                 total=event["total"],
-                desc=f"{prefix}{event['run']}",
+                desc=f"{prefix}{event['run']}" + (" (warm-up)" if event.get("warm_up") else ""),
                 unit="step",
                 leave=False,
                 file=sys.stderr,
