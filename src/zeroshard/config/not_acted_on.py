@@ -132,6 +132,25 @@ TABLE: dict[str, Rule] = {
         ),
     ),
     **_unparsed(
+        "DeepSpeed 0.19 runtime switches with no counterpart (the gradient norm is always computed: the "
+        "collective fingerprint rides on its all-reduce; ZenFlow and SuperOffload are DeepSpeed's own "
+        "offload schedulers; Muon's momentum placement, sanity checks, parameter alignment and sequential "
+        "all-gathers are DeepSpeed engine internals)",
+        *(
+            f"zero_optimization.{key}"
+            for key in (
+                "compute_grad_norm",
+                "enable_sanity_checks",
+                "parameter_alignment",
+                "stage3_allgather_sequential",
+                "save_muon_momentum_buffer_in_memory",
+                "zenflow",
+                "offload_optimizer.super_offload",
+                "offload_optimizer.cpuadam_cores_perc",
+            )
+        ),
+    ),
+    **_unparsed(
         "pipelined swap of DeepSpeed's NVMe engine; the NVMe store overlaps reads and writes itself",
         "zero_optimization.offload_optimizer.pipeline_read",
         "zero_optimization.offload_optimizer.pipeline_write",
