@@ -46,6 +46,7 @@ __all__ = [
     "add_config_arguments",
     "checkpointing",
     "comm",
+    "compression",
     "get_accelerator",
     "init_distributed",
     "initialize",

@@ -26,6 +26,8 @@ PATHS: dict[str, str] = {
     "moe.utils": "zeroshard.compat.moe",
     "utils": "zeroshard.compat.utils",
     "utils.zero_to_fp32": "zeroshard.compat.zero_to_fp32",
+    "utils.module_utils": "zeroshard.compat.module_utils",
+    "compression.helper": "zeroshard.compat.module_utils",
 }
 
 
