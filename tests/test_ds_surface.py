@@ -424,7 +424,51 @@ def test_hf_deepspeed_config_is_refused_with_the_way_out():
     stand_in = Zero3Config()
     hf.set_hf_deepspeed_config(stand_in)
     try:
-        with pytest.raises(deepspeed.ConfigError, match="HfDeepSpeedConfig with ZeRO-3 is active.*zero.Init"):
+        with pytest.raises(
+            deepspeed.ConfigError,
+            match="HfDeepSpeedConfig with ZeRO-3 is active.*zeroshard.integrations.hf import.*zero.Init",
+        ):
             deepspeed.initialize(model=nn.Linear(2, 2), config={"zero_optimization": {"stage": 3}})
     finally:
         hf.unset_hf_deepspeed_config()
+
+
+def test_hf_deepspeed_config_stand_in_answers_like_transformers_and_leaves_it_plain(tmp_path):
+    """zeroshard.integrations.hf.HfDeepSpeedConfig, the one-line replacement of transformers' own:
+    the same queries on a copy of the config; transformers itself does not see ZeRO-3."""
+    hf = pytest.importorskip("zeroshard.integrations.hf")
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled as transformers_zero3
+
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}
+    dschf = hf.HfDeepSpeedConfig(config)
+    config["zero_optimization"]["stage"] = 2  # it keeps its own copy
+    assert dschf.is_zero3() and not dschf.is_zero2() and dschf.is_offload()
+    assert dschf.get_value("zero_optimization.stage") == 3 and dschf.get_value("zero_optimization.x", 7) == 7
+    assert dschf.get_value("fp16.enabled") is None and dschf.find_config_node("a.b.c") == (None, "c")
+    assert dschf.is_true("bf16.enabled") and not dschf.is_false("bf16.enabled") and not dschf.is_false("fp16.enabled")
+    assert hf.is_deepspeed_zero3_enabled() and not transformers_zero3()
+    del dschf
+    assert not hf.is_deepspeed_zero3_enabled()  # as transformers': alive only while referenced
+    path = tmp_path / "ds_config.json"
+    path.write_text('{"zero_optimization": {"stage": 2}}')
+    from_file = hf.HfDeepSpeedConfig(path)
+    assert from_file.is_zero2() and not from_file.is_offload() and not hf.is_deepspeed_zero3_enabled()
+
+
+def test_module_helpers_at_deepspeeds_paths():
+    """recursive_getattr / recursive_setattr where DeepSpeed 0.19.8 has them: deepspeed.utils.module_utils
+    and deepspeed.compression.helper (DeepSpeed-Chat's LoRA module imports them from there)."""
+    from zeroshard.compression.helper import recursive_getattr, recursive_setattr
+    from zeroshard.utils import module_utils
+
+    assert module_utils.recursive_getattr is recursive_getattr and module_utils.recursive_setattr is recursive_setattr
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.ReLU())
+    assert (
+        recursive_getattr(model, "0.0") is model[0][0] and recursive_getattr(model, "0.0.weight") is model[0][0].weight
+    )
+    replacement = nn.Identity()
+    recursive_setattr(model, "0.0", replacement)
+    recursive_setattr(model, "1", nn.Tanh())
+    assert model[0][0] is replacement and isinstance(model[1], nn.Tanh)
+    with pytest.raises(AttributeError):
+        recursive_getattr(model, "0.missing")

@@ -111,7 +111,9 @@ def _refuse_hf_deepspeed_config() -> None:
     if enabled is not None and enabled():
         raise ConfigError(
             "transformers' HfDeepSpeedConfig with ZeRO-3 is active: it makes from_pretrained partition the model "
-            "with the deepspeed package, not zeroshard. Drop HfDeepSpeedConfig and build the model under "
+            "with the deepspeed package, not zeroshard. Import it as `from zeroshard.integrations.hf import "
+            "HfDeepSpeedConfig` instead (from_pretrained then builds the whole model, which initialize "
+            "partitions), or, for a model larger than one rank, build it under "
             "`with zeroshard.zero.Init(): model = AutoModelForCausalLM.from_config(config)`, then load the weights "
             "with zeroshard.checkpoint.load_full_weights(engine, 'model.safetensors'), or train with "
             "zeroshard.integrations.hf.ZeroShardTrainer (docs/integrations.md, 'ZeRO-3 with transformers')"

@@ -6,7 +6,8 @@ blocks of the model's largest `nn.ModuleList`) a unit, and an untied LM head of 
 layer's size too; the root unit holds the embeddings, the final norm and a tied head (a tied
 embedding and head are one parameter, owned once), keyword-only
 calls reach the model through `engine(**batch)`, and the lifecycle hooks the tensors inside a
-`ModelOutput`. Requires `pip install zeroshard[hf]`; nothing in the core imports this module.
+`ModelOutput`. `HfDeepSpeedConfig` and `is_deepspeed_zero3_enabled` replace transformers' own in
+DeepSpeed scripts (hf_deepspeed.py). Requires `pip install zeroshard[hf]`; nothing in the core imports this module.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from zeroshard.checkpoint import full_state_dict
 from zeroshard.compat.api import initialize
 from zeroshard.config import ConfigError, read_config
 from zeroshard.core.unit import UnitState
+from zeroshard.integrations.hf_deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
-__all__ = ["ZeroShardTrainer", "generate", "trainer_config"]
+__all__ = ["HfDeepSpeedConfig", "ZeroShardTrainer", "generate", "is_deepspeed_zero3_enabled", "trainer_config"]
 
 
 def generate(engine, *args, **kwargs):
