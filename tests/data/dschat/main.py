@@ -17,9 +17,9 @@ from transformers import (
     get_scheduler,
 )
 
-import deepspeed
-from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-from deepspeed import get_accelerator
+import zeroshard as deepspeed  # zeroshard test: import swap (was: import deepspeed)
+from zeroshard.ops.adam import DeepSpeedCPUAdam, FusedAdam  # zeroshard test: import swap (was: from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam)
+from zeroshard import get_accelerator  # zeroshard test: import swap (was: from deepspeed import get_accelerator)
 
 from dschat.utils.data.data_utils import create_prompt_dataset
 from dschat.utils.utils import print_rank_0, to_device, save_hf_format, set_random_seed, get_all_reduce_mean, get_optimizer_grouped_parameters, save_zero_three_model, load_hf_tokenizer
@@ -148,7 +148,7 @@ def parse_args():
     parser.add_argument('--dtype',
                         type=str,
                         default='fp16',
-                        choices=['fp16', 'bf16'],
+                        choices=['fp16', 'bf16', 'fp32'],  # zeroshard test: fp32 too, to compare with DeepSpeed at full precision (was: choices=['fp16', 'bf16'],)
                         help='Training data type')
     parser.add_argument(
         '--zero_stage',

@@ -3,8 +3,8 @@
 
 # DeepSpeed Team
 
-import deepspeed.comm as dist
-from deepspeed.accelerator import get_accelerator
+import zeroshard.comm as dist  # zeroshard test: import swap (was: import deepspeed.comm as dist)
+from zeroshard.accelerator import get_accelerator  # zeroshard test: import swap (was: from deepspeed.accelerator import get_accelerator)
 
 GLOBAL_BATCH_SIZE = 32
 MICRO_BATCH_SIZE = 4
@@ -31,6 +31,9 @@ def get_train_ds_config(offload,
     elif dtype == "bf16":
         data_type = "bfloat16"
         dtype_config = {"enabled": True}
+    elif dtype == "fp32":  # zeroshard test: fp32 (added): no half-precision section
+        data_type = "bf16"  # zeroshard test: fp32 (added)
+        dtype_config = {"enabled": False}  # zeroshard test: fp32 (added)
     zero_opt_dict = {
         "stage": stage,
         "overlap_comm": True,

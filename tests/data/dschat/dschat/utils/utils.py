@@ -8,9 +8,9 @@ import random
 import numpy as np
 from transformers import set_seed, AutoTokenizer
 import json
-import deepspeed
-from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-from deepspeed.accelerator import get_accelerator
+import zeroshard as deepspeed  # zeroshard test: import swap (was: import deepspeed)
+from zeroshard.runtime.zero.partition_parameters import ZeroParamStatus  # zeroshard test: import swap (was: from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus)
+from zeroshard.accelerator import get_accelerator  # zeroshard test: import swap (was: from deepspeed.accelerator import get_accelerator)
 import torch.nn as nn
 
 

@@ -9,13 +9,13 @@ import torch
 from torch.utils.data import Dataset, Subset, ConcatDataset
 from torch.nn.utils.rnn import pad_sequence
 import torch.nn.functional as F
-from datasets import load_dataset
+from tiny_offline import load_dataset  # zeroshard test: synthetic data, offline (was: from datasets import load_dataset)
 import numpy as np
 import os
 import hashlib
 from itertools import chain
 from dschat.utils.data import raw_datasets
-from deepspeed.accelerator import get_accelerator
+from zeroshard.accelerator import get_accelerator  # zeroshard test: import swap (was: from deepspeed.accelerator import get_accelerator)
 
 
 def get_raw_dataset(dataset_name, output_path, seed, local_rank):

@@ -3,7 +3,7 @@
 
 import os
 # DeepSpeed Team
-from datasets import load_dataset, load_from_disk
+from tiny_offline import load_dataset, load_from_disk  # zeroshard test: synthetic data, offline (was: from datasets import load_dataset, load_from_disk)
 from torch.utils.data import Subset
 import re
 

@@ -10,8 +10,8 @@ from transformers import (
     AutoModel,
 )
 from huggingface_hub import snapshot_download
-from transformers.integrations.deepspeed import HfDeepSpeedConfig
-from transformers.modeling_utils import no_init_weights
+from zeroshard.integrations.hf import HfDeepSpeedConfig  # zeroshard test: import swap (was: from transformers.integrations.deepspeed import HfDeepSpeedConfig)
+from transformers.initialization import no_init_weights  # zeroshard test: transformers 5 moved it (was: from transformers.modeling_utils import no_init_weights)
 
 from dschat.utils.model.reward_model import RewardModel
 from dschat.utils.utils import load_state_dict_into_model, print_rank_0

@@ -6,8 +6,8 @@ import math
 import torch
 from torch import nn
 import torch.nn.functional as F
-from deepspeed.compression.helper import recursive_getattr, recursive_setattr
-import deepspeed
+from zeroshard.compression.helper import recursive_getattr, recursive_setattr  # zeroshard test: import swap (was: from deepspeed.compression.helper import recursive_getattr, recursive_setattr)
+import zeroshard as deepspeed  # zeroshard test: import swap (was: import deepspeed)
 
 
 class LinearLayer_LoRA(nn.Module):
