@@ -40,10 +40,13 @@ def initialize(
     """Returns `(engine, optimizer, training_dataloader, lr_scheduler)` like `deepspeed.initialize`.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a DeepSpeed JSON config: a dict or a
-    path. `optimizer` is a torch optimizer, or a callable building one from parameters; given
-    together with the config's `optimizer` section it wins, as in DeepSpeed (with a warning); the
-    same for `lr_scheduler` and the `scheduler` section. With neither an optimizer nor an 'optimizer' section, the engine is for
-    inference (ZeRO-Inference, compat/inference.py) and the optimizer returned is None.
+    path. `optimizer` is a torch optimizer, or a callable building one from parameters; given together
+    with the config's `optimizer` section it wins, as in DeepSpeed (with a warning); the same for
+    `lr_scheduler` and the `scheduler` section. The optimizer returned is the one DeepSpeed returns: at stage 0 in fp32 the
+    torch optimizer itself, else zeroshard's `ZeroOptimizer` around it ([Note: the optimizer
+    initialize returns] in compat/client_optimizer.py). With neither an optimizer nor an 'optimizer'
+    section, stages 0 and 3 give an engine for inference (ZeRO-Inference, compat/inference.py) and the
+    optimizer returned is None; stages 1 and 2 refuse, as DeepSpeed does.
 
     Under tensor and/or pipeline parallelism, pass `mesh` (a torch DeviceMesh with dimensions named
     'dp' and 'tp'/'pp') or DeepSpeed/Megatron's `mpu` object: ZeRO partitions over the data-parallel
@@ -62,6 +65,7 @@ def initialize(
     if torch.cuda.is_available() and dist.get_backend() == "nccl" and not deferred:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     if optimizer is None and cfg.optimizer is None:
+        _check_stage_without_optimizer(cfg.zero_optimization.stage)
         if group is not None:
             raise ValueError(
                 "initialize(mesh=/mpu=) without an optimizer: ZeRO-Inference shards over the whole "
@@ -72,9 +76,14 @@ def initialize(
     torch_optimizer = _build_optimizer(optimizer, cfg, params)
     check_shardable(torch_optimizer)
     engine = ZeroEngine(model, torch_optimizer, cfg, group=group, model_parallel=model_parallel)
-    engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine)
+    engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine, optimizer)
     loader = _dataloader(training_data, collate_fn, engine) if training_data is not None else None
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    return engine, engine.returned_optimizer, loader, engine.lr_scheduler
+
+
+class InitializeError(ConfigError, AssertionError):
+    """initialize()'s arguments contradict each other, or lack what DeepSpeed requires. Also an
+    AssertionError: DeepSpeed 0.19.8 asserts in these cases, and its tests and some scripts catch that."""
 
 
 def _parallel_layout(mesh, mpu, model):
@@ -130,6 +139,15 @@ def _pick_config(args, config, config_params):
     return config
 
 
+def _check_stage_without_optimizer(stage: int) -> None:
+    if stage in (1, 2):
+        raise InitializeError(
+            f"initialize() without an optimizer at ZeRO stage {stage}: stages 1 and 2 partition the optimizer's "
+            "state, so they need one (DeepSpeed: 'zero stage requires an optimizer'). To train, pass optimizer=... "
+            "or add an 'optimizer' section; for an engine without one (inference), use stage 3 (ZeRO-Inference) or 0"
+        )
+
+
 def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
     if optimizer is not None and cfg.optimizer is not None:
         warnings.warn(
@@ -155,7 +173,7 @@ def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
     )
 
 
-def _build_scheduler(lr_scheduler, cfg, engine):
+def _build_scheduler(lr_scheduler, cfg, engine, client_optimizer):
     if lr_scheduler is not None and cfg.scheduler is not None:
         warnings.warn(
             "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section: the "
@@ -165,9 +183,32 @@ def _build_scheduler(lr_scheduler, cfg, engine):
         )
     elif cfg.scheduler is not None:
         return build_scheduler(cfg.scheduler, engine.optimizer)
-    if lr_scheduler is None or hasattr(lr_scheduler, "step"):
+    if lr_scheduler is None:
+        return None
+    if hasattr(lr_scheduler, "step"):
+        _check_scheduler_optimizer(lr_scheduler, engine.basic_optimizer, client_optimizer)
         return lr_scheduler  # built against the client optimizer, whose param-group dicts we kept
-    return lr_scheduler(engine.optimizer.optimizer)
+    return lr_scheduler(engine.basic_optimizer)
+
+
+def _check_scheduler_optimizer(lr_scheduler, basic, client_optimizer) -> None:
+    """A scheduler object must drive the optimizer the engine steps: DeepSpeed asserts that the client
+    optimizer is an object when the scheduler is; zeroshard also names a scheduler over another one."""
+    driven = getattr(lr_scheduler, "optimizer", None)
+    if not isinstance(driven, torch.optim.Optimizer) or driven is basic:
+        return
+    source = (
+        "the one built from the config's 'optimizer' section"
+        if client_optimizer is None
+        else "the one initialize(optimizer=callable) built"
+        if not isinstance(client_optimizer, torch.optim.Optimizer)
+        else f"initialize(optimizer={type(client_optimizer).__name__} object)"
+    )
+    raise InitializeError(
+        f"initialize(lr_scheduler={type(lr_scheduler).__name__} object) drives a {type(driven).__name__} that is not "
+        f"the optimizer the engine steps ({source}), so its learning rates would never be used: build the "
+        "scheduler over the optimizer passed to initialize(), or pass a callable (optimizer -> scheduler)"
+    )
 
 
 def _dataloader(dataset, collate_fn, engine):
