@@ -40,9 +40,10 @@ def initialize(
     """Returns `(engine, optimizer, training_dataloader, lr_scheduler)` like `deepspeed.initialize`.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a DeepSpeed JSON config: a dict or a
-    path. `optimizer` is a torch optimizer, or a callable building one from parameters; given together
-    with the config's `optimizer` section it wins, as in DeepSpeed (with a warning); the same for
-    `lr_scheduler` and the `scheduler` section. The optimizer returned is the one DeepSpeed returns: at stage 0 in fp32 the
+    path, given exactly once (`{}` for all defaults), as DeepSpeed requires. `optimizer` is a torch
+    optimizer, or a callable building one from parameters; given together with the config's
+    `optimizer` section it wins, as in DeepSpeed (with a warning); the same for `lr_scheduler` and the
+    `scheduler` section. The optimizer returned is the one DeepSpeed returns: at stage 0 in fp32 the
     torch optimizer itself, else zeroshard's `ZeroOptimizer` around it ([Note: the optimizer
     initialize returns] in compat/client_optimizer.py). With neither an optimizer nor an 'optimizer'
     section, stages 0 and 3 give an engine for inference (ZeRO-Inference, compat/inference.py) and the
@@ -58,6 +59,7 @@ def initialize(
         raise ValueError("initialize(mesh=..., mpu=...): give the parallel layout once, as a DeviceMesh or an mpu")
     _refuse_hf_deepspeed_config()
     config = _pick_config(args, config, config_params)
+    _check_local_rank(args)
     init_distributed(dist_init_required=dist_init_required)
     group, model_parallel = _parallel_layout(mesh, mpu, model)
     cfg = load_config(config, dist.get_world_size(group) if group is not None else dist.get_world_size())
@@ -125,18 +127,67 @@ def _inference(model, cfg, lr_scheduler, training_data, collate_fn):
 
 
 def _pick_config(args, config, config_params):
+    """The one config: `config`, `config_params`, or the command line's `--deepspeed_config` (or its
+    deprecated spelling `--deepscale_config`), refused when it comes twice or not at all, as
+    DeepSpeed refuses it. `args.deepspeed` naming a file is taken when nothing else names one."""
     if config is not None and config_params is not None:
-        raise ConfigError("give the config once: `config` or `config_params`, not both")
+        raise InitializeError("give the config once: `config` or `config_params`, not both")
+    name = "config" if config is not None else "config_params"
     config = config if config is not None else config_params
-    if config is None and args is not None:
-        config = (
-            getattr(args, "deepspeed_config", None)
-            or getattr(args, "deepscale_config", None)
-            or getattr(args, "deepspeed", None)
+    path = _config_path_from_args(args)
+    if path is not None and config is not None:
+        raise InitializeError(
+            f"the config was given twice: args.deepspeed_config={path!r} (--deepspeed_config on the command line) "
+            f"and initialize({name}={_brief(config)}); give one: drop --deepspeed_config or {name}= "
+            "(DeepSpeed refuses both too)"
         )
-        if config is True:
-            config = None
+    if config is None and path is None:
+        deepspeed = getattr(args, "deepspeed", None)
+        path = deepspeed if isinstance(deepspeed, str | os.PathLike) else None
+    config = config if config is not None else path
+    if config is None:
+        raise InitializeError(
+            "initialize() got no config: pass config= (a dict, or a JSON file's path; {} for all defaults) or "
+            "args= with args.deepspeed_config set (--deepspeed_config FILE, from zeroshard.add_config_arguments), "
+            "as DeepSpeed requires"
+        )
     return config
+
+
+def _config_path_from_args(args):
+    path = getattr(args, "deepspeed_config", None)
+    deprecated = getattr(args, "deepscale_config", None)
+    if path is not None and deprecated is not None:
+        raise InitializeError(
+            f"args.deepspeed_config={path!r} and args.deepscale_config={deprecated!r}: give one "
+            "(--deepscale_config is DeepSpeed's deprecated spelling of --deepspeed_config)"
+        )
+    return path if path is not None else deprecated
+
+
+def _brief(config) -> str:
+    text = repr(config)
+    return text if len(text) <= 120 else f"{text[:117]}..."
+
+
+def _check_local_rank(args) -> None:
+    """DeepSpeed's check that the launcher's `--local_rank` (args.local_rank) and the LOCAL_RANK
+    environment variable name the same device; None or a negative value means "not given"."""
+    local_rank = getattr(args, "local_rank", None)
+    if local_rank is None:
+        return
+    if not isinstance(local_rank, int):
+        raise InitializeError(
+            f"args.local_rank={local_rank!r} is a {type(local_rank).__name__}: expected an int (the launcher's "
+            "--local_rank), or None"
+        )
+    env = os.environ.get("LOCAL_RANK")
+    if local_rank >= 0 and env is not None and int(env) != local_rank:
+        raise InitializeError(
+            f"args.local_rank={local_rank} but the LOCAL_RANK environment variable is {env}: both name this "
+            "process's device and must agree (DeepSpeed refuses this too); let the launcher set both, or leave "
+            "--local_rank out (torchrun sets only LOCAL_RANK)"
+        )
 
 
 def _check_stage_without_optimizer(stage: int) -> None:
