@@ -194,7 +194,7 @@ def _check_stage_without_optimizer(stage: int) -> None:
     if stage in (1, 2):
         raise InitializeError(
             f"initialize() without an optimizer at ZeRO stage {stage}: stages 1 and 2 partition the optimizer's "
-            "state, so they need one (DeepSpeed: 'zero stage requires an optimizer'). To train, pass optimizer=... "
+            f"state, so they need one (DeepSpeed: 'zero stage {stage} requires an optimizer'). To train, pass optimizer=... "
             "or add an 'optimizer' section; for an engine without one (inference), use stage 3 (ZeRO-Inference) or 0"
         )
 

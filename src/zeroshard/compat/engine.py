@@ -124,7 +124,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         `self.optimizer` ([Note: the optimizer initialize returns] in compat/client_optimizer.py)."""
         return self._client_link.basic if self._client_link is not None else self.optimizer
 
-    # (DeepSpeed's accessors: compat/engine_surface.py)
+    # -- DeepSpeed's accessors: compat/engine_surface.py; the wrapped model's attributes ---------------
     def __getattr__(self, name: str):
         """nn.Module's lookup (parameters, buffers, submodules), then the wrapped model's attributes."""
         try:
