@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
+import re
 import warnings
 
 import pytest
@@ -367,12 +370,45 @@ def _config_case(stage: int, tmp: str) -> None:
     engine.destroy()
 
 
-def _arguments_case() -> None:
+def _arguments_case(tmp: str) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--deepspeed_config", type=str, default="mine.json")
     args = deepspeed.add_config_arguments(parser).parse_args([])
     assert args.local_rank == -1 and args.deepspeed_config == "mine.json" and args.deepspeed is False
+    # DeepSpeed's refusals (AssertionErrors there; ConfigErrors that are AssertionErrors here), each naming the values
+    path = f"{tmp}/ds_config{dist.get_rank()}.json"
+    with open(path, "w") as file:
+        json.dump(make_config(1), file)
+    local = int(os.environ["LOCAL_RANK"])
+
+    def refused(match: str, **kwargs) -> None:
+        model = nn.Linear(2, 2)
+        with pytest.raises(AssertionError, match=match) as raised:
+            deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)
+        assert isinstance(raised.value, deepspeed.ConfigError)
+
+    for name in ("config", "config_params"):
+        twice = rf"args.deepspeed_config='{re.escape(path)}' .* and initialize\({name}=\{{'train_micro"
+        refused(twice, args=argparse.Namespace(deepspeed_config=path), **{name: make_config(1)})
+    refused(
+        "deepspeed_config='a.json' and args.deepscale_config='b.json'",
+        args=argparse.Namespace(deepspeed_config="a.json", deepscale_config="b.json"),
+    )
+    refused("got no config", args=argparse.Namespace(deepspeed_config=None, deepspeed=True, local_rank=local))
+    refused("got no config")
+    refused(
+        f"args.local_rank={local + 1} but the LOCAL_RANK environment variable is {local}",
+        args=argparse.Namespace(local_rank=local + 1),
+        config=make_config(1),
+    )
+    refused("args.local_rank='0' is a str", args=argparse.Namespace(local_rank="0"), config=make_config(1))
+    for accepted in (local, -1, None):  # agreeing, or not given (DeepSpeed's -1 default)
+        model = nn.Linear(2, 2)
+        args = argparse.Namespace(deepspeed_config=path, local_rank=accepted)
+        engine, *_ = deepspeed.initialize(args=args, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        assert engine.zero_optimization_stage() == 1
+        engine.destroy()
 
 
 def _accelerator_case() -> None:
@@ -404,7 +440,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     subtests([dict(stage=s) for s in (0, 1, 2, 3)], _torch_backward_case)
     subtests([dict(stage=s) for s in (0, 1, 2, 3)], _gan_case)
     subtests([dict(stage=s, tmp=f"{tmp}/cfg{s}") for s in (1, 3)], _config_case)
-    subtests([{}], _arguments_case)
+    subtests([dict(tmp=tmp)], _arguments_case)
     subtests([{}], _accelerator_case)
 
 

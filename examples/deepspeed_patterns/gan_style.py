@@ -50,7 +50,9 @@ def get_argument_parser():
     parser.add_argument("--beta1", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--manualSeed", type=int, default=999)
-    parser.add_argument("--local_rank", type=int, default=0)
+    # DeepSpeedExamples' default is 0, with the deepspeed launcher passing --local_rank; torchrun passes
+    # only LOCAL_RANK, and initialize() refuses an args.local_rank that differs from it (as DeepSpeed does)
+    parser.add_argument("--local_rank", type=int, default=-1)
     parser.add_argument("--stages", default="0,1,2")
     return parser
 

@@ -40,10 +40,14 @@ def initialize(
     """Returns `(engine, optimizer, training_dataloader, lr_scheduler)` like `deepspeed.initialize`.
 
     `config` (or `config_params`, or `args.deepspeed_config`) is a DeepSpeed JSON config: a dict or a
-    path. `optimizer` is a torch optimizer, or a callable building one from parameters; given
-    together with the config's `optimizer` section it wins, as in DeepSpeed (with a warning); the
-    same for `lr_scheduler` and the `scheduler` section. With neither an optimizer nor an 'optimizer' section, the engine is for
-    inference (ZeRO-Inference, compat/inference.py) and the optimizer returned is None.
+    path, given exactly once (`{}` for all defaults), as DeepSpeed requires. `optimizer` is a torch
+    optimizer, or a callable building one from parameters; given together with the config's
+    `optimizer` section it wins, as in DeepSpeed (with a warning); the same for `lr_scheduler` and the
+    `scheduler` section. The optimizer returned is the one DeepSpeed returns: at stage 0 in fp32 the
+    torch optimizer itself, else zeroshard's `ZeroOptimizer` around it ([Note: the optimizer
+    initialize returns] in compat/client_optimizer.py). With neither an optimizer nor an 'optimizer'
+    section, stages 0 and 3 give an engine for inference (ZeRO-Inference, compat/inference.py) and the
+    optimizer returned is None; stages 1 and 2 refuse, as DeepSpeed does.
 
     Under tensor and/or pipeline parallelism, pass `mesh` (a torch DeviceMesh with dimensions named
     'dp' and 'tp'/'pp') or DeepSpeed/Megatron's `mpu` object: ZeRO partitions over the data-parallel
@@ -55,6 +59,7 @@ def initialize(
         raise ValueError("initialize(mesh=..., mpu=...): give the parallel layout once, as a DeviceMesh or an mpu")
     _refuse_hf_deepspeed_config()
     config = _pick_config(args, config, config_params)
+    _check_local_rank(args)
     config = _init_distributed(config, dist_init_required, mesh is None and mpu is None)
     group, model_parallel = _parallel_layout(mesh, mpu, model)
     cfg = load_config(config, dist.get_world_size(group) if group is not None else dist.get_world_size())
@@ -62,6 +67,7 @@ def initialize(
     if torch.cuda.is_available() and dist.get_backend() == "nccl" and not deferred:
         model.to(torch.device("cuda", torch.cuda.current_device()))
     if optimizer is None and cfg.optimizer is None:
+        _check_stage_without_optimizer(cfg.zero_optimization.stage)
         if group is not None:
             raise ValueError(
                 "initialize(mesh=/mpu=) without an optimizer: ZeRO-Inference shards over the whole "
@@ -72,9 +78,14 @@ def initialize(
     torch_optimizer = _build_optimizer(optimizer, cfg, params)
     check_shardable(torch_optimizer)
     engine = ZeroEngine(model, torch_optimizer, cfg, group=group, model_parallel=model_parallel)
-    engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine)
+    engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine, optimizer)
     loader = _dataloader(training_data, collate_fn, engine) if training_data is not None else None
-    return engine, engine.optimizer, loader, engine.lr_scheduler
+    return engine, engine.returned_optimizer, loader, engine.lr_scheduler
+
+
+class InitializeError(ConfigError, AssertionError):
+    """initialize()'s arguments contradict each other, or lack what DeepSpeed requires. Also an
+    AssertionError: DeepSpeed 0.19.8 asserts in these cases, and its tests and some scripts catch that."""
 
 
 def _init_distributed(config, dist_init_required, whole_world: bool):
@@ -132,18 +143,76 @@ def _inference(model, cfg, lr_scheduler, training_data, collate_fn):
 
 
 def _pick_config(args, config, config_params):
+    """The one config: `config`, `config_params`, or the command line's `--deepspeed_config` (or its
+    deprecated spelling `--deepscale_config`), refused when it comes twice or not at all, as
+    DeepSpeed refuses it. `args.deepspeed` naming a file is taken when nothing else names one."""
     if config is not None and config_params is not None:
-        raise ConfigError("give the config once: `config` or `config_params`, not both")
+        raise InitializeError("give the config once: `config` or `config_params`, not both")
+    name = "config" if config is not None else "config_params"
     config = config if config is not None else config_params
-    if config is None and args is not None:
-        config = (
-            getattr(args, "deepspeed_config", None)
-            or getattr(args, "deepscale_config", None)
-            or getattr(args, "deepspeed", None)
+    path = _config_path_from_args(args)
+    if path is not None and config is not None:
+        raise InitializeError(
+            f"the config was given twice: args.deepspeed_config={path!r} (--deepspeed_config on the command line) "
+            f"and initialize({name}={_brief(config)}); give one: drop --deepspeed_config or {name}= "
+            "(DeepSpeed refuses both too)"
         )
-        if config is True:
-            config = None
+    if config is None and path is None:
+        deepspeed = getattr(args, "deepspeed", None)
+        path = deepspeed if isinstance(deepspeed, str | os.PathLike) else None
+    config = config if config is not None else path
+    if config is None:
+        raise InitializeError(
+            "initialize() got no config: pass config= (a dict, or a JSON file's path; {} for all defaults) or "
+            "args= with args.deepspeed_config set (--deepspeed_config FILE, from zeroshard.add_config_arguments), "
+            "as DeepSpeed requires"
+        )
     return config
+
+
+def _config_path_from_args(args):
+    path = getattr(args, "deepspeed_config", None)
+    deprecated = getattr(args, "deepscale_config", None)
+    if path is not None and deprecated is not None:
+        raise InitializeError(
+            f"args.deepspeed_config={path!r} and args.deepscale_config={deprecated!r}: give one "
+            "(--deepscale_config is DeepSpeed's deprecated spelling of --deepspeed_config)"
+        )
+    return path if path is not None else deprecated
+
+
+def _brief(config) -> str:
+    text = repr(config)
+    return text if len(text) <= 120 else f"{text[:117]}..."
+
+
+def _check_local_rank(args) -> None:
+    """DeepSpeed's check that the launcher's `--local_rank` (args.local_rank) and the LOCAL_RANK
+    environment variable name the same device; None or a negative value means "not given"."""
+    local_rank = getattr(args, "local_rank", None)
+    if local_rank is None:
+        return
+    if not isinstance(local_rank, int):
+        raise InitializeError(
+            f"args.local_rank={local_rank!r} is a {type(local_rank).__name__}: expected an int (the launcher's "
+            "--local_rank), or None"
+        )
+    env = os.environ.get("LOCAL_RANK")
+    if local_rank >= 0 and env is not None and int(env) != local_rank:
+        raise InitializeError(
+            f"args.local_rank={local_rank} but the LOCAL_RANK environment variable is {env}: both name this "
+            "process's device and must agree (DeepSpeed refuses this too); let the launcher set both, or leave "
+            "--local_rank out (torchrun sets only LOCAL_RANK)"
+        )
+
+
+def _check_stage_without_optimizer(stage: int) -> None:
+    if stage in (1, 2):
+        raise InitializeError(
+            f"initialize() without an optimizer at ZeRO stage {stage}: stages 1 and 2 partition the optimizer's "
+            f"state, so they need one (DeepSpeed: 'zero stage {stage} requires an optimizer'). To train, pass optimizer=... "
+            "or add an 'optimizer' section; for an engine without one (inference), use stage 3 (ZeRO-Inference) or 0"
+        )
 
 
 def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
@@ -171,7 +240,7 @@ def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
     )
 
 
-def _build_scheduler(lr_scheduler, cfg, engine):
+def _build_scheduler(lr_scheduler, cfg, engine, client_optimizer):
     if lr_scheduler is not None and cfg.scheduler is not None:
         warnings.warn(
             "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section: the "
@@ -181,9 +250,32 @@ def _build_scheduler(lr_scheduler, cfg, engine):
         )
     elif cfg.scheduler is not None:
         return build_scheduler(cfg.scheduler, engine.optimizer)
-    if lr_scheduler is None or hasattr(lr_scheduler, "step"):
+    if lr_scheduler is None:
+        return None
+    if hasattr(lr_scheduler, "step"):
+        _check_scheduler_optimizer(lr_scheduler, engine.basic_optimizer, client_optimizer)
         return lr_scheduler  # built against the client optimizer, whose param-group dicts we kept
-    return lr_scheduler(engine.optimizer.optimizer)
+    return lr_scheduler(engine.basic_optimizer)
+
+
+def _check_scheduler_optimizer(lr_scheduler, basic, client_optimizer) -> None:
+    """A scheduler object must drive the optimizer the engine steps: DeepSpeed asserts that the client
+    optimizer is an object when the scheduler is; zeroshard also names a scheduler over another one."""
+    driven = getattr(lr_scheduler, "optimizer", None)
+    if not isinstance(driven, torch.optim.Optimizer) or driven is basic:
+        return
+    source = (
+        "the one built from the config's 'optimizer' section"
+        if client_optimizer is None
+        else "the one initialize(optimizer=callable) built"
+        if not isinstance(client_optimizer, torch.optim.Optimizer)
+        else f"initialize(optimizer={type(client_optimizer).__name__} object)"
+    )
+    raise InitializeError(
+        f"initialize(lr_scheduler={type(lr_scheduler).__name__} object) drives a {type(driven).__name__} that is not "
+        f"the optimizer the engine steps ({source}), so its learning rates would never be used: build the "
+        "scheduler over the optimizer passed to initialize(), or pass a callable (optimizer -> scheduler)"
+    )
 
 
 def _dataloader(dataset, collate_fn, engine):

@@ -15,6 +15,7 @@ from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpo
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.compat import policies
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
+from zeroshard.compat.client_optimizer import ClientOptimizerLink, returns_basic_optimizer
 from zeroshard.compat.ds_params import register as register_ds_metadata, unregister as unregister_ds_metadata
 from zeroshard.compat.engine_surface import DeepSpeedAccessors
 from zeroshard.compat.throughput import ThroughputTimer
@@ -91,14 +92,15 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             self.sharded.set_on_failed_update(extras.transactional_step)
         configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
+        self._start_counting()
         self._backwards_at_step = 0  # sharded.completed_backwards when the last micro step ended
-        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
-        self._in_no_sync = False
-        self._step_applied = False
         self.tput_timer = ThroughputTimer(config.train_batch_size)
+        # [Note: the optimizer initialize returns] in compat/client_optimizer.py
+        self._client_link = (
+            ClientOptimizerLink(optimizer, self.sharded.optimizer)
+            if self.sharded.optimizer is not None and returns_basic_optimizer(config)
+            else None
+        )
         log.info(
             "zeroshard engine: stage %d, %d ranks, %d units, %.3fM parameters",
             self.policy.stage,
@@ -116,29 +118,13 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     def loss_scaler(self):
         return self.sharded.loss_scaler
 
-    # -- DeepSpeed's accessors ------------------------------------------------------------------------
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def get_global_grad_norm(self) -> float | None:
-        """The last step's norm before clipping; at stage 0 without clipping or loss scaling it is
-        summed when first asked, up to the next backward ([Note: the stage-0 norm, computed when
-        asked] in core/optim/norm.py; DeepSpeed's stage-0 engine returns None there)."""
-        return self.optimizer.last_grad_norm
-
-    def get_loss_scale(self) -> float:
-        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
-
     @property
-    def skipped_steps(self) -> int:
-        return self.optimizer.skipped_steps
+    def returned_optimizer(self) -> torch.optim.Optimizer:
+        """What `initialize` returns as the optimizer: the basic optimizer at stage 0 in fp32, else
+        `self.optimizer` ([Note: the optimizer initialize returns] in compat/client_optimizer.py)."""
+        return self._client_link.basic if self._client_link is not None else self.optimizer
 
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
-
+    # -- DeepSpeed's accessors: compat/engine_surface.py; the wrapped model's attributes ---------------
     def __getattr__(self, name: str):
         """nn.Module's lookup (parameters, buffers, submodules), then the wrapped model's attributes."""
         try:
@@ -305,6 +291,9 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
         unregister_ds_metadata(self.sharded)
+        if self._client_link is not None:
+            self._client_link.remove()
+            self._client_link = None
         self.sharded.destroy()
 
 

@@ -1,8 +1,10 @@
 """DeepSpeed's engine accessors that scripts and DeepSpeed's own tests call, beyond the training loop.
 
-A mixin of `ZeroEngine` (engine.py): each method reads the parsed config or the core's parts; none
-holds state of its own except what `ZeroEngine.__init__` sets (`global_samples`,
-`_boundary_override`, `_in_no_sync`, `_step_applied`, `tput_timer`).
+A mixin of both engines, `ZeroEngine` (engine.py) and the one `initialize` builds without an
+optimizer, `InferenceEngine` (inference.py), as DeepSpeed's engine has them with or without one.
+Each method reads the parsed config, the core's parts or the counters `_start_counting` sets;
+without an optimizer they answer as DeepSpeed's engine does then (`get_lr()` is [], the gradient
+norm None, no step skipped).
 """
 
 from __future__ import annotations
@@ -18,6 +20,44 @@ from zeroshard.compat.accelerator import get_accelerator
 
 class DeepSpeedAccessors:
     _boundary_override: bool | None  # set_gradient_accumulation_boundary(); None: the micro-step counter decides
+
+    def _start_counting(self) -> None:
+        """The counters DeepSpeed's engine starts with; `ZeroEngine.step` advances them."""
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self._boundary_override = None
+        self._in_no_sync = False
+        self._step_applied = False
+
+    # -- batch sizes, the optimizer -------------------------------------------------------------------
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    @property
+    def basic_optimizer(self) -> torch.optim.Optimizer | None:
+        """The torch optimizer the engine steps: the client's own, what a client callable built, or
+        the one built from the config's 'optimizer' section (DeepSpeed's name); None without one."""
+        return self.optimizer.optimizer if self.optimizer is not None else None
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's norm before clipping; at stage 0 without clipping or loss scaling it is
+        summed when first asked, up to the next backward ([Note: the stage-0 norm, computed when
+        asked] in core/optim/norm.py; DeepSpeed's stage-0 engine returns None there)."""
+        return self.optimizer.last_grad_norm if self.optimizer is not None else None
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps if self.optimizer is not None else 0
 
     # -- precision ------------------------------------------------------------------------------------
     def fp16_enabled(self) -> bool:

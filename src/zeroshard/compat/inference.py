@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from zeroshard.compat import policies
+from zeroshard.compat.engine_surface import DeepSpeedAccessors
+from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
@@ -42,12 +44,14 @@ _NOT_TRAINED = (
 )
 
 
-class InferenceEngine(ShardedViews, nn.Module):
+class InferenceEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     """A model under ZeRO for forward passes only; build it with `zeroshard.initialize` and no optimizer.
 
     The model is put in eval mode (no dropout), as inference wants; `engine.train()` undoes that.
     `engine(...)` runs the model without autograd. `engine.module` is the model, whose `generate` works
     as usual on one rank; on several ranks use `engine.generate` (or pass `synced_gpus=True`).
+    DeepSpeed's accessors (`device`, `zero_optimization_stage()`, `get_lr()`, ...) answer as on
+    DeepSpeed's engine built without an optimizer (compat/engine_surface.py).
     """
 
     def __init__(self, model: nn.Module, config):
@@ -87,6 +91,8 @@ class InferenceEngine(ShardedViews, nn.Module):
             )
         model.eval()
         self._freeze(True)
+        self._start_counting()
+        self.tput_timer = ThroughputTimer(config.train_batch_size)
         log.info(
             "zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",
             zero.stage,
@@ -99,6 +105,7 @@ class InferenceEngine(ShardedViews, nn.Module):
     # -- the core's parts, read-only (ShardedViews has the rest): no optimizer, no scheduler ----------
     optimizer = property(lambda self: None)
     lr_scheduler = property(lambda self: None)
+    loss_scaler = property(lambda self: None)
 
     # -- frozen weights -------------------------------------------------------------------------------
     # [Note: frozen inference weights]
