@@ -222,7 +222,7 @@ class Communicator:
         self.verify_before_launch = False
         local = os.environ.get("LOCAL_WORLD_SIZE", "")
         ranks_per_node = int(local) if local.isdigit() and int(local) > 0 else dist.get_world_size()
-        if group is None:
+        if self._owns_group:
             self._agree_on_nodes(ranks_per_node, local)
         self.place_on_nodes(ranks_per_node)
         # [Note: reduce-scatter on gloo], [Note: all-gather on gloo] in backend.py
