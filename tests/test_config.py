@@ -285,7 +285,10 @@ def test_negative_sizes_name_key_and_value(key):
         ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, ["fp16.enabled", "bf16.enabled", "both"]),
         ({"optimizer": {"type": "FusedAdam"}}, ["optimizer.type", "'FusedAdam'", "Adam, AdamW, SGD"]),
         ({"optimizer": {"params": {"lr": 0.1}}}, ["'optimizer.type' is required", "Adam, AdamW, SGD"]),
-        ({"scheduler": {"type": "OneCycle", "params": {}}}, ["'OneCycle'", "WarmupLR, WarmupDecayLR, WarmupCosineLR"]),
+        (
+            {"scheduler": {"type": "CosineRestarts", "params": {}}},
+            ["'CosineRestarts'", "WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest"],
+        ),
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, ["'scheduler.params.total_num_steps' is required"]),
         (
             {"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cubic"}}},

@@ -152,10 +152,68 @@ class WarmupCosineLRParams(Section):
     """Index of the last step taken; -1 starts from the beginning."""
 
 
+MomValue = Fraction | list[Fraction]
+
+
+class OneCycleParams(Section):
+    """``scheduler.params`` for OneCycle: lr up from min to max and back over one cycle, momentum the
+    other way, then an optional decay."""
+
+    section_path: ClassVar[str] = "scheduler.params"
+
+    cycle_min_lr: LrValue
+    """Lr at the start and end of the cycle (one value, or one per param group; required)."""
+    cycle_max_lr: LrValue
+    """Lr at the top of the cycle (one value, or one per param group; required)."""
+    decay_lr_rate: NonNegFloat = 0.0
+    """After the cycle, lr = cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size); 0 holds it."""
+    cycle_first_step_size: PosInt = 2000
+    """Steps of the rising half of the cycle."""
+    cycle_second_step_size: NonNegInt | None = None
+    """Steps of the falling half of the cycle; None = cycle_first_step_size."""
+    cycle_first_stair_count: NonNegInt = 0
+    """Flat stairs in the rising half; 0 = change every step."""
+    cycle_second_stair_count: NonNegInt | None = None
+    """Flat stairs in the falling half; None = cycle_first_stair_count."""
+    decay_step_size: NonNegInt = 0
+    """Steps per unit of decay after the cycle; 0 = no decay."""
+    cycle_momentum: bool = True
+    """Cycle ``betas[0]`` inversely to the lr (optimizers with ``betas`` only; others warn and keep
+    their momentum, as in DeepSpeed)."""
+    cycle_min_mom: MomValue = 0.8
+    """Momentum at the top of the cycle (one value, or one per param group)."""
+    cycle_max_mom: MomValue = 0.9
+    """Momentum at the start and end of the cycle (one value, or one per param group)."""
+    decay_mom_rate: NonNegFloat = 0.0
+    """After the cycle, momentum = cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)."""
+    last_batch_iteration: Annotated[int, Field(ge=-1)] = -1
+    """Index of the last step taken; -1 starts from the beginning."""
+
+
+class LRRangeTestParams(Section):
+    """``scheduler.params`` for LRRangeTest: lr = min_lr * (1 + step_rate * steps / step_size), rising
+    without bound, to find the largest lr that trains."""
+
+    section_path: ClassVar[str] = "scheduler.params"
+
+    lr_range_test_min_lr: LrValue = 1e-3
+    """Starting lr (one value, or one per param group)."""
+    lr_range_test_step_size: PosInt = 2000
+    """Steps per unit of increase."""
+    lr_range_test_step_rate: NonNegFloat = 1.0
+    """Increase of the lr, as a multiple of lr_range_test_min_lr, per lr_range_test_step_size steps."""
+    lr_range_test_staircase: bool = False
+    """Increase in steps of lr_range_test_step_size instead of continuously."""
+    last_batch_iteration: Annotated[int, Field(ge=-1)] = -1
+    """Index of the last step taken; -1 starts from the beginning."""
+
+
 SCHEDULER_TYPES: dict[str, type[Section]] = {
     "WarmupLR": WarmupLRParams,
     "WarmupDecayLR": WarmupDecayLRParams,
     "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams,
+    "LRRangeTest": LRRangeTestParams,
 }
 
 
@@ -166,8 +224,9 @@ class SchedulerConfig(Section):
     params_by_type: ClassVar[dict[str, type[Section]]] = SCHEDULER_TYPES
 
     type: str
-    """One of WarmupLR, WarmupDecayLR, WarmupCosineLR (case-insensitive; stored canonically)."""
-    params: WarmupDecayLRParams | WarmupLRParams | WarmupCosineLRParams
+    """One of WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest (case-insensitive; stored
+    canonically)."""
+    params: WarmupDecayLRParams | WarmupLRParams | WarmupCosineLRParams | OneCycleParams | LRRangeTestParams
     """Schedule parameters; which keys are valid depends on ``type``."""
 
     @field_validator("type", mode="before")
