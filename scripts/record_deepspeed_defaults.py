@@ -85,7 +85,7 @@ def collect() -> dict[str, Any]:
     for kind in ("Adam", "AdamW"):
         out.update(signature_defaults(f"optimizer[{kind}].params", FusedAdam.__init__))
     out.update(signature_defaults("optimizer[SGD].params", torch.optim.SGD.__init__))
-    for kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+    for kind in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"):
         out.update(signature_defaults(f"scheduler[{kind}].params", getattr(lr_schedules, kind).__init__))
     for key in ds_config._REMOVED_TOP_LEVEL_CONFIG_KEYS:
         out[key] = REMOVED
