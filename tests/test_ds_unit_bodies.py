@@ -15,7 +15,7 @@ import zeroshard as deepspeed
 import zeroshard.comm as dist
 from tests.harness import run_distributed, subtests
 from zeroshard.accelerator import get_accelerator
-from zeroshard.runtime.lr_schedules import WarmupLR
+from zeroshard.runtime.lr_schedules import CYCLE_MAX_LR, CYCLE_MIN_LR, ONE_CYCLE, OneCycle, WarmupLR
 from zeroshard.utils import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
@@ -360,6 +360,33 @@ def _client_lr_scheduler(scheduler_type: str, optimizer_type: str) -> None:
     engine.destroy()
 
 
+def _config_onecycle_or_client_scheduler(scheduler_type: str) -> None:
+    """test_diff_lrscheler_and_callable_onecyclelr_steplr: the config's OneCycle, unless a scheduler
+    object or callable is passed, which then wins."""
+    config_dict = {"train_batch_size": dist.get_world_size()}
+    model = SimpleModel(HIDDEN)
+    client_optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    if scheduler_type == "none":
+        config_dict["scheduler"] = {"type": ONE_CYCLE, "params": {CYCLE_MIN_LR: 0, CYCLE_MAX_LR: 0.1}}
+        client_scheduler = None
+    elif scheduler_type == "object":
+        client_scheduler = torch.optim.lr_scheduler.StepLR(client_optimizer, step_size=30)
+    else:
+        client_scheduler = lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(  # noqa: E731
+            optimizer, max_lr=0.01, total_steps=200
+        )
+    engine, _, _, ds_lr_scheduler = deepspeed.initialize(
+        config=config_dict,
+        model=model,
+        model_parameters=list(model.parameters()),
+        optimizer=client_optimizer,
+        lr_scheduler=client_scheduler,
+    )
+    expected = {"none": OneCycle, "object": torch.optim.lr_scheduler.StepLR}
+    assert isinstance(ds_lr_scheduler, expected.get(scheduler_type, torch.optim.lr_scheduler.OneCycleLR))
+    engine.destroy()
+
+
 def _lr_schedule_and_accelerator(stage: int) -> None:
     """test_lr_schedulers-style: the config's WarmupLR, read through get_lr(), on get_accelerator()'s device."""
     model = SimpleModel(HIDDEN)
@@ -394,6 +421,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     subtests([dict(stage=s) for s in (0, 1, 2, 3)], _no_optimizer)
     kinds = ("none", "object", "callable")
     subtests([dict(scheduler_type=s, optimizer_type=o) for s in kinds for o in kinds], _client_lr_scheduler)
+    subtests([dict(scheduler_type=s) for s in kinds], _config_onecycle_or_client_scheduler)
     subtests([dict(stage=s) for s in (0, 3)], _lr_schedule_and_accelerator)
 
 
