@@ -23,6 +23,7 @@ even when the store itself is unreachable.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import os
@@ -55,6 +56,7 @@ class _Listener:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("0.0.0.0", 0))
             sock.listen(socket.SOMAXCONN)  # never accepted: the kernel's queue answers probes
+            atexit.register(sock.close)  # it lives as long as the process, and closes with it
             self.sock = sock
         return f"{_reachable_ip()}:{self.sock.getsockname()[1]}"
 
