@@ -45,12 +45,40 @@ def test_train_tiny_on_two_ranks_loss_falls(capsys):
     assert result["memory_report"]["total"] > 0
 
 
-@pytest.mark.slow
-def test_train_text_output_with_stage_table(capsys):
+def test_train_text_output_with_stage_table(capsys, monkeypatch):
+    """The table comes from the bench's runner, which tests/test_bench.py runs for real at every stage
+    (12 launches); here it returns canned rows, and what train asks of it and prints is checked."""
+    from zeroshard.tools.commands import bench
+
+    asked = []
+
+    def canned_bench(args):
+        asked.append(args)
+        rows = [
+            {
+                "name": f"stage {stage}",
+                "states_measured": {"total": (4 - stage) * 1_000_000},
+                "states_predicted": {"total": (4 - stage) * 1_000_000},
+                "peak_above_baseline": (9 - stage) * 1_000_000,
+                "baseline_memory": 400_000_000,
+                "comm_measured": 100,
+                "comm_predicted": 100,
+                "step_time": {"median_s": 0.25},
+            }
+            for stage in range(4)
+        ]
+        return {"memory_method": "VmHWM"}, rows
+
+    monkeypatch.setattr(bench, "run_bench", canned_bench)
     code, out, _ = run(capsys, "train", "--size", "1", "--seq-len", "32", "--steps", "10", "--table-steps", "2")
     assert code == 0 and "loss" in out and "sample:" in out and "stage table" in out
-    rows = [line.split()[1] for line in out.splitlines() if line.startswith("stage ") and line[6].isdigit()]
-    assert rows == ["0", "1", "2", "3"]
+    (args,) = asked
+    assert args.stages == [0, 1, 2, 3] and args.steps == 2 and args.size == 1 and args.seq_len == 32
+    assert not args.peers and not args.offload
+    rows = [line.split() for line in out.splitlines() if line.startswith("stage ") and line[6].isdigit()]
+    assert [row[1] for row in rows] == ["0", "1", "2", "3"]
+    assert [row[2] for row in rows] == ["4.0", "3.0", "2.0", "1.0"]  # model states per rank fall by stage
+    assert "400.0 MB here" in out
 
 
 def test_corpus_and_tokenizer_are_deterministic():
