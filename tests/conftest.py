@@ -4,3 +4,10 @@ run beside it; two threads were 4x slower under that load)."""
 import torch
 
 torch.set_num_threads(1)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Kept rank groups leave before pytest does, so that their coverage data is written."""
+    from tests.harness import close_kept_groups
+
+    close_kept_groups()

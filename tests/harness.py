@@ -16,6 +16,15 @@ called without an active exception") after all work is done. So a rank sends its
 first (plain pickle: multiprocessing's reducer would share tensor storage with a process about to exit),
 then destroys its process group and leaves with os._exit(0).
 
+Rank groups are kept: the ranks of a run_distributed call stay alive, their process group
+initialised, and take the next call with the same world size and `env` (starting 2 ranks costs ~1.5 s
+of the 2 cores, 4 ranks ~3 s, and the suite makes hundreds of calls). Between calls a rank puts back
+what a worker may have changed in the process (environment, cwd, sys.path, default dtype, grad mode,
+threads, RNG states, warnings filters); a worker that leaves the default process group changed, or a
+call in which any rank failed, retires the group, and the next call starts a fresh one. `fresh=True`
+(and run_distributed_expect_failure, whose ranks are meant to die or hang) start ranks for the call
+alone; ZS_TEST_FRESH_RANKS=1 makes every call do so, to rule out a leak between workers.
+
 Timeouts: `timeout` starts once every rank has initialised its process group (imports on a loaded
 machine are slow). At the deadline, unreported ranks dump their Python stacks (faulthandler, SIGUSR1;
 quoted in the error), then every rank's process tree is SIGKILLed. A rank also exits if its parent dies.
@@ -31,12 +40,14 @@ import faulthandler
 import itertools
 import os
 import pickle
+import random
 import signal
 import sys
 import tempfile
 import threading
 import time
 import traceback
+import warnings
 from multiprocessing import connection, get_context
 from pathlib import Path
 
@@ -66,6 +77,7 @@ class RankReport:
     started: bool = False  # the process group was initialised
     reported: bool = False  # False: timed out or died before reporting; `message` says which
     notes: list[str] = dataclasses.field(default_factory=list)  # sent early, e.g. by subtests()
+    retire: str = ""  # why this rank's process cannot take another call ("" when it can)
 
     def describe(self) -> str:
         head = (
@@ -81,13 +93,17 @@ class RankReport:
         return "\n".join(p for p in [f"rank {self.rank}: {head}", *notes, self.traceback] if p).rstrip()
 
 
-def run_distributed(fn, world_size: int, *, timeout: float = 120.0, env: dict | None = None, **kwargs) -> list:
+def run_distributed(
+    fn, world_size: int, *, timeout: float = 120.0, env: dict | None = None, fresh: bool = False, **kwargs
+) -> list:
     """Run fn(rank, world_size, **kwargs) on `world_size` gloo ranks; return the values in rank order.
 
     `timeout` counts from when every rank has initialised its process group (starting has its own
     allowance, _STARTUP_TIMEOUT_S); `env` is added to each rank's environment at process start.
-    Raises AssertionError quoting every failing rank's traceback, and which ranks did not report."""
-    reports = _run(fn, world_size, timeout, env, kwargs, fail_fast=True)
+    `fresh`: ranks started for this call alone (a worker that measures the process's own memory from
+    its start, or changes what cannot be put back). Raises AssertionError quoting every failing
+    rank's traceback, and which ranks did not report."""
+    reports = _run(fn, world_size, timeout, env, kwargs, fail_fast=True, fresh=fresh)
     if failed := [r for r in reports if not r.ok]:
         details = "\n\n".join(r.describe() for r in failed)
         raise AssertionError(f"ranks {[r.rank for r in failed]} of {world_size} failed:\n\n{details}")
@@ -98,11 +114,23 @@ def run_distributed_expect_failure(
     fn, world_size: int, timeout: float = 60.0, *, env: dict | None = None, **kwargs
 ) -> list[RankReport]:
     """Every rank's RankReport, never raising for a rank's failure. Waits for every rank (up to
-    `timeout`), so a test that expects failures can assert that *all* ranks detected the problem."""
-    return _run(fn, world_size, timeout, env, kwargs, fail_fast=False)
+    `timeout`), so a test that expects failures can assert that *all* ranks detected the problem.
+    Always on ranks of its own: they are expected to die or hang."""
+    return _run(fn, world_size, timeout, env, kwargs, fail_fast=False, fresh=True)
 
 
-def _run(fn, world_size, timeout, env, kwargs, *, fail_fast) -> list[RankReport]:
+def kept_rank_pids() -> list[int]:
+    """Process ids of the ranks kept alive for later calls."""
+    return [p.pid for group in _KEPT.values() for p in group.procs if p.is_alive()]
+
+
+def close_kept_groups() -> None:
+    """Stop every kept group of ranks (they save their coverage data and exit)."""
+    while _KEPT:
+        _KEPT.popitem()[1].close()
+
+
+def _run(fn, world_size, timeout, env, kwargs, *, fail_fast, fresh) -> list[RankReport]:
     try:
         payload = pickle.dumps((fn, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
     except (pickle.PicklingError, AttributeError, TypeError) as e:
@@ -110,34 +138,85 @@ def _run(fn, world_size, timeout, env, kwargs, *, fail_fast) -> list[RankReport]
             f"{fn!r} and its kwargs must be picklable: define the worker at module level "
             f"of an importable module (e.g. tests.test_x) and pass picklable kwargs ({e})"
         ) from e
-    # The parent hosts the rendezvous store: binding port 0 cannot race another test for a "free" port.
-    store = dist.TCPStore(
-        "127.0.0.1",
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S),
-    )
-    ctx, procs, conns = get_context("spawn"), [], []
-    with tempfile.TemporaryDirectory(prefix="zeroshard-ranks-") as tmp:
-        stack_files = [os.path.join(tmp, f"rank{rank}.stacks") for rank in range(world_size)]
+    if fresh or os.environ.get("ZS_TEST_FRESH_RANKS") == "1":
+        group, reports = _RankGroup(world_size, env, timeout), None
+        try:
+            reports = group.run(payload, timeout, fail_fast)
+            return reports
+        finally:
+            group.close(reports)
+    key = (world_size, tuple(sorted((k, str(v)) for k, v in (env or {}).items())))
+    group = _KEPT.pop(key, None) or _RankGroup(world_size, env, timeout)
+    reports = group.run(payload, timeout, fail_fast)
+    if all(r.ok and not r.retire for r in reports):
+        _KEPT[key] = group  # most recently used last
+        while len(_KEPT) > _MAX_KEPT_GROUPS:
+            _KEPT.pop(next(iter(_KEPT))).close()
+    else:
+        group.close(reports)
+    return reports
+
+
+_MAX_KEPT_GROUPS = 3  # each rank holds ~300 MB; three groups of at most 4 ranks fit beside the suite
+_KEPT: dict = {}  # (world_size, env items) -> _RankGroup, least recently used first
+
+
+class _RankGroup:
+    """`world_size` spawned ranks with their gloo process group, taking calls until closed."""
+
+    def __init__(self, world_size: int, env: dict | None, pg_timeout: float) -> None:
+        # The parent hosts the rendezvous store: binding port 0 cannot race another test for a "free" port.
+        self.store = dist.TCPStore(
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S),
+        )
+        self.tmp = tempfile.TemporaryDirectory(prefix="zeroshard-ranks-")
+        self.stack_files = [os.path.join(self.tmp.name, f"rank{rank}.stacks") for rank in range(world_size)]
+        ctx, self.procs, self.conns = get_context("spawn"), [], []
         try:
             for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe(duplex=False)
-                args = (rank, world_size, store.port, timeout, stack_files[rank], payload, child_end)
-                procs.append(ctx.Process(target=_child_main, args=args, name=f"zeroshard-rank{rank}"))
-                conns.append(parent_end)
-                with _rank_environ(rank, world_size, store.port, env):
-                    procs[-1].start()
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end)
+                self.procs.append(ctx.Process(target=_child_main, args=args, name=f"zeroshard-rank{rank}"))
+                self.conns.append(parent_end)
+                with _rank_environ(rank, world_size, self.store.port, env):
+                    self.procs[-1].start()
                 child_end.close()  # so the parent sees EOF when the child dies
-            reports = _collect(procs, conns, timeout, fail_fast)
-            _dump_stacks(procs, reports, stack_files)
-        finally:
-            _kill_trees(procs)
-            for c in conns:
-                c.close()
-    return reports
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, payload: bytes, timeout: float, fail_fast: bool) -> list[RankReport]:
+        message = pickle.dumps(("run", (payload, timeout)), protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # a rank that died: _collect reports it
+                conn.send_bytes(message)
+        reports = _collect(self.procs, self.conns, timeout, fail_fast)
+        _dump_stacks(self.procs, reports, self.stack_files)
+        return reports
+
+    def close(self, reports: list[RankReport] | None = None) -> None:
+        """Ask every rank to leave (destroying its process group, saving coverage data); kill what is
+        left. After a call, only the ranks that reported are waited for: the others are stuck."""
+        quit_message = pickle.dumps(("quit", None))
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(quit_message)
+        idle = [p for p, r in zip(self.procs, reports or [None] * len(self.procs)) if r is None or r.reported]
+        deadline = time.time() + _QUIT_WAIT_S
+        for proc in idle:
+            proc.join(timeout=max(0.0, deadline - time.time()))
+        _kill_trees(self.procs)
+        for conn in self.conns:
+            conn.close()
+        self.tmp.cleanup()
+
+
+_QUIT_WAIT_S = 10.0  # for ranks asked to leave, before they are killed
 
 
 @contextlib.contextmanager
@@ -191,6 +270,9 @@ def _receive(conn, report: RankReport, procs) -> bool:
         procs[report.rank].join(timeout=1.0)
         report.message = f"exited with code {procs[report.rank].exitcode} before reporting (see its stderr)"
         return True
+    if kind == "retire":
+        report.retire = body
+        return False
     if kind in ("started", "note"):
         report.started = True
         report.notes += [body] if kind == "note" else []
@@ -241,35 +323,92 @@ def send_note(text: str) -> None:
         _channel.send_bytes(pickle.dumps(("note", text)))
 
 
-def _child_main(rank, world_size, port, timeout, stack_file, payload, conn) -> None:
+def _child_main(rank, world_size, port, pg_timeout, stack_file, conn) -> None:
     global _channel
     _channel = conn
-    _arm_guards(_STARTUP_TIMEOUT_S + timeout + _BACKSTOP_S, stack_file)
+    stacks = _arm_guards(stack_file)
     sys.path.insert(0, _REPO_ROOT)  # harmless when already there
     torch.set_num_threads(1)  # ranks share few cores; oversubscription makes CPU tests crawl
+    start_error = None
     try:
-        fn, kwargs = pickle.loads(payload)
         store = dist.TCPStore(
             "127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=_STARTUP_TIMEOUT_S)
         )
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
+            "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
         )
-        conn.send_bytes(pickle.dumps(("started", None)))
-        message = ("ok", fn(rank, world_size, **kwargs))
-    except BaseException as e:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
-        message = ("error", (type(e).__name__, str(e), traceback.format_exc()))
-    try:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as e:  # noqa: BLE001
-        data = pickle.dumps(("error", (type(e).__name__, f"return value is not picklable: {e}", "")))
-    conn.send_bytes(data)
+    except BaseException as e:  # noqa: BLE001 - reported to the first call
+        start_error = ("error", (type(e).__name__, str(e), traceback.format_exc()))
+    world = dist.group.WORLD if start_error is None else None
+    process_state = _ProcessState()
+    while True:
+        try:
+            kind, body = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the parent is gone
+        if kind == "quit":
+            break
+        payload, timeout = body
+        stacks.seek(0)
+        stacks.truncate()
+        _job_deadline[0] = time.time() + _STARTUP_TIMEOUT_S + timeout + _BACKSTOP_S
+        message = start_error or _run_job(rank, world_size, payload, conn)
+        _job_deadline[0] = None
+        if reason := process_state.restore(world):
+            conn.send_bytes(pickle.dumps(("retire", reason)))
+        try:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001
+            data = pickle.dumps(("error", (type(e).__name__, f"return value is not picklable: {e}", "")))
+        conn.send_bytes(data)
     with contextlib.suppress(Exception):  # raises when init failed: then there is nothing to destroy
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     _save_coverage()
-    os._exit(0)  # see the module docstring: the report is sent, skip the teardown that may abort
+    os._exit(0)  # see the module docstring: skip the teardown that may abort
+
+
+def _run_job(rank, world_size, payload, conn) -> tuple:
+    try:
+        conn.send_bytes(pickle.dumps(("started", None)))
+        fn, kwargs = pickle.loads(payload)
+        return ("ok", fn(rank, world_size, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - every failure, KeyboardInterrupt included, is reported
+        return ("error", (type(e).__name__, str(e), traceback.format_exc()))
+
+
+class _ProcessState:
+    """What a worker may change in its process and the next worker must not see; taken at start."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.path = list(sys.path)
+        self.dtype = torch.get_default_dtype()
+        self.threads = torch.get_num_threads()
+        self.deterministic = torch.are_deterministic_algorithms_enabled()
+        self.torch_rng = torch.get_rng_state()
+        self.python_rng = random.getstate()
+        self.filters = list(warnings.filters)
+
+    def restore(self, world) -> str:
+        """Put it back; the reason this process cannot be reused, or ""."""
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        sys.path[:] = self.path
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        torch.set_num_threads(self.threads)
+        torch.use_deterministic_algorithms(self.deterministic)
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.python_rng)
+        warnings.filters[:] = self.filters
+        warnings._filters_mutated()  # type: ignore[attr-defined]  # forget "once" registries keyed to old filters
+        if world is None or not dist.is_initialized() or dist.group.WORLD is not world:
+            return "the worker destroyed or replaced the default process group"
+        return ""
 
 
 def _save_coverage() -> None:
@@ -282,18 +421,23 @@ def _save_coverage() -> None:
         current.save()
 
 
-def _arm_guards(backstop_s: float, stack_file: str) -> None:
-    """Dump stacks on the parent's request (SIGUSR1); exit if the parent dies or is stuck too long."""
+_job_deadline: list = [None]  # when the running call's rank gives up on its parent (None: idle)
+
+
+def _arm_guards(stack_file: str):
+    """Dump stacks on the parent's request (SIGUSR1); exit if the parent dies or a call runs far past
+    its deadline (the parent is stuck). Returns the stack file, emptied before each call."""
     stacks = open(stack_file, "w")  # kept open for faulthandler for the process lifetime
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    parent, backstop = os.getppid(), time.time() + backstop_s
+    parent = os.getppid()
 
     def watch_parent() -> None:
-        while os.getppid() == parent and time.time() < backstop:
+        while os.getppid() == parent and (_job_deadline[0] is None or time.time() < _job_deadline[0]):
             time.sleep(1.0)
         os._exit(1)
 
     threading.Thread(target=watch_parent, name="parent-watchdog", daemon=True).start()
+    return stacks
 
 
 # ---------------------------------------------------------------- sub-cases inside one rank group

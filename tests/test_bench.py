@@ -26,7 +26,9 @@ def run(capsys, *argv):
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """One bench of every stage and the peers on 2 ranks; ~20 s on 2 cores."""
+    """One real bench of stages 0 and 3 and the peers on 2 ranks, one timed step each (one timing
+    pass: the two-pass order is checked with canned launches below; every stage's bytes against
+    the paper's formulas: tests/test_parity.py); 11 launches, ~70 s on 2 cores."""
     out = tmp_path_factory.mktemp("bench")
     code = cli.main(
         [
@@ -37,8 +39,10 @@ def bench(tmp_path_factory):
             "32",
             "--batch",
             "4",
+            "--stages",
+            "0,3",
             "--steps",
-            "2",
+            "1",
             "--warmup",
             "1",
             "--peers",
@@ -129,7 +133,7 @@ def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measu
 def test_measured_communication_is_2psi_and_3psi(bench):
     _, document = bench
     rows = _rows(document)
-    assert sorted(rows) == [0, 1, 2, 3]
+    assert sorted(rows) == [0, 3]
     for stage, row in rows.items():
         psi = row["params"]
         expected = (3 if stage == 3 else 2) * psi * 4  # fp32: 4 bytes per element
@@ -143,8 +147,7 @@ def test_measured_communication_is_2psi_and_3psi(bench):
 def test_model_states_order_and_formula(bench):
     _, document = bench
     rows = _rows(document)
-    totals = [rows[s]["states_measured"]["total"] for s in range(4)]
-    assert totals[3] < totals[2] < totals[1] < totals[0]
+    assert rows[3]["states_measured"]["total"] < rows[0]["states_measured"]["total"]
     for row in rows.values():  # counted bytes land on the formula, plus AdamW's step counters
         predicted = row["states_predicted"]["total"]
         assert predicted <= row["states_measured"]["total"] <= predicted * 1.01 + 1024

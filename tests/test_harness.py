@@ -8,14 +8,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import grid, run_distributed, run_distributed_expect_failure, send_note, subtests
+from tests.harness import (
+    grid,
+    kept_rank_pids,
+    run_distributed,
+    run_distributed_expect_failure,
+    send_note,
+    subtests,
+)
 
 
 def _spawned_ranks() -> list[psutil.Process]:
-    """Our rank processes still alive (the resource tracker that spawn starts is not one of them)."""
-    alive = []
+    """Our rank processes still alive, other than the groups kept for later calls (the resource
+    tracker that spawn starts is not one of them)."""
+    alive, kept = [], set(kept_rank_pids())
     for child in psutil.Process().children(recursive=True):
         try:
+            if child.pid in kept:
+                continue
             if "spawn_main" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
                 alive.append(child)
         except psutil.NoSuchProcess:
@@ -65,14 +75,38 @@ def _hang_on_rank1(rank, world_size):
 
 
 def _four_outcomes(rank, world_size):
-    # No collectives, so each rank's outcome is independent of the others'.
+    # No collectives, so each rank's outcome is independent of the others'. The rank that dies waits
+    # until the others are past start-up: a peer gone while gloo still connects fails that rank's start.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    store.set(f"outcomes/started/{rank}", "1")
     if rank == 1:
         raise KeyError("bad key")
     if rank == 2:
         time.sleep(3600)
     if rank == 3:
+        store.wait([f"outcomes/started/{r}" for r in range(world_size)])
         os._exit(3)
     return "fine"
+
+
+def _change_the_process(rank, world_size, *, dtype):
+    seen = {
+        "flag": os.environ.get("ZS_LEFT_BEHIND"),
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+        "random": torch.rand(1).item(),
+        "pid": os.getpid(),
+    }
+    os.environ["ZS_LEFT_BEHIND"] = "yes"
+    torch.set_default_dtype(dtype)
+    torch.set_grad_enabled(False)
+    torch.rand(5)
+    return seen
+
+
+def _destroy_the_group(rank, world_size):
+    dist.destroy_process_group()
+    return os.getpid()
 
 
 # ---------------------------------------------------------------- tests
@@ -145,6 +179,25 @@ def test_expect_failure_returns_every_outcome():
     assert not died.reported and "exited with code 3 before reporting" in died.message
     assert not any(psutil.pid_exists(r.pid) and psutil.Process(r.pid).status() != psutil.STATUS_ZOMBIE for r in reports)
     assert _spawned_ranks() == []
+
+
+def test_kept_ranks_take_the_next_call_with_the_process_put_back():
+    first = run_distributed(_change_the_process, 2, dtype=torch.float64)
+    second = run_distributed(_change_the_process, 2, dtype=torch.float64)
+    assert [r["pid"] for r in first] == [r["pid"] for r in second]  # the same processes
+    assert set(kept_rank_pids()) >= {r["pid"] for r in second}
+    for seen in second:  # nothing the first call changed is visible to the second
+        assert seen["flag"] is None and seen["dtype"] == torch.float32 and seen["grad"]
+    assert [r["random"] for r in first] == [r["random"] for r in second]  # the RNG state as it started
+    fresh = run_distributed(_change_the_process, 2, dtype=torch.float64, fresh=True)
+    assert not {r["pid"] for r in fresh} & {r["pid"] for r in second}
+
+
+def test_a_worker_that_destroys_the_process_group_retires_its_ranks():
+    pids = run_distributed(_destroy_the_group, 2)
+    assert not set(pids) & set(kept_rank_pids())
+    after = run_distributed(_change_the_process, 2, dtype=torch.float32)
+    assert not set(pids) & {r["pid"] for r in after}
 
 
 def test_an_unpicklable_worker_is_rejected_before_spawning():

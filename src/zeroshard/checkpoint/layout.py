@@ -36,8 +36,6 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from torch.distributed.tensor import Replicate, Shard
-
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import MANIFEST
 from zeroshard.core.mesh import MESH_DIMS
@@ -147,6 +145,8 @@ def tp_split_dim(param, spec) -> int | Literal["unknown"] | None:
     None where every tp rank holds it whole, "unknown" where the model does not say. `spec`: the
     group's TensorParallelSpec of a DTensor parameter, None for a plain one."""
     if spec is not None:
+        from torch.distributed.tensor import Replicate, Shard  # see [Note: DTensor imported on demand]
+
         if all(isinstance(p, Replicate) for p in spec.placements):
             return None
         shard = next((p for p in spec.placements if isinstance(p, Shard)), None)

@@ -19,6 +19,7 @@ Everything here is data passed into `shard()`; the collectives stay in comm.py.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -26,7 +27,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 
 MESH_DIMS = ("dp", "tp", "pp")
 
@@ -49,9 +49,19 @@ class ModelParallel:
     coordinate: dict = field(default_factory=dict)
 
 
+def is_dtensor(tensor: object) -> bool:
+    """Whether `tensor` is a DTensor, without importing torch.distributed.tensor.
+
+    [Note: DTensor imported on demand] torch.distributed.tensor pulls in sympy and the op registry,
+    0.6 s of every process's start-up; a program that never imported it holds no DTensor, so the
+    check only looks at it when something else has loaded it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of `tensor`: the local tensor of a DTensor (sharing its storage), else itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,7 @@ class TensorParallelSpec:
 
     @classmethod
     def of(cls, param: torch.Tensor) -> TensorParallelSpec | None:
-        if not isinstance(param, DTensor):
+        if not is_dtensor(param):
             return None
         if param.device_mesh.ndim != 1:
             raise ValueError(
@@ -77,6 +87,8 @@ class TensorParallelSpec:
 
     def parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """A DTensor parameter whose local tensor is `local` (a view of a flat buffer), no copy."""
+        from torch.distributed.tensor import DTensor  # loaded already: `of` found one
+
         dtensor = DTensor.from_local(
             local, self.mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
         )
@@ -85,7 +97,7 @@ class TensorParallelSpec:
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """The local part of a DTensor gradient laid out like the parameter (a Partial gradient is
         reduced over tp first, by DTensor, so that every tp rank holds its slice's true gradient)."""
-        if not isinstance(grad, DTensor):
+        if not is_dtensor(grad):
             return grad
         if tuple(grad.placements) != self.placements:
             grad = grad.redistribute(self.mesh, self.placements)
@@ -100,7 +112,9 @@ def replicated_names(model: nn.Module, tensor_parallel: bool) -> frozenset:
         return frozenset()
     names = []
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
+        if is_dtensor(param):
+            from torch.distributed.tensor import Replicate  # loaded already: param is a DTensor
+
             if all(isinstance(p, Replicate) for p in param.placements):
                 names.append(name)
         elif not getattr(param, "tensor_model_parallel", False):
