@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 MESH_DIMS = ("dp", "tp", "pp")
 
@@ -49,7 +52,7 @@ class ModelParallel:
     coordinate: dict = field(default_factory=dict)
 
 
-def is_dtensor(tensor: object) -> bool:
+def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     """Whether `tensor` is a DTensor, without importing torch.distributed.tensor.
 
     [Note: DTensor imported on demand] torch.distributed.tensor pulls in sympy and the op registry,
@@ -87,9 +90,9 @@ class TensorParallelSpec:
 
     def parameter(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """A DTensor parameter whose local tensor is `local` (a view of a flat buffer), no copy."""
-        from torch.distributed.tensor import DTensor  # loaded already: `of` found one
+        from torch.distributed.tensor import DTensor as _DTensor  # loaded already: `of` found one
 
-        dtensor = DTensor.from_local(
+        dtensor = _DTensor.from_local(
             local, self.mesh, self.placements, shape=self.shape, stride=self.stride, run_check=False
         )
         return nn.Parameter(dtensor, requires_grad=requires_grad)
