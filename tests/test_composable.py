@@ -2,17 +2,13 @@
 
 The same oracle as tests/test_parity.py: bit-for-bit at 2 ranks in fp32, for every stage, with
 gradient accumulation and clipping, through `backward(loss, boundary=...)` and through a plain
-`loss.backward()` with `set_requires_gradient_sync`; plus the shard-local `state_dict()` round trip,
-and the README's example, run as written.
+`loss.backward()` with `set_requires_gradient_sync`; plus the shard-local `state_dict()` round trip.
+The README's example runs as written in tests/test_doc_blocks.py.
 """
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
-import torch
 
 import zeroshard
 from tests.harness import run_distributed, subtests
@@ -21,7 +17,6 @@ from tests.zs_common import adamw, assert_close, gpt_model_fn
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 6
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _gathered(sharded) -> dict:
@@ -116,27 +111,14 @@ def _state_round_trip(stage: int) -> dict:
     return {"stage": stage, "losses": got}
 
 
-def _readme_example() -> dict:
-    """The README's composable-API block, executed as written (its `batches` are provided here)."""
-    block = re.search(r"<!-- composable-example -->\s*```python\n(.*?)```", README.read_text(), re.S)
-    assert block, "README.md must keep the composable example between its marker and a python fence"
-    data = gpt_batches(tiny_gpt_config(), batch_size=4)
-    scope = {"batches": [data(step, 0, torch.distributed.get_rank()) for step in range(3)]}
-    exec(compile(block.group(1), "README.md", "exec"), scope)  # noqa: S102 - our own documentation
-    return {"losses": scope["losses"]}
-
-
 def _worker(rank: int, world: int) -> dict:
     cases = [dict(stage=s, gas=g, clip=c) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
     cases += [dict(stage=s, gas=2, clip=0.05, torch_backward=True) for s in range(4)]
     return {
         "parity": subtests(cases, _parity_case),
         "state": subtests([dict(stage=s) for s in range(4)], _state_round_trip),
-        "readme": _readme_example(),
     }
 
 
 def test_shard_matches_ddp_and_round_trips_its_state():
-    reports = run_distributed(_worker, 2, timeout=600)
-    losses = reports[0]["readme"]["losses"]
-    assert len(losses) == 3 and losses[-1] < losses[0], losses  # the README example really trains
+    run_distributed(_worker, 2, timeout=600)
