@@ -139,7 +139,7 @@ def _run(fn, world_size, timeout, env, kwargs, *, fail_fast, fresh) -> list[Rank
             f"of an importable module (e.g. tests.test_x) and pass picklable kwargs ({e})"
         ) from e
     if fresh or os.environ.get("ZS_TEST_FRESH_RANKS") == "1":
-        group, reports = _RankGroup(world_size, env, timeout), None
+        group, reports = _RankGroup(world_size, env, timeout, one_call=True), None
         try:
             reports = group.run(payload, timeout, fail_fast)
             return reports
@@ -164,7 +164,7 @@ _KEPT: dict = {}  # (world_size, env items) -> _RankGroup, least recently used f
 class _RankGroup:
     """`world_size` spawned ranks with their gloo process group, taking calls until closed."""
 
-    def __init__(self, world_size: int, env: dict | None, pg_timeout: float) -> None:
+    def __init__(self, world_size: int, env: dict | None, pg_timeout: float, one_call: bool = False) -> None:
         # The parent hosts the rendezvous store: binding port 0 cannot race another test for a "free" port.
         self.store = dist.TCPStore(
             "127.0.0.1",
@@ -180,7 +180,7 @@ class _RankGroup:
         try:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
-                args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end)
+                args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end, one_call)
                 self.procs.append(ctx.Process(target=_child_main, args=args, name=f"zeroshard-rank{rank}"))
                 self.conns.append(parent_end)
                 with _rank_environ(rank, world_size, self.store.port, env):
@@ -200,16 +200,17 @@ class _RankGroup:
         return reports
 
     def close(self, reports: list[RankReport] | None = None) -> None:
-        """Ask every rank to leave (destroying its process group, saving coverage data); kill what is
-        left. After a call, only the ranks that reported are waited for: the others are stuck."""
+        """Ask every rank to leave (saving its coverage data), then kill what is left. After a call in
+        which a rank failed, the others may be stuck in a collective: only a moment is given."""
         quit_message = pickle.dumps(("quit", None))
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(quit_message)
-        idle = [p for p, r in zip(self.procs, reports or [None] * len(self.procs)) if r is None or r.reported]
-        deadline = time.time() + _QUIT_WAIT_S
-        for proc in idle:
-            proc.join(timeout=max(0.0, deadline - time.time()))
+        failed = reports is not None and not all(r.ok for r in reports)
+        deadline = time.time() + (_QUIT_AFTER_FAILURE_S if failed else _QUIT_WAIT_S)
+        for proc, report in zip(self.procs, reports or [None] * len(self.procs)):
+            if report is None or report.reported:  # the others never read the quit message
+                proc.join(timeout=max(0.0, deadline - time.time()))
         _kill_trees(self.procs)
         for conn in self.conns:
             conn.close()
@@ -217,6 +218,7 @@ class _RankGroup:
 
 
 _QUIT_WAIT_S = 10.0  # for ranks asked to leave, before they are killed
+_QUIT_AFTER_FAILURE_S = 1.0  # enough to write coverage data
 
 
 @contextlib.contextmanager
@@ -323,7 +325,7 @@ def send_note(text: str) -> None:
         _channel.send_bytes(pickle.dumps(("note", text)))
 
 
-def _child_main(rank, world_size, port, pg_timeout, stack_file, conn) -> None:
+def _child_main(rank, world_size, port, pg_timeout, stack_file, conn, one_call) -> None:
     global _channel
     _channel = conn
     stacks = _arm_guards(stack_file)
@@ -361,12 +363,14 @@ def _child_main(rank, world_size, port, pg_timeout, stack_file, conn) -> None:
         except Exception as e:  # noqa: BLE001
             data = pickle.dumps(("error", (type(e).__name__, f"return value is not picklable: {e}", "")))
         conn.send_bytes(data)
-    with contextlib.suppress(Exception):  # raises when init failed: then there is nothing to destroy
-        dist.destroy_process_group()
+        if one_call or message[0] == "error":  # leave at once, as a process of its own would: peers
+            break  # in a collective with it see the connection close (the group is retired anyway)
     sys.stdout.flush()
     sys.stderr.flush()
     _save_coverage()
-    os._exit(0)  # see the module docstring: skip the teardown that may abort
+    # No destroy_process_group: after a failed call it can wait on a peer that is gone, and os._exit
+    # skips the teardown that may abort (module docstring); the kernel closes the sockets.
+    os._exit(0)
 
 
 def _run_job(rank, world_size, payload, conn) -> tuple:
