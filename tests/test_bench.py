@@ -124,6 +124,28 @@ def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measu
         assert row["step_time"] == {"median_s": times[2], "min_s": times[0], "max_s": times[-1], "n": 5}, row
     assert [row["name"] for row in rows if "skipped" in row] == ["DeepSpeed stage 0", "DeepSpeed stage 3"]
     assert result["spec"]["memory_steps"] == 2 and result["spec"]["timing_passes"] == 2
+    # One timed step: one timing pass; and no warm-up launch for a caller that has just kept the
+    # machine busy (`zeroshard train`'s stage table). The progress bars count the launches made.
+    args = cli.build_parser().parse_args(["bench", "--size", "1", "--steps", "1", "--stages", "0,3", "--peers"])
+    bench_command.check_mode(args)
+    args.machine_warm_up = False
+    calls.clear()
+    totals = []
+
+    class Bars:
+        def __init__(self, total):
+            totals.append(total)
+
+        def __call__(self, event):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(bench_command, "StepBars", Bars)
+    result, rows = bench_command.run_bench(args)
+    assert calls == [(name, 1, False) for name in names] + [(name, 1, True) for name in names]
+    assert result["spec"]["timing_passes"] == 1 and totals == [len(calls)]
     # The environments themselves: the user's for timing, the threshold fixed for memory.
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     assert "MALLOC_MMAP_THRESHOLD_" not in launch_module.child_env(1, fixed_mmap_threshold=False)

@@ -46,8 +46,8 @@ def test_train_tiny_on_two_ranks_loss_falls(capsys):
 
 
 def test_train_text_output_with_stage_table(capsys, monkeypatch):
-    """The table comes from the bench's runner, which tests/test_bench.py runs for real at every stage
-    (12 launches); here it returns canned rows, and what train asks of it and prints is checked."""
+    """The table comes from the bench's runner, which tests/test_bench.py runs for real; here it
+    returns canned rows, and what train asks of it and prints is checked."""
     from zeroshard.tools.commands import bench
 
     asked = []
@@ -75,6 +75,7 @@ def test_train_text_output_with_stage_table(capsys, monkeypatch):
     (args,) = asked
     assert args.stages == [0, 1, 2, 3] and args.steps == 2 and args.size == 1 and args.seq_len == 32
     assert not args.peers and not args.offload
+    assert args.machine_warm_up is False  # the training run has just warmed the machine
     rows = [line.split() for line in out.splitlines() if line.startswith("stage ") and line[6].isdigit()]
     assert [row[1] for row in rows] == ["0", "1", "2", "3"]
     assert [row[2] for row in rows] == ["4.0", "3.0", "2.0", "1.0"]  # model states per rank fall by stage

@@ -33,12 +33,14 @@ def run_configurations(
     on_progress: Callable[[dict], None],
     timeout_s: float,
     threads_per_rank: int | None,
+    warm_up: bool = True,
 ) -> dict:
     """The worker's result for `runs` as one launch would give it: time, losses and communication from
     launches with glibc's defaults (what a user's script runs with; the first pass gives the losses
     and communication, both passes the step times), memory and state bytes per rank from a launch
     with its mmap threshold fixed. Peers that are not installed are skipped without a launch (the
-    ranks run this interpreter). `timeout_s` bounds the whole."""
+    ranks run this interpreter). `timeout_s` bounds the whole. `warm_up=False` leaves out the
+    machine's warm-up launch, for a caller that has just kept the machine busy (`zeroshard train`)."""
     deadline = time.monotonic() + timeout_s
     memory_steps = min(spec["steps"], MEMORY_STEPS)
     first_half = (spec["steps"] + 1) // 2
@@ -67,7 +69,8 @@ def run_configurations(
         )
     # The machine's warm-up, discarded: a first launch ran up to 1.5x slower (the doc). Its progress is
     # marked, so that a count of configurations leaves it out.
-    one(ready[0], False, 1, progress=lambda event: on_progress({**event, "warm_up": True}))
+    if warm_up:
+        one(ready[0], False, 1, progress=lambda event: on_progress({**event, "warm_up": True}))
     timed, launched = {}, None
     for run in ready:
         launched = one(run, False, first_half)

@@ -452,10 +452,12 @@ class StepBars:
 def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict]]:
     """Launch the ranks, three launches per configuration (`bench/separate.py`), and summarise;
     returns (raw result, summary rows)."""
-    from zeroshard.tools.bench import report, separate
+    from zeroshard.tools.bench import peers, report, separate
 
     runs = runs_for(args)
-    bars = StepBars(3 * len(runs))
+    launched = [run for run in runs if run["kind"] == "zeroshard" or peers.available(run["kind"])]
+    timing_launches = 2 if args.steps >= 2 else 1  # the second pass, in reverse order, needs two steps
+    bars = StepBars((timing_launches + 1) * len(launched))  # + the memory launch
     try:
         result = separate.run_configurations(
             runs,
@@ -464,6 +466,7 @@ def run_bench(args: argparse.Namespace) -> tuple[dict, list[dict]]:
             on_progress=bars,
             timeout_s=args.timeout,
             threads_per_rank=args.threads,
+            warm_up=getattr(args, "machine_warm_up", True),
         )
     finally:
         bars.close()
