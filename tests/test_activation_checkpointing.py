@@ -131,6 +131,7 @@ def _worker(rank: int, world: int) -> None:
     subtests([{}], _dropout_replayed)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_matches_oracle_and_frees_units():
     run_distributed(_worker, 2, timeout=300)
 

@@ -58,6 +58,7 @@ def _rows(document, kind="zeroshard"):
     return {row.get("stage"): row for row in document["rows"] if row.get("kind") == kind}
 
 
+@pytest.mark.slow
 def test_bench_writes_table_json_and_png(bench):
     out, document = bench
     assert (out / "bench.png").read_bytes()[:8] == PNG_MAGIC
@@ -66,6 +67,7 @@ def test_bench_writes_table_json_and_png(bench):
     assert document["command"] in text and document["memory_method"]
 
 
+@pytest.mark.slow
 def test_bench_without_matplotlib_keeps_its_table_and_json(bench, tmp_path, monkeypatch, caplog):
     """The chart is an extra ('zeroshard[plot]'): a bench that ran for minutes must not end in an
     ImportError that hides its table."""
@@ -82,6 +84,7 @@ def test_bench_without_matplotlib_keeps_its_table_and_json(bench, tmp_path, monk
     assert "no chart written" in caplog.text
 
 
+@pytest.mark.slow
 def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measured_apart(bench, monkeypatch):
     """[Note: measuring peak memory]: the fixed mmap threshold the memory figures need made every
     system's step 19-34% slower, so the timing launches run with the user's environment and a launch
@@ -152,6 +155,7 @@ def test_each_configuration_is_timed_with_glibc_defaults_in_two_passes_and_measu
     assert launch_module.child_env(1)["MALLOC_MMAP_THRESHOLD_"] == "65536"
 
 
+@pytest.mark.slow
 def test_measured_communication_is_2psi_and_3psi(bench):
     _, document = bench
     rows = _rows(document)
@@ -166,6 +170,7 @@ def test_measured_communication_is_2psi_and_3psi(bench):
         assert "control" not in row["comm_by_kind"]
 
 
+@pytest.mark.slow
 def test_model_states_order_and_formula(bench):
     _, document = bench
     rows = _rows(document)
@@ -175,12 +180,14 @@ def test_model_states_order_and_formula(bench):
         assert predicted <= row["states_measured"]["total"] <= predicted * 1.01 + 1024
 
 
+@pytest.mark.slow
 def test_parameter_count_is_the_family_formula(bench):
     _, document = bench
     vocab = document["raw"]["vocab"]
     assert {row["params"] for row in _rows(document).values()} == {family.num_params(1, vocab, 32)}
 
 
+@pytest.mark.slow
 def test_peers_side_by_side(bench):
     _, document = bench
     by_kind = {row["kind"]: row for row in document["rows"] if "skipped" not in row}
@@ -199,6 +206,7 @@ def test_peers_side_by_side(bench):
             assert abs(row["loss_last"] - ours) <= 1e-6 * ours, (row["name"], row["loss_last"], ours)
 
 
+@pytest.mark.slow
 def test_bench_points_to_the_tried_largest_model(bench):
     out, document = bench
     assert all("largest" not in row for row in document["rows"])  # no extrapolated column any more
@@ -419,6 +427,7 @@ def test_advise_command(capsys):
     assert document["deepspeed_config"] == {"zero_optimization": {"stage": 2}}
 
 
+@pytest.mark.slow
 def test_advise_measures_bandwidth(capsys):
     code, out, _ = run(
         capsys, "advise", "--model", "gpt-tiny", "--ranks", "2", "--memory", "1GiB", "--measure-bandwidth"

@@ -87,6 +87,7 @@ def _loss_scale(engine):
     return scaler.state_dict() if scaler is not None else None
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_at_every_stage(tmp_path):
     references = run_distributed(_first_half, 2, timeout=300, root=str(tmp_path))
     run_distributed(_second_half, 2, timeout=300, root=str(tmp_path), references=references)

@@ -14,6 +14,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params, tiny_batches, train_micro_steps
@@ -114,6 +115,7 @@ def _run_crash(root: Path, **kwargs) -> None:
     assert "Error" in survivors[0].value, f"the survivor's save must fail, not finish: {survivors[0].value}"
 
 
+@pytest.mark.slow
 def test_killed_rank_leaves_the_previous_checkpoint_loadable(tmp_path):
     root = tmp_path / "ckpt"
     root.mkdir()

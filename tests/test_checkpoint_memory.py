@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors import safe_open
 
 from tests.checkpoint_helpers import build_engine
@@ -51,6 +52,7 @@ def _save_big(rank: int, world: int, *, root: str) -> dict:
     return sizes
 
 
+@pytest.mark.slow
 def test_consolidation_peak_memory_is_about_one_unit(tmp_path, record_property):
     units = run_distributed(_save_big, 2, timeout=300, root=str(tmp_path / "ckpt"))[0]
     model_bytes, largest = sum(units.values()), max(units.values())

@@ -15,6 +15,7 @@ padding), stages 0-3 -> saved again there -> loaded at 4 ranks, stage 3. At ever
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.checkpoint_helpers import build_engine, full_params
@@ -185,6 +186,7 @@ def _to_four_worker(rank: int, world: int, *, root: str, continued: dict) -> Non
     )
 
 
+@pytest.mark.slow
 def test_reshard_matrix(tmp_path):
     root = str(tmp_path)
     reference = run_distributed(_reference_worker, 4, timeout=300, root=root)[0]

@@ -326,6 +326,7 @@ def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.slow
 def test_deepspeed_checkpoints_resume(world, tmp_path):
     for name in CONVERTED:
         convert_deepspeed(find(DATA / name), tmp_path / name)

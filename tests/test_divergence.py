@@ -81,6 +81,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case,stage", CASES)
+@pytest.mark.slow
 def test_divergence_fails_every_rank(case, stage):
     started = time.monotonic()
     reports = run_distributed_expect_failure(_worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage)
@@ -104,6 +105,7 @@ DEFAULT_CASES = [("unit order", 3), ("order changes later", 3), ("skipped backwa
 
 
 @pytest.mark.parametrize("case,stage", DEFAULT_CASES)
+@pytest.mark.slow
 def test_divergence_fails_every_rank_without_the_check(case, stage):
     started = time.monotonic()
     reports = run_distributed_expect_failure(

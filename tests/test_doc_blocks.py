@@ -375,6 +375,7 @@ def _worker(rank: int, world_size: int, blocks: list[dict], root: str) -> list:
         os.chdir(start)
 
 
+@pytest.mark.slow
 def test_run_and_cli_blocks_execute_on_two_ranks(tmp_path):
     blocks = [dataclasses.asdict(b) for b in BLOCKS if b.kind in IN_GROUP]
     results = run_distributed(_worker, 2, timeout=300, root=str(tmp_path), blocks=blocks)

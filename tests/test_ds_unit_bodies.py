@@ -425,5 +425,6 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     subtests([dict(stage=s) for s in (0, 3)], _lr_schedule_and_accelerator)
 
 
+@pytest.mark.slow
 def test_deepspeed_unit_test_bodies(tmp_path):
     run_distributed(_worker, 2, timeout=600, tmp=str(tmp_path))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 
 import psutil
+import pytest
 import torch
 
 import zeroshard
@@ -116,6 +117,7 @@ def _worker(rank: int, world: int) -> dict:
     return {"rss": subtests([dict(stage=s) for s in (0, 3)], _destroy_releases_everything)}
 
 
+@pytest.mark.slow
 def test_engine_options_match_oracle_and_destroy_is_clean():
     # glibc returns freed blocks to the OS above this size, so RSS reflects live memory.
     run_distributed(_worker, 2, timeout=600, env={"MALLOC_MMAP_THRESHOLD_": "65536"})

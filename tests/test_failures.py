@@ -229,6 +229,7 @@ def _fail_stop_case(stage, offload, gas, nvme, checkpoint) -> None:
     _assert_same(final, clean, "a failed update, then the checkpoint loaded")
 
 
+@pytest.mark.slow
 def test_failed_calls_change_nothing_but_gradients(tmp_path):
     run_distributed(_all_ranks_worker, 2, timeout=900, tmp=str(tmp_path))
 
@@ -266,6 +267,7 @@ def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
 
 
 @pytest.mark.parametrize("kind,stage", [("backward", 3), ("optimizer", 2), ("forward hook", 3), ("backward", 1)])
+@pytest.mark.slow
 def test_one_rank_failing_names_an_error_on_every_rank(kind, stage):
     healthy, failing = run_distributed(_one_rank_worker, 2, timeout=10 * COMM_TIMEOUT_S, kind=kind, stage=stage)
     print(
@@ -295,6 +297,7 @@ def _one_rank_stops_worker(rank: int, world: int) -> dict:
         return {"first": (type(error).__name__, str(error)), "elapsed": time.monotonic() - started}
 
 
+@pytest.mark.slow
 def test_one_rank_failing_without_the_check_names_an_error_on_every_rank():
     healthy, failing = run_distributed(_one_rank_stops_worker, 2, timeout=10 * COMM_TIMEOUT_S)
     assert failing["first"][0] == "Injected", failing

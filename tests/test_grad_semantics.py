@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import pytest
 import torch
 
 import zeroshard
@@ -191,6 +192,7 @@ def _worker(rank: int, world: int, *, tmp: str) -> dict:
     return {"backwards": backwards, "norms": norms, "asked": asked}
 
 
+@pytest.mark.slow
 def test_backwards_sum_and_zero_grad_discards(tmp_path):
     report = run_distributed(_worker, 2, timeout=900, tmp=str(tmp_path))[0]
     print("grad norm at the step with a dropped micro-batch (clean vs kept):", report["norms"])

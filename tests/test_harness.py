@@ -129,6 +129,7 @@ def test_values_env_and_subtests_at_world_2():
     assert "ZS_FLAG" not in os.environ  # env is set for the children only
 
 
+@pytest.mark.slow
 def test_values_at_world_4():
     reports = run_distributed(_all_reduce_worker, 4, scale=1.0, env={"ZS_FLAG": "x"})
     assert [r["sum"].item() for r in reports] == [10.0] * 4
@@ -156,6 +157,7 @@ def test_subtests_name_the_failing_case_and_run_the_others():
     assert "(passed on this rank)" in text  # rank 0 reports the same failure
 
 
+@pytest.mark.slow
 def test_a_hang_is_killed_at_the_timeout_with_its_stack():
     start = time.time()
     with pytest.raises(AssertionError) as info:
@@ -169,6 +171,7 @@ def test_a_hang_is_killed_at_the_timeout_with_its_stack():
     assert _spawned_ranks() == []
 
 
+@pytest.mark.slow
 def test_expect_failure_returns_every_outcome():
     reports = run_distributed_expect_failure(_four_outcomes, 4, timeout=4)
     ok, raised, hung, died = reports
@@ -181,6 +184,7 @@ def test_expect_failure_returns_every_outcome():
     assert _spawned_ranks() == []
 
 
+@pytest.mark.slow
 def test_kept_ranks_take_the_next_call_with_the_process_put_back():
     first = run_distributed(_change_the_process, 2, dtype=torch.float64)
     second = run_distributed(_change_the_process, 2, dtype=torch.float64)

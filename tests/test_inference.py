@@ -219,6 +219,7 @@ def _save_checkpoints(root: Path) -> str:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.slow
 def test_generate_matches_unsharded_model(world_size, tmp_path):
     checkpoints = _save_checkpoints(tmp_path / "models")
     run_distributed(
@@ -262,6 +263,7 @@ def test_inference_engine_refuses_training_and_bad_checkpoints(tmp_path):
 
 
 # -- the CLI ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_generate_command(tmp_path):
     model = build_model("llama", seed=5)
     model.save_pretrained(tmp_path / "m", max_shard_size="20KB")

@@ -201,6 +201,7 @@ def _four_rank_worker(rank, world_size):
     return {"tp": tp, "pp": pp}
 
 
+@pytest.mark.slow
 def test_initialize_mesh_and_mpu_memory_and_bytes():
     per_rank = run_distributed(_four_rank_worker, 4, timeout=600)
     for result in per_rank:

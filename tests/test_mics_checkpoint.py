@@ -31,6 +31,7 @@ import errno
 import json
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params
@@ -222,6 +223,7 @@ def _two_worker(rank: int, world: int, *, root: str, continuous: dict) -> None:
     subtests([dict(optimizer=o, mics=m, stage=s) for o in OPTIMIZERS for m, s in ((None, 3), (K, 3), (None, 1))], case)
 
 
+@pytest.mark.slow
 def test_mics_checkpoints(tmp_path):
     root = str(tmp_path)
     four = run_distributed(_four_worker, 4, timeout=400, root=root)[0]

@@ -91,6 +91,7 @@ def _wait_for_steps(out: Path, stage: int, steps: int, world: int, proc_alive, t
     raise AssertionError(f"ranks did not reach step {steps} within {timeout_s:g} s")
 
 
+@pytest.mark.slow
 def test_two_nodes_match_one_node_at_every_stage(cluster_env):
     """2 nodes x 2 ranks over a 1 Gbit/s link == 1 node x 4 ranks, bit for bit, stages 0-3.
 
@@ -126,6 +127,7 @@ def test_link_rate_and_bridge(cluster_env):
     assert all(bits <= rate * 1.6 for bits in seen), f"{seen} bit/s over a {rate} bit/s link: no limit"
 
 
+@pytest.mark.slow
 def test_cli_tears_down_on_sigterm_and_failure(cluster_env):
     """The command line: a failing job reports its exit status; SIGTERM/Ctrl-C mid-run removes everything."""
     stale = f"{netcluster.PREFIX}{_dead_pid()}x0-n0"  # left by a run that was SIGKILLed

@@ -146,6 +146,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     return {"damage": damage, "paths": paths}
 
 
+@pytest.mark.slow
 def test_offload_parity_and_failures(tmp_path):
     reports = run_distributed(_worker, 2, timeout=600, tmp=str(tmp_path))
     assert "truncated" in reports[0]["damage"][0] and "missing" in reports[0]["damage"][1]

@@ -190,6 +190,7 @@ def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
     return failures._one_rank_worker(rank, world, kind=kind, stage=stage)
 
 
+@pytest.mark.slow
 def test_one_rank_failing_in_backward_names_an_error_on_every_rank():
     healthy, failing = run_distributed(
         _one_rank_worker, 2, timeout=10 * failures.COMM_TIMEOUT_S, kind="backward", stage=1
@@ -218,6 +219,7 @@ def _optimizer_fails_on_one_rank(rank: int, world: int) -> dict:
     return {"results": results}
 
 
+@pytest.mark.slow
 def test_one_rank_failing_in_step_names_an_error_at_the_next_forward():
     healthy, failing = run_distributed(_optimizer_fails_on_one_rank, 2, timeout=10 * failures.COMM_TIMEOUT_S)
     assert failing["results"][0][0] == "Injected", failing

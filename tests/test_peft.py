@@ -220,6 +220,7 @@ def _worker_2(rank: int, world_size: int, root: str) -> None:
     subtests(cases, run)
 
 
+@pytest.mark.slow
 def test_lora_matches_ddp_and_saves_adapters_at_two_ranks(tmp_path):
     run_distributed(_worker_2, 2, timeout=600, env=ENV, root=str(tmp_path))
 
@@ -230,5 +231,6 @@ def _worker_4(rank: int, world_size: int) -> None:
     _frozen_base_partitioned("llama")
 
 
+@pytest.mark.slow
 def test_lora_matches_ddp_at_four_ranks():
     run_distributed(_worker_4, 4, timeout=600, env=ENV)

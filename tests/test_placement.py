@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import zeroshard
@@ -130,6 +131,7 @@ def _worker(rank: int, world: int, tmp: str) -> list:
     return subtests(grid(stage=[1, 2, 3], dtype=["fp32", "bf16"], kind=["cpu", "nvme"], foreign=[True, False]), case)
 
 
+@pytest.mark.slow
 def test_offload_placement_by_device(tmp_path):
     reports = run_distributed(_worker, 2, timeout=600, tmp=str(tmp_path))
     assert len(reports[0]) == 24

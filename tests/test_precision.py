@@ -180,6 +180,7 @@ def _worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.parametrize("world", [2])
+@pytest.mark.slow
 def test_mixed_precision(world):
     reports = run_distributed(_worker, world, timeout=600)
     assert reports[0]["recipe"], reports

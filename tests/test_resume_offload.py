@@ -100,6 +100,7 @@ def _reshard_worker(rank: int, world: int, *, root: str) -> None:
     subtests([dict(stage=s, device=d, size=z) for s in STAGES for d in DEVICES for z in SUB_GROUP_SIZES.values()], case)
 
 
+@pytest.mark.slow
 def test_offloaded_resume_and_reshard_are_bit_exact(tmp_path):
     root = str(tmp_path)
     run_distributed(_resume_worker, 2, timeout=600, root=root)

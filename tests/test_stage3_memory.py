@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
 import torch
 from torch import nn
 
@@ -195,6 +196,7 @@ def _hwm_worker(rank: int, world: int) -> list[dict]:
     return subtests([{"zero": {}}, {"zero": UNBOUNDED}], _hwm_case)
 
 
+@pytest.mark.slow
 def test_process_peak_during_forward_and_backward_is_bounded():
     reports = run_distributed(_hwm_worker, 2, timeout=300, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
     for default, unbounded in reports:

@@ -212,6 +212,7 @@ def _worker(rank, world_size):
     return subtests(cases, lambda layout, stage: _case(mesh, ref, layout, stage))
 
 
+@pytest.mark.slow
 def test_dp2_tp2_matches_single_process():
     per_rank = run_distributed(_worker, 4, timeout=600)
     assert len(per_rank) == 4

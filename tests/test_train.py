@@ -18,6 +18,7 @@ def run(capsys, *argv):
     return code, out, err
 
 
+@pytest.mark.slow
 def test_train_tiny_on_two_ranks_loss_falls(capsys):
     code, out, _ = run(
         capsys,
@@ -45,6 +46,7 @@ def test_train_tiny_on_two_ranks_loss_falls(capsys):
     assert result["memory_report"]["total"] > 0
 
 
+@pytest.mark.slow
 def test_train_text_output_with_stage_table(capsys, monkeypatch):
     """The table comes from the bench's runner, which tests/test_bench.py runs for real; here it
     returns canned rows, and what train asks of it and prints is checked."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -273,6 +274,7 @@ def _back_worker(rank: int, world: int, *, root: str, references: list) -> None:
     )
 
 
+@pytest.mark.slow
 def test_unused_state_resumes_and_reshards(tmp_path):
     """2 ranks -> resume; 2 ranks -> 1 rank (another stage) -> 2 ranks -> resume: bit for bit."""
     root = str(tmp_path)

@@ -145,6 +145,7 @@ def test_partitioned_construction_equals_normal_at_world_2():
     run_distributed(_worker, 2, timeout=300, stages=(0, 1, 2, 3), measure=False)
 
 
+@pytest.mark.slow
 def test_partitioned_construction_world_4_and_its_peak_memory(capsys):
     reports = run_distributed(
         _worker,

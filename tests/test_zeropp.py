@@ -237,6 +237,7 @@ def _worker2(rank: int, world: int, curve: bool) -> list:
     )
 
 
+@pytest.mark.slow
 def test_hpz_and_mics_at_4_ranks():
     hpz, mics, _ = run_distributed(_worker4, 4, timeout=600, env=NODE, cases=("hpz", "mics", "sizes"))[0]
     print(f"hpZ: {hpz}\nMiCS: shard {mics['shard_numel']} of {mics['padded_numel']}, memory {mics['memory']}")
