@@ -14,7 +14,7 @@ spawn copies sys.path into each child, which prepends the root again before unpi
 Reports, not exit codes: torch 2.13 + gloo may abort a process at interpreter teardown ("terminate
 called without an active exception") after all work is done. So a rank sends its report through a Pipe
 first (plain pickle: multiprocessing's reducer would share tensor storage with a process about to exit),
-then destroys its process group and leaves with os._exit(0).
+and leaves with os._exit(0) when it is done, without destroying its process group.
 
 Rank groups are kept: the ranks of a run_distributed call stay alive, their process group
 initialised, and take the next call with the same world size and `env` (starting 2 ranks costs ~1.5 s
@@ -390,6 +390,7 @@ class _ProcessState:
         self.cwd = os.getcwd()
         self.path = list(sys.path)
         self.dtype = torch.get_default_dtype()
+        self.grad = torch.is_grad_enabled()
         self.threads = torch.get_num_threads()
         self.deterministic = torch.are_deterministic_algorithms_enabled()
         self.torch_rng = torch.get_rng_state()
@@ -403,7 +404,7 @@ class _ProcessState:
         os.chdir(self.cwd)
         sys.path[:] = self.path
         torch.set_default_dtype(self.dtype)
-        torch.set_grad_enabled(True)
+        torch.set_grad_enabled(self.grad)
         torch.set_num_threads(self.threads)
         torch.use_deterministic_algorithms(self.deterministic)
         torch.set_rng_state(self.torch_rng)

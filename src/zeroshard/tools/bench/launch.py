@@ -173,7 +173,7 @@ def _read_progress(path: Path, offset: int, on_progress) -> int:
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """Stop torchrun and its ranks (they share the session started for them)."""
+    """Stop torchrun and its ranks: they share the process group (setsid) started for them."""
     if process.poll() is not None:
         return
     try:
