@@ -20,7 +20,9 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -33,6 +35,21 @@ from tests.zs_common import adamw, full_params, gpt_model_fn, make_config
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 POINTS = ("init_process_group", "initialize", "training")  # where --markers marks, in order
+TERM_GRACE_S = 8.0  # after torchrun's SIGTERM: time to meet this rank's own error and report it
+
+
+def _report_before_leaving_on_sigterm() -> None:
+    """Once one worker of a node fails, torchrun SIGTERMs the others. On a loaded box a rank may still be
+    computing when its node-mate's error lands, and would die with no report of its own; instead it
+    keeps going for up to TERM_GRACE_S, meets its own CollectiveError and reports it (main's handler),
+    or leaves with SIGTERM's status when the grace runs out (a thread: the main thread may be inside
+    a collective's wait, where a Python handler cannot run)."""
+
+    def leave_later(signum, frame):
+        threading.Timer(TERM_GRACE_S, os._exit, (128 + signal.SIGTERM,)).start()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+
+    signal.signal(signal.SIGTERM, leave_later)
 
 
 def _stages(text: str) -> list[int]:
@@ -157,6 +174,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # torchrun's
     report = Reporter(args.out, rank, world)
+    _report_before_leaving_on_sigterm()
     torch.set_num_threads(1)
     try:
         reach("init_process_group", args)
