@@ -119,6 +119,48 @@ def run_distributed_expect_failure(
     return _run(fn, world_size, timeout, env, kwargs, fail_fast=False, fresh=True)
 
 
+def run_script(script, *args, world_size: int = 2, cwd, timeout: float = 300.0, env: dict | None = None) -> list[str]:
+    """Run `python script args...` on `world_size` ranks as torchrun would start it, in kept ranks:
+    `__main__` is the script, sys.argv[0] its path, its directory first on sys.path, RANK /
+    LOCAL_RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, the default process group already
+    initialised (zeroshard.init_distributed and deepspeed.init_distributed keep it). Returns each
+    rank's stdout; a script that fails raises AssertionError with its traceback and its output so far.
+    A launch under torchrun itself costs its agent's start, the rendezvous and fresh ranks (~5 s of
+    the 2 cores here); tests/test_example.py keeps one such launch."""
+    return run_distributed(
+        _script_worker,
+        world_size,
+        timeout=timeout,
+        env=env,
+        script=str(script),
+        argv=[str(a) for a in args],
+        cwd=str(cwd),
+    )
+
+
+def _script_worker(rank: int, world_size: int, *, script: str, argv: list[str], cwd: str) -> str:
+    import io
+    import runpy
+
+    saved_argv, output = sys.argv, io.StringIO()
+    sys.argv = [script, *argv]
+    sys.path.insert(0, str(Path(script).resolve().parent))
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(output):
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise AssertionError(
+                f"{script} exited with {stop.code!r}; its output:\n{output.getvalue()[-3000:]}"
+            ) from None
+    except BaseException as error:
+        raise AssertionError(f"{script} raised {error!r}; its output:\n{output.getvalue()[-3000:]}") from error
+    finally:
+        sys.argv = saved_argv  # sys.path and cwd: put back by the harness
+    return output.getvalue()
+
+
 def kept_rank_pids() -> list[int]:
     """Process ids of the ranks kept alive for later calls."""
     return [p.pid for group in _KEPT.values() for p in group.procs if p.is_alive()]

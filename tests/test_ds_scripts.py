@@ -1,43 +1,31 @@
 """Scripts written the way DeepSpeedExamples writes them (examples/deepspeed_patterns/), with only the
-import changed, run under torchrun at 2 ranks and ZeRO stages 0-3 (one torchrun per script, the
-stages looped inside): they start, train, save and resume."""
+import changed, run as scripts on 2 ranks as torchrun starts them (tests.harness.run_script) at ZeRO
+stages 0-3 (one run per script, the stages looped inside): they start, train, save and resume."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.harness import run_script
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "examples" / "deepspeed_patterns"
-TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
 
 
-def _torchrun(script: str, *args: str, cwd: Path) -> dict[int, dict]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(SCRIPTS / script),
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=cwd)
-    results = [json.loads(line[len("RESULT ") :]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
-    assert result.returncode == 0 or (TEARDOWN_ABORT in result.stderr and results), result.stderr[-4000:]
+def _run(script: str, *args: str, cwd: Path) -> dict[tuple, dict]:
+    """The RESULT lines both ranks printed, by (stage, autocast)."""
+    outputs = run_script(SCRIPTS / script, *args, cwd=cwd, timeout=400)
+    lines = [line for output in outputs for line in output.splitlines() if line.startswith("RESULT ")]
+    results = [json.loads(line[len("RESULT ") :]) for line in lines]
     return {(r["stage"], r.get("autocast")): r for r in results}
 
 
 @pytest.mark.slow
 def test_cifar_style_trains_alike_at_every_stage(tmp_path):
-    runs = _torchrun("cifar_style.py", "--stages", "0,1,2,3", cwd=tmp_path)
+    runs = _run("cifar_style.py", "--stages", "0,1,2,3", cwd=tmp_path)
     reference = runs[(0, None)]
     assert len(reference["losses"]) == 32 and reference["steps"] == 32 and reference["lr"] == pytest.approx(1e-3)
     assert sum(reference["losses"][-8:]) < 0.85 * sum(reference["losses"][:8]), reference["losses"]
@@ -48,7 +36,7 @@ def test_cifar_style_trains_alike_at_every_stage(tmp_path):
 
 @pytest.mark.slow
 def test_bert_style_saves_and_resumes(tmp_path):
-    runs = _torchrun("bert_style.py", "--checkpoint_dir", str(tmp_path / "ckpt"), "--stages", "0,1,2,3", cwd=tmp_path)
+    runs = _run("bert_style.py", "--checkpoint_dir", str(tmp_path / "ckpt"), "--stages", "0,1,2,3", cwd=tmp_path)
     for stage in (0, 1, 2, 3):
         full, resumed = runs[(stage, None)]["full"], runs[(stage, None)]["resumed"]
         assert sorted(resumed) == ["4", "5", "6"], resumed
@@ -58,7 +46,7 @@ def test_bert_style_saves_and_resumes(tmp_path):
 
 @pytest.mark.slow
 def test_bf16_master_style_torch_backward_and_autocast(tmp_path):
-    runs = _torchrun("bf16_master_style.py", "--workdir", str(tmp_path), "--stages", "0,1,2,3", cwd=tmp_path)
+    runs = _run("bf16_master_style.py", "--workdir", str(tmp_path), "--stages", "0,1,2,3", cwd=tmp_path)
     for autocast in (False, True):
         reference = runs[(0, autocast)]["losses"]
         assert len(reference) == 6 and all(0 < loss < 10 for loss in reference)
@@ -69,7 +57,7 @@ def test_bf16_master_style_torch_backward_and_autocast(tmp_path):
 
 @pytest.mark.slow
 def test_dschat_style_finetunes_and_saves(tmp_path):
-    runs = _torchrun(
+    runs = _run(
         "dschat_style.py", "--output_dir", str(tmp_path / "out"), "--stages", "0,1,2,3", "--offload", cwd=tmp_path
     )
     for stage in (0, 1, 2, 3):
@@ -85,7 +73,7 @@ def test_dschat_style_finetunes_and_saves(tmp_path):
 
 @pytest.mark.slow
 def test_gan_style_two_engines(tmp_path):
-    runs = _torchrun("gan_style.py", "--stages", "0,1,2,3", cwd=tmp_path)
+    runs = _run("gan_style.py", "--stages", "0,1,2,3", cwd=tmp_path)
     reference = runs[(0, None)]["history"]
     assert len(reference) == 8 and runs[(0, None)]["error"] is None
     for stage in (1, 2):

@@ -1,17 +1,15 @@
 """DeepSpeed-Chat's step-1 script (supervised fine-tuning), copied from DeepSpeedExamples into
 tests/data/dschat/ with only the imports changed (and the downloads replaced by a tiny offline model
-and synthetic data, each change marked `# zeroshard test:`), run under torchrun at 2 ranks: ZeRO
-stages 0-3, LoRA off and on, and LoRA as DeepSpeed-Chat's LoRA scripts train it (adapters only,
-activation checkpointing, accumulation) and in bf16 at two stages each, in one launch. Its losses and the model file it writes are held to what
-DeepSpeed 0.19.8 itself made of the same copy (expected.json, models.safetensors, written by
-make_fixture.py)."""
+and synthetic data, each change marked `# zeroshard test:`), run as a script on 2 ranks as torchrun
+starts it (tests.harness.run_script): ZeRO stages 0-3, LoRA off and on, and LoRA as DeepSpeed-Chat's
+LoRA scripts train it (adapters only, activation checkpointing, accumulation) and in bf16 at two
+stages each, in one run. Its losses and the model file it writes are held to what DeepSpeed 0.19.8
+itself made of the same copy (expected.json, models.safetensors, written by make_fixture.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.harness import run_script
+
 ROOT = Path(__file__).resolve().parent.parent
 DSCHAT = ROOT / "tests" / "data" / "dschat"
-TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
 # At 2 ranks zeroshard's stages agree with each other bit for bit; DeepSpeed's differ from them by
 # rounding. In fp32 its CPU Adam kernel rounds otherwise than torch's Adam, and its stages 0-2 round
 # their last update otherwise even with torch's Adam (measured: losses within 4.8e-7 over 4 steps).
@@ -41,14 +40,10 @@ def _load_runner():
     return run_step1, tiny_offline
 
 
-def _torchrun(model: Path, work: Path, runs: int) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    command += [str(DSCHAT / "run_step1.py"), "--model", str(model), "--work", str(work)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "src"))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=400, env=env, cwd=work)
-    finished = result.stdout.count("saving the final model") == runs
-    assert result.returncode == 0 or (TEARDOWN_ABORT in result.stderr and finished), result.stderr[-4000:]
-    return result.stdout
+def _run(model: Path, work: Path) -> str:
+    """Both ranks' output, rank 0's first."""
+    outputs = run_script(DSCHAT / "run_step1.py", "--model", model, "--work", work, cwd=work, timeout=400)
+    return "\n".join(outputs)
 
 
 @pytest.mark.slow
@@ -60,7 +55,7 @@ def test_dschat_step1_matches_deepspeed_at_every_stage_with_and_without_lora(tmp
     digest = hashlib.sha256((model / "model.safetensors").read_bytes()).hexdigest()
     assert digest == expected["model_sha256"], "the tiny model is not the one DeepSpeed ran: rerun make_fixture.py"
 
-    runs = run_step1.parse_output(_torchrun(model, tmp_path, len(expected["runs"])))
+    runs = run_step1.parse_output(_run(model, tmp_path))
 
     assert sorted(runs) == sorted(expected["runs"]) == sorted(run_step1.RUNS.split(","))
     for tag, run in runs.items():

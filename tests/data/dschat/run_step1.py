@@ -6,9 +6,9 @@ same torchrun launch (saving its start-up per configuration):
 `--runs` lists `stage:lora_dim[:variant]` tags, a variant adding the arguments VARIANTS names. Each
 run gets the arguments DeepSpeed-Chat's own training scripts pass (batch sizes, sequence length,
 seed, `--print_loss`) and, as DeepSpeed's launcher does, `--local_rank` from torchrun's LOCAL_RANK
-(the script initializes torch.distributed only when given one). Rank 0 prints `RUN <tag>` before
-each run; its model lands in WORK/<tag with ':' as '_'>/pytorch_model.bin. `parse_output` reads the
-losses back from the output.
+(the script initializes torch.distributed only when given one). Each rank prints `RUN <tag> on rank
+<R>` before each run; the model lands in WORK/<tag with ':' as '_'>/pytorch_model.bin. `parse_output`
+reads the losses back from the output, both ranks' streams merged (torchrun) or one after the other.
 
 [Note: model creation and the adapters' random start]
 At ZeRO stage 3, DeepSpeed's path through transformers (the script's HfDeepSpeedConfig) draws from
@@ -39,24 +39,25 @@ VARIANTS = {
     "lora_only": ["--only_optimize_lora", "--gradient_checkpointing", "--gradient_accumulation_steps", "2"],
 }
 _RECORD = re.compile(
-    r"RUN (\S+)"
+    r"RUN (\S+) on rank (\d+)"
     r"|Epoch: \d+, Step: (\d+), Rank: (\d+), loss = (\S+?)(?=Epoch|Model|RUN|ppl|\s|$)"
     r"|ppl: \S+, loss: (\S+?)(?=Epoch|Model|RUN|ppl|\s|$)"
 )
 
 
 def parse_output(text: str) -> dict[str, dict]:
-    """{tag: {"losses": {rank: [loss per step]}, "eval": [loss before, after]}} from the
-    printed output of both ranks (interleaved: a line's newline may land after the other rank's text)."""
+    """{tag: {"losses": {rank: [loss per step]}, "eval": [loss before, after]}} from the printed output
+    of both ranks, merged in any order (a line's newline may land after the other rank's text): each
+    rank's records belong to the run its own last marker named; the evaluation is rank 0's."""
     runs: dict[str, dict] = {}
-    run: dict = {}
+    current: dict[str, dict] = {}  # rank -> its run
     for match in _RECORD.finditer(text):
         if match[1] is not None:
-            run = runs.setdefault(match[1], {"losses": {}, "eval": []})
-        elif match[2] is not None:
-            run["losses"].setdefault(match[3], {})[int(match[2])] = float(match[4])
+            current[match[2]] = runs.setdefault(match[1], {"losses": {}, "eval": []})
+        elif match[3] is not None:
+            current[match[4]]["losses"].setdefault(match[4], {})[int(match[3])] = float(match[5])
         else:
-            run["eval"].append(float(match[5]))
+            current["0"]["eval"].append(float(match[6]))
     for run in runs.values():
         run["losses"] = {rank: [steps[i] for i in sorted(steps)] for rank, steps in sorted(run["losses"].items())}
     return runs
@@ -111,8 +112,7 @@ def main() -> None:
     if not args.keep_model_draws:
         step1.create_hf_model = without_draws(step1.create_hf_model)
     for tag in args.runs.split(","):
-        if os.environ["RANK"] == "0":  # rank 1 may still print the previous run's lines after its own marker
-            print(f"RUN {tag}", flush=True)
+        print(f"RUN {tag} on rank {os.environ['RANK']}", flush=True)
         sys.argv = step1_argv(args.model, args.work, tag, args.dtype)
         step1.main()
         sys.stdout.flush()
