@@ -169,12 +169,15 @@ def reach(point: str, args) -> None:
             time.sleep(60)
 
 
-def main(argv=None) -> None:
+def main(argv=None, *, leave: bool = True) -> None:
+    """Run the job. `leave`: end the process with os._exit once the report is written, as under
+    torchrun; False, for a test's kept ranks (tests.harness): return, or raise after reporting."""
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # torchrun's
     report = Reporter(args.out, rank, world)
-    _report_before_leaving_on_sigterm()
+    if leave:
+        _report_before_leaving_on_sigterm()
     torch.set_num_threads(1)
     try:
         reach("init_process_group", args)
@@ -182,13 +185,17 @@ def main(argv=None) -> None:
         deadline = time.monotonic() + args.max_seconds
         for stage in args.stages:
             train_stage(stage, args, report, deadline)
-    except Exception as exc:  # noqa: BLE001 - report the named error, then leave without gloo's teardown
+    except Exception as exc:  # reported, then re-raised or left without gloo's teardown
         report.error(exc)
+        if not leave:
+            raise
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
     report.body["done"] = True
     report.write()
+    if not leave:
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     # torch 2.13 + gloo may abort at interpreter teardown after all work is done (tests/harness.py):

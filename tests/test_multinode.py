@@ -1,7 +1,7 @@
 """Across "machines": network namespaces joined by rate-limited veth links (scripts/netcluster.py).
 
 Each case is one cluster run of tests/multinode_job.py (every stage inside one job), checked against
-the same job under `torchrun --standalone` on one node. Needs root and `ip netns`; skipped otherwise.
+the same job on one node (4 kept test ranks). Needs root and `ip netns`; skipped otherwise.
 After every test no namespace of this process's prefix may remain (the cleanup is part of the contract).
 """
 
@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.harness import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = (0, 1, 2, 3)
@@ -52,22 +54,16 @@ def _reports(out: Path, world: int) -> list[dict]:
 
 
 def _standalone(out: Path, *args) -> list[dict]:
-    """The same job on one node: torchrun --standalone, 4 ranks, in the host's network namespace."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "4",
-        "--module",
-        *_job(out, *args),
-    ]
-    done = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    """The same job on one node: 4 ranks in the host's network namespace (kept test ranks, started
+    as torchrun starts them; the cluster runs above launch torchrun itself)."""
+    run_distributed(_one_node_worker, 4, timeout=RUN_TIMEOUT_S, argv=_job(out, *args)[1:])
     return _reports(out, 4)
+
+
+def _one_node_worker(rank: int, world_size: int, *, argv: list[str]) -> None:
+    import tests.multinode_job as job
+
+    job.main(argv, leave=False)
 
 
 def _assert_ok(results) -> None:
