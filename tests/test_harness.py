@@ -46,7 +46,7 @@ def _all_reduce_worker(rank, world_size, *, scale):
         return x[0].item()
 
     per_case = subtests(grid(op=[dist.ReduceOp.SUM, dist.ReduceOp.MAX], size=[1, 1000]), case)
-    env = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZS_FLAG")}
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "ZS_FLAG")}
     return {"sum": t, "cases": per_case, "env": env, "threads": torch.get_num_threads()}
 
 
@@ -131,7 +131,7 @@ def test_values_env_and_subtests_at_world_2():
 
 @pytest.mark.slow
 def test_values_at_world_4():
-    reports = run_distributed(_all_reduce_worker, 4, scale=1.0, env={"ZS_FLAG": "x"})
+    reports = run_distributed(_all_reduce_worker, 4, scale=1.0)  # the suite's kept 4 ranks, when alive
     assert [r["sum"].item() for r in reports] == [10.0] * 4
     assert [r["cases"] for r in reports] == [[10.0, 10.0, 4.0, 4.0]] * 4
 
