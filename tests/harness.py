@@ -218,15 +218,18 @@ class _RankGroup:
         )
         self.tmp = tempfile.TemporaryDirectory(prefix="zeroshard-ranks-")
         self.stack_files = [os.path.join(self.tmp.name, f"rank{rank}.stacks") for rank in range(world_size)]
-        ctx, self.procs, self.conns = get_context("spawn"), [], []
+        ctx, self.procs, self.conns = _context(env), [], []
         try:
             for rank in range(world_size):
                 parent_end, child_end = ctx.Pipe(duplex=True)
-                args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end, one_call)
-                self.procs.append(ctx.Process(target=_child_main, args=args, name=f"zeroshard-rank{rank}"))
-                self.conns.append(parent_end)
                 with _rank_environ(rank, world_size, self.store.port, env):
+                    environ = dict(os.environ)
+                    args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end, one_call)
+                    self.procs.append(
+                        ctx.Process(target=_child_main, args=(*args, environ), name=f"zeroshard-rank{rank}")
+                    )
                     self.procs[-1].start()
+                self.conns.append(parent_end)
                 child_end.close()  # so the parent sees EOF when the child dies
         except BaseException:
             self.close()
@@ -257,6 +260,26 @@ class _RankGroup:
         for conn in self.conns:
             conn.close()
         self.tmp.cleanup()
+
+
+# [Note: ranks forked from a server that has imported torch]
+# A spawned rank imports torch and zeroshard anew: ~2.7 s of a core each, and the suite starts about a
+# hundred ranks (failure cases retire theirs on purpose). multiprocessing's forkserver imports them
+# once, in a server process that runs nothing else (no threads, no OpenMP pool, no process group), and
+# forks each rank from it. What a process reads only at its start (glibc's MALLOC_*, the OpenMP
+# runtime's OMP_* / KMP_* / GOMP_*) would then be the server's, so a group whose `env` sets such a
+# variable (the memory tests) is spawned. The rest of the environment is the rank's own, set first
+# thing in the child (_child_main). ZS_TEST_SPAWN_RANKS=1 spawns every rank.
+_READ_AT_START = ("MALLOC_", "OMP_", "KMP_", "GOMP_")
+_PRELOAD = ["torch", "torch.distributed", "psutil", "zeroshard", "tests.harness"]
+
+
+def _context(env: dict | None):
+    if os.environ.get("ZS_TEST_SPAWN_RANKS") == "1" or any(k.startswith(_READ_AT_START) for k in env or {}):
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 _QUIT_WAIT_S = 10.0  # for ranks asked to leave, before they are killed
@@ -367,8 +390,10 @@ def send_note(text: str) -> None:
         _channel.send_bytes(pickle.dumps(("note", text)))
 
 
-def _child_main(rank, world_size, port, pg_timeout, stack_file, conn, one_call) -> None:
+def _child_main(rank, world_size, port, pg_timeout, stack_file, conn, one_call, environ) -> None:
     global _channel
+    os.environ.clear()  # a forked rank starts with the fork server's (note above)
+    os.environ.update(environ)
     _channel = conn
     stacks = _arm_guards(stack_file)
     sys.path.insert(0, _REPO_ROOT)  # harmless when already there
