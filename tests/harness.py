@@ -161,6 +161,18 @@ def _script_worker(rank: int, world_size: int, *, script: str, argv: list[str], 
     return output.getvalue()
 
 
+def run_at_once(calls: dict, max_groups: int = 4) -> dict:
+    """Run independent calls that start ranks of their own (run_distributed_expect_failure, or
+    run_distributed with fresh=True) side by side, at most `max_groups` at a time: {key: what
+    calls[key]() returned, or the exception it raised}. For failure cases that mostly wait on a
+    timeout; the kept groups are not used from threads."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max_groups) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+        return {key: future.exception() or future.result() for key, future in futures.items()}
+
+
 def kept_rank_pids() -> list[int]:
     """Process ids of the ranks kept alive for later calls."""
     return [p.pid for group in _KEPT.values() for p in group.procs if p.is_alive()]
@@ -199,6 +211,7 @@ def _run(fn, world_size, timeout, env, kwargs, *, fail_fast, fresh) -> list[Rank
     return reports
 
 
+_START_LOCK = threading.Lock()
 _MAX_KEPT_GROUPS = 3  # each rank holds ~300 MB; three groups of at most 4 ranks fit beside the suite
 _KEPT: dict = {}  # (world_size, env items) -> _RankGroup, least recently used first
 
@@ -220,20 +233,22 @@ class _RankGroup:
         self.stack_files = [os.path.join(self.tmp.name, f"rank{rank}.stacks") for rank in range(world_size)]
         ctx, self.procs, self.conns = _context(env), [], []
         try:
-            for rank in range(world_size):
-                parent_end, child_end = ctx.Pipe(duplex=True)
-                with _rank_environ(rank, world_size, self.store.port, env):
-                    environ = dict(os.environ)
-                    args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end, one_call)
-                    self.procs.append(
-                        ctx.Process(target=_child_main, args=(*args, environ), name=f"zeroshard-rank{rank}")
-                    )
-                    self.procs[-1].start()
-                self.conns.append(parent_end)
-                child_end.close()  # so the parent sees EOF when the child dies
+            with _START_LOCK:  # os.environ is set around each start (run_at_once calls from threads)
+                self._start(ctx, world_size, env, pg_timeout, one_call)
         except BaseException:
             self.close()
             raise
+
+    def _start(self, ctx, world_size: int, env: dict | None, pg_timeout: float, one_call: bool) -> None:
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            with _rank_environ(rank, world_size, self.store.port, env):
+                environ = dict(os.environ)
+                args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end, one_call)
+                self.procs.append(ctx.Process(target=_child_main, args=(*args, environ), name=f"zeroshard-rank{rank}"))
+                self.procs[-1].start()
+            self.conns.append(parent_end)
+            child_end.close()  # so the parent sees EOF when the child dies
 
     def run(self, payload: bytes, timeout: float, fail_fast: bool) -> list[RankReport]:
         message = pickle.dumps(("run", (payload, timeout)), protocol=pickle.HIGHEST_PROTOCOL)

@@ -13,7 +13,7 @@ import torch
 
 import zeroshard
 from tests.hard_models import LM, VOCAB
-from tests.harness import run_distributed_expect_failure
+from tests.harness import run_at_once, run_distributed_expect_failure
 from tests.zs_common import make_config
 
 COMM_TIMEOUT_S = 8
@@ -80,12 +80,42 @@ CASES = [
 ]
 
 
+DEFAULT_CASES = [("unit order", 3), ("order changes later", 3), ("skipped backward", 3), ("rank raises", 3)]
+
+
+def _timed_run(case: str, stage: int, check: bool):
+    started = time.monotonic()
+    reports = run_distributed_expect_failure(
+        _worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage, check=check
+    )
+    return reports, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    """Every case's reports and seconds, the cases run side by side (each on ranks of its own, most
+    of their time spent waiting for a failure to surface)."""
+    calls = {
+        (case, stage, check): (lambda c=case, s=stage, k=check: _timed_run(c, s, k))
+        for check, cases in ((True, CASES), (False, DEFAULT_CASES))
+        for case, stage in cases
+    }
+    return run_at_once(calls)
+
+
+def _outcome(outcomes, key):
+    result = outcomes[key]
+    if isinstance(result, BaseException):
+        raise result
+    reports, elapsed = result
+    assert elapsed < 6 * COMM_TIMEOUT_S, f"{key}: {elapsed:.1f} s"
+    return reports
+
+
 @pytest.mark.parametrize("case,stage", CASES)
 @pytest.mark.slow
-def test_divergence_fails_every_rank(case, stage):
-    started = time.monotonic()
-    reports = run_distributed_expect_failure(_worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage)
-    assert time.monotonic() - started < 6 * COMM_TIMEOUT_S
+def test_divergence_fails_every_rank(case, stage, outcomes):
+    reports = _outcome(outcomes, (case, stage, True))
     for report in reports:
         assert report.reported and not report.ok, f"rank {report.rank} did not fail: {report.describe()}"
         text = report.message
@@ -101,17 +131,10 @@ def test_divergence_fails_every_rank(case, stage):
         assert "before engine.backward()" in messages, messages
 
 
-DEFAULT_CASES = [("unit order", 3), ("order changes later", 3), ("skipped backward", 3), ("rank raises", 3)]
-
-
 @pytest.mark.parametrize("case,stage", DEFAULT_CASES)
 @pytest.mark.slow
-def test_divergence_fails_every_rank_without_the_check(case, stage):
-    started = time.monotonic()
-    reports = run_distributed_expect_failure(
-        _worker, 2, timeout=6 * COMM_TIMEOUT_S, case=case, stage=stage, check=False
-    )
-    assert time.monotonic() - started < 6 * COMM_TIMEOUT_S
+def test_divergence_fails_every_rank_without_the_check(case, stage, outcomes):
+    reports = _outcome(outcomes, (case, stage, False))
     for report in reports:
         assert report.reported and not report.ok, f"rank {report.rank} did not fail: {report.describe()}"
         assert "rank" in report.message, report.message
