@@ -111,27 +111,13 @@ def assert_losses_close(ours: list, ref: list, *, rtol: float = 1e-5, what: str 
 
 
 def run_example(script: str, *args: str, nproc: int = 4) -> list[float]:
-    """Run examples/<script> under torchrun; the losses it printed. torch 2.13 + gloo may abort at
-    teardown after the work ("terminate called without an active exception"): judged by the output."""
-    import os
+    """Run examples/<script> on `nproc` ranks as torchrun starts it (tests.harness.run_script); the
+    losses it printed. The example destroys its process group at the end, which retires the ranks."""
     import re
-    import subprocess
-    import sys
     from pathlib import Path
 
+    from tests.harness import run_script
+
     root = Path(__file__).resolve().parent.parent
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        str(nproc),
-        str(root / "examples" / script),
-        *args,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root / "src"))
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=root)
-    teardown = "terminate called without an active exception"
-    assert result.returncode == 0 or teardown in result.stderr, result.stderr[-3000:]
-    return [float(m) for m in re.findall(r"loss (\d+\.\d+)", result.stdout)]
+    outputs = run_script(root / "examples" / script, *args, world_size=nproc, cwd=root, timeout=600)
+    return [float(m) for output in outputs for m in re.findall(r"loss (\d+\.\d+)", output)]

@@ -116,6 +116,6 @@ def test_dp2_pp2_matches_single_process():
 
 
 @pytest.mark.slow
-def test_example_pp_zero_runs_under_torchrun():
+def test_example_pp_zero_runs_on_four_ranks():
     losses = mm.run_example("pp_zero.py", "--steps", "20")
     assert len(losses) == 20 and losses[-1] < 0.7 * losses[0], losses

@@ -219,6 +219,6 @@ def test_dp2_tp2_matches_single_process():
 
 
 @pytest.mark.slow
-def test_example_tp_zero_runs_under_torchrun():
+def test_example_tp_zero_runs_on_four_ranks():
     losses = mm.run_example("tp_zero.py", "--steps", "20", "--stage", "3")
     assert len(losses) == 20 and losses[-1] < 0.7 * losses[0], losses
