@@ -68,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", type=_stages, default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per stage")
     parser.add_argument("--comm-timeout-s", type=float, default=60.0, help="zeroshard.comm_timeout_s")
+    parser.add_argument(
+        "--init-timeout-s", type=float, default=None, help="init_process_group's timeout (default: --comm-timeout-s)"
+    )
     parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps")
     parser.add_argument("--ckpt", type=Path, default=None, help="checkpoint directory (--save-at, --resume)")
     parser.add_argument("--resume", action="store_true", help="load --ckpt first, continue from its step")
@@ -181,7 +184,8 @@ def main(argv=None, *, leave: bool = True) -> None:
     torch.set_num_threads(1)
     try:
         reach("init_process_group", args)
-        zeroshard.init_distributed(timeout_s=args.comm_timeout_s)  # nothing may wait longer than that
+        # Nothing may wait longer than that; the fault runs give start-up (4 ranks importing torch) more.
+        zeroshard.init_distributed(timeout_s=args.init_timeout_s or args.comm_timeout_s)
         deadline = time.monotonic() + args.max_seconds
         for stage in args.stages:
             train_stage(stage, args, report, deadline)

@@ -23,7 +23,7 @@ from tests.harness import run_distributed
 REPO = Path(__file__).resolve().parent.parent
 STAGES = (0, 1, 2, 3)
 RUN_TIMEOUT_S = 240.0  # one launch: imports and rendezvous of 4 ranks on a loaded 2-core box
-COMM_TIMEOUT_S = 15.0  # zeroshard.comm_timeout_s in the fault cases
+COMM_TIMEOUT_S = 8.0  # zeroshard.comm_timeout_s in the fault cases (start-up gets RUN_TIMEOUT_S)
 EXIT_SLACK_S = 20.0  # after the error: the job writes its report, torchrun notices and stops its workers
 
 
@@ -217,6 +217,8 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
         "--progress",
         "--comm-timeout-s",
         COMM_TIMEOUT_S,
+        "--init-timeout-s",
+        RUN_TIMEOUT_S,
         "--max-seconds",
         180,
     )
