@@ -173,6 +173,13 @@ def run_at_once(calls: dict, max_groups: int = 4) -> dict:
         return {key: future.exception() or future.result() for key, future in futures.items()}
 
 
+def outcome(outcomes: dict, key):
+    """What run_at_once's call `key` returned; raises what it raised, in the test that asks."""
+    if isinstance(outcomes[key], BaseException):
+        raise outcomes[key]
+    return outcomes[key]
+
+
 def kept_rank_pids() -> list[int]:
     """Process ids of the ranks kept alive for later calls."""
     return [p.pid for group in _KEPT.values() for p in group.procs if p.is_alive()]

@@ -28,7 +28,7 @@ def run(capsys, *argv):
 def bench(tmp_path_factory):
     """One real bench of stage 3 and the peers on 2 ranks, one timed step each, as `zeroshard bench`
     runs it but for the machine's warm-up launch (its timings are not checked here): 8 launches,
-    ~50 s on 2 cores. The launch order and the two timing passes are checked with canned launches
+    ~55 s on 2 cores. The launch order and the two timing passes are checked with canned launches
     below; every stage's bytes against the paper's formulas, by tests/test_parity.py."""
     from zeroshard.tools.commands import bench as bench_command
 

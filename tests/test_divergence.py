@@ -13,7 +13,7 @@ import torch
 
 import zeroshard
 from tests.hard_models import LM, VOCAB
-from tests.harness import run_at_once, run_distributed_expect_failure
+from tests.harness import outcome, run_at_once, run_distributed_expect_failure
 from tests.zs_common import make_config
 
 COMM_TIMEOUT_S = 8
@@ -103,11 +103,8 @@ def outcomes():
     return run_at_once(calls)
 
 
-def _outcome(outcomes, key):
-    result = outcomes[key]
-    if isinstance(result, BaseException):
-        raise result
-    reports, elapsed = result
+def _reports(outcomes, key):
+    reports, elapsed = outcome(outcomes, key)
     assert elapsed < 6 * COMM_TIMEOUT_S, f"{key}: {elapsed:.1f} s"
     return reports
 
@@ -115,7 +112,7 @@ def _outcome(outcomes, key):
 @pytest.mark.parametrize("case,stage", CASES)
 @pytest.mark.slow
 def test_divergence_fails_every_rank(case, stage, outcomes):
-    reports = _outcome(outcomes, (case, stage, True))
+    reports = _reports(outcomes, (case, stage, True))
     for report in reports:
         assert report.reported and not report.ok, f"rank {report.rank} did not fail: {report.describe()}"
         text = report.message
@@ -134,7 +131,7 @@ def test_divergence_fails_every_rank(case, stage, outcomes):
 @pytest.mark.parametrize("case,stage", DEFAULT_CASES)
 @pytest.mark.slow
 def test_divergence_fails_every_rank_without_the_check(case, stage, outcomes):
-    reports = _outcome(outcomes, (case, stage, False))
+    reports = _reports(outcomes, (case, stage, False))
     for report in reports:
         assert report.reported and not report.ok, f"rank {report.rank} did not fail: {report.describe()}"
         assert "rank" in report.message, report.message

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import zeroshard
-from tests.harness import run_at_once, run_distributed, subtests
+from tests.harness import outcome, run_at_once, run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import gpt_model_fn, make_config
 from zeroshard.core.optim.rollback import UpdateFailed
@@ -285,16 +285,10 @@ def one_rank_outcomes():
     return run_at_once(calls)
 
 
-def _both_ranks(outcomes, key):
-    if isinstance(outcomes[key], BaseException):
-        raise outcomes[key]
-    return outcomes[key]
-
-
 @pytest.mark.parametrize("kind,stage", ONE_RANK_CASES)
 @pytest.mark.slow
 def test_one_rank_failing_names_an_error_on_every_rank(kind, stage, one_rank_outcomes):
-    healthy, failing = _both_ranks(one_rank_outcomes, (kind, stage))
+    healthy, failing = outcome(one_rank_outcomes, (kind, stage))
     print(
         f"{kind} at stage {stage}: rank 1 {failing['first'][0]}; rank 0 {healthy['first'][0]} after "
         f"{healthy['elapsed']:.1f}s, then {healthy['second'][0]} after {healthy['second_elapsed']:.3f}s"
@@ -324,7 +318,7 @@ def _one_rank_stops_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_one_rank_failing_without_the_check_names_an_error_on_every_rank(one_rank_outcomes):
-    healthy, failing = _both_ranks(one_rank_outcomes, None)
+    healthy, failing = outcome(one_rank_outcomes, None)
     assert failing["first"][0] == "Injected", failing
     assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
     assert healthy["elapsed"] < 3 * COMM_TIMEOUT_S, healthy

@@ -239,7 +239,7 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
     missing = [
         r["rank"] for r in reports if r["node"] == survivor and not (out / f"rank{r['rank']}.error.json").exists()
     ]
-    # Seen once under a full suite's load (2026-12-02), never alone: say what the survivor node printed.
+    # A rank without a report: quote what the survivor node printed (torchrun's and the ranks' output).
     assert not missing, f"ranks {missing} wrote no error report; node {survivor}'s output:\n{result.output[-4000:]}"
     errors = [json.loads((out / f"rank{r['rank']}.error.json").read_text()) for r in reports if r["node"] == survivor]
     assert len(errors) == 2 and all(e["type"] == "CollectiveError" for e in errors), errors
@@ -307,8 +307,8 @@ def test_sweep_table_regenerates_from_its_json(tmp_path):
 START_UP_TIMEOUT_S = 6.0  # comm_timeout_s and torchrun's join_timeout in the start-up cases
 # After the kill, beyond the timeout: a survivor's own start-up work between its marker and its first
 # wait on the dead machine, naming the missing ranks (at most liveness.DIAGNOSE_S, well under 1 s here)
-# and writing its report. The start-up work alone took 4.5 s once under a full suite on 2 cores, while
-# the next cluster imported torch; torch's own bound would be 30 minutes, so 10 s still tells them apart.
+# and writing its report. Under a full suite on 2 cores, while the next cluster imports torch, the
+# start-up work alone can take 4.5 s; torch's own bound would be 30 minutes, so 10 s tells them apart.
 START_UP_MARGIN_S = 10.0
 
 

@@ -17,7 +17,7 @@ import torch
 
 import tests.test_failures as failures
 import zeroshard
-from tests.harness import run_at_once, run_distributed, subtests
+from tests.harness import outcome, run_at_once, run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_ddp
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config, train_engine
 from zeroshard.tools.models.gpt import tiny_gpt_config
@@ -205,15 +205,9 @@ def one_rank_outcomes():
     )
 
 
-def _both_ranks(outcomes, key):
-    if isinstance(outcomes[key], BaseException):
-        raise outcomes[key]
-    return outcomes[key]
-
-
 @pytest.mark.slow
 def test_one_rank_failing_in_backward_names_an_error_on_every_rank(one_rank_outcomes):
-    healthy, failing = _both_ranks(one_rank_outcomes, "backward")
+    healthy, failing = outcome(one_rank_outcomes, "backward")
     assert failing["first"][0] == "Injected", failing
     assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
     assert healthy["second"][0] == "CollectiveError" and "refused" in healthy["second"][1], healthy
@@ -240,7 +234,7 @@ def _optimizer_fails_on_one_rank(rank: int, world: int) -> dict:
 
 @pytest.mark.slow
 def test_one_rank_failing_in_step_names_an_error_at_the_next_forward(one_rank_outcomes):
-    healthy, failing = _both_ranks(one_rank_outcomes, "step")
+    healthy, failing = outcome(one_rank_outcomes, "step")
     assert failing["results"][0][0] == "Injected", failing
     (first, _, _), (second, text, elapsed), (third, refused, third_elapsed) = healthy["results"]
     assert first == "no error", healthy  # step() only issued the gathers
