@@ -292,8 +292,25 @@ class _RankGroup:
 # runtime's OMP_* / KMP_* / GOMP_*) would then be the server's, so a group whose `env` sets such a
 # variable (the memory tests) is spawned. The rest of the environment is the rank's own, set first
 # thing in the child (_child_main). ZS_TEST_SPAWN_RANKS=1 spawns every rank.
+# The server also imports what nearly every worker would import on its first call: torch._dynamo,
+# which the first torch.optim.Optimizer() of a process imports (~1 s of a core, sympy included), and
+# the test helpers workers live in. transformers is left out: few workers use it, and every forked
+# rank's memory would count its pages.
 _READ_AT_START = ("MALLOC_", "OMP_", "KMP_", "GOMP_")
-_PRELOAD = ["torch", "torch.distributed", "psutil", "zeroshard", "tests.harness"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "psutil",
+    "pytest",
+    "zeroshard",
+    "zeroshard.compat.engine",
+    "tests.harness",
+    "tests.reference",
+    "tests.zs_common",
+    "tests.hard_models",
+    "tests.checkpoint_helpers",
+]
 
 
 def _context(env: dict | None):
