@@ -39,6 +39,9 @@ class _Accelerator(abc.ABC):
     def current_device(self) -> int: ...
 
     @abc.abstractmethod
+    def empty_cache(self) -> None: ...
+
+    @abc.abstractmethod
     def is_bf16_supported(self) -> bool: ...
 
     @abc.abstractmethod

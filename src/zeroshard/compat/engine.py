@@ -17,9 +17,8 @@ from zeroshard.compat import policies
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
 from zeroshard.compat.client_optimizer import ClientOptimizerLink, returns_basic_optimizer
 from zeroshard.compat.ds_params import register as register_ds_metadata, unregister as unregister_ds_metadata
-from zeroshard.compat.engine_surface import DeepSpeedAccessors
+from zeroshard.compat.engine_base import EngineBase
 from zeroshard.compat.throughput import ThroughputTimer
-from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.optim.rollback import UpdateFailed
 from zeroshard.core.policy import stage_policy
@@ -30,7 +29,7 @@ from zeroshard.offload import build_placement
 log = logging.getLogger(__name__)
 
 
-class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
+class ZeroEngine(EngineBase):
     """Wraps a model for ZeRO training. Use through `zeroshard.initialize`.
 
     An `nn.Module` so that `engine(...)`, `engine.train()` and `engine.eval()` read as they do in
@@ -51,10 +50,8 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
     ):
         """`group`/`model_parallel`: ZeRO's data-parallel group and the tp/pp dimensions around it
         (core/mesh.py), from `initialize(mesh=...)` or `initialize(mpu=...)`; default: the world."""
-        super().__init__()
+        super().__init__(model, config)
         zero = config.zero_optimization
-        self.config = config
-        self.module = model
         extras = config.zeroshard
         comm_policy = policies.comm_policy(zero, extras)
         comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives, group=group)
@@ -92,7 +89,6 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             self.sharded.set_on_failed_update(extras.transactional_step)
         configure_activation_checkpointing(self)
         self.lr_scheduler = lr_scheduler
-        self._start_counting()
         self._backwards_at_step = 0  # sharded.completed_backwards when the last micro step ended
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         # [Note: the optimizer initialize returns] in compat/client_optimizer.py
@@ -109,22 +105,14 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             self.num_parameters() / 1e6,
         )
 
-    # -- the core's parts, read-only (ShardedViews has the rest) ----------------------------------------
+    # -- the core's parts, read-only (EngineBase has the rest) ------------------------------------------
     @property
-    def optimizer(self):
-        return self.sharded.optimizer
-
-    @property
-    def loss_scaler(self):
-        return self.sharded.loss_scaler
-
-    @property
-    def returned_optimizer(self) -> torch.optim.Optimizer:
+    def returned_optimizer(self) -> torch.optim.Optimizer | None:
         """What `initialize` returns as the optimizer: the basic optimizer at stage 0 in fp32, else
         `self.optimizer` ([Note: the optimizer initialize returns] in compat/client_optimizer.py)."""
         return self._client_link.basic if self._client_link is not None else self.optimizer
 
-    # -- DeepSpeed's accessors: compat/engine_surface.py; the wrapped model's attributes ---------------
+    # -- DeepSpeed's accessors: compat/engine_base.py; the wrapped model's attributes ------------------
     def __getattr__(self, name: str):
         """nn.Module's lookup (parameters, buffers, submodules), then the wrapped model's attributes."""
         try:
@@ -226,13 +214,14 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             self.global_steps,
             self.micro_steps,
             self.gradient_accumulation_steps(),
-            self.optimizer.skipped_steps,
+            self.skipped_steps,
             backward_pending=self._backward_done,
         )
 
     def restore_counters(self, counters: Counters) -> None:
         self.global_steps, self.micro_steps = counters.global_steps, counters.micro_steps
-        self.optimizer.skipped_steps = counters.skipped_steps
+        if self.optimizer is not None:
+            self.optimizer.skipped_steps = counters.skipped_steps
 
     def refresh_parameters(self) -> None:
         self.sharded.refresh_parameters()
@@ -287,7 +276,7 @@ class ZeroEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
         self.sharded.wait_parameters()
         return save_16bit_model(self, save_dir, save_filename)
 
-    # (num_parameters, memory_report, comm_report: compat/views.py)
+    # (num_parameters, memory_report, comm_report: compat/engine_base.py)
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
         unregister_ds_metadata(self.sharded)

@@ -27,9 +27,8 @@ import torch
 from torch import nn
 
 from zeroshard.compat import policies
-from zeroshard.compat.engine_surface import DeepSpeedAccessors
+from zeroshard.compat.engine_base import EngineBase
 from zeroshard.compat.throughput import ThroughputTimer
-from zeroshard.compat.views import ShardedViews
 from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.sharded import Sharded
@@ -44,27 +43,25 @@ _NOT_TRAINED = (
 )
 
 
-class InferenceEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
+class InferenceEngine(EngineBase):
     """A model under ZeRO for forward passes only; build it with `zeroshard.initialize` and no optimizer.
 
     The model is put in eval mode (no dropout), as inference wants; `engine.train()` undoes that.
     `engine(...)` runs the model without autograd. `engine.module` is the model, whose `generate` works
     as usual on one rank; on several ranks use `engine.generate` (or pass `synced_gpus=True`).
     DeepSpeed's accessors (`device`, `zero_optimization_stage()`, `get_lr()`, ...) answer as on
-    DeepSpeed's engine built without an optimizer (compat/engine_surface.py).
+    DeepSpeed's engine built without an optimizer (compat/engine_base.py).
     """
 
     def __init__(self, model: nn.Module, config):
-        super().__init__()
         meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]
         if meta:
             raise ValueError(
                 f"buffers {meta[:3]} are on the meta device (no values): build the model with "
                 "zeroshard.compat.pretrained.from_pretrained, or give its buffers values first"
             )
+        super().__init__(model, config)
         zero = config.zero_optimization
-        self.config = config
-        self.module = model
         extras = config.zeroshard
         if zero.offload_optimizer is not None and zero.offload_optimizer.device != "none":
             log.warning(
@@ -91,7 +88,6 @@ class InferenceEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             )
         model.eval()
         self._freeze(True)
-        self._start_counting()
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         log.info(
             "zeroshard inference engine: stage %d, %d ranks, %d units, %.3fM parameters, weights in %s",
@@ -102,10 +98,8 @@ class InferenceEngine(ShardedViews, DeepSpeedAccessors, nn.Module):
             type(placement.param_store).__name__ if placement.param_store is not None else "compute memory",
         )
 
-    # -- the core's parts, read-only (ShardedViews has the rest): no optimizer, no scheduler ----------
-    optimizer = property(lambda self: None)
+    # -- the core's parts, read-only (EngineBase has the rest; its optimizer is None): no scheduler ---
     lr_scheduler = property(lambda self: None)
-    loss_scaler = property(lambda self: None)
 
     # -- frozen weights -------------------------------------------------------------------------------
     # [Note: frozen inference weights]

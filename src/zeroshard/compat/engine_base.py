@@ -1,25 +1,93 @@
-"""DeepSpeed's engine accessors that scripts and DeepSpeed's own tests call, beyond the training loop.
+"""What both engines are: the training engine (compat/engine.py) and the one `initialize` builds
+without an optimizer (compat/inference.py). One base class, so the two cannot drift apart.
 
-A mixin of both engines, `ZeroEngine` (engine.py) and the one `initialize` builds without an
-optimizer, `InferenceEngine` (inference.py), as DeepSpeed's engine has them with or without one.
-Each method reads the parsed config, the core's parts or the counters `_start_counting` sets;
-without an optimizer they answer as DeepSpeed's engine does then (`get_lr()` is [], the gradient
-norm None, no step skipped).
+It shows the core object an engine wraps, `self.sharded`, read-only, and DeepSpeed's engine accessors
+that scripts and DeepSpeed's own tests call beyond the training loop. Each accessor reads the parsed
+config, the core's parts or the counters the base starts; without an optimizer they answer as
+DeepSpeed's engine does then (`get_lr()` is [], the gradient norm None, no step skipped).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from zeroshard.checkpoint.manifest import MANIFEST, rank_file
 from zeroshard.compat.accelerator import get_accelerator
 
+if TYPE_CHECKING:
+    from zeroshard.core.optim.optimizer import ZeroOptimizer
+    from zeroshard.core.precision import DynamicLossScaler
+    from zeroshard.core.sharded import Sharded
 
-class DeepSpeedAccessors:
+
+def _core(name: str) -> property:
+    return property(lambda self: getattr(self.sharded, name), doc=f"The core's `{name}` (read-only).")
+
+
+class EngineBase(nn.Module):
+    """A model under ZeRO as DeepSpeed's engine shows it. Subclasses build `self.sharded` (the core's
+    `Sharded`) in their `__init__`, and set `lr_scheduler`."""
+
+    sharded: Sharded  # set by the subclass
     _boundary_override: bool | None  # set_gradient_accumulation_boundary(); None: the micro-step counter decides
+
+    def __init__(self, model: nn.Module, config):
+        super().__init__()
+        self.config = config
+        self.module = model
+        self._start_counting()
+
+    # -- the core's parts, read-only -------------------------------------------------------------------
+    comm = _core("comm")
+    policy = _core("policy")
+    precision = _core("precision")
+    units = _core("units")
+    groups = _core("groups")
+    lifecycle = _core("lifecycle")
+    placement = _core("placement")
+
+    @property
+    def optimizer(self) -> ZeroOptimizer | None:
+        """The core's optimizer wrapper; None on an engine built without an optimizer."""
+        return self.sharded.optimizer
+
+    @property
+    def loss_scaler(self) -> DynamicLossScaler | None:
+        return self.sharded.loss_scaler
+
+    def zero_optimization_stage(self) -> int:
+        return self.policy.stage
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    # -- reports ----------------------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        return self.sharded.num_parameters()
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model states this rank holds (counted from its tensors), by kind."""
+        return self.sharded.memory_report()
+
+    def comm_report(self) -> dict:
+        return self.sharded.comm_report()
 
     def _start_counting(self) -> None:
         """The counters DeepSpeed's engine starts with; `ZeroEngine.step` advances them."""
