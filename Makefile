@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast lint docs demo bench clean
+.PHONY: venv test test-fast coverage lint docs demo bench clean
 
 venv: $(STAMP)
 
@@ -21,6 +21,13 @@ test: venv
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# The suite under coverage.py ([tool.coverage] in pyproject.toml); the report lists src/ by file.
+coverage: venv
+	rm -f .coverage .coverage.*
+	$(BIN)/coverage run -m pytest -q
+	$(BIN)/coverage combine -q
+	$(BIN)/coverage report
 
 # ruff (lint, then formatting), mypy and the strict docs build; settings in pyproject.toml
 # ([tool.ruff], [tool.mypy]) and mkdocs.yml.
