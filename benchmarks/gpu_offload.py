@@ -8,7 +8,8 @@ runs it (docs/gpu.md).
     python benchmarks/gpu_offload.py --summarize offload.json plain.json --out summary.json
 
 `--size auto` takes the largest shape of SHAPES whose model states fit the memory the mode puts them
-in (host RAM for offload, GPU memory without), by the byte counts of `state_bytes`; `--like` reuses
+in (host RAM for offload, GPU memory without), by the byte counts of `state_bytes`, and no larger than
+`--max-params` billion parameters when given; `--like` reuses
 another run's shape, micro batch and accumulation so the two modes train the same model on the same
 tokens. A run whose micro batch does not fit is retried with half the micro batch and twice the
 accumulation (same tokens per step); a model whose states do not fit is recorded as such.
@@ -20,6 +21,8 @@ allocator's (torch.cuda.max_memory_allocated); CPU Adam time is the time inside 
 optimizer's step (its step hooks), summed over the step's sub-groups; step time is split into
 forward+backward (all micro steps) and the engine's step (norm, Adam, copies back to the GPU).
 `--dry-run` runs a tiny model on the CPU (gloo) so that the script is known to work before a GPU.
+Progress (build, initialisation, each step) goes to stderr as it happens, so that a run stopped by a
+time limit still says how far it came.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import resource
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -122,6 +126,13 @@ class AdamClock:
         self.total += time.perf_counter() - self._started
 
 
+_STARTED = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.perf_counter() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -137,8 +148,10 @@ def train(args, mode: str, shape, micro: int, gas: int, device: torch.device) ->
             GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
         )
     built = time.perf_counter()
+    progress(f"{mode}: built {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters on {device}")
     engine, *_ = zeroshard.initialize(model=model, config=config_for(args, mode, micro, gas))
     init_s = time.perf_counter() - built
+    progress(f"{mode}: initialize took {init_s:.1f}s; micro batch {micro} x {gas} accumulation steps")
     clock = AdamClock(engine.optimizer.optimizer)
     steps, forward_backward, adam = [], [], []
     for step in range(args.warmup + args.steps):
@@ -154,6 +167,7 @@ def train(args, mode: str, shape, micro: int, gas: int, device: torch.device) ->
             engine.step()
         sync(device)
         ended = time.perf_counter()
+        progress(f"{mode}: step {step} took {ended - started:.2f}s" + (" (warm-up)" if step < args.warmup else ""))
         if step >= args.warmup:
             steps.append(ended - started)
             forward_backward.append(stepped - started)
@@ -243,9 +257,13 @@ def run(args) -> dict:
 
 
 def _pick_shape(args, host: int, gpu: int):
-    fitting = [s for s in SHAPES if fits(s, "offload", args, host, gpu)]
+    cap = float("inf") if args.max_params is None else args.max_params * 1e9
+    fitting = [s for s in SHAPES if fits(s, "offload", args, host, gpu) and num_params(s, args.vocab, args.seq) <= cap]
     if not fitting:
-        raise SystemExit(f"no shape of {SHAPES} fits {host / 1e9:.0f} GB of host memory for offload")
+        raise SystemExit(
+            f"no shape of {SHAPES} fits {host / 1e9:.0f} GB of host memory for offload"
+            + ("" if args.max_params is None else f" within --max-params {args.max_params}")
+        )
     return fitting[-1]
 
 
@@ -274,6 +292,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=["offload", "plain"], default="offload")
     parser.add_argument("--size", choices=["auto"], default="auto", help="the largest shape that fits the mode")
+    parser.add_argument("--max-params", type=float, help="with --size auto: at most this many billion parameters")
     parser.add_argument("--like", help="JSON of an earlier run: same shape, micro batch and accumulation")
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--seq", type=int, default=2048)

@@ -169,7 +169,7 @@ def _train(model, step_grads, optimizer_fn, lr_scheduler_fn, steps, clip, record
 def clip_grad_norm(parameters, clip: float) -> float:
     """The library's clipping (module docstring); returns the global norm before clipping."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for g in grads:  # parameter order, float64 throughout
         total += (g.double() ** 2).sum()
     norm = total.sqrt()

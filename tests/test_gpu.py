@@ -27,7 +27,15 @@ import torch.distributed as dist
 import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_single
-from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config, train_engine
+from tests.zs_common import (
+    adamw,
+    assert_close,
+    full_params,
+    gpt_model_fn,
+    make_config,
+    train_engine,
+    without_key_bias,
+)
 from zeroshard.checkpoint import full_state_dict
 from zeroshard.core.comm import Communicator
 from zeroshard.tools.models.gpt import tiny_gpt_config
@@ -90,14 +98,26 @@ def _report(record: dict) -> None:
 
 
 def _relative_errors(ours: dict, ref: dict) -> dict:
-    return {
-        name: float((ours[name].float() - value.float()).norm() / value.float().norm().clamp_min(1e-12))
-        for name, value in ref.items()
-    }
+    """Relative error per tensor norm, the key bias left out ([Note: the key bias has no gradient] in
+    tests/zs_common.py); bit_exact in the figures still covers every element."""
+    errors = {}
+    for name, value in ref.items():
+        mine, theirs = without_key_bias(name, ours[name].float()), without_key_bias(name, value.float())
+        errors[name] = float((mine - theirs).norm() / theirs.norm().clamp_min(1e-12))
+    return errors
 
 
-def _compare(ours: dict, ref: dict, what: str, dtype: str) -> dict:
-    """Parity figures of one case; asserts they are within TOLERANCE."""
+def _compare_all(cases: list) -> None:
+    """Parity of (ours, ref, what, dtype) cases within TOLERANCE[dtype]: every case's figures are reported
+    before any assertion, so that one run on a GPU says how close each case came."""
+    records = [(_figures(ours, ref, what), dtype) for ours, ref, what, dtype in cases]
+    failed = [r for r, dtype in records if r["max_param_rel_error"] > TOLERANCE[dtype]]
+    assert not failed, "\n".join(
+        f"{r['case']}: '{r['worst']}' relative error {r['max_param_rel_error']:.2e}" for r in failed
+    )
+
+
+def _figures(ours: dict, ref: dict, what: str) -> dict:
     errors = _relative_errors(ours["params"], ref["params"])
     losses = [a - b for a, b in zip(sum(ours["losses"], []), sum(ref["losses"], []))]
     record = {
@@ -105,12 +125,11 @@ def _compare(ours: dict, ref: dict, what: str, dtype: str) -> dict:
         "max_param_rel_error": max(errors.values()),
         "max_loss_diff": max(map(abs, losses)),
         "bit_exact": all(torch.equal(ours["params"][n].float(), v.float()) for n, v in ref["params"].items()),
+        "worst": max(errors, key=errors.get),
         "device": str(_device()),
         "backend": _backend(),
     }
     _report(record)
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOLERANCE[dtype], f"{what}: '{worst}' relative error {errors[worst]:.2e}"
     return record
 
 
@@ -210,6 +229,7 @@ def _config(stage: int, dtype: str, **zero) -> dict:
 
 
 def test_parity_stages_0_to_3_against_plain_training(tmp_path):
+    cases = []
     with _world_of_one(tmp_path):
         for dtype in ("fp32", "bf16"):
             ref = _plain(dtype)
@@ -217,7 +237,8 @@ def test_parity_stages_0_to_3_against_plain_training(tmp_path):
                 ours = train_engine(
                     _model_on_device(), BATCHES, config=_config(stage, dtype), steps=STEPS, loss_fn=_on_device()
                 )
-                _compare(ours, ref, f"stage {stage} {dtype} vs plain", dtype)
+                cases.append((ours, ref, f"stage {stage} {dtype} vs plain", dtype))
+    _compare_all(cases)
 
 
 # -- optimizer offload: placement and parity ------------------------------------------------------------
@@ -264,15 +285,22 @@ def _offloaded_run(stage: int, dtype: str, kind: str, nvme: str) -> dict:
 
 
 def test_offload_places_states_in_host_memory_and_matches_no_offload(tmp_path):
+    cases = []
     with _world_of_one(tmp_path):
         for dtype in ("fp32", "bf16"):
             for stage in (1, 2, 3):
                 plain = train_engine(
                     _model_on_device(), BATCHES, config=_config(stage, dtype), steps=STEPS, loss_fn=_on_device()
                 )
+                if stage == 1:  # the device's run-to-run floor (atomics in CUDA kernels), reported only
+                    again = train_engine(
+                        _model_on_device(), BATCHES, config=_config(stage, dtype), steps=STEPS, loss_fn=_on_device()
+                    )
+                    _figures(again, plain, f"stage {stage} {dtype} no offload, run twice")
                 for kind in ("cpu", "nvme"):
                     ours = _offloaded_run(stage, dtype, kind, str(tmp_path / f"nvme-{stage}-{dtype}"))
-                    _compare(ours, plain, f"stage {stage} {dtype} offload {kind} vs no offload", dtype)
+                    cases.append((ours, plain, f"stage {stage} {dtype} offload {kind} vs no offload", dtype))
+    _compare_all(cases)
 
 
 # -- checkpoints from host masters ----------------------------------------------------------------------

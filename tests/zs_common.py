@@ -72,6 +72,21 @@ def full_params(engine) -> dict:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
+def without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as a comparison to tolerance should see it: a fused attention bias (`...attn.qkv.bias`,
+    laid out q, k, v) without its key third. [Note: the key bias has no gradient]: adding b_k to every key
+    adds q . b_k to a whole row of scores, which softmax ignores, so its true gradient is zero and what
+    backward returns is rounding noise; AdamW divides that noise by its own running scale, so the key bias
+    moves by up to lr per step in a direction set by the noise. Two runs that differ by one unit in the
+    last place anywhere (a CUDA and a CPU Adam, another summation order) end with key biases 1e-3 apart
+    relative to the tensor after 5 steps, where every other tensor is within 1e-5 (measured on the test
+    GPT by nudging every initial weight one ulp). Bit-exact comparisons keep it: equal runs are equal."""
+    if name.endswith("attn.qkv.bias"):
+        width = tensor.numel() // 3
+        return torch.cat([tensor[:width], tensor[2 * width :]])
+    return tensor
+
+
 def assert_close(ours: dict, ref: dict, *, exact: bool, rtol: float = 1e-5, what: str = "") -> None:
     """Losses at every micro step and parameters at every recorded step agree."""
     if exact:
@@ -90,5 +105,6 @@ def assert_close(ours: dict, ref: dict, *, exact: bool, rtol: float = 1e-5, what
             else:
                 # Relative to the tensor's norm: elementwise relative error is meaningless for the
                 # near-zero entries where Adam's m / sqrt(v) amplifies a different summation order.
+                a, b = without_key_bias(name, a), without_key_bias(name, b)
                 error = float((a - b).norm() / b.norm().clamp_min(1e-12))
                 assert error <= rtol, f"{what}: step {step} '{name}' relative error {error:.2e} > {rtol}"
