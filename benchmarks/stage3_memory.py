@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 # name -> (zero_optimization keys, "zeroshard" keys, reductions in flight in backward or None for the
 # default): zeroshard at --stage, or None: FSDP2 (torch.distributed.fsdp.fully_shard on every block and
 # the root, as tools/bench/peers.py runs it). The in-flight count is a what-if of this script (the
-# engine's Lifecycle.max_inflight, 1 with overlap_comm since the ninth session, 2 before), not a config key.
+# engine's Lifecycle.max_inflight, 1 with overlap_comm by default, 2 to compare), not a config key.
 VARIANTS = {
     "default": ({}, {}, None),
     "deepspeed-values": (
@@ -53,7 +53,7 @@ VARIANTS = {
         None,
     ),
     "default+copy": ({}, {"transactional_step": "copy"}, None),  # the opt-in copy of a failed step's state
-    "default+1-in-flight": ({}, {}, 1),  # the default since the ninth session: kept for the older tables
+    "default+1-in-flight": ({}, {}, 1),  # the default, named for comparisons with 2 in flight
     "default+2-in-flight": ({}, {}, 2),
     "fsdp2": None,
 }

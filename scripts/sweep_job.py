@@ -38,11 +38,11 @@ import netns
 
 LR = 1e-3
 # "1o"/"2o": stages 1/2 with zeroshard.overlap_param_gather ([Note: deferred parameter gather]);
-# "1"/"2" with it off (step() waits for the gather), what they meant in every recording so far (the
-# option is on by default since the eleventh session).
+# "1"/"2" with it off (step() waits for the gather), as in the recorded sweeps (the option is on by
+# default for users).
 # "2i"/"3i": stages 2/3 with one gradient reduction in flight in backward, "2t"/"3t" with two (what-ifs
-# of the engine's Lifecycle.max_inflight, no config key). One is the default since the ninth session;
-# docs/bench/multinode_sweep_2i.json and _3i.json were recorded before, when "2"/"3" had two.
+# of the engine's Lifecycle.max_inflight, no config key). One is the default; in the recordings
+# docs/bench/multinode_sweep_2i.json and _3i.json, "2"/"3" ran with two.
 RUNS = ("ddp", "0", "1", "2", "3", "3q", "3h", "3pp", "1o", "2o", "2i", "3i", "2t", "3t")
 
 
