@@ -46,7 +46,7 @@ import torch
 # there, as at a stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and
 # an all-to-all, so a collective in gloo's sequence like every other; sent in the reduce-scatter's
 # pieces across nodes (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate),
-# which at loopback cost 45-52 ms of process CPU per 50 MB against one message's 33 and gloo's 56,
+# which at loopback cost 45-52 ms of process CPU per 50 MB against one message's 34 and gloo's 56,
 # so within a node one message ([Note: pieces across a link, one message within a node]).
 # Other sizes and NCCL keep the backend's all-gather.
 def pairwise(backend: str, world_size: int) -> bool:
@@ -63,7 +63,7 @@ def pairwise(backend: str, world_size: int) -> bool:
 # bytes; pieces of 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which
 # pipelines chunks, does (docs/multinode.md). Within a node there is no link to pace, and each piece
 # is a collective of its own with its dispatch and its wake-ups of gloo's threads: over loopback the
-# 33.7M GPT's process CPU fell 45-75 ms a step with one message per unit, and stage 1/2/3 went from
+# 33.7M GPT's process CPU at stage 3 was 856-857 ms a step with one message per unit against 926-928, and stage 1/2/3 went from
 # 1.07/1.11/1.27x to 0.97-0.99/0.99-1.00/1.16-1.19x DDP (docs/performance.md). So
 # the two ranks of a pair on one node (`place_on_nodes`, torchrun's LOCAL_WORLD_SIZE) send one
 # message, and only a pair across nodes sends pieces.

@@ -55,7 +55,7 @@ from zeroshard.core.precision import PrecisionPolicy
 # At stages 2/3 each unit's full gradient is made empty by its first gradient and dropped once its
 # reduce-scatter is waited for. A block of the 202M GPT has a 50 MB one, above glibc's largest
 # mmap threshold (32 MB), so every unit's buffer was fresh pages: 123 thousand first-touch faults
-# on the main thread a step, 470 ms of the gradient copy's 472 (docs/performance.md). Within one backward a buffer whose reduction completed is handed to the next unit of
+# on the main thread a step, 469 ms of CPU of the gradient copy's 472 ms (docs/performance.md). Within one backward a buffer whose reduction completed is handed to the next unit of
 # the same size instead (`SpentGradients`); its stale values are treated as an empty buffer's
 # ([Note: a fresh full gradient]). Only buffers of completed reductions are kept (an abandoned one
 # may still be written by a peer), and none outlives the backward: Lifecycle.end_backward and
