@@ -53,10 +53,13 @@ from zeroshard.core.precision import PrecisionPolicy
 
 # [Note: spent full gradients reused]
 # At stages 2/3 each unit's full gradient is made empty by its first gradient and dropped once its
-# reduce-scatter is waited for. A block of the 202M GPT has a 50 MB one, above glibc's largest
-# mmap threshold (32 MB), so every unit's buffer was fresh pages: 123 thousand first-touch faults
-# on the main thread a step, 469 ms of CPU of the gradient copy's 472 ms (docs/performance.md). Within one backward a buffer whose reduction completed is handed to the next unit of
-# the same size instead (`SpentGradients`); its stale values are treated as an empty buffer's
+# reduce-scatter is waited for. A buffer above glibc's mmap threshold is fresh pages each time it is
+# made: with the 202M GPT's 50 MB block gradients in one group each, 123 thousand first-touch faults
+# on the main thread a step, 469 ms of CPU of the gradient copy's 472 ms (docs/performance.md). On a
+# CPU the groups are cut under glibc's ceiling ([Note: gathered buffers under glibc's mmap
+# ceiling] in backend.py), and on a GPU the caching allocator reuses blocks, but a buffer handed over
+# directly still skips the allocator. Within one backward a buffer whose reduction completed is handed
+# to the next unit of the same size (`SpentGradients`); its stale values are treated as an empty buffer's
 # ([Note: a fresh full gradient]). Only buffers of completed reductions are kept (an abandoned one
 # may still be written by a peer), and none outlives the backward: Lifecycle.end_backward and
 # abort clear them, so the step and the next forward hold what they held before.
