@@ -63,8 +63,9 @@ def pairwise(backend: str, world_size: int) -> bool:
 # bytes; pieces of 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which
 # pipelines chunks, does (docs/multinode.md). Within a node there is no link to pace, and each piece
 # is a collective of its own with its dispatch and its wake-ups of gloo's threads: over loopback the
-# 33.7M GPT's process CPU at stage 3 was 856-857 ms a step with one message per unit against 926-928, and stage 1/2/3 went from
-# 1.07/1.11/1.27x to 0.97-0.99/0.99-1.00/1.16-1.19x DDP (docs/performance.md). So
+# 33.7M GPT's process CPU at stage 3 was 856-857 ms a step with one message per unit against
+# 926-928 in pieces, and stages 1/2/3 ran at 0.97-0.99/0.99-1.00/1.16-1.19x DDP against
+# 1.07/1.11/1.27x (docs/performance.md). So
 # the two ranks of a pair on one node (`place_on_nodes`, torchrun's LOCAL_WORLD_SIZE) send one
 # message, and only a pair across nodes sends pieces.
 PAIRWISE_PIECE_BYTES = 512 * 1024

@@ -9,8 +9,9 @@ import torch
 
 # fp64 squares are summed chunk by chunk through one scratch buffer of this many elements: 1 MiB
 # stays in cache, so the fp32 -> fp64 copy and the dot product that reads it back cost a pass over
-# the gradient each (profiled in docs/performance.md: 16 ms of CPU a step at stage 0 on the 33.7M GPT, where
-# `chunk.double().pow(2).sum()` over 4M-element chunks, writing two fp64 temporaries per chunk, took 90).
+# the gradient each (profiled in docs/performance.md: 16 ms of CPU a step at stage 0 on the 33.7M
+# GPT, where `chunk.double().pow(2).sum()` over 4M-element chunks, writing two fp64 temporaries per
+# chunk, took 90).
 _NORM_CHUNK = 1 << 17
 
 
