@@ -26,6 +26,7 @@ from zeroshard.core import (
     shard,
     stage_policy,
 )
+from zeroshard.core.optim.muon import MuonWithAdamW
 from zeroshard.version import __version__
 
 _paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)
@@ -36,6 +37,7 @@ __all__ = [
     "ConfigError",
     "DynamicLossScaler",
     "GatherPolicy",
+    "MuonWithAdamW",
     "Placement",
     "PrecisionPolicy",
     "STAGES",

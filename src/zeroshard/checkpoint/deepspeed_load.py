@@ -139,8 +139,9 @@ def _read(engine, checkpoint: DeepSpeedCheckpoint, restore_optimizer: bool, stri
                 checkpoint.read(slot.name, FP32, lo, hi, dest)
             elif slot.name in frozen:
                 dest.copy_(checkpoint.frozen_param(slot.name).reshape(-1)[lo:hi])
-        start = group.opt_range[0]
-        master[max(group.layout.numel, start) - start :].zero_()  # padding stays zero
+        start, end = group.opt_range
+        for lo, hi in group.layout.gaps(start, end):  # padding stays zero
+            master[lo - start : hi - start].zero_()
         loaded.copies.append((group.master, master))
         if restore_optimizer and group.trainable:
             state = _optimizer_state(checkpoint, group, kinds)

@@ -214,8 +214,9 @@ def _read_shards(
             for slot, lo, hi, dest in group.master_pieces(master):
                 if slot.name in reader.index:
                     reader.read_param(slot.name, "master", lo, hi, dest)
-            start = group.opt_range[0]
-            master[max(group.layout.numel, start) - start :].zero_()  # padding stays zero
+            start, end = group.opt_range
+            for lo, hi in group.layout.gaps(start, end):  # padding stays zero
+                master[lo - start : hi - start].zero_()
             loaded.copies.append((group.master, master))
             if restore_optimizer and group.trainable:
                 state = _load_optimizer_state(reader, group, objects["optimizer"]["scalars"], optimizer)

@@ -18,6 +18,7 @@ from zeroshard.compat.optimizers import build_optimizer, check_shardable
 from zeroshard.compat.schedulers import build_scheduler
 from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
 from zeroshard.core.mesh import from_device_mesh, from_mpu
+from zeroshard.core.optim.muon import as_one_optimizer
 from zeroshard.core.optim.optimizer import ZeroOptimizer
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def initialize(
             )
         return _inference(model, cfg, lr_scheduler, training_data, collate_fn)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    torch_optimizer = _build_optimizer(optimizer, cfg, params)
+    torch_optimizer = _build_optimizer(optimizer, cfg, params, model)
     check_shardable(torch_optimizer)
     engine = ZeroEngine(model, torch_optimizer, cfg, group=group, model_parallel=model_parallel)
     engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine, optimizer)
@@ -215,7 +216,7 @@ def _check_stage_without_optimizer(stage: int) -> None:
         )
 
 
-def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
+def _build_optimizer(optimizer, cfg, params, model) -> torch.optim.Optimizer:
     if optimizer is not None and cfg.optimizer is not None:
         warnings.warn(
             "an optimizer was passed to initialize() and the config has an 'optimizer' section: the "
@@ -224,7 +225,7 @@ def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
             stacklevel=3,
         )
     if optimizer is None:
-        return build_optimizer(cfg.optimizer, params)
+        return build_optimizer(cfg.optimizer, params, {id(p): n for n, p in model.named_parameters()})
     if isinstance(optimizer, ZeroOptimizer):
         raise ValueError(
             "initialize(optimizer=...) got the optimizer another initialize() returned: pass a "
@@ -232,10 +233,12 @@ def _build_optimizer(optimizer, cfg, params) -> torch.optim.Optimizer:
         )
     if isinstance(optimizer, torch.optim.Optimizer):
         return optimizer
+    if isinstance(optimizer, (list, tuple)):  # a torch Muon and an AdamW, as torch's recipe holds them
+        return as_one_optimizer(optimizer)
     if callable(optimizer):
-        return optimizer(params)
+        return as_one_optimizer(optimizer(params))
     raise ValueError(
-        f"initialize(optimizer=...) must be a torch optimizer or a callable building one, "
+        f"initialize(optimizer=...) must be a torch optimizer, a list [Muon, AdamW] of them, or a callable building one, "
         f"got {type(optimizer).__name__}"
     )
 
@@ -264,6 +267,8 @@ def _check_scheduler_optimizer(lr_scheduler, basic, client_optimizer) -> None:
     driven = getattr(lr_scheduler, "optimizer", None)
     if not isinstance(driven, torch.optim.Optimizer) or driven is basic:
         return
+    if driven.param_groups and all(any(g is h for h in basic.param_groups) for g in driven.param_groups):
+        return  # one of the optimizers combined into it ([Muon, AdamW]): the same param-group dicts
     source = (
         "the one built from the config's 'optimizer' section"
         if client_optimizer is None

@@ -13,6 +13,11 @@ DeepSpeed semantics (``DeepSpeedEngine._configure_basic_optimizer``):
   docs/bench/cpu_adam.txt: 1552 vs 244 Melem/s on one core here), which matters most for the
   offloaded optimizer step.
 - type "SGD" is torch.optim.SGD with the given params.
+- type "Muon" is DeepSpeed's Muon with auxiliary Adam: the hidden matrices (2-D, name without "embed"
+  or "lm_head") take Muon with ``lr``/``muon_lr``, ``momentum`` and ``weight_decay``; the other
+  parameters take AdamW with ``lr``/``adam_lr``, ``betas``, ``eps`` and ``weight_decay``; trainable
+  parameters only. zeroshard builds torch's classes (``MuonWithAdamW``), so the Newton-Schulz
+  iteration is torch's quintic one (DeepSpeed's ``ns_method`` is reported as not acted on).
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from typing import Any
 
 import torch
 
-from zeroshard.config.schema import AdamParams, OptimizerConfig, SGDParams
+from zeroshard.config.schema import AdamParams, MuonParams, OptimizerConfig, SGDParams
+from zeroshard.core.optim.muon import MuonWithAdamW
+from zeroshard.core.optim.whole import WHOLE_PARAMETER_OPTIMIZERS
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerNotShardableError", "build_optimizer", "check_shardable"]
 
@@ -52,10 +59,16 @@ class OptimizerNotShardableError(ValueError):
     """The optimizer cannot run on a flat shard (not elementwise), or already holds state."""
 
 
-def build_optimizer(section: OptimizerConfig, params: ParamsArg) -> torch.optim.Optimizer:
+def build_optimizer(
+    section: OptimizerConfig, params: ParamsArg, names: dict[int, str] | None = None
+) -> torch.optim.Optimizer:
     """The torch optimizer described by the ``optimizer`` config section, over ``params`` (tensors or
-    param-group dicts, as torch optimizers take them)."""
+    param-group dicts, as torch optimizers take them). ``names``: id(parameter) -> its name in the
+    model, which type Muon splits by."""
     hp = section.params
+    if section.type == "Muon":
+        assert isinstance(hp, MuonParams)
+        return _muon(hp, params, names or {})
     if section.type == "SGD":
         assert isinstance(hp, SGDParams)
         return torch.optim.SGD(
@@ -76,14 +89,42 @@ def build_optimizer(section: OptimizerConfig, params: ParamsArg) -> torch.optim.
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
 
 
+def _muon(hp: MuonParams, params: ParamsArg, names: dict[int, str]) -> MuonWithAdamW:
+    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]  # type: ignore[index]
+    trainable = [p for p in flat if p.requires_grad]
+    hidden = [p for p in trainable if p.ndim == 2 and not _embedding_or_head(names.get(id(p), ""))]
+    others = [p for p in trainable if not any(p is h for h in hidden)]
+    groups: list[dict[str, Any]] = []
+    if hidden:
+        lr = hp.muon_lr if hp.muon_lr is not None else hp.lr
+        groups.append(
+            dict(params=hidden, use_muon=True, momentum=hp.momentum, weight_decay=hp.weight_decay)
+            | ({"lr": lr} if lr is not None else {})
+        )
+    if others:
+        lr = hp.adam_lr if hp.adam_lr is not None else hp.lr
+        groups.append(
+            dict(params=others, use_muon=False, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+            | ({"lr": lr} if lr is not None else {})
+        )
+    if not groups:
+        raise ValueError("optimizer type Muon: the model has no trainable parameters")
+    return MuonWithAdamW(groups)
+
+
+def _embedding_or_head(name: str) -> bool:
+    return any(word in name.lower() for word in ("embed", "lm_head"))
+
+
 def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``OptimizerNotShardableError`` unless ``optimizer`` can be run on flat shards.
 
     Accepted: instances of ``ELEMENTWISE_OPTIMIZERS`` (subclasses included: they keep the parent's
-    update unless they override it, which we cannot see) without any state yet.
+    update unless they override it, which we cannot see), and Muon (``torch.optim.Muon``,
+    ``MuonWithAdamW``), whose matrices are each updated whole by one rank, without any state yet.
     """
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
-        supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS + (MuonWithAdamW,)):
+        supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS)
         raise OptimizerNotShardableError(
             f"{type(optimizer).__name__} cannot be sharded by zeroshard: its update is not elementwise, "
             f"or it is not a torch optimizer zeroshard knows. Supported: {supported} (or subclasses)"

@@ -97,6 +97,11 @@ TABLE: dict[str, Rule] = {
     **_unparsed(
         "DeepSpeed's fused-kernel switch; config-built Adam uses torch's fused kernel anyway", "optimizer.legacy_fusion"
     ),
+    **_parsed(
+        "DeepSpeed's Newton-Schulz variant for Muon; zeroshard builds torch.optim.Muon, which runs the quintic "
+        "iteration of Keller Jordan's Muon",
+        "optimizer.params.ns_method",
+    ),
     **_unparsed(
         "DeepSpeed's fp16 master-weight layout; masters are always fp32 shards here",
         "fp16.fp16_master_weights_and_grads",

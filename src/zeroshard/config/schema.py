@@ -79,7 +79,39 @@ class SGDParams(Section):
         return self
 
 
-OPTIMIZER_TYPES: dict[str, type[Section]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+class MuonParams(Section):
+    """``optimizer.params`` for type Muon: torch's Muon for the hidden matrices (2-D parameters whose
+    name has neither "embed" nor "lm_head", DeepSpeed's split) and AdamW for every other parameter.
+    A key left out takes DeepSpeed's MuonWithAuxAdam default."""
+
+    section_path: ClassVar[str] = "optimizer.params"
+    auto_keys: ClassVar[frozenset[str]] = frozenset({"lr", "betas", "eps", "weight_decay"})
+
+    lr: NonNegFloat | None = None
+    """Learning rate of both parts unless ``muon_lr`` / ``adam_lr`` set theirs (Muon 0.02, AdamW 3e-4)."""
+    muon_lr: NonNegFloat | None = None
+    """Muon's learning rate; overrides ``lr`` for the matrices."""
+    adam_lr: NonNegFloat | None = None
+    """AdamW's learning rate; overrides ``lr`` for the other parameters."""
+    momentum: NonNegFloat = 0.95
+    """Muon's momentum."""
+    weight_decay: NonNegFloat = 0.0
+    """Decoupled weight decay of both parts."""
+    betas: tuple[Fraction, Fraction] = (0.9, 0.95)
+    """AdamW's moment decay rates."""
+    eps: NonNegFloat = 1e-10
+    """AdamW's epsilon."""
+    ns_method: str = "gram"
+    """DeepSpeed's Newton-Schulz variant; torch's Muon runs the quintic iteration, so it is reported as
+    not acted on."""
+
+
+OPTIMIZER_TYPES: dict[str, type[Section]] = {
+    "Adam": AdamParams,
+    "AdamW": AdamParams,
+    "SGD": SGDParams,
+    "Muon": MuonParams,
+}
 
 
 class OptimizerConfig(Section):
@@ -89,8 +121,8 @@ class OptimizerConfig(Section):
     params_by_type: ClassVar[dict[str, type[Section]]] = OPTIMIZER_TYPES
 
     type: str
-    """One of Adam, AdamW, SGD (case-insensitive in the JSON; stored canonically)."""
-    params: AdamParams | SGDParams
+    """One of Adam, AdamW, SGD, Muon (case-insensitive in the JSON; stored canonically)."""
+    params: AdamParams | SGDParams | MuonParams
     """Hyperparameters; which keys are valid depends on ``type``."""
 
     @field_validator("type", mode="before")

@@ -6,6 +6,11 @@ The parameters of a group are packed back to back into a 1-D buffer of `padded_n
 `[r * shard_numel, (r + 1) * shard_numel)`. Because the slices are equal, one all-gather or
 reduce-scatter moves a whole group, and an elementwise optimizer can run on a rank's slice as if it
 were one big parameter. Nothing here communicates; see comm.py for that.
+
+With `owners` (a whole-parameter optimizer's groups: [Note: whole-parameter ownership] in
+owners.py) each parameter sits whole inside its owner's slice instead, the parameters of one owner
+back to back from the slice's start; `shard_numel` is the fullest slice, and the rest of each slice
+is zero padding (`gaps`).
 """
 
 from __future__ import annotations
@@ -27,19 +32,48 @@ class Slot:
 
 
 class FlatLayout:
-    def __init__(self, names: list[str], shapes: list[torch.Size], world_size: int):
+    def __init__(self, names: list[str], shapes: list[torch.Size], world_size: int, owners: list[int] | None = None):
         if not names:
             raise ValueError("a flat layout needs at least one parameter")
-        slots, offset = [], 0
-        for name, shape in zip(names, shapes):
-            numel = int(torch.Size(shape).numel())
-            slots.append(Slot(name, torch.Size(shape), offset, numel))
-            offset += numel
-        self.slots: tuple[Slot, ...] = tuple(slots)
+        numels = [int(torch.Size(shape).numel()) for shape in shapes]
         self.world_size = world_size
-        self.numel = offset
-        self.shard_numel = -(-offset // world_size)  # ceil
+        self.numel = sum(numels)
+        if owners is None:
+            offsets = [sum(numels[:i]) for i in range(len(numels))]
+            self.shard_numel = -(-self.numel // world_size)  # ceil
+        else:
+            if len(owners) != len(names) or any(not 0 <= o < world_size for o in owners):
+                raise ValueError(f"owners {owners} do not give each of {len(names)} parameters a rank < {world_size}")
+            filled = [0] * world_size
+            for owner, numel in zip(owners, numels):
+                filled[owner] += numel
+            self.shard_numel = max(max(filled), 1)
+            offsets, used = [], [0] * world_size
+            for owner, numel in zip(owners, numels):
+                offsets.append(owner * self.shard_numel + used[owner])
+                used[owner] += numel
+        self.owners = tuple(owners) if owners is not None else None
+        self.slots: tuple[Slot, ...] = tuple(
+            Slot(name, torch.Size(shape), offset, numel)
+            for name, shape, offset, numel in zip(names, shapes, offsets, numels)
+        )
+        self._in_buffer_order = tuple(sorted(self.slots, key=lambda s: s.offset))
         self.padded_numel = self.shard_numel * world_size
+
+    def gaps(self, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
+        """The ranges of [start, end) (default: the whole buffer) that no parameter covers: padding,
+        which stays zero."""
+        end = self.padded_numel if end is None else end
+        out, at = [], start
+        for slot in self._in_buffer_order:
+            lo, hi = max(at, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                if at < lo:
+                    out.append((at, lo))
+                at = hi
+        if at < end:
+            out.append((at, end))
+        return out
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
@@ -61,7 +95,7 @@ class FlatLayout:
         """(slot, lo, hi) for each parameter overlapping [start, end) of the padded buffer, in buffer
         order: elements [lo, hi) of the flattened parameter sit at [slot.offset + lo, slot.offset + hi).
         How checkpoints re-slice a parameter between layouts of different world sizes."""
-        for slot in self.slots:
+        for slot in self._in_buffer_order:
             lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
             if lo < hi:
                 yield slot, lo - slot.offset, hi - slot.offset

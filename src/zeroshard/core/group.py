@@ -96,6 +96,7 @@ class FlatGroup:
         rank: int,
         reshards: bool,
         optimizer_group: int | None,
+        owners: list[int] | None = None,
         master_store=None,
         grad_store=None,
         compute_shard: bool = False,
@@ -105,7 +106,8 @@ class FlatGroup:
         self.params = params
         self.tp_specs = [TensorParallelSpec.of(p) for p in params]  # None for a plain tensor
         self._swapped = False  # DTensor parameters already point at the full buffer
-        self.layout = FlatLayout(names, [local_tensor(p).shape for p in params], world_size)
+        # owners: a whole-parameter optimizer's group ([Note: whole-parameter ownership] in owners.py)
+        self.layout = FlatLayout(names, [local_tensor(p).shape for p in params], world_size, owners)
         self.rank = rank
         self.policy = policy
         self.reshards = reshards
@@ -452,7 +454,8 @@ class FlatGroup:
         for slot, unwritten in zip(self.layout.slots, self._unwritten):
             if unwritten:
                 self.full_grad[slot.offset : slot.offset + slot.numel].zero_()
-        self.full_grad[self.layout.numel :].zero_()  # the padding
+        for lo, hi in self.layout.gaps():  # the padding
+            self.full_grad[lo:hi].zero_()
         self._unwritten = None
 
     def note_loaded_grads(self) -> None:

@@ -15,6 +15,7 @@ from zeroshard.core import backend, registry
 from zeroshard.core.comm import Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import local_tensor
+from zeroshard.core.owners import OwnerPlan
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import PrecisionPolicy
@@ -38,6 +39,7 @@ def shard_module(
     placement: Placement | None = None,
     partition: Communicator | None = None,
     links: Links = Links(),
+    owner_plan: OwnerPlan | None = None,
 ) -> list[Unit]:
     """Build the units of `model`. `optimizer_groups`: id(param) -> index of its optimizer param group.
 
@@ -46,6 +48,8 @@ def shard_module(
     gathering would cost more in latency than it saves in memory).
     `partition`: the group the flat layouts are sliced over (default `comm`; a MiCS shard group), and
     `links` the unit's other communicators ([Note: ZeRO++ and MiCS] in unit.py).
+    `owner_plan`: given, the optimizer param groups it names (`whole_groups`) need whole parameters,
+    and their flat groups are laid out by owner ([Note: whole-parameter ownership] in owners.py).
     """
     partition = partition or comm
     named = list(model.named_parameters())  # tied parameters appear once, under their first name
@@ -71,10 +75,20 @@ def shard_module(
         reshards = policy.shard_parameters and unit_name != PERSISTENT
         registry.take_values([param for _, param in members], comm)  # built under zero.Init: one unit in full at a time
         groups = _build_groups(
-            members, policy, comm, optimizer_groups, precision, reshards, placement or Placement(), partition
+            members,
+            policy,
+            comm,
+            optimizer_groups,
+            precision,
+            reshards,
+            placement or Placement(),
+            partition,
+            owner_plan,
         )
         units.append(Unit(unit_name, module_of.get(unit_name), groups, partition, reshards, links))
     log.info("zeroshard: %d units, %s", len(units), ", ".join(f"{u.name}={u.numel}" for u in units))
+    if owner_plan is not None and owner_plan.numel:
+        log.info("zeroshard: whole-parameter optimizer: %s", owner_plan.summary())
     return units
 
 
@@ -87,6 +101,7 @@ def _build_groups(
     reshards: bool,
     placement: Placement,
     partition: Communicator,
+    owner_plan: OwnerPlan | None = None,
 ) -> list[FlatGroup]:
     by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, param in members:
@@ -113,6 +128,8 @@ def _build_groups(
             if param.device.type != "meta":
                 comm.broadcast(local_tensor(param.detach()), 0, f"initial broadcast of '{name}'")
         trainable = index is not None
+        whole = owner_plan is not None and index in owner_plan.groups and policy.shard_optimizer
+        owners = owner_plan.assign([local_tensor(p).shape for p in params]) if owner_plan and whole else None
         device = comm.device if params[0].device.type == "meta" else params[0].device
         master_store, compute_shard = _master_placement(placement, precision, device, reshards, trainable)
         groups.append(
@@ -125,6 +142,7 @@ def _build_groups(
                 rank=partition.rank,
                 reshards=reshards,
                 optimizer_group=index,
+                owners=owners,
                 master_store=master_store,
                 compute_shard=compute_shard,
                 grad_store=placement.optimizer_store if trainable else None,

@@ -34,8 +34,11 @@ from zeroshard.core.gathered import GatherPolicy
 from zeroshard.core.lifecycle import Lifecycle, Phase, tensors_in
 from zeroshard.core.mesh import ModelParallel, NormScope, zero_groups
 from zeroshard.core.optim.groups import optimizer_group_index, repoint_optimizer
+from zeroshard.core.optim.muon import as_one_optimizer
 from zeroshard.core.optim.optimizer import ZeroOptimizer
 from zeroshard.core.optim.streamed import StreamedStep, split
+from zeroshard.core.optim.whole import whole_param_groups
+from zeroshard.core.owners import OwnerPlan
 from zeroshard.core.param_gather import DeferredGather, refresh_parameters
 from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
@@ -49,7 +52,7 @@ log = logging.getLogger(__name__)
 
 def shard(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     *,
     stage: int | StagePolicy = 3,
     mesh=None,
@@ -62,7 +65,10 @@ def shard(
 
     `optimizer`: a torch optimizer over `model`'s parameters with an elementwise update (SGD, Adam,
     AdamW, ...); it is kept (class, hyper-parameters, param-group dicts) and re-pointed at this
-    rank's fp32 master shards. None: for inference only (forward passes; `backward` and `step` raise).
+    rank's fp32 master shards. Muon (`torch.optim.Muon`, or `MuonWithAdamW`'s `use_muon` groups, or
+    a list `[muon, adamw]`) updates whole matrices: each is owned whole by one rank, which alone
+    updates it ([Note: whole-parameter ownership] in core/owners.py). None: for inference only
+    (forward passes; `backward` and `step` raise).
     `mesh`: where ZeRO shards: None (the world), a ProcessGroup, or a DeviceMesh with dimensions
     named 'dp' and 'tp' and/or 'pp' (ZeRO shards over 'dp' and completes the gradient norm over the
     others; ZeroGroups from `zeroshard.core.mesh.from_mpu` for a Megatron mpu), see [Note: ZeRO
@@ -79,7 +85,7 @@ def shard(
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
     return Sharded(
         model,
-        optimizer,
+        as_one_optimizer(optimizer),
         communicator,
         policy,
         precision or PrecisionPolicy(),
@@ -119,6 +125,15 @@ class Sharded:
         _cast_buffers(model, precision.param_dtype)
         optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
         self.partition, self.links = build_links(comm, policy, comm_policy)
+        whole = whole_param_groups(optimizer)
+        if whole and placement.optimizer_store is not None:
+            raise ValueError(
+                f"{type(optimizer).__name__} updates whole matrices, and an offloaded optimizer step runs in "
+                "sub-groups of flat shards: offload of optimizer states is not supported with it (leave "
+                "offload's optimizer store unset)"
+            )
+        # [Note: whole-parameter ownership] in core/owners.py
+        self.owner_plan = OwnerPlan(self.partition.world_size, whole) if whole else None
         self.units = shard_module(
             model,
             policy,
@@ -130,6 +145,7 @@ class Sharded:
             wrap_modules=list(gathering.wrap) if gathering.wrap else None,
             partition=self.partition,
             links=self.links,
+            owner_plan=self.owner_plan,
         )
         self.groups = [g for unit in self.units for g in unit.groups]
         self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
@@ -138,7 +154,7 @@ class Sharded:
         self.optimizer: ZeroOptimizer | None = None
         self.norm_comms = self._norm_comms(comm)
         if optimizer is not None:
-            repoint_optimizer(optimizer, self.groups)
+            matrices = repoint_optimizer(optimizer, self.groups)
             norm = NormScope.build(model_parallel, self.groups, self.norm_comms)
             self.optimizer = ZeroOptimizer(
                 optimizer,
@@ -150,6 +166,7 @@ class Sharded:
                 self._streamed_step(optimizer),
                 norm=norm,
                 replica=self.links.replica,
+                matrices=matrices,
             )
         # overlap_comm: off, each unit's reduction is waited for before backward goes on (none in
         # flight); on, one is in flight while the next unit's backward computes ([Note: one

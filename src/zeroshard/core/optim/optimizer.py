@@ -4,7 +4,8 @@ The user's (or the config's) torch optimizer is kept — its class, hyper-parame
 dicts, so LR schedulers built against it keep working — but each param group's `params` is
 re-pointed at the fp32 master shards of the flat groups (see [Note: flat layout]). That is correct
 exactly for optimizers whose update of an element depends only on that element's own state
-(SGD, Adam, AdamW, ...), which `check_shardable` enforces. Its state is also kept per flat group in
+(SGD, Adam, AdamW, ...), which `check_shardable` enforces. Param groups of a whole-parameter
+optimizer (Muon) step views of the whole matrices this rank owns instead (core/optim/whole.py). Its state is also kept per flat group in
 the form checkpoints save and load (`group_state`, `load_group_state`: the checkpoint contract).
 """
 
@@ -25,6 +26,7 @@ from zeroshard.core.optim.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.optim.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.optim.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
 from zeroshard.core.optim.streamed import StreamedStep, is_elementwise
+from zeroshard.core.optim.whole import Owned, flat_state, load_flat_state
 from zeroshard.core.param_gather import refresh_parameters
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import DynamicLossScaler
@@ -51,6 +53,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         streamed: StreamedStep | None = None,
         norm: NormScope | None = None,
         replica: Communicator | None = None,
+        matrices: dict[int, list[Owned]] | None = None,
     ):
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
@@ -79,6 +82,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.snapshot_peak_bytes = 0  # what the last step copied with "copy" ([Note: one group at a time])
         self._per_group: bool | None = None  # steps_apart_alike(optimizer), asked at the first step
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
+        # id(flat group) -> the parameters this rank updates whole in it (whole-parameter param groups)
+        self.matrices = matrices or {}
 
     @property
     def name(self) -> str:  # the torch optimizer's class name, which checkpoints record and check
@@ -255,7 +260,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self._per_group = (
             self._per_group
             if self._per_group is not None
-            else bool(self.groups) and steps_apart_alike(self.optimizer, self.groups[0].master.device)
+            else bool(self.groups)
+            and steps_apart_alike(
+                self.optimizer,
+                self.groups[0].master.device,
+                {g.optimizer_group for g in self.groups if id(g) in self.matrices},
+            )
         )
         return self._per_group
 
@@ -263,19 +273,22 @@ class ZeroOptimizer(torch.optim.Optimizer):
         """The update; groups with parameters that got no gradient step in runs ([Note: parameters
         without a gradient] in masked.py)."""
         uniform = {id(g): self._uniform_state(g) for g in self.groups}
-        plans = {id(g): self.slot_states.plan(g, seen[id(g)], uniform[id(g)]) for g in self.groups}
+        plans = {
+            id(g): None if id(g) in self.matrices else self.slot_states.plan(g, seen[id(g)], uniform[id(g)])
+            for g in self.groups
+        }
         if self.streamed is not None:
             for group in self.groups:
                 update.begin(group, self._stepping_params(group))
             results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)}, plans)
         else:
-            results = self._apply_in_memory(grads, plans, update)
+            results = self._apply_in_memory(grads, plans, update, seen)
         advanced: dict = {}
         for group in self.groups:
             if plans[id(group)] is not None and any(seen[id(group)]):
                 self._settle(group, uniform[id(group)], seen[id(group)], results.get(id(group), []), advanced)
 
-    def _apply_in_memory(self, grads: list, plans, update: _Update) -> dict[int, list]:
+    def _apply_in_memory(self, grads: list, plans, update: _Update, seen: dict[int, list[bool]]) -> dict[int, list]:
         """One group at a time where that is the same update, each group's gradient freed once it
         is spent; else all groups in one optimizer step ([Note: one group at a time] in rollback.py)."""
         indices = list(range(len(self.groups)))
@@ -283,15 +296,21 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for batch in [[i] for i in indices] if self._steps_per_group() else [indices]:
             batch_groups = [self.groups[i] for i in batch]
             for group in batch_groups:
-                update.begin(group, [group.master])
+                update.begin(group, self._stepping_params(group))
             for group, i in zip(batch_groups, batch):
-                group.master.grad = grads[i] if plans[id(group)] is None else None  # torch skips grad None
+                if id(group) in self.matrices:  # whole parameters; one never given a gradient stays as it is
+                    for m in self.matrices[id(group)]:
+                        m.view.grad = grads[i][m.lo : m.hi].view(m.view.shape) if seen[id(group)][m.slot] else None
+                else:
+                    group.master.grad = grads[i] if plans[id(group)] is None else None  # torch skips grad None
             try:
                 if any(plans[id(g)] is None for g in batch_groups):
                     self.optimizer.step()
             finally:
                 for group in batch_groups:
                     group.master.grad = None
+                    for m in self.matrices.get(id(group), ()):
+                        m.view.grad = None
             for group, i in zip(batch_groups, batch):
                 if plans[id(group)]:
                     results[id(group)] = step_runs(
@@ -326,10 +345,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.optimizer.state.pop(stand_in, None)
 
     def _stepping_params(self, group: FlatGroup) -> list[torch.Tensor]:
-        """The tensors the torch optimizer keys this group's state by: its master, or its sub-groups."""
+        """The tensors the torch optimizer keys this group's state by: its master, its sub-groups, or
+        the views of the whole parameters this rank owns."""
+        if id(group) in self.matrices:
+            return [m.view for m in self.matrices[id(group)]]
         return [s.param for s in self.streamed.subs_of(group)] if self.streamed is not None else [group.master]
 
     def _uniform_state(self, group: FlatGroup) -> dict | None:
+        if id(group) in self.matrices:  # per-parameter state only (Muon's momentum)
+            return None
         param = self._stepping_params(group)[0]
         return scalars_of(self.optimizer.state.get(param), param)
 
@@ -404,7 +428,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
     def group_state(self, group: FlatGroup) -> dict:
         """The optimizer state of one flat group as if the torch optimizer stepped `group.master` in
         one piece: elementwise tensors (1-D, numel = master.numel()) and scalars (Adam's `step`),
-        whatever sub-groups the streamed step cuts it into. {} before the first step."""
+        whatever sub-groups the streamed step cuts it into. {} before the first step. A whole-parameter
+        group's state is each owned parameter's, laid out like the master (core/optim/whole.py)."""
+        if id(group) in self.matrices:
+            return flat_state(self.optimizer.state, self.matrices[id(group)], group.master)
         state = (
             self.streamed.state_of(group)
             if self.streamed is not None
@@ -423,6 +450,14 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"optimizer state '{key}' of '{group.names[0]}...' has {value.numel()} elements, "
                     f"the group's shard has {group.master.numel()}"
                 )
+        if id(group) in self.matrices:
+            if any(not is_elementwise(v, group.master) for v in state.values()):
+                raise ValueError(
+                    f"optimizer state of '{group.names[0]}...' has keys {sorted(state)} that are not per element; "
+                    f"{self.name} keeps per-parameter tensors only"
+                )
+            load_flat_state(self.optimizer.state, self.matrices[id(group)], state)
+            return
         state = self.slot_states.absorb(group, state)
         if self.streamed is not None:
             self.streamed.load_state(group, state)

@@ -107,24 +107,29 @@ class Snapshot:
         self.slot_states.diverged = self.diverged
 
 
-def steps_apart_alike(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+def steps_apart_alike(
+    optimizer: torch.optim.Optimizer, device: torch.device, whole: set | frozenset = frozenset()
+) -> bool:
     """Is one `optimizer.step()` per flat group (the other groups' gradients None) the same update
     as one step() over all of them ([Note: one group at a time])? True for torch's optimizers,
     which keep every state per tensor; False for one that counts steps per param group (apex's and
     DeepSpeed's FusedAdam keep `group["step"]`). Asked of twins over two 3-element tensors on
     `device` (the masters') with each param group's hyper-parameters, three steps each, so the
     user's optimizer is not touched; a twin that cannot step there answers False (one step() over
-    all groups, which is never wrong)."""
+    all groups, which is never wrong). The param groups in `whole` step whole parameters, each with
+    state of its own (Muon): they are not asked."""
     try:
-        return _alike(optimizer, device)
+        return _alike(optimizer, device, whole)
     except Exception:  # noqa: BLE001 - a probe only: the real step reports the optimizer's errors
         return False
 
 
-def _alike(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+def _alike(optimizer: torch.optim.Optimizer, device: torch.device, whole) -> bool:
     generator = torch.Generator().manual_seed(0)
     rounds = [[torch.randn(3, generator=generator).to(device) for _ in range(2)] for _ in range(3)]
-    for param_group in optimizer.param_groups:
+    for index, param_group in enumerate(optimizer.param_groups):
+        if index in whole:
+            continue
         hyper = {k: v for k, v in param_group.items() if k != "params"}
         twins = []
         for _ in range(2):

@@ -1,0 +1,88 @@
+"""Which rank updates each whole parameter of a whole-parameter optimizer (Muon).
+
+[Note: whole-parameter ownership]
+Muon's update of a matrix depends on the whole matrix (Newton-Schulz orthogonalises its momentum),
+so the flat slice a rank owns must not cut one. For the param groups of such an optimizer, a flat
+group's layout puts every parameter whole inside one rank's slice, its owner (flat.py, `owners`):
+the stage's reduce-scatter then leaves the whole averaged gradient on the owner, which alone runs
+the update, and the stage's all-gather hands the new values to the others. No collective is added;
+what it costs is padding, because slices are equal and the busiest one sets their size.
+
+Owners are chosen per flat group in two steps. First the parameters are packed into `world_size`
+bins by largest-first, each into the bin with the fewest elements (least padding: the slice size is
+the largest bin). Then the bins go to ranks, the bin with the most Newton-Schulz work to the rank
+with the least work so far over the whole model: one GPT block at 2 ranks packs 7d²|5d², and the
+next block gives its 7d² to the other rank, so the update work evens out over the blocks while each
+group keeps its least padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+def newton_schulz_flops(shape: torch.Size, steps: int = 5) -> float:
+    """Multiply-adds of `steps` quintic Newton-Schulz iterations on a matrix of `shape` (trailing
+    dimensions flattened): per step X Xᵀ, A A and B X, each about m·m·n with m = the smaller side."""
+    rows = int(shape[0]) if len(shape) else 1
+    cols = math.prod(int(d) for d in shape[1:]) if len(shape) > 1 else 1
+    small, large = min(rows, cols), max(rows, cols)
+    return float(steps) * (2 * small * small * large + small**3)
+
+
+@dataclass
+class OwnerPlan:
+    """Owners for every whole-parameter flat group of one model, and what they cost."""
+
+    world_size: int
+    groups: frozenset[int]  # the optimizer param groups that need whole parameters
+    flops: list[float] = field(default_factory=list)  # Newton-Schulz work per rank so far
+    numel: int = 0  # elements of whole parameters planned
+    padded_numel: int = 0  # what their flat groups take, padding included
+
+    def __post_init__(self) -> None:
+        if not self.flops:
+            self.flops = [0.0] * self.world_size
+
+    def assign(self, shapes: list[torch.Size]) -> list[int]:
+        """The owning rank of each parameter of one flat group (see [Note: whole-parameter ownership])."""
+        world = self.world_size
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        costs = [newton_schulz_flops(torch.Size(s)) for s in shapes]
+        bins: list[list[int]] = [[] for _ in range(world)]
+        filled = [0] * world
+        for index in sorted(range(len(shapes)), key=lambda i: (-sizes[i], i)):
+            target = min(range(world), key=lambda b: (filled[b], b))
+            bins[target].append(index)
+            filled[target] += sizes[index]
+        work = [sum(costs[i] for i in members) for members in bins]
+        by_work = sorted(range(world), key=lambda b: (-work[b], -filled[b], b))
+        by_load = sorted(range(world), key=lambda r: (self.flops[r], r))
+        owners = [0] * len(shapes)
+        for b, rank in zip(by_work, by_load):
+            for index in bins[b]:
+                owners[index] = rank
+            self.flops[rank] += work[b]
+        self.numel += sum(sizes)
+        self.padded_numel += max(max(filled), 1) * world
+        return owners
+
+    @property
+    def padding(self) -> float:
+        """Padding as a fraction of the whole parameters' elements (what the collectives move extra)."""
+        return (self.padded_numel - self.numel) / self.numel if self.numel else 0.0
+
+    @property
+    def imbalance(self) -> float:
+        """The busiest rank's Newton-Schulz work over the mean (1.0: even)."""
+        mean = sum(self.flops) / len(self.flops)
+        return max(self.flops) / mean if mean else 1.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.numel} elements of whole parameters over {self.world_size} ranks: padding "
+            f"{100 * self.padding:.1f}%, busiest rank's Newton-Schulz work {self.imbalance:.3f}x the mean"
+        )

@@ -1,0 +1,312 @@
+"""Muon under ZeRO: each matrix updated whole, by one rank, against DDP with the same torch optimizers.
+
+The oracle steps a `torch.optim.Muon` over the hidden matrices and a `torch.optim.AdamW` over the
+rest, one after the other, under DistributedDataParallel; zeroshard gets the same two optimizers as a
+list. At 2 ranks fp32 every stage is bit for bit (the reduce-scatter hands the owner the bits DDP's
+all-reduce gives every rank).
+
+[Note: Muon amplifies summation order]
+At 4 ranks the gradients differ from DDP's in the last bits (another summation order), and torch's
+Muon orthogonalises in bfloat16: a one-ulp change of a gradient moves an update element by up to one
+bf16 step (2^-8 relative), so after 5 steps two runs that differ only in summation order are about
+1e-2 apart relative to a matrix, not 1e-5. The test measures that floor in the same ranks (the
+oracle's math in one process, summing the 4 ranks' gradients in rank order, against DDP) and holds
+zeroshard to within 3x of it; a wrong owner, a lost or doubled update would be off by 1e-1 or more.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_batches, gpt_loss, train_ddp, train_single
+from tests.zs_common import assert_close, full_params, gpt_model_fn, make_config, relative_error, train_engine
+from zeroshard import MuonWithAdamW
+from zeroshard.config import ConfigKeyNotActedOnWarning
+from zeroshard.core.flat import FlatLayout
+from zeroshard.core.owners import OwnerPlan
+from zeroshard.tools.models.gpt import tiny_gpt_config
+
+STEPS = 5
+MUON_LR, ADAM_LR = 0.02, 1e-2
+CONFIG = tiny_gpt_config()
+EMBEDDINGS = {CONFIG.vocab_size, CONFIG.block_size}  # first dimension of wte and wpe
+
+
+def _hidden(params) -> tuple[list, list]:
+    """The test GPT's hidden matrices (2-D, not an embedding), and the other parameters."""
+    params = list(params)
+    hidden = [p for p in params if p.ndim == 2 and p.shape[0] not in EMBEDDINGS]
+    return hidden, [p for p in params if all(p is not h for h in hidden)]
+
+
+def muon_and_adamw(params) -> list[torch.optim.Optimizer]:
+    hidden, rest = _hidden(params)
+    return [torch.optim.Muon(hidden, lr=MUON_LR), torch.optim.AdamW(rest, lr=ADAM_LR, weight_decay=0.1)]
+
+
+class _OneAfterTheOther:
+    """The oracle: torch's recipe, two optimizers stepped in turn."""
+
+    def __init__(self, params):
+        self.optimizers = muon_and_adamw(params)
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+
+# -- planning and layout, in one process ---------------------------------------------------------------
+
+
+def _gpt_block_shapes(d: int, blocks: int) -> list[list[torch.Size]]:
+    return [[torch.Size([3 * d, d]), torch.Size([d, d]), torch.Size([4 * d, d]), torch.Size([d, 4 * d])]] * blocks
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_owners_balance_the_newton_schulz_work_over_a_gpt(world):
+    plan = OwnerPlan(world, frozenset({0}))
+    for shapes in _gpt_block_shapes(64, 12):
+        owners = plan.assign(shapes)
+        assert len(owners) == 4 and all(0 <= o < world for o in owners)
+    assert plan.imbalance <= 1.15, plan.summary()
+
+
+def test_owner_padding_is_the_least_a_whole_matrix_split_allows():
+    # one block: 3d², d², 4d², 4d² -> at 2 ranks 7d² | 5d² (the best split), at 4 ranks 4 | 4 | 3 | 1
+    for world, padding in ((1, 0.0), (2, 2 / 12), (4, 4 / 12)):
+        plan = OwnerPlan(world, frozenset({0}))
+        plan.assign(_gpt_block_shapes(8, 1)[0])
+        assert plan.padding == pytest.approx(padding), (world, plan.summary())
+
+
+def test_an_owner_aligned_layout_keeps_each_parameter_whole_in_its_owners_slice():
+    shapes = [torch.Size([6, 4]), torch.Size([3]), torch.Size([2, 4]), torch.Size([5, 5])]
+    owners = [1, 0, 0, 2]
+    layout = FlatLayout(["a", "b", "c", "d"], shapes, 3, owners)
+    assert layout.shard_numel == 25 and layout.padded_numel == 75
+    for slot, owner in zip(layout.slots, owners):
+        start, end = layout.shard_range(owner)
+        assert start <= slot.offset and slot.offset + slot.numel <= end, slot
+    assert layout.gaps() == [(11, 25), (49, 50)]
+    pieces = list(layout.pieces_in(0, 75))
+    assert [p[0].name for p in pieces] == ["b", "c", "a", "d"]  # buffer order
+    full = torch.arange(75.0)
+    views = layout.views(full)
+    assert [v.shape for v in views] == shapes and views[0][0, 0] == 25
+    with pytest.raises(ValueError, match="owners"):
+        FlatLayout(["a"], [torch.Size([2])], 2, [2])
+
+
+def test_muon_with_adamw_steps_what_the_two_torch_optimizers_step():
+    def model():
+        torch.manual_seed(0)
+        return zeroshard.tools.models.gpt.GPT(CONFIG)
+
+    inputs, targets = gpt_batches(CONFIG)(0, 0, 0)
+    ours, theirs = model(), model()
+    combined = MuonWithAdamW.combine(*muon_and_adamw(ours.parameters()))
+    separate = _OneAfterTheOther(theirs.parameters())
+    for _ in range(3):
+        for net, opt in ((ours, combined), (theirs, separate)):
+            gpt_loss(net, inputs, targets).backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, a), b in zip(ours.named_parameters(), theirs.parameters()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="one torch.optim.Muon"):
+        MuonWithAdamW.combine(torch.optim.SGD(ours.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="use_muon"):
+        MuonWithAdamW([{"params": list(ours.parameters())}])
+
+
+def test_the_config_builds_muon_for_hidden_matrices_as_deepspeed_splits():
+    model = zeroshard.tools.models.gpt.GPT(CONFIG)
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "muon", "params": {"lr": 0.01, "adam_lr": 1e-3, "momentum": 0.9, "ns_method": "gram"}},
+    }
+    cfg = zeroshard.load_config(config, world_size=1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    from zeroshard.compat.optimizers import build_optimizer
+
+    optimizer = build_optimizer(cfg.optimizer, list(model.parameters()), names)
+    muon, adamw = optimizer.param_groups
+    assert muon["use_muon"] and not adamw["use_muon"]
+    assert (muon["lr"], muon["momentum"], adamw["lr"], adamw["betas"], adamw["eps"]) == (
+        0.01,
+        0.9,
+        1e-3,
+        (0.9, 0.95),
+        1e-10,
+    )
+    in_muon = {names[id(p)] for p in muon["params"]}
+    # DeepSpeed's rule: 2-D and the name has neither "embed" nor "lm_head" (this GPT names them wte / wpe)
+    assert in_muon == {n for n, p in model.named_parameters() if p.ndim == 2}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zeroshard.load_config(config, world_size=1)
+    assert any(issubclass(w.category, ConfigKeyNotActedOnWarning) and "ns_method" in str(w.message) for w in caught)
+
+
+# -- against DDP, on gloo ranks ------------------------------------------------------------------------
+
+
+def _parity_case(stage: int, gas: int, clip: float, world: int) -> dict:
+    batches = gpt_batches(CONFIG, batch_size=4)
+    model_fn = gpt_model_fn() if world == 2 else gpt_model_fn(bias=False)  # tests/test_parity.py: the key bias
+    ref = train_ddp(
+        model_fn,
+        batches,
+        optimizer_fn=_OneAfterTheOther,
+        steps=STEPS,
+        grad_accum=gas,
+        clip=clip,
+        reduce_every_micro_step=stage >= 2,
+        record_params=True,
+    )
+    ours = train_engine(
+        model_fn,
+        batches,
+        config=make_config(stage, gas, clip),
+        optimizer_fn=muon_and_adamw,
+        steps=STEPS,
+        record_params=True,
+    )
+    what = f"Muon stage {stage} gas {gas} clip {clip} world {world}"
+    if world == 2:
+        assert_close(ours, ref, exact=True, what=what)
+    else:  # [Note: Muon amplifies summation order]
+        kwargs = dict(grad_accum=gas, clip=clip, reduce_every_micro_step=stage >= 2, record_params=True)
+        floor_run = train_single(
+            model_fn, batches, optimizer_fn=_OneAfterTheOther, steps=STEPS, world_size=world, **kwargs
+        )
+        floor = max(_worst(a, b) for a, b in zip(floor_run["params_per_step"], ref["params_per_step"]))
+        error = max(_worst(a, b) for a, b in zip(ours["params_per_step"], ref["params_per_step"]))
+        assert floor > 0 and error <= 3 * floor + 1e-5, (
+            f"{what}: {error:.2e} from DDP; summation order alone: {floor:.2e}"
+        )
+    if clip:
+        assert min(ref["grad_norms"]) > clip, "clipping must engage"
+    assert ref["losses"][-1][0] < ref["losses"][0][0], "the task must be learnable"
+    return {"stage": stage, "bytes": ours["comm_per_step"]}
+
+
+def _worst(params: dict, ref: dict) -> float:
+    return max(relative_error(name, params[name], ref[name]) for name in ref)
+
+
+def _updates_per_matrix(stage: int) -> dict:
+    """Count, with the inner Muon's step pre-hook, which matrices each rank's Muon updates (the
+    parameters it is given a gradient for): each must be updated by exactly one rank per step."""
+    model = gpt_model_fn()()
+    hidden = {n for n, p in model.named_parameters() if p.ndim == 2 and p.shape[0] not in EMBEDDINGS}
+    engine, optimizer, _, _ = zeroshard.initialize(
+        model=model, optimizer=muon_and_adamw(model.parameters()), config=make_config(stage)
+    )
+    names = {
+        id(m.view): g.layout.slots[m.slot].name for g in engine.groups for m in engine.optimizer.matrices.get(id(g), [])
+    }
+    counts: dict[str, int] = {}
+
+    def count(muon, args, kwargs):
+        for group in muon.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    counts[names[id(p)]] = counts.get(names[id(p)], 0) + 1
+
+    engine.optimizer.optimizer.muon.register_step_pre_hook(count)
+    batches = gpt_batches(CONFIG, batch_size=4)
+    for step in range(2):
+        engine.backward(gpt_loss(engine, *batches(step, 0, engine.global_rank)))
+        engine.step()
+    every = engine.comm.all_gather_objects(counts, "test: Muon updates")
+    engine.destroy()
+    total: dict[str, int] = {}
+    for per_rank in every:
+        for name, n in per_rank.items():
+            total[name] = total.get(name, 0) + n
+    once = 1 if stage >= 1 else dist.get_world_size()  # stage 0 is DDP: every rank updates every matrix
+    assert set(total) == hidden and set(total.values()) == {2 * once}, (stage, total)  # 2 steps
+    if stage >= 1:
+        assert all(len(per_rank) < len(hidden) for per_rank in every), every  # split between ranks
+    return total
+
+
+def _resume_case(saved_stage: int, loaded_stage: int, directory: str) -> None:
+    """Save after 2 steps, load into a fresh engine (another stage), train 2 more: as if never stopped."""
+    batches = gpt_batches(CONFIG, batch_size=4)
+
+    def engine_at(stage):
+        model = gpt_model_fn()()
+        engine, *_ = zeroshard.initialize(
+            model=model, optimizer=muon_and_adamw(model.parameters()), config=make_config(stage)
+        )
+        return engine
+
+    def train(engine, steps):
+        for step in steps:
+            engine.backward(gpt_loss(engine, *batches(step, 0, engine.global_rank)))
+            engine.step()
+
+    straight = engine_at(loaded_stage)
+    train(straight, range(4))
+    expected = full_params(straight)
+    straight.destroy()
+    first = engine_at(saved_stage)
+    train(first, range(2))
+    first.save_checkpoint(directory, tag=f"muon{saved_stage}{loaded_stage}")
+    first.destroy()
+    second = engine_at(loaded_stage)
+    second.load_checkpoint(directory, tag=f"muon{saved_stage}{loaded_stage}")
+    train(second, range(2, 4))
+    got = full_params(second)
+    second.destroy()
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), (saved_stage, loaded_stage, name)
+
+
+def _composable_case() -> None:
+    """zeroshard.shard takes the pair too; plain loss.backward() and step()."""
+    batches = gpt_batches(CONFIG, batch_size=4)
+    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=_OneAfterTheOther, steps=3, reduce_every_micro_step=True)
+    model = gpt_model_fn()()
+    sharded = zeroshard.shard(
+        model, muon_and_adamw(model.parameters()), stage=3, gathering=zeroshard.GatherPolicy(persistence_threshold=0)
+    )
+    for step in range(3):
+        gpt_loss(sharded, *batches(step, 0, dist.get_rank())).backward()
+        sharded.step()
+    sharded.wait_parameters()
+    with sharded.gathered_parameters(list(model.parameters())):
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), ref["params"][name]), name
+    sharded.destroy()
+
+
+def _worker(rank: int, world: int, directory: str) -> dict:
+    cases = [dict(stage=s, gas=g, clip=c, world=world) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
+    out = {"parity": subtests(cases, _parity_case)}
+    if world == 2:
+        out["updates"] = subtests([dict(stage=s) for s in range(4)], _updates_per_matrix)
+        out["resume"] = subtests(
+            [dict(saved_stage=a, loaded_stage=b, directory=directory) for a, b in ((3, 1), (1, 3), (2, 2))],
+            _resume_case,
+        )
+        _composable_case()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_muon_matches_ddp_with_the_same_torch_optimizers(world, tmp_path):
+    reports = run_distributed(_worker, world, timeout=600, directory=str(tmp_path))
+    assert all(r["parity"] == reports[0]["parity"] for r in reports)
