@@ -90,7 +90,7 @@ def build_optimizer(
 
 
 def _muon(hp: MuonParams, params: ParamsArg, names: dict[int, str]) -> MuonWithAdamW:
-    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]  # type: ignore[index]
+    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     trainable = [p for p in flat if p.requires_grad]
     hidden = [p for p in trainable if p.ndim == 2 and not _embedding_or_head(names.get(id(p), ""))]
     others = [p for p in trainable if not any(p is h for h in hidden)]
