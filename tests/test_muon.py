@@ -16,6 +16,7 @@ zeroshard to within 3x of it; a wrong owner, a lost or doubled update would be o
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -275,6 +276,56 @@ def _resume_case(saved_stage: int, loaded_stage: int, directory: str) -> None:
         assert torch.equal(got[name], expected[name]), (saved_stage, loaded_stage, name)
 
 
+def _bf16_case(stage: int) -> float:
+    """bf16 compute, fp32 masters: the recipe of tests/test_precision.py with Muon + AdamW on the masters
+    (2 ranks emulated in one process, gradients averaged in bf16 in rank order)."""
+    batches, world, steps = gpt_batches(CONFIG, batch_size=4), dist.get_world_size(), 5
+    model = gpt_model_fn()()
+    config = make_config(stage)
+    config["bf16"] = {"enabled": True}
+    engine, *_ = zeroshard.initialize(model=model, optimizer=muon_and_adamw(model.parameters()), config=config)
+    for step in range(steps):
+        engine.backward(gpt_loss(engine, *batches(step, 0, engine.global_rank)))
+        engine.step()
+    ours = {n: m.float() for n, m in _masters(engine).items()}
+    engine.destroy()
+    master = gpt_model_fn()()
+    compute = copy.deepcopy(master).to(torch.bfloat16)
+    optimizer = _OneAfterTheOther(master.parameters())
+    for step in range(steps):
+        per_rank = []
+        for rank in range(world):
+            compute.zero_grad(set_to_none=True)
+            gpt_loss(compute, *batches(step, 0, rank)).float().backward()
+            per_rank.append([p.grad * (1.0 / world) for p in compute.parameters()])
+        for p32, grads in zip(master.parameters(), zip(*per_rank)):
+            total = grads[0].clone()
+            for g in grads[1:]:
+                total += g
+            p32.grad = total.float()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for p16, p32 in zip(compute.parameters(), master.parameters()):
+                p16.copy_(p32)
+    for name, p in master.named_parameters():
+        assert torch.equal(ours[name], p.detach()), (stage, name, relative_error(name, ours[name], p.detach()))
+    return 0.0
+
+
+def _masters(engine) -> dict:
+    """fp32 master values by parameter name, assembled from every rank's shard."""
+    out = {}
+    for group in engine.groups:
+        full = group.master
+        if group.opt_range != (0, group.layout.padded_numel):
+            full = torch.empty(group.layout.padded_numel)
+            engine.comm.all_gather(full, group.master.contiguous(), "test: gather masters")
+        for slot, view in zip(group.layout.slots, group.layout.views(full)):
+            out[slot.name] = view.clone()
+    return out
+
+
 def _composable_case() -> None:
     """zeroshard.shard takes the pair too; plain loss.backward() and step()."""
     batches = gpt_batches(CONFIG, batch_size=4)
@@ -303,7 +354,53 @@ def _worker(rank: int, world: int, directory: str) -> dict:
             _resume_case,
         )
         _composable_case()
+        out["bf16"] = subtests([dict(stage=s) for s in range(1, 4)], _bf16_case)
     return out
+
+
+# -- checkpoints at another world size ----------------------------------------------------------------
+# An untied head: a unit of its own holding one matrix, so at 4 ranks three of them own nothing in it.
+RESHARD_MODEL = dict(tie_weights=False, vocab_size=512)
+
+
+def _reshard_engine(stage: int, world: int):
+    model = gpt_model_fn(**RESHARD_MODEL)()
+    config = make_config(stage, micro=8 // world)
+    engine, *_ = zeroshard.initialize(model=model, optimizer=muon_and_adamw(model.parameters()), config=config)
+    return engine
+
+
+def _save_after_training(rank: int, world: int, root: str) -> None:
+    engine = _reshard_engine(2, world)
+    batches = gpt_batches(tiny_gpt_config(**RESHARD_MODEL), batch_size=8 // world)
+    for step in range(2):
+        engine.backward(gpt_loss(engine, *batches(step, 0, rank)))
+        engine.step()
+    engine.save_checkpoint(f"{root}/trained", tag="t")
+    engine.destroy()
+
+
+def _load_and_save(rank: int, world: int, root: str, source: str, stages: list[int]) -> None:
+    for stage in stages:
+        engine = _reshard_engine(stage, world)
+        engine.load_checkpoint(f"{root}/{source}", tag="t")
+        engine.save_checkpoint(f"{root}/{source}-at{world}-stage{stage}", tag="t")
+        engine.destroy()
+
+
+def test_muon_checkpoints_reshard_bit_for_bit_across_world_sizes_and_stages(tmp_path):
+    """Saved at 2 ranks (stage 2), loaded and saved again at 4 ranks (stages 1 and 3), then back at 2
+    (stage 3): every checkpoint holds the same masters, Muon momenta and AdamW moments by name."""
+    from tests.test_checkpoint_reshard import checkpoint_states, state_difference
+
+    root = str(tmp_path)
+    run_distributed(_save_after_training, 2, timeout=300, root=root)
+    run_distributed(_load_and_save, 4, timeout=300, root=root, source="trained", stages=[1, 3])
+    run_distributed(_load_and_save, 2, timeout=300, root=root, source="trained-at4-stage3", stages=[3])
+    original = checkpoint_states(f"{root}/trained")
+    assert any("momentum_buffer" in entry for name, entry in original.items() if name.endswith("lm_head.weight"))
+    for copy_ in ("trained-at4-stage1", "trained-at4-stage3", "trained-at4-stage3-at2-stage3"):
+        assert state_difference(checkpoint_states(f"{root}/{copy_}"), original) is None, copy_
 
 
 @pytest.mark.parametrize("world", [2, 4])

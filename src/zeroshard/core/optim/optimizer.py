@@ -26,7 +26,7 @@ from zeroshard.core.optim.masked import SlotStates, scalars_of, step_runs
 from zeroshard.core.optim.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.optim.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
 from zeroshard.core.optim.streamed import StreamedStep, is_elementwise
-from zeroshard.core.optim.whole import Owned, flat_state, load_flat_state
+from zeroshard.core.optim.whole import Owned, flat_state, load_flat_state, state_keys
 from zeroshard.core.param_gather import refresh_parameters
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.precision import DynamicLossScaler
@@ -84,6 +84,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
         # id(flat group) -> the parameters this rank updates whole in it (whole-parameter param groups)
         self.matrices = matrices or {}
+        # After the first step or a loaded state, each whole-parameter group saves every key its
+        # optimizer creates, on every rank (flat_state); by param group, asked once.
+        self._whole_keys: dict[int | None, tuple[str, ...]] | None = None
 
     @property
     def name(self) -> str:  # the torch optimizer's class name, which checkpoints record and check
@@ -249,6 +252,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 grads[i].mul_(coef)
             self._apply(grads, seen, update)
         self._last_norm = held if held is not None else norm
+        if self.matrices and self._whole_keys is None:
+            self._note_whole_keys()
         self.refresh_parameters()
         for group in self.groups:
             group.zero_grads()
@@ -325,6 +330,10 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     grads[i] = None
                     group.free_grad_shard()
         return results
+
+    def _note_whole_keys(self) -> None:
+        indices = {g.optimizer_group for g in self.groups if id(g) in self.matrices}
+        self._whole_keys = {i: state_keys(self.optimizer, i) for i in indices if i is not None}
 
     def _advance(self, group: FlatGroup, status: dict | None) -> dict:
         """The scalar state one step makes of `status` (None: never stepped), for a parameter this
@@ -431,7 +440,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         whatever sub-groups the streamed step cuts it into. {} before the first step. A whole-parameter
         group's state is each owned parameter's, laid out like the master (core/optim/whole.py)."""
         if id(group) in self.matrices:
-            return flat_state(self.optimizer.state, self.matrices[id(group)], group.master)
+            keys = (self._whole_keys or {}).get(group.optimizer_group, ())
+            return flat_state(self.optimizer.state, self.matrices[id(group)], group.master, keys)
         state = (
             self.streamed.state_of(group)
             if self.streamed is not None
@@ -457,6 +467,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"{self.name} keeps per-parameter tensors only"
                 )
             load_flat_state(self.optimizer.state, self.matrices[id(group)], state)
+            if state:
+                self._note_whole_keys()
             return
         state = self.slot_states.absorb(group, state)
         if self.streamed is not None:

@@ -56,10 +56,23 @@ def owned(group: FlatGroup) -> list[Owned]:
     return out
 
 
-def flat_state(state: dict, matrices: list[Owned], master: torch.Tensor) -> dict:
+def state_keys(optimizer: torch.optim.Optimizer, index: int) -> tuple[str, ...]:
+    """The per-parameter state a step of param group `index` creates (Muon: momentum_buffer), asked
+    of a twin over a 2 x 2 matrix with the group's hyper-parameters."""
+    hyper = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
+    probe = torch.zeros(2, 2, requires_grad=True)
+    twin = type(optimizer)([{**hyper, "params": [probe]}])  # type: ignore[call-arg]  # the subclass's constructor
+    probe.grad = torch.ones(2, 2)
+    twin.step()
+    return tuple(twin.state.get(probe, {}))
+
+
+def flat_state(state: dict, matrices: list[Owned], master: torch.Tensor, keys: tuple[str, ...] = ()) -> dict:
     """One flat group's optimizer state shaped like `master`: each owned parameter's tensors at its
-    place, zeros elsewhere; {} before the first step."""
-    out: dict = {}
+    place, zeros elsewhere (also for `keys` no owned parameter has yet: a rank that owns nothing in
+    the group, or whose parameters have had no gradient, saves what every other rank saves; Muon's
+    momentum starts from zeros anyway); {} when `keys` is empty and nothing has state."""
+    out: dict = {key: torch.zeros(master.numel(), dtype=master.dtype, device=master.device) for key in keys}
     for matrix in matrices:
         for key, value in state.get(matrix.view, {}).items():
             if not isinstance(value, torch.Tensor) or value.shape != matrix.view.shape:
