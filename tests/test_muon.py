@@ -26,7 +26,7 @@ import torch.distributed as dist
 import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_ddp, train_single
-from tests.zs_common import assert_close, full_params, gpt_model_fn, make_config, relative_error, train_engine
+from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config, relative_error, train_engine
 from zeroshard import MuonWithAdamW
 from zeroshard.config import ConfigKeyNotActedOnWarning
 from zeroshard.core.flat import FlatLayout
@@ -88,6 +88,17 @@ def test_owner_padding_is_the_least_a_whole_matrix_split_allows():
         plan = OwnerPlan(world, frozenset({0}))
         plan.assign(_gpt_block_shapes(8, 1)[0])
         assert plan.padding == pytest.approx(padding), (world, plan.summary())
+
+
+def test_spans_of_units_split_whole_matrices_evenly():
+    block = _gpt_block_shapes(8, 1)[0]
+    assert OwnerPlan(2, frozenset({0})).plan_spans([block] * 5) == [[0, 1], [2, 3], [4]]
+    assert OwnerPlan(4, frozenset({0})).plan_spans([block] * 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert OwnerPlan(1, frozenset({0})).plan_spans([block] * 2) == [[0], [1]]
+    plan = OwnerPlan(4, frozenset({0}))
+    for span in plan.plan_spans([block] * 8):
+        plan.assign([s for _ in span for s in block])
+    assert plan.padding == 0.0 and plan.imbalance == 1.0
 
 
 def test_an_owner_aligned_layout_keeps_each_parameter_whole_in_its_owners_slice():
@@ -204,6 +215,24 @@ def _parity_case(stage: int, gas: int, clip: float, world: int) -> dict:
 
 def _worst(params: dict, ref: dict) -> float:
     return max(relative_error(name, params[name], ref[name]) for name in ref)
+
+
+def _bytes_case(stage: int) -> dict:
+    """Bytes a step moves with Muon against AdamW on the same model: equal at stages 1/2 (spans of
+    units split the matrices evenly), at stage 3 AdamW's plus the padding the plan reports."""
+    model = dict(n_layer=4)
+    batches = gpt_batches(tiny_gpt_config(**model), batch_size=4)
+    runs = {}
+    for name, optimizer_fn in (("adamw", adamw), ("muon", muon_and_adamw)):
+        runs[name] = train_engine(
+            gpt_model_fn(**model), batches, config=make_config(stage), optimizer_fn=optimizer_fn, steps=2
+        )
+    ratio = runs["muon"]["comm_per_step"] / runs["adamw"]["comm_per_step"]
+    if stage < 3:
+        assert ratio <= 1.0 + 1e-3, (stage, ratio)
+    else:
+        assert 1.0 < ratio <= 1.0 + runs["muon"]["whole_padding"], (stage, ratio, runs["muon"]["whole_padding"])
+    return {"stage": stage, "ratio": ratio}
 
 
 def _updates_per_matrix(stage: int) -> dict:
@@ -347,6 +376,7 @@ def _composable_case() -> None:
 def _worker(rank: int, world: int, directory: str) -> dict:
     cases = [dict(stage=s, gas=g, clip=c, world=world) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
     out = {"parity": subtests(cases, _parity_case)}
+    out["bytes"] = subtests([dict(stage=s) for s in range(1, 4)], _bytes_case)
     if world == 2:
         out["updates"] = subtests([dict(stage=s) for s in range(4)], _updates_per_matrix)
         out["resume"] = subtests(

@@ -14,6 +14,19 @@ the largest bin). Then the bins go to ranks, the bin with the most Newton-Schulz
 with the least work so far over the whole model: one GPT block at 2 ranks packs 7d²|5d², and the
 next block gives its 7d² to the other rank, so the update work evens out over the blocks while each
 group keeps its least padding.
+
+[Note: spans of units]
+One unit rarely splits evenly: a GPT block's matrices (3d², d², 4d², 4d²) pad to 7d² | 5d² at 2
+ranks (16.7% more elements to reduce-scatter and all-gather than AdamW's layout) and to 4 | 4 | 3 | 1
+at 4 ranks (33.3%). Two blocks split 12d² | 12d² exactly, four blocks split in four. So at stages
+1 and 2 the whole parameters of consecutive units share one flat group, held by the first unit of
+the span: `plan_spans` grows each span until its padding is at most `SPAN_PADDING` (or it holds
+`MAX_SPAN` units). What that costs: the span's gradients are reduced when its first unit's backward
+ends, so the later units' reduction starts up to `MAX_SPAN - 1` units later (still overlapped with
+the backward of the units before it); at stage 2 their full gradients live until then. Stage 1
+keeps full gradients between steps anyway. Stage 3 gathers each unit's parameters for its own
+forward, so there a span would keep `MAX_SPAN` units gathered: it keeps one unit per group, and
+`summary()` reports the padding.
 """
 
 from __future__ import annotations
@@ -22,6 +35,9 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+SPAN_PADDING = 0.05  # [Note: spans of units]
+MAX_SPAN = 8
 
 
 def newton_schulz_flops(shape: torch.Size, steps: int = 5) -> float:
@@ -42,22 +58,37 @@ class OwnerPlan:
     flops: list[float] = field(default_factory=list)  # Newton-Schulz work per rank so far
     numel: int = 0  # elements of whole parameters planned
     padded_numel: int = 0  # what their flat groups take, padding included
+    span_units: list[list[str]] = field(default_factory=list)  # stages 1/2: units sharing a flat group
 
     def __post_init__(self) -> None:
         if not self.flops:
             self.flops = [0.0] * self.world_size
+
+    def plan_spans(self, units: list[list[torch.Size]]) -> list[list[int]]:
+        """Consecutive runs of `units` (each: its whole parameters' shapes) that share a flat group
+        ([Note: spans of units])."""
+        spans: list[list[int]] = []
+        for index, _ in enumerate(units):
+            if (
+                not spans
+                or len(spans[-1]) >= MAX_SPAN
+                or self._padding_of([units[i] for i in spans[-1]]) <= SPAN_PADDING
+            ):
+                spans.append([])
+            spans[-1].append(index)
+        return spans
+
+    def _padding_of(self, units: list[list[torch.Size]]) -> float:
+        sizes = [int(torch.Size(s).numel()) for shapes in units for s in shapes]
+        filled = _pack(sizes, self.world_size)[1]
+        return (max(filled) * self.world_size - sum(sizes)) / max(sum(sizes), 1)
 
     def assign(self, shapes: list[torch.Size]) -> list[int]:
         """The owning rank of each parameter of one flat group (see [Note: whole-parameter ownership])."""
         world = self.world_size
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         costs = [newton_schulz_flops(torch.Size(s)) for s in shapes]
-        bins: list[list[int]] = [[] for _ in range(world)]
-        filled = [0] * world
-        for index in sorted(range(len(shapes)), key=lambda i: (-sizes[i], i)):
-            target = min(range(world), key=lambda b: (filled[b], b))
-            bins[target].append(index)
-            filled[target] += sizes[index]
+        bins, filled = _pack(sizes, world)
         work = [sum(costs[i] for i in members) for members in bins]
         by_work = sorted(range(world), key=lambda b: (-work[b], -filled[b], b))
         by_load = sorted(range(world), key=lambda r: (self.flops[r], r))
@@ -82,7 +113,20 @@ class OwnerPlan:
         return max(self.flops) / mean if mean else 1.0
 
     def summary(self) -> str:
+        spans = max((len(s) for s in self.span_units), default=1)
         return (
             f"{self.numel} elements of whole parameters over {self.world_size} ranks: padding "
             f"{100 * self.padding:.1f}%, busiest rank's Newton-Schulz work {self.imbalance:.3f}x the mean"
+            + (f", flat groups spanning up to {spans} units" if spans > 1 else "")
         )
+
+
+def _pack(sizes: list[int], world: int) -> tuple[list[list[int]], list[int]]:
+    """Largest first, each into the bin with the fewest elements: (bins of indices, their sizes)."""
+    bins: list[list[int]] = [[] for _ in range(world)]
+    filled = [0] * world
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        target = min(range(world), key=lambda b: (filled[b], b))
+        bins[target].append(index)
+        filled[target] += sizes[index]
+    return bins, filled

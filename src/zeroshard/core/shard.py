@@ -68,6 +68,8 @@ def shard_module(
         persistent = policy.shard_parameters and local_tensor(param).numel() < persistence_threshold
         buckets[PERSISTENT if persistent else owners[id(param)]].append((name, param))
     module_of = dict(modules)
+    if owner_plan is not None and policy.shard_optimizer and not policy.shard_parameters:
+        buckets = _span_whole_parameters(buckets, owner_plan, optimizer_groups)
     units = []
     for unit_name, members in buckets.items():
         if not members:
@@ -92,6 +94,24 @@ def shard_module(
     return units
 
 
+def _span_whole_parameters(buckets: dict, owner_plan: OwnerPlan, optimizer_groups: dict[int, int]) -> dict:
+    """Stages 1/2: the whole parameters of consecutive units moved into the first unit of their span
+    ([Note: spans of units] in owners.py); `owner_plan.span_units` records the spans."""
+
+    def whole(param) -> bool:
+        return param.requires_grad and optimizer_groups.get(id(param)) in owner_plan.groups
+
+    names = [name for name, members in buckets.items() if any(whole(p) for _, p in members)]
+    shapes = [[local_tensor(p).shape for _, p in buckets[name] if whole(p)] for name in names]
+    spans = owner_plan.plan_spans(shapes)
+    out = {name: [(n, p) for n, p in members if not whole(p)] for name, members in buckets.items()}
+    for span in spans:
+        leader = names[span[0]]
+        out[leader] = [(n, p) for i in span for n, p in buckets[names[i]] if whole(p)] + out[leader]
+        owner_plan.span_units.append([names[i] for i in span])
+    return out
+
+
 def _build_groups(
     members,
     policy: StagePolicy,
@@ -113,10 +133,11 @@ def _build_groups(
     freed = policy.shard_gradients and (reshards or not policy.shard_parameters)
     itemsize = max(precision.param_dtype.itemsize, precision.reduce_dtype.itemsize)  # gathered, full gradient
     cap = backend.flat_group_numel(comm.device, itemsize) if freed else None
-    keyed = [
+    whole_groups = owner_plan.groups if owner_plan is not None else frozenset()
+    keyed = [  # whole parameters are never cut into capped chunks: their span is what balances them
         (key, chunk)
         for key, items in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))
-        for chunk in (_chunks(items, cap) if cap is not None else [items])
+        for chunk in (_chunks(items, cap) if cap is not None and key[1] not in whole_groups else [items])
     ]
     groups = []
     for (_, index), items in keyed:
