@@ -89,27 +89,43 @@ def build_optimizer(
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **kwargs)
 
 
+# DeepSpeed 0.19.8 (DeepSpeedEngine._muon_param_groups): the keys each half of a Muon param group takes
+_MUON_KEYS = ("lr", "momentum", "weight_decay")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
 def _muon(hp: MuonParams, params: ParamsArg, names: dict[int, str]) -> MuonWithAdamW:
-    flat = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
-    trainable = [p for p in flat if p.requires_grad]
-    hidden = [p for p in trainable if p.ndim == 2 and not _embedding_or_head(names.get(id(p), ""))]
-    others = [p for p in trainable if not any(p is h for h in hidden)]
+    """Each incoming param group (loose tensors form one) split into its Muon half and its AdamW half;
+    a half's settings are the section's, then ``muon_lr`` / ``adam_lr``, then the group's own."""
     groups: list[dict[str, Any]] = []
-    if hidden:
-        lr = hp.muon_lr if hp.muon_lr is not None else hp.lr
-        groups.append(
-            dict(params=hidden, use_muon=True, momentum=hp.momentum, weight_decay=hp.weight_decay)
-            | ({"lr": lr} if lr is not None else {})
-        )
-    if others:
-        lr = hp.adam_lr if hp.adam_lr is not None else hp.lr
-        groups.append(
-            dict(params=others, use_muon=False, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
-            | ({"lr": lr} if lr is not None else {})
-        )
-    if not groups:
+    loose: list[torch.Tensor] = []
+    for item in params:
+        (groups if isinstance(item, dict) else loose).append(item)  # type: ignore[arg-type]
+    if loose or not groups:
+        groups.append({"params": loose})
+    shared = {k: v for k, v in hp.model_dump().items() if v is not None}
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        trainable = [p for p in group["params"] if p.requires_grad]
+        overrides = {k: v for k, v in group.items() if k != "params"}
+        for use_muon, keys, lr_key in ((True, _MUON_KEYS, "muon_lr"), (False, _ADAM_KEYS, "adam_lr")):
+            half = [p for p in trainable if _is_muon(p, names.get(id(p), "")) is use_muon]
+            if not half:
+                continue
+            settings = {k: shared[k] for k in keys if k in shared}
+            if lr_key in shared:
+                settings["lr"] = shared[lr_key]
+            settings.update({k: v for k, v in overrides.items() if k in keys})
+            out.append({"params": half, "use_muon": use_muon, **settings})
+    if not out:
         raise ValueError("optimizer type Muon: the model has no trainable parameters")
-    return MuonWithAdamW(groups)
+    return MuonWithAdamW(out)
+
+
+def _is_muon(param: torch.Tensor, name: str) -> bool:
+    """DeepSpeed's rule: a matrix whose name has neither "embed" nor "lm_head". torch's Muon is for
+    2-D parameters only, so tensors of more dimensions (DeepSpeed reshapes them) take AdamW here."""
+    return param.ndim == 2 and not _embedding_or_head(name)
 
 
 def _embedding_or_head(name: str) -> bool:

@@ -102,6 +102,11 @@ TABLE: dict[str, Rule] = {
         "iteration of Keller Jordan's Muon",
         "optimizer.params.ns_method",
     ),
+    **_parsed(
+        "DeepSpeed's per-head Muon for fused attention projections; zeroshard's Muon (torch.optim.Muon) "
+        "orthogonalises each matrix whole",
+        "optimizer.params.per_head_muon",
+    ),
     **_unparsed(
         "DeepSpeed's fp16 master-weight layout; masters are always fp32 shards here",
         "fp16.fp16_master_weights_and_grads",

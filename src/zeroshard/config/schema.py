@@ -104,6 +104,20 @@ class MuonParams(Section):
     ns_method: str = "gram"
     """DeepSpeed's Newton-Schulz variant; torch's Muon runs the quintic iteration, so it is reported as
     not acted on."""
+    per_head_muon: bool = False
+    """DeepSpeed: orthogonalise each attention head's block of a fused projection apart. zeroshard
+    updates each matrix whole (torch's Muon), so it is reported as not acted on."""
+    adam_w_mode: bool = True
+    """The other parameters' Adam with decoupled weight decay (AdamW), the only mode here."""
+
+    @model_validator(mode="after")
+    def _adamw_only(self) -> MuonParams:
+        if not self.adam_w_mode:
+            raise ValueError(
+                "adam_w_mode=false: zeroshard's Muon steps the parameters Muon does not take with AdamW "
+                "(decoupled weight decay); leave adam_w_mode out or true"
+            )
+        return self
 
 
 OPTIMIZER_TYPES: dict[str, type[Section]] = {
