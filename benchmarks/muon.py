@@ -75,7 +75,7 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def hidden(name: str, param: torch.Tensor) -> bool:
@@ -123,7 +123,7 @@ def worker(args) -> None:
                     updates["matrices"] += 1
                     updates["flops"] += newton_schulz_flops(p.shape, group["ns_steps"])
 
-    kind, stage = args.mode[:2], int(args.mode[2:] or 0)
+    kind, stage = args.mode[:2], int(args.mode[2:]) if args.mode[2:].isdigit() else 0
     zs_counter = None
     if kind == "dd":
         from torch.nn.parallel import DistributedDataParallel
