@@ -15,7 +15,8 @@ defaults: Muon lr 0.02, momentum 0.95 on the hidden matrices; AdamW lr 3e-4, bet
     list, its defaults otherwise (overlap_comm on);
   * `dsN`: DeepSpeed 0.19.8 stage N with `"optimizer": {"type": "Muon"}` and the same values (its own
     Newton-Schulz, `ns_method` "gram" by default); run with `--ds-python`, a venv where DeepSpeed is
-    installed (../shared/peers/setup_venv.sh), zeroshard's src/ on PYTHONPATH for the meters only.
+    installed (../shared/peers/setup_venv.sh), zeroshard's src/ on PYTHONPATH for the meters only;
+    at stage 3 with `reduce_scatter: false`, which DeepSpeed requires for Muon there.
 
 Figures, per mode: the median over the timed steps of the slowest rank's step time (forward, backward,
 optimizer step; a barrier before each, untimed); bytes per step in the paper's convention (zeroshard:
@@ -161,7 +162,13 @@ def worker(args) -> None:
             param.use_muon = hidden(name, param)
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
-            "zero_optimization": {"stage": stage, "overlap_comm": True},
+            # DeepSpeed's stage 3 refuses Muon with its reduce-scatter ("Muon and reduce scatter cannot be
+            # used together"): it all-reduces instead
+            "zero_optimization": {
+                "stage": stage,
+                "overlap_comm": True,
+                **({"reduce_scatter": False} if stage == 3 else {}),
+            },
             "optimizer": {
                 "type": "Muon",
                 "params": {
@@ -234,7 +241,17 @@ def worker(args) -> None:
 def launch(args, mode: str) -> dict | None:
     python = args.ds_python if mode.startswith("ds") else sys.executable
     command = [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.ranks}", __file__]
-    command += ["--worker", "--mode", mode, "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command += [
+        "--worker",
+        "--mode",
+        mode,
+        "--size",
+        args.size,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     started = time.time()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)

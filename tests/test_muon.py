@@ -213,6 +213,29 @@ def _parity_case(stage: int, gas: int, clip: float, world: int) -> dict:
     return {"stage": stage, "bytes": ours["comm_per_step"]}
 
 
+def _offload_case(stage: int, directory: str) -> None:
+    """Optimizer states (and at stage 3 parameters) offloaded to CPU memory: DDP's values bit for bit,
+    with AdamW's groups streamed through the store and Muon's matrices stepped beside their states.
+    Files (NVMe) are refused by name."""
+    batches = gpt_batches(CONFIG, batch_size=4)
+    ref = train_ddp(
+        gpt_model_fn(), batches, optimizer_fn=_OneAfterTheOther, steps=3, reduce_every_micro_step=stage >= 2
+    )
+    zero = {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    ours = train_engine(
+        gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=muon_and_adamw, steps=3
+    )
+    assert_close(ours, ref, exact=True, what=f"Muon offload stage {stage}")
+    nvme = {"offload_optimizer": {"device": "nvme", "nvme_path": directory}}
+    model = gpt_model_fn()()
+    with pytest.raises(ValueError, match="NVMe"):
+        zeroshard.initialize(
+            model=model, optimizer=muon_and_adamw(model.parameters()), config=make_config(stage, **nvme)
+        )
+
+
 def _worst(params: dict, ref: dict) -> float:
     return max(relative_error(name, params[name], ref[name]) for name in ref)
 
@@ -385,6 +408,7 @@ def _worker(rank: int, world: int, directory: str) -> dict:
         )
         _composable_case()
         out["bf16"] = subtests([dict(stage=s) for s in range(1, 4)], _bf16_case)
+        out["offload"] = subtests([dict(stage=s, directory=directory) for s in range(1, 4)], _offload_case)
     return out
 
 

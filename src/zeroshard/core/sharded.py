@@ -126,11 +126,11 @@ class Sharded:
         optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
         self.partition, self.links = build_links(comm, policy, comm_policy)
         whole = whole_param_groups(optimizer)
-        if whole and placement.optimizer_store is not None:
+        stores = [s for s in (placement.optimizer_store, placement.param_store) if s is not None]
+        if whole and not all(s.in_memory for s in stores):
             raise ValueError(
-                f"{type(optimizer).__name__} updates whole matrices, and an offloaded optimizer step runs in "
-                "sub-groups of flat shards: offload of optimizer states is not supported with it (leave "
-                "offload's optimizer store unset)"
+                f"{type(optimizer).__name__} updates whole matrices in memory; offloading optimizer states "
+                "or parameters to files (NVMe) is not supported with it: offload to 'cpu', or not at all"
             )
         # [Note: whole-parameter ownership] in core/owners.py
         self.owner_plan = OwnerPlan(self.partition.world_size, whole) if whole else None
@@ -238,11 +238,18 @@ class Sharded:
         return [Communicator(comm.timeout_s, comm.check_collectives, group=g) for g in self.model_parallel.norm_groups]
 
     def _streamed_step(self, optimizer) -> StreamedStep | None:
+        """The offloaded step of the elementwise groups (whole-parameter groups step in memory, next
+        to their CPU-store states: ZeroOptimizer._apply)."""
         if self.placement.optimizer_store is None:
             return None
-        subs = split([g for g in self.groups if g.trainable], self.placement.sub_group_size)
+        whole = whole_param_groups(optimizer)
+        elementwise = [g for g in self.groups if g.trainable and g.optimizer_group not in whole]
+        if not elementwise:
+            return None
+        subs = split(elementwise, self.placement.sub_group_size)
         for index, param_group in enumerate(optimizer.param_groups):
-            param_group["params"] = [s.param for s in subs if s.group.optimizer_group == index]
+            if index not in whole:  # those keep the views of their matrices (repoint_optimizer)
+                param_group["params"] = [s.param for s in subs if s.group.optimizer_group == index]
         return StreamedStep(optimizer, subs, self.placement.optimizer_store)
 
     # -- one training step ---------------------------------------------------------------------------

@@ -283,9 +283,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for g in self.groups
         }
         if self.streamed is not None:
-            for group in self.groups:
+            streamed = [(g, grad) for g, grad in zip(self.groups, grads) if id(g) not in self.matrices]
+            for group, _ in streamed:
                 update.begin(group, self._stepping_params(group))
-            results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in zip(self.groups, grads)}, plans)
+            results = self.streamed.run({id(g): grad.to(g.master.device) for g, grad in streamed}, plans)
+            whole = [i for i, g in enumerate(self.groups) if id(g) in self.matrices]
+            results.update(self._apply_in_memory(grads, plans, update, seen, whole))
         else:
             results = self._apply_in_memory(grads, plans, update, seen)
         advanced: dict = {}
@@ -293,10 +296,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if plans[id(group)] is not None and any(seen[id(group)]):
                 self._settle(group, uniform[id(group)], seen[id(group)], results.get(id(group), []), advanced)
 
-    def _apply_in_memory(self, grads: list, plans, update: _Update, seen: dict[int, list[bool]]) -> dict[int, list]:
-        """One group at a time where that is the same update, each group's gradient freed once it
-        is spent; else all groups in one optimizer step ([Note: one group at a time] in rollback.py)."""
-        indices = list(range(len(self.groups)))
+    def _apply_in_memory(
+        self, grads: list, plans, update: _Update, seen: dict[int, list[bool]], indices: list[int] | None = None
+    ) -> dict[int, list]:
+        """The groups at `indices` (default all): one group at a time where that is the same update,
+        each group's gradient freed once it is spent; else all of them in one optimizer step ([Note:
+        one group at a time] in rollback.py)."""
+        indices = list(range(len(self.groups))) if indices is None else indices
+        if not indices:
+            return {}
         results = {}
         for batch in [[i] for i in indices] if self._steps_per_group() else [indices]:
             batch_groups = [self.groups[i] for i in batch]
@@ -304,8 +312,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 update.begin(group, self._stepping_params(group))
             for group, i in zip(batch_groups, batch):
                 if id(group) in self.matrices:  # whole parameters; one never given a gradient stays as it is
+                    grad = grads[i].to(group.master.device)  # an offloaded master: its states are in host memory
                     for m in self.matrices[id(group)]:
-                        m.view.grad = grads[i][m.lo : m.hi].view(m.view.shape) if seen[id(group)][m.slot] else None
+                        m.view.grad = grad[m.lo : m.hi].view(m.view.shape) if seen[id(group)][m.slot] else None
                 else:
                     group.master.grad = grads[i] if plans[id(group)] is None else None  # torch skips grad None
             try:
