@@ -114,7 +114,6 @@ def worker(args) -> None:
     shape = SIZES[args.size]
     torch.manual_seed(SEED)
     model = GPT(shape["vocab"], shape["d"], shape["layers"], shape["heads"])
-    names = {id(p): n for n, p in model.named_parameters()}
     updates: dict[str, float] = {"matrices": 0, "flops": 0.0}
 
     def count_updates(muon, *_):  # a step pre-hook: what this rank's Muon is about to update
