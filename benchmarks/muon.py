@@ -9,7 +9,8 @@ on the same GPT (pre-LN, untied head; embeddings named `embed`/`pos_embed` and t
 so DeepSpeed's name rule and ours pick the same matrices: the blocks' four weights), seed 1234, the
 same random tokens, micro-batch 4 x 128 per rank. The optimizers are DeepSpeed's MuonWithAuxAdam
 defaults: Muon lr 0.02, momentum 0.95 on the hidden matrices; AdamW lr 3e-4, betas (0.9, 0.95), eps
-1e-10 on the rest; no weight decay.
+1e-10 on the rest; no weight decay, no clipping (`gradient_clipping: 0`: DeepSpeed's default, which
+zeroshard's config keeps, is 1.0, and DDP clips nothing).
   * `ddp`: DistributedDataParallel, `torch.optim.Muon` and `torch.optim.AdamW` stepped in turn;
   * `zsN`: zeroshard stage N through `zeroshard.initialize`, given the same two torch optimizers as a
     list, its defaults otherwise (overlap_comm on);
@@ -143,7 +144,11 @@ def worker(args) -> None:
     elif kind == "zs":
         import zeroshard
 
-        config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
+        config = {
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+        }
         engine, *_ = zeroshard.initialize(model=model, optimizer=torch_optimizers(model), config=config)
         engine.optimizer.optimizer.muon.register_step_pre_hook(count_updates)
         zs_counter = engine.comm.counter
@@ -161,6 +166,7 @@ def worker(args) -> None:
             param.use_muon = hidden(name, param)
         config = {
             "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 0.0,
             # DeepSpeed's stage 3 refuses Muon with its reduce-scatter ("Muon and reduce scatter cannot be
             # used together"): it all-reduces instead
             "zero_optimization": {

@@ -96,5 +96,5 @@ def as_one_optimizer(optimizer):
     """The one torch optimizer zeroshard shards: `optimizer` itself, or a list/tuple of a Muon and
     an AdamW combined (`MuonWithAdamW.combine`)."""
     if isinstance(optimizer, (list, tuple)):
-        return MuonWithAdamW.combine(*optimizer)
+        return optimizer[0] if len(optimizer) == 1 else MuonWithAdamW.combine(*optimizer)
     return optimizer

@@ -5,8 +5,9 @@ dicts, so LR schedulers built against it keep working — but each param group's
 re-pointed at the fp32 master shards of the flat groups (see [Note: flat layout]). That is correct
 exactly for optimizers whose update of an element depends only on that element's own state
 (SGD, Adam, AdamW, ...), which `check_shardable` enforces. Param groups of a whole-parameter
-optimizer (Muon) step views of the whole matrices this rank owns instead (core/optim/whole.py). Its state is also kept per flat group in
-the form checkpoints save and load (`group_state`, `load_group_state`: the checkpoint contract).
+optimizer (Muon) step views of the whole matrices this rank owns instead (core/optim/whole.py).
+Its state is also kept per flat group in the form checkpoints save and load (`group_state`,
+`load_group_state`: the checkpoint contract).
 """
 
 from __future__ import annotations
