@@ -13,7 +13,8 @@ defaults: Muon lr 0.02, momentum 0.95 on the hidden matrices; AdamW lr 3e-4, bet
 zeroshard's config keeps, is 1.0, and DDP clips nothing).
   * `ddp`: DistributedDataParallel, `torch.optim.Muon` and `torch.optim.AdamW` stepped in turn;
   * `zsN`: zeroshard stage N through `zeroshard.initialize`, given the same two torch optimizers as a
-    list, its defaults otherwise (overlap_comm on);
+    list, its defaults otherwise (overlap_comm on); `zsNa`: the same with AdamW alone over every
+    parameter (AdamW's values above), the yardstick for Muon's bytes and memory at that stage;
   * `dsN`: DeepSpeed 0.19.8 stage N with `"optimizer": {"type": "Muon"}` and the same values (its own
     Newton-Schulz, `ns_method` "gram" by default); run with `--ds-python`, a venv where DeepSpeed is
     installed (../shared/peers/setup_venv.sh), zeroshard's src/ on PYTHONPATH for the meters only;
@@ -124,7 +125,8 @@ def worker(args) -> None:
                     updates["matrices"] += 1
                     updates["flops"] += newton_schulz_flops(p.shape, group["ns_steps"])
 
-    kind, stage = args.mode[:2], int(args.mode[2:]) if args.mode[2:].isdigit() else 0
+    kind, stage = args.mode[:2], int(args.mode[2]) if args.mode[2:3].isdigit() else 0
+    adamw_only = args.mode.endswith("a")
     zs_counter = None
     if kind == "dd":
         from torch.nn.parallel import DistributedDataParallel
@@ -149,8 +151,10 @@ def worker(args) -> None:
             "gradient_clipping": 0.0,
             "zero_optimization": {"stage": stage},
         }
-        engine, *_ = zeroshard.initialize(model=model, optimizer=torch_optimizers(model), config=config)
-        engine.optimizer.optimizer.muon.register_step_pre_hook(count_updates)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW) if adamw_only else torch_optimizers(model)
+        engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
+        if not adamw_only:
+            engine.optimizer.optimizer.muon.register_step_pre_hook(count_updates)
         zs_counter = engine.comm.counter
 
         def step(x, y) -> float:
@@ -226,14 +230,16 @@ def worker(args) -> None:
     if rank == 0:
         result = {
             "mode": args.mode,
-            "params": sum(p.numel() for p in model.parameters()) if kind != "zs" else engine.num_parameters(),
+            "params": engine.num_parameters()
+            if kind == "zs"
+            else sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters()),
             "step_s": statistics.median(t for t, _ in results),
             "step_times": [t for t, _ in results],
             "losses": [loss for _, loss in results],
             "comm_bytes": comm_bytes,
             "peak_mb": [round(r["peak"] / 2**20) for r in every],
-            "muon_matrices": [r["matrices"] for r in every] if kind != "ds" else None,
-            "ns_gflop": [round(r["flops"] / 1e9, 3) for r in every] if kind != "ds" else None,
+            "muon_matrices": [r["matrices"] for r in every] if kind != "ds" and not adamw_only else None,
+            "ns_gflop": [round(r["flops"] / 1e9, 3) for r in every] if kind != "ds" and not adamw_only else None,
         }
         print("RESULT " + json.dumps(result), flush=True)
     dist.barrier(group=meter_group)

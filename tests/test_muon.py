@@ -263,7 +263,7 @@ def _updates_per_matrix(stage: int) -> dict:
     parameters it is given a gradient for): each must be updated by exactly one rank per step."""
     model = gpt_model_fn()()
     hidden = {n for n, p in model.named_parameters() if p.ndim == 2 and p.shape[0] not in EMBEDDINGS}
-    engine, optimizer, _, _ = zeroshard.initialize(
+    engine, *_ = zeroshard.initialize(
         model=model, optimizer=muon_and_adamw(model.parameters()), config=make_config(stage)
     )
     names = {
@@ -453,8 +453,8 @@ def test_muon_checkpoints_reshard_bit_for_bit_across_world_sizes_and_stages(tmp_
     run_distributed(_load_and_save, 2, timeout=300, root=root, source="trained-at4-stage3", stages=[3])
     original = checkpoint_states(f"{root}/trained")
     assert any("momentum_buffer" in entry for name, entry in original.items() if name.endswith("lm_head.weight"))
-    for copy_ in ("trained-at4-stage1", "trained-at4-stage3", "trained-at4-stage3-at2-stage3"):
-        assert state_difference(checkpoint_states(f"{root}/{copy_}"), original) is None, copy_
+    for resaved in ("trained-at4-stage1", "trained-at4-stage3", "trained-at4-stage3-at2-stage3"):
+        assert state_difference(checkpoint_states(f"{root}/{resaved}"), original) is None, resaved
 
 
 @pytest.mark.parametrize("world", [2, 4])
