@@ -236,6 +236,21 @@ def _offload_case(stage: int, directory: str) -> None:
         )
 
 
+def _partition_case(zero: dict) -> None:
+    """Stage 3 with MiCS or hpZ at 4 ranks: owners are planned over the partition group; within the
+    summation-order floor of DDP ([Note: Muon amplifies summation order])."""
+    batches, model_fn, world = gpt_batches(CONFIG, batch_size=4), gpt_model_fn(bias=False), dist.get_world_size()
+    kwargs = dict(optimizer_fn=_OneAfterTheOther, steps=STEPS, reduce_every_micro_step=True, record_params=True)
+    ref = train_ddp(model_fn, batches, **kwargs)
+    floor_run = train_single(model_fn, batches, world_size=world, **kwargs)
+    ours = train_engine(
+        model_fn, batches, config=make_config(3, **zero), optimizer_fn=muon_and_adamw, steps=STEPS, record_params=True
+    )
+    floor = max(_worst(a, b) for a, b in zip(floor_run["params_per_step"], ref["params_per_step"]))
+    error = max(_worst(a, b) for a, b in zip(ours["params_per_step"], ref["params_per_step"]))
+    assert error <= 3 * floor + 1e-5, f"{zero}: {error:.2e} from DDP; summation order alone: {floor:.2e}"
+
+
 def _worst(params: dict, ref: dict) -> float:
     return max(relative_error(name, params[name], ref[name]) for name in ref)
 
@@ -400,6 +415,8 @@ def _worker(rank: int, world: int, directory: str) -> dict:
     cases = [dict(stage=s, gas=g, clip=c, world=world) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
     out = {"parity": subtests(cases, _parity_case)}
     out["bytes"] = subtests([dict(stage=s) for s in range(1, 4)], _bytes_case)
+    if world == 4:
+        subtests([dict(zero={"mics_shard_size": 2}), dict(zero={"zero_hpz_partition_size": 2})], _partition_case)
     if world == 2:
         out["updates"] = subtests([dict(stage=s) for s in range(4)], _updates_per_matrix)
         out["resume"] = subtests(
