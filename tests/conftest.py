@@ -6,7 +6,7 @@ import torch
 torch.set_num_threads(1)
 
 
-def pytest_sessionfinish(session, exitstatus):
+def pytest_unconfigure(config):
     """Kept rank groups leave before pytest does, so that their coverage data is written."""
     from tests.harness import close_kept_groups
 

@@ -16,7 +16,7 @@ import torch
 import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
-from tests.zs_common import gpt_model_fn, make_config
+from tests.zs_common import gather_masters, gpt_model_fn, make_config
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
 STEPS = 20
@@ -84,7 +84,7 @@ def _matches_recipe(stage: int, precision: str) -> dict:
         engine.step()
         losses.append(loss.item())
     # Compare the fp32 master weights: gather them through the engine's groups.
-    full = _gather_masters(engine)
+    full = gather_masters(engine)
     assert engine.skipped_steps == 0
     engine.destroy()
     scale = 2.0**8 if precision == "fp16" else 1.0
@@ -108,21 +108,6 @@ def _matches_recipe(stage: int, precision: str) -> dict:
 
 def engine_world() -> int:
     return torch.distributed.get_world_size()
-
-
-def _gather_masters(engine) -> dict:
-    """Full fp32 master values by parameter name, assembled from every rank's shard."""
-    out = {}
-    for group in engine.groups:
-        shard = group.master
-        if group.opt_range != (0, group.layout.padded_numel):
-            full = torch.empty(group.layout.padded_numel)
-            engine.comm.all_gather(full, shard.contiguous(), "test: gather masters")
-        else:
-            full = shard
-        for slot in group.layout.slots:
-            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    return out
 
 
 def _overflow_skips_everywhere(stage: int) -> dict:

@@ -74,6 +74,19 @@ def full_params(engine) -> dict:
         return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
+def gather_masters(engine) -> dict:
+    """fp32 master values by parameter name, assembled from every rank's shard."""
+    out = {}
+    for group in engine.groups:
+        full = group.master
+        if group.opt_range != (0, group.layout.padded_numel):
+            full = torch.empty(group.layout.padded_numel)
+            engine.comm.all_gather(full, group.master.contiguous(), "test: gather masters")
+        for slot, view in zip(group.layout.slots, group.layout.views(full)):
+            out[slot.name] = view.clone()
+    return out
+
+
 def without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as a comparison to tolerance should see it: a fused attention bias (`...attn.qkv.bias`,
     laid out q, k, v) without its key third. [Note: the key bias has no gradient]: adding b_k to every key

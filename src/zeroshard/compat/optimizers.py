@@ -140,7 +140,9 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     ``MuonWithAdamW``), whose matrices are each updated whole by one rank, without any state yet.
     """
     if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS + (MuonWithAdamW,)):
-        supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS)
+        supported = ", ".join(
+            cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS + (MuonWithAdamW,)
+        )
         raise OptimizerNotShardableError(
             f"{type(optimizer).__name__} cannot be sharded by zeroshard: its update is not elementwise, "
             f"or it is not a torch optimizer zeroshard knows. Supported: {supported} (or subclasses)"

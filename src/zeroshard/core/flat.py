@@ -59,6 +59,7 @@ class FlatLayout:
         )
         self._in_buffer_order = tuple(sorted(self.slots, key=lambda s: s.offset))
         self.padded_numel = self.shard_numel * world_size
+        self.padding = tuple(self.gaps())  # the whole buffer's, zeroed in every fresh full gradient
 
     def gaps(self, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
         """The ranges of [start, end) (default: the whole buffer) that no parameter covers: padding,

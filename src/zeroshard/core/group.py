@@ -454,7 +454,7 @@ class FlatGroup:
         for slot, unwritten in zip(self.layout.slots, self._unwritten):
             if unwritten:
                 self.full_grad[slot.offset : slot.offset + slot.numel].zero_()
-        for lo, hi in self.layout.gaps():  # the padding
+        for lo, hi in self.layout.padding:
             self.full_grad[lo:hi].zero_()
         self._unwritten = None
 

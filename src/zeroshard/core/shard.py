@@ -48,7 +48,7 @@ def shard_module(
     gathering would cost more in latency than it saves in memory).
     `partition`: the group the flat layouts are sliced over (default `comm`; a MiCS shard group), and
     `links` the unit's other communicators ([Note: ZeRO++ and MiCS] in unit.py).
-    `owner_plan`: given, the optimizer param groups it names (`whole_groups`) need whole parameters,
+    `owner_plan`: given, the optimizer param groups it names (`owner_plan.groups`) need whole parameters,
     and their flat groups are laid out by owner ([Note: whole-parameter ownership] in owners.py).
     """
     partition = partition or comm
@@ -149,8 +149,9 @@ def _build_groups(
             if param.device.type != "meta":
                 comm.broadcast(local_tensor(param.detach()), 0, f"initial broadcast of '{name}'")
         trainable = index is not None
-        whole = owner_plan is not None and index in owner_plan.groups and policy.shard_optimizer
-        owners = owner_plan.assign([local_tensor(p).shape for p in params]) if owner_plan and whole else None
+        owners = None  # [Note: whole-parameter ownership] in owners.py
+        if owner_plan is not None and index in owner_plan.groups and policy.shard_optimizer:
+            owners = owner_plan.assign([local_tensor(p).shape for p in params])
         device = comm.device if params[0].device.type == "meta" else params[0].device
         master_store, compute_shard = _master_placement(placement, precision, device, reshards, trainable)
         groups.append(

@@ -45,8 +45,7 @@ def keeps_state(optimizer: torch.optim.Optimizer) -> bool:
     opposed to none (plain SGD)? Asked of a twin over one element with each param group's
     hyper-parameters, so that the user's optimizer is not touched. Whole-parameter groups (Muon)
     keep a momentum."""
-    whole = whole_param_groups(optimizer)
-    if whole:
+    if whole_param_groups(optimizer):
         return True
     for param_group in optimizer.param_groups:
         probe = torch.zeros(1, requires_grad=True)
