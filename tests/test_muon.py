@@ -82,13 +82,29 @@ def _gpt_block_shapes(d: int, blocks: int) -> list[list[torch.Size]]:
     return [[torch.Size([3 * d, d]), torch.Size([d, d]), torch.Size([4 * d, d]), torch.Size([d, 4 * d])]] * blocks
 
 
+@pytest.mark.parametrize("uneven", [False, True], ids=["equal-slices", "uneven-slices"])
 @pytest.mark.parametrize("world", [2, 4, 8])
-def test_owners_balance_the_newton_schulz_work_over_a_gpt(world):
-    plan = OwnerPlan(world, frozenset({0}))
+def test_owners_balance_the_newton_schulz_work_over_a_gpt(world, uneven):
+    plan = OwnerPlan(world, frozenset({0}), uneven=uneven)
     for shapes in _gpt_block_shapes(64, 12):
         owners = plan.assign(shapes)
         assert len(owners) == 4 and all(0 <= o < world for o in owners)
     assert plan.imbalance <= 1.15, plan.summary()
+    if uneven:  # no padding; no rank stores more than the mean plus the largest matrix (4d²)
+        assert plan.padding == 0.0 and sum(plan.elements) == plan.numel, plan.summary()
+        assert max(plan.elements) <= plan.numel / world + 4 * 64 * 64, plan.elements
+
+
+def test_uneven_owners_balance_the_model_not_each_unit():
+    plan = OwnerPlan(2, frozenset({0}), uneven=True)
+    d2 = 8 * 8
+    first, second = (plan.assign(shapes) for shapes in _gpt_block_shapes(8, 2))
+    split = [
+        [sum(s.numel() for s, o in zip(_gpt_block_shapes(8, 1)[0], owners) if o == r) for r in (0, 1)]
+        for owners in (first, second)
+    ]
+    assert split == [[7 * d2, 5 * d2], [5 * d2, 7 * d2]], split  # 7d² | 5d², then the other way round
+    assert plan.elements == [12 * d2, 12 * d2] and plan.imbalance == 1.0, plan.summary()
 
 
 def test_owner_padding_is_the_least_a_whole_matrix_split_allows():
@@ -126,6 +142,20 @@ def test_an_owner_aligned_layout_keeps_each_parameter_whole_in_its_owners_slice(
     assert [v.shape for v in views] == shapes and views[0][0, 0] == 25
     with pytest.raises(ValueError, match="owners"):
         FlatLayout(["a"], [torch.Size([2])], 2, [2])
+
+
+def test_an_uneven_layout_holds_each_ranks_parameters_back_to_back_without_padding():
+    shapes = [torch.Size([6, 4]), torch.Size([3]), torch.Size([2, 4]), torch.Size([5, 5])]
+    layout = FlatLayout(["a", "b", "c", "d"], shapes, 4, [1, 0, 0, 2], uneven=True)
+    assert not layout.even and layout.counts == (11, 24, 25, 0)
+    assert layout.padded_numel == layout.numel == 60 and layout.gaps() == [] and layout.padding == ()
+    assert [layout.shard_range(r) for r in range(4)] == [(0, 11), (11, 35), (35, 60), (60, 60)]
+    assert [layout.shard_size(r) for r in range(4)] == [11, 24, 25, 0]
+    assert [s.offset for s in layout.slots] == [11, 0, 3, 35]
+    even = FlatLayout(["a", "b", "c", "d"], shapes, 4, [1, 0, 0, 2])
+    assert even.even and even.counts is None and even.shard_size(3) == even.shard_numel == 25
+    with pytest.raises(ValueError, match="uneven slices need owners"):
+        FlatLayout(["a"], [torch.Size([2])], 2, uneven=True)
 
 
 def test_muon_with_adamw_steps_what_the_two_torch_optimizers_step():
@@ -268,8 +298,8 @@ def _worst(params: dict, ref: dict) -> float:
 
 
 def _bytes_case(stage: int) -> dict:
-    """Bytes a step moves with Muon against AdamW on the same model: equal at stages 1/2 (spans of
-    units split the matrices evenly), at stage 3 AdamW's plus the padding the plan reports."""
+    """Bytes a step moves with Muon against AdamW on the same model: equal at every stage (stages 1/2:
+    spans of units split the matrices evenly; stage 3: uneven slices, no padding)."""
     model = dict(n_layer=4)
     batches = gpt_batches(tiny_gpt_config(**model), batch_size=4)
     runs = {}
@@ -278,10 +308,9 @@ def _bytes_case(stage: int) -> dict:
             gpt_model_fn(**model), batches, config=make_config(stage), optimizer_fn=optimizer_fn, steps=2
         )
     ratio = runs["muon"]["comm_per_step"] / runs["adamw"]["comm_per_step"]
-    if stage < 3:
-        assert ratio <= 1.0 + 1e-3, (stage, ratio)
-    else:
-        assert 1.0 < ratio <= 1.0 + runs["muon"]["whole_padding"], (stage, ratio, runs["muon"]["whole_padding"])
+    assert ratio <= 1.0 + 1e-3, (stage, ratio)
+    if stage == 3:
+        assert runs["muon"]["whole_padding"] == 0.0, runs["muon"]["whole_padding"]
     return {"stage": stage, "ratio": ratio}
 
 
@@ -305,6 +334,8 @@ def _updates_per_matrix(stage: int) -> dict:
                     counts[names[id(p)]] = counts.get(names[id(p)], 0) + 1
 
     engine.optimizer.optimizer.muon.register_step_pre_hook(count)
+    whole = [g for g in engine.groups if g.layout.owners is not None]
+    stored = engine.comm.all_gather_objects(sum(g.layout.shard_size(g.rank) for g in whole), "test: stored")
     batches = gpt_batches(CONFIG, batch_size=4)
     for step in range(2):
         engine.backward(gpt_loss(engine, *batches(step, 0, engine.global_rank)))
@@ -319,6 +350,10 @@ def _updates_per_matrix(stage: int) -> dict:
     assert set(total) == hidden and set(total.values()) == {2 * once}, (stage, total)  # 2 steps
     if stage >= 1:
         assert all(len(per_rank) < len(hidden) for per_rank in every), every  # split between ranks
+    if stage == 3:  # uneven slices: each rank stores its matrices, at most the mean plus the largest one
+        largest = max(slot.numel for g in whole for slot in g.layout.slots)
+        assert max(stored) <= sum(stored) / len(stored) + largest, (stored, largest)
+        assert sum(stored) == sum(g.layout.numel for g in whole), stored
     return total
 
 

@@ -121,3 +121,50 @@ def test_ranks_placing_nodes_differently_is_an_error_on_every_rank():
 def test_four_ranks_keep_the_backend_reduce_scatter():
     reports = run_distributed(_worker, 4)
     assert not any(r["pairwise"] for r in reports)
+
+
+def _uneven_worker(rank: int, world: int, counts: tuple, nodes: int = 1) -> dict:
+    """[Note: uneven slices] in core/flat.py: both collectives with each rank's own slice size."""
+    comm = Communicator(timeout_s=30)
+    comm.place_on_nodes(world // nodes)
+    counts = tuple(counts)
+    starts = [sum(counts[:r]) for r in range(world)]
+    mine = slice(starts[rank], starts[rank] + counts[rank])
+    generator = torch.Generator().manual_seed(rank)
+    full = torch.randn(sum(counts), generator=generator) * 1e3
+    expected = full.clone()
+    dist.all_reduce(expected)
+    out = torch.full((counts[rank],), 7.0)
+    comm.reduce_scatter(out, full, "uneven reduce-scatter", counts=counts)
+    exact = torch.equal(out, expected[mine])
+    close = torch.allclose(out, expected[mine], rtol=1e-6, atol=1e-3)
+    placed = torch.zeros(sum(counts))
+    placed[mine] = out
+    dist.all_reduce(placed)  # each slice from its rank, zeros elsewhere: the gathered buffer exactly
+    gathered = torch.full((sum(counts),), 7.0)  # stale values must all be overwritten
+    comm.all_gather(gathered, out, "uneven all-gather", counts=counts)
+    return {
+        "pairwise": comm.pairwise,
+        "reduce_exact": exact,
+        "reduce_close": close,
+        "gather_exact": torch.equal(gathered, placed),
+        "bytes": dict(comm.counter.paper),
+    }
+
+
+def test_uneven_collectives_move_each_ranks_slice_and_count_no_padding():
+    big = 2 * PAIRWISE_PIECE_BYTES // 4 + 1000  # several pieces across two nodes
+    for world, counts, nodes in (
+        (2, (700, 300), 1),
+        (2, (0, 500), 1),
+        (2, (big, 5), 2),
+        (4, (5, 0, 700, 31), 1),
+    ):
+        reports = run_distributed(_uneven_worker, world, counts=counts, nodes=nodes)
+        for report in reports:
+            assert report["pairwise"] == (world == 2), report
+            assert report["gather_exact"] and report["reduce_close"], (counts, report)
+            if world == 2:  # a + b, as the all-reduce sums it
+                assert report["reduce_exact"], (counts, report)
+            numel = sum(counts)
+            assert report["bytes"]["reduce_scatter"] == report["bytes"]["all_gather"] == 4 * numel, report

@@ -79,9 +79,9 @@ def gather_masters(engine) -> dict:
     out = {}
     for group in engine.groups:
         full = group.master
-        if group.opt_range != (0, group.layout.padded_numel):
+        if group.sharded_master:
             full = torch.empty(group.layout.padded_numel)
-            engine.comm.all_gather(full, group.master.contiguous(), "test: gather masters")
+            engine.comm.all_gather(full, group.master.contiguous(), "test: gather masters", counts=group.layout.counts)
         for slot, view in zip(group.layout.slots, group.layout.views(full)):
             out[slot.name] = view.clone()
     return out

@@ -29,7 +29,9 @@ def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None
         # stages it through its device ([Note: staging host tensors] in core/staging.py). Gathered over
         # the group the layout is sliced over: under MiCS one partition group holds every shard.
         full = torch.empty(padded, dtype=torch.float32, device=group.master.device)
-        partition_of(engine).all_gather(full, group.master, f"gather of master weights ({group.names[0]}...)")
+        partition_of(engine).all_gather(
+            full, group.master, f"gather of master weights ({group.names[0]}...)", counts=group.layout.counts
+        )
         visit(group, full)
         del full
 

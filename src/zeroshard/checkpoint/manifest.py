@@ -96,6 +96,7 @@ def describe_groups(engine, states: list[dict]) -> list[dict]:
                 "optimizer_group": group.optimizer_group,
                 "numel": layout.numel,
                 "shard_numel": layout.shard_numel,
+                **({"shard_counts": list(layout.counts)} if layout.counts is not None else {}),
                 "params": [
                     {
                         "name": s.name,
@@ -242,6 +243,7 @@ _GROUP_FIELDS = {
     "params": list,
     "state": list,
 }
+_GROUP_OPTIONAL = {"shard_counts": list}  # uneven slices: each rank's size ([Note: uneven slices])
 _PARAM_FIELDS = {"name": str, "shape": list, "dtype": str, "offset": int, "numel": int}
 _PARAM_OPTIONAL = {"tp_split_dim": _JSON}  # int, null (whole on every tp rank) or "unknown"
 _FILE_FIELDS = {"sha256": str, "bytes": int}
@@ -258,7 +260,17 @@ def check_schema(file: Path, manifest: dict) -> None:
         _check_grid(file, f"shards[{name!r}]", coordinate)
     for index, group in enumerate(manifest["groups"]):
         where = f"groups[{index}]"
-        _check_fields(file, where, group, _GROUP_FIELDS)
+        _check_fields(file, where, group, _GROUP_FIELDS, _GROUP_OPTIONAL)
+        counts = group.get("shard_counts")
+        if counts is not None and not (
+            len(counts) == manifest["world_size"]
+            and all(_is(c, int) and c >= 0 for c in counts)
+            and sum(counts) == group["numel"]
+        ):
+            raise CheckpointError(
+                f"{file}: field '{where}.shard_counts' must give each of the {manifest['world_size']} ranks "
+                f"a size >= 0, summing to the group's numel {group['numel']}, got {counts!r}"
+            )
         for number, param in enumerate(group["params"]):
             _check_fields(file, f"{where}.params[{number}]", param, _PARAM_FIELDS, _PARAM_OPTIONAL)
             split = param.get("tp_split_dim")

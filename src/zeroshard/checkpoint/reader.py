@@ -21,6 +21,13 @@ from zeroshard.checkpoint.files import CheckpointError, SafetensorsReader
 from zeroshard.checkpoint.manifest import BUFFERS, ParamIndex, master_key, rank_file, state_key
 
 
+def _slices(group: dict, world_size: int) -> list[tuple[int, int, int]]:
+    """(rank, start, end) of each source rank's slice of a group's flat buffer."""
+    counts = group.get("shard_counts") or [group["shard_numel"]] * world_size
+    starts = [sum(counts[:r]) for r in range(world_size)]
+    return [(r, starts[r], starts[r] + counts[r]) for r in range(world_size)]
+
+
 class CheckpointReader:
     """Element-range reads from one checkpoint directory. Files are opened on first use."""
 
@@ -39,11 +46,12 @@ class CheckpointReader:
     def read_group(self, group_index: int, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of a group's padded flat buffer for `key` ('master' or a state name)
         into `out` (1-D, hi - lo elements); see [Note: resharding by element ranges]."""
-        shard = self.manifest["groups"][group_index]["shard_numel"]
+        group = self.manifest["groups"][group_index]
         name = master_key(group_index) if key == "master" else state_key(group_index, key)
-        for rank in range(lo // shard, (hi - 1) // shard + 1 if hi > lo else 0):
-            a, b = max(lo, rank * shard), min(hi, (rank + 1) * shard)
-            self.file(rank_file(rank)).read_into(name, a - rank * shard, b - rank * shard, out[a - lo : b - lo])
+        for rank, start, end in _slices(group, self.world_size):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                self.file(rank_file(rank)).read_into(name, a - start, b - start, out[a - lo : b - lo])
 
     def read_param(self, name: str, key: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Elements [lo, hi) of parameter `name` (flattened) for `key` into `out`."""

@@ -74,7 +74,7 @@ def _gather(sharded, group, local: torch.Tensor, what: str) -> torch.Tensor:
         return local
     comm = sharded.comm
     full = torch.empty(group.layout.padded_numel, dtype=torch.float32, device=comm.device)
-    comm.all_gather(full, local.to(comm.device).contiguous(), what)
+    comm.all_gather(full, local.to(comm.device).contiguous(), what, counts=group.layout.counts)
     return full
 
 

@@ -24,6 +24,7 @@ import contextlib
 import os
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,14 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 # Reductions by name, so that callers never import torch.distributed for an op.
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _uneven(counts: tuple[int, ...] | None, world_size: int) -> tuple[int, ...] | None:
+    """`counts` where the ranks' pieces differ, None where they are all alike (the even collectives)."""
+    if counts is None:
+        return None
+    assert len(counts) == world_size, (counts, world_size)
+    return None if len(set(counts)) == 1 else tuple(counts)
 
 
 class CollectiveError(RuntimeError):
@@ -65,27 +74,39 @@ class _Check:
         )
 
 
+def _exchange_pieces(send: int, receive: int, element_size: int, piece_bytes: int | None):
+    """(start, sent, received) per message of a two-rank exchange in which this rank sends the peer
+    `send` elements and receives `receive`: both ranks cut the longer of the two alike."""
+    for start, n in backend.pieces(max(send, receive), element_size, piece_bytes):
+        yield start, max(0, min(n, send - start)), max(0, min(n, receive - start))
+
+
+def _splits(rank: int, n: int) -> list[int]:
+    return [0, n] if rank == 0 else [n, 0]  # nothing to or from ourselves, n to or from the peer
+
+
 class _PairwiseReduceScatter:
     """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
     ours, add. See [Note: reduce-scatter on gloo] in backend.py. The peer's half is received straight
     into `out` where `out` is a tensor of its own (stages 2/3: no temporary, whose fresh pages cost
-    25 MB of first touches per 50 MB unit); into a temporary where `out` is our half of `full` (stage 1)."""
+    25 MB of first touches per 50 MB unit); into a temporary where `out` is our half of `full` (stage 1).
+    `counts`: the two halves' sizes ([Note: uneven slices] in flat.py)."""
 
-    def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group, piece_bytes: int | None):
-        shard = out.numel()
-        self.out, self.mine = out, full[rank * shard : (rank + 1) * shard]
+    def __init__(self, out: torch.Tensor, full: torch.Tensor, rank: int, group, piece_bytes, counts):
+        starts = (0, counts[0])
+        self.out, self.mine = out, full[starts[rank] : starts[rank] + counts[rank]]
         apart = out.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
         self.theirs = out if apart else torch.empty_like(self.mine)
-        send = full[(1 - rank) * shard : (2 - rank) * shard]
+        send = full[starts[1 - rank] : starts[1 - rank] + counts[1 - rank]]
         self.works = []
-        for start, n in backend.pieces(shard, full.element_size(), piece_bytes):
-            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, the peer's half to it
+        pieces = _exchange_pieces(counts[1 - rank], counts[rank], full.element_size(), piece_bytes)
+        for start, sent, received in pieces:
             self.works.append(
                 dist.all_to_all_single(
-                    self.theirs[start : start + n],
-                    send[start : start + n],
-                    output_split_sizes=splits,
-                    input_split_sizes=splits,
+                    self.theirs[start : start + received],
+                    send[start : start + sent],
+                    output_split_sizes=_splits(rank, received),
+                    input_split_sizes=_splits(rank, sent),
                     group=group,
                     async_op=True,
                 )
@@ -108,26 +129,41 @@ class _PairwiseAllGather:
     """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
     straight into their half of `out`. See [Note: all-gather on gloo] in backend.py."""
 
-    def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group, piece_bytes: int | None):
-        shard, numel = shard.reshape(-1), shard.numel()
-        out = out.view(-1)  # 1-D, numel = 2 * shard numel
-        theirs = out[(1 - rank) * numel : (2 - rank) * numel]
+    def __init__(self, out: torch.Tensor, shard: torch.Tensor, rank: int, group, piece_bytes, counts):
+        shard, out = shard.reshape(-1), out.view(-1)
+        starts = (0, counts[0])
+        theirs = out[starts[1 - rank] : starts[1 - rank] + counts[1 - rank]]
         self.works = []
-        for start, n in backend.pieces(numel, shard.element_size(), piece_bytes):  # as the reduce-scatter
-            splits = [0, n] if rank == 0 else [n, 0]  # nothing to ourselves, our shard to the peer
+        pieces = _exchange_pieces(counts[rank], counts[1 - rank], shard.element_size(), piece_bytes)
+        for start, sent, received in pieces:
             self.works.append(
                 dist.all_to_all_single(
-                    theirs[start : start + n],
-                    shard[start : start + n],
-                    output_split_sizes=splits,
-                    input_split_sizes=splits,
+                    theirs[start : start + received],
+                    shard[start : start + sent],
+                    output_split_sizes=_splits(rank, received),
+                    input_split_sizes=_splits(rank, sent),
                     group=group,
                     async_op=True,
                 )
             )
-        mine = out[rank * numel : (rank + 1) * numel]
+        mine = out[starts[rank] : starts[rank] + counts[rank]]
         if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
             mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+class _Works:
+    """Several collectives in flight as one: the uneven all-gather's broadcasts ([Note: uneven slices]
+    in flat.py; no backend has an all-gather of unequal pieces that gloo runs)."""
+
+    def __init__(self, works: list):
+        self.works = works
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
@@ -277,28 +313,81 @@ class Communicator:
         return sub
 
     # -- collectives --------------------------------------------------------------------------------
-    def all_gather(self, out: torch.Tensor, shard: torch.Tensor, what: str, async_op: bool = False):
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        shard: torch.Tensor,
+        what: str,
+        async_op: bool = False,
+        counts: tuple[int, ...] | None = None,
+    ):
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
-        slice of `out` itself."""
-        assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
+        slice of `out` itself. `counts`: each rank's shard size where they differ ([Note: uneven
+        slices] in flat.py); then `out` holds the shards back to back, sum(counts) elements."""
+        counts = _uneven(counts, self.world_size)
+        if counts is not None:
+            assert out.numel() == sum(counts) and shard.numel() == counts[self.rank], (out.numel(), counts)
+        else:
+            assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
         stage = Staging(self)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
-        if self.pairwise:  # two gloo ranks: [Note: all-gather on gloo] in backend.py
-            launch = lambda: _PairwiseAllGather(staged_out, staged_shard, self.rank, self.group, self.piece_bytes)  # noqa: E731
-        else:
-            launch = lambda: _all_gather(staged_out, staged_shard, group=self.group, async_op=True)  # noqa: E731
+
+        def launch() -> Any:
+            if self.pairwise:  # two gloo ranks: [Note: all-gather on gloo] in backend.py
+                halves = counts or (shard.numel(), shard.numel())
+                return _PairwiseAllGather(staged_out, staged_shard, self.rank, self.group, self.piece_bytes, halves)
+            if counts is not None:
+                return self._broadcast_pieces(staged_out, staged_shard, counts)
+            return _all_gather(staged_out, staged_shard, group=self.group, async_op=True)
+
         return self._run("all_gather", out, what, async_op, launch, stage)
 
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
+    def _broadcast_pieces(self, out: torch.Tensor, shard: torch.Tensor, counts: tuple[int, ...]) -> _Works:
+        starts = [sum(counts[:r]) for r in range(self.world_size)]
+        mine = out[starts[self.rank] : starts[self.rank] + counts[self.rank]]
+        if mine.data_ptr() != shard.data_ptr():
+            mine.copy_(shard)
+        return _Works(
+            [
+                dist.broadcast(
+                    out[starts[r] : starts[r] + counts[r]],
+                    src=dist.get_global_rank(self.group, r),
+                    group=self.group,
+                    async_op=True,
+                )
+                for r in range(self.world_size)
+                if counts[r]
+            ]
+        )
+
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        full: torch.Tensor,
+        what: str,
+        async_op: bool = False,
+        counts: tuple[int, ...] | None = None,
+    ):
         """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`.
-        `out` may be that slice of `full` itself."""
-        assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
+        `out` may be that slice of `full` itself. `counts`: each rank's slice size where they differ
+        ([Note: uneven slices] in flat.py); then the slices lie back to back in `full`."""
+        counts = _uneven(counts, self.world_size)
+        if counts is not None:
+            assert full.numel() == sum(counts) and out.numel() == counts[self.rank], (full.numel(), counts)
+        else:
+            assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
         stage = Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
-        if self.pairwise:  # two gloo ranks: [Note: reduce-scatter on gloo] in backend.py
-            launch = lambda: _PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group, self.piece_bytes)  # noqa: E731
-        else:
-            launch = lambda: _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True)  # noqa: E731
+
+        def launch() -> Any:
+            if self.pairwise:  # two gloo ranks: [Note: reduce-scatter on gloo] in backend.py
+                halves = counts or (out.numel(), out.numel())
+                return _PairwiseReduceScatter(staged_out, staged_full, self.rank, self.group, self.piece_bytes, halves)
+            if counts is not None:  # torch runs a list of unequal inputs on gloo and NCCL alike
+                inputs = list(torch.split(staged_full, list(counts)))
+                return dist.reduce_scatter(staged_out, inputs, group=self.group, async_op=True)
+            return _reduce_scatter(staged_out, staged_full, group=self.group, async_op=True)
+
         return self._run("reduce_scatter", full, what, async_op, launch, stage)
 
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):

@@ -11,6 +11,14 @@ With `owners` (a whole-parameter optimizer's groups: [Note: whole-parameter owne
 owners.py) each parameter sits whole inside its owner's slice instead, the parameters of one owner
 back to back from the slice's start; `shard_numel` is the fullest slice, and the rest of each slice
 is zero padding (`gaps`).
+
+[Note: uneven slices]
+With `owners` and `uneven` the slices are not equal: rank r's slice holds exactly the parameters it
+owns, the slices back to back in rank order (`counts`, `starts`), and the buffer has no padding at
+all (`padded_numel == numel`). The all-gather and reduce-scatter of such a group take the slice
+sizes (comm.py `counts`), so they move the parameters' bytes and nothing else, and a rank stores
+only what it owns. Stage 3 lays out whole-parameter groups so: there every unit is gathered for its
+own forward, and one unit's matrices rarely split evenly ([Note: spans of units] in owners.py).
 """
 
 from __future__ import annotations
@@ -32,18 +40,39 @@ class Slot:
 
 
 class FlatLayout:
-    def __init__(self, names: list[str], shapes: list[torch.Size], world_size: int, owners: list[int] | None = None):
+    def __init__(
+        self,
+        names: list[str],
+        shapes: list[torch.Size],
+        world_size: int,
+        owners: list[int] | None = None,
+        uneven: bool = False,
+    ):
         if not names:
             raise ValueError("a flat layout needs at least one parameter")
         numels = [int(torch.Size(shape).numel()) for shape in shapes]
         self.world_size = world_size
         self.numel = sum(numels)
+        if uneven and owners is None:
+            raise ValueError("uneven slices need owners")
+        self.starts: tuple[int, ...] | None = None  # [Note: uneven slices]
         if owners is None:
             offsets = [sum(numels[:i]) for i in range(len(numels))]
             self.shard_numel = -(-self.numel // world_size)  # ceil
+        elif uneven:
+            self._check_owners(owners, len(names))
+            filled = [0] * world_size
+            for owner, numel in zip(owners, numels):
+                filled[owner] += numel
+            starts = [sum(filled[:r]) for r in range(world_size)]
+            self.shard_numel = max(filled)  # the fullest slice
+            self.starts, self._counts = tuple(starts), tuple(filled)
+            offsets, used = [], [0] * world_size
+            for owner, numel in zip(owners, numels):
+                offsets.append(starts[owner] + used[owner])
+                used[owner] += numel
         else:
-            if len(owners) != len(names) or any(not 0 <= o < world_size for o in owners):
-                raise ValueError(f"owners {owners} do not give each of {len(names)} parameters a rank < {world_size}")
+            self._check_owners(owners, len(names))
             filled = [0] * world_size
             for owner, numel in zip(owners, numels):
                 filled[owner] += numel
@@ -58,8 +87,26 @@ class FlatLayout:
             for name, shape, offset, numel in zip(names, shapes, offsets, numels)
         )
         self._in_buffer_order = tuple(sorted(self.slots, key=lambda s: s.offset))
-        self.padded_numel = self.shard_numel * world_size
+        self.padded_numel = self.numel if self.starts is not None else self.shard_numel * world_size
         self.padding = tuple(self.gaps())  # the whole buffer's, zeroed in every fresh full gradient
+
+    def _check_owners(self, owners: list[int], count: int) -> None:
+        if len(owners) != count or any(not 0 <= o < self.world_size for o in owners):
+            raise ValueError(f"owners {owners} do not give each of {count} parameters a rank < {self.world_size}")
+
+    @property
+    def even(self) -> bool:
+        """Are all slices `shard_numel` long ([Note: flat layout]), or do they differ ([Note: uneven slices])?"""
+        return self.starts is None
+
+    @property
+    def counts(self) -> tuple[int, ...] | None:
+        """The slice size of each rank where they differ ([Note: uneven slices]); None where they are equal."""
+        return None if self.starts is None else self._counts
+
+    def shard_size(self, rank: int) -> int:
+        start, end = self.shard_range(rank)
+        return end - start
 
     def gaps(self, start: int = 0, end: int | None = None) -> list[tuple[int, int]]:
         """The ranges of [start, end) (default: the whole buffer) that no parameter covers: padding,
@@ -77,6 +124,8 @@ class FlatLayout:
         return out
 
     def shard_range(self, rank: int) -> tuple[int, int]:
+        if self.starts is not None:
+            return self.starts[rank], self.starts[rank] + self._counts[rank]
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def views(self, full: torch.Tensor) -> list[torch.Tensor]:

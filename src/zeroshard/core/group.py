@@ -97,6 +97,7 @@ class FlatGroup:
         reshards: bool,
         optimizer_group: int | None,
         owners: list[int] | None = None,
+        uneven: bool = False,
         master_store=None,
         grad_store=None,
         compute_shard: bool = False,
@@ -107,7 +108,7 @@ class FlatGroup:
         self.tp_specs = [TensorParallelSpec.of(p) for p in params]  # None for a plain tensor
         self._swapped = False  # DTensor parameters already point at the full buffer
         # owners: a whole-parameter optimizer's group ([Note: whole-parameter ownership] in owners.py)
-        self.layout = FlatLayout(names, [local_tensor(p).shape for p in params], world_size, owners)
+        self.layout = FlatLayout(names, [local_tensor(p).shape for p in params], world_size, owners, uneven)
         self.rank = rank
         self.policy = policy
         self.reshards = reshards
@@ -138,7 +139,7 @@ class FlatGroup:
         self.opt_range = (start, end)
         self.full: torch.Tensor | None = None  # param_dtype, 1-D, numel = padded_numel
         self.master: torch.Tensor  # fp32, 1-D, numel = end - start
-        self.compute_shard: torch.Tensor | None = None  # param_dtype, 1-D, numel = shard_numel, on device
+        self.compute_shard: torch.Tensor | None = None  # param_dtype, 1-D, numel = this rank's slice, on device
         # hpZ's secondary copy: param_dtype, (shards, shard_numel), the node piece's shards other than
         # this rank's own ([Note: ZeRO++ and MiCS] in unit.py); valid from a gather until the parameters change.
         self.secondary: torch.Tensor | None = None
@@ -152,7 +153,7 @@ class FlatGroup:
         self.spent = SpentGradients()  # Lifecycle shares one over all units: [Note: spent full gradients reused]
         self._unwritten: list[bool] | None = None  # [Note: a fresh full gradient]
         self._scaled: list[bool] | None = None  # [Note: the pre-divide in the copy]
-        self.grad_shard: torch.Tensor | None = None  # grad_dtype, 1-D, numel = shard_numel
+        self.grad_shard: torch.Tensor | None = None  # grad_dtype, 1-D, numel = this rank's slice
         self.reduced_slice: torch.Tensor | None = None  # see [Note: a second reduction before the step]
         self.holds_reduced_slice = False
         # Which parameters got a gradient on this rank since the last step ([Note: parameters
@@ -162,7 +163,7 @@ class FlatGroup:
             if self.grads_persist_full:
                 self.full_grad = self.zeros_full_grad()
             elif grad_store is not None:
-                self.grad_shard = grad_store.tensor(f"{names[0]}.grad", self.layout.shard_numel, self.grad_dtype)
+                self.grad_shard = grad_store.tensor(f"{names[0]}.grad", self.layout.shard_size(rank), self.grad_dtype)
 
     @property
     def keep_full(self) -> bool:
@@ -273,7 +274,7 @@ class FlatGroup:
     def gather_input(self) -> torch.Tensor:
         """This rank's shard of the parameters in compute dtype (input of the all-gather)."""
         # Only sharded (stage-3) groups gather from the master, and there opt_range is the shard.
-        assert self.master.numel() == self.layout.shard_numel
+        assert self.master.numel() == self.layout.shard_size(self.rank)
         if self.compute_shard is not None:
             return self.compute_shard
         if self.master_store is not None:  # the all-gather reads it at once: a read into a buffer lands first
@@ -491,7 +492,7 @@ class FlatGroup:
     # a backward (checkpoint, safe_*_grad, a step with no backward) gets zeros made on demand.
     # Shards in an offload store keep the store's tensor for good (the store's memory is elsewhere).
     def add_reduced(self, out: torch.Tensor) -> None:
-        """Stages 2/3: take one reduction's output (1-D, numel = shard_numel) into the shard."""
+        """Stages 2/3: take one reduction's output (1-D, this rank's slice) into the shard."""
         if (
             self.grad_shard is None
             and self.grad_shard_is_transient
@@ -505,7 +506,7 @@ class FlatGroup:
 
     def _own_grad_shard(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=self.grad_dtype, device=self.device)
+            self.grad_shard = torch.zeros(self.layout.shard_size(self.rank), dtype=self.grad_dtype, device=self.device)
         return self.grad_shard
 
     def free_grad_shard(self) -> None:
@@ -583,7 +584,7 @@ class FlatGroup:
         if self.grads_persist_full:
             grads = nbytes(self.full_grad)
         elif self.grad_shard_is_transient:  # at its size, also between steps, when it is freed
-            grads = self.layout.shard_numel * self.grad_dtype.itemsize
+            grads = self.layout.shard_size(self.rank) * self.grad_dtype.itemsize
         else:
             grads = in_memory(self.grad_shard)
         return {"params": params, "master": master, "grads": grads}

@@ -25,8 +25,17 @@ the span: `plan_spans` grows each span until its padding is at most `SPAN_PADDIN
 ends, so the later units' reduction starts up to `MAX_SPAN - 1` units later (still overlapped with
 the backward of the units before it); at stage 2 their full gradients live until then. Stage 1
 keeps full gradients between steps anyway. Stage 3 gathers each unit's parameters for its own
-forward, so there a span would keep `MAX_SPAN` units gathered: it keeps one unit per group, and
-`summary()` reports the padding.
+forward, so there a span would keep `MAX_SPAN` units gathered: it keeps one unit per group.
+
+[Note: owners with uneven slices]
+At stage 3 a whole-parameter group's slices are uneven instead ([Note: uneven slices] in
+flat.py): no padding, each rank's slice exactly its matrices, and the collectives told the sizes.
+Then the owners need not split each group evenly, only the model: each matrix, largest first within
+its group, goes to the rank holding the fewest whole-parameter elements so far (then the least
+Newton-Schulz work). A GPT block at 2 ranks splits 7d² | 5d², the next 5d² | 7d²; over the model no
+rank holds more than the mean plus its largest matrix (the bound of greedy list scheduling), which is
+stage 3's memory per rank, and the update work follows the elements. ZeRO++'s qwZ, qgZ and hpZ cut
+slices into equal blocks or rows: with them stage 3 keeps equal slices, padded (`summary()` says).
 """
 
 from __future__ import annotations
@@ -59,10 +68,14 @@ class OwnerPlan:
     numel: int = 0  # elements of whole parameters planned
     padded_numel: int = 0  # what their flat groups take, padding included
     span_units: list[list[str]] = field(default_factory=list)  # stages 1/2: units sharing a flat group
+    uneven: bool = False  # groups get uneven slices: [Note: owners with uneven slices]
+    elements: list[int] = field(default_factory=list)  # whole-parameter elements per rank so far
 
     def __post_init__(self) -> None:
         if not self.flops:
             self.flops = [0.0] * self.world_size
+        if not self.elements:
+            self.elements = [0] * self.world_size
 
     def plan_spans(self, units: list[list[torch.Size]]) -> list[list[int]]:
         """Consecutive runs of `units` (each: its whole parameters' shapes) that share a flat group
@@ -88,6 +101,8 @@ class OwnerPlan:
         world = self.world_size
         sizes = [int(torch.Size(s).numel()) for s in shapes]
         costs = [newton_schulz_flops(torch.Size(s)) for s in shapes]
+        if self.uneven:
+            return self._assign_uneven(sizes, costs)
         bins, filled = _pack(sizes, world)
         work = [sum(costs[i] for i in members) for members in bins]
         by_work = sorted(range(world), key=lambda b: (-work[b], -filled[b], b))
@@ -99,6 +114,20 @@ class OwnerPlan:
             self.flops[rank] += work[b]
         self.numel += sum(sizes)
         self.padded_numel += max(max(filled), 1) * world
+        for rank in range(world):  # equal slices: every rank stores the fullest bin's size
+            self.elements[rank] += max(filled)
+        return owners
+
+    def _assign_uneven(self, sizes: list[int], costs: list[float]) -> list[int]:
+        """[Note: owners with uneven slices]"""
+        owners = [0] * len(sizes)
+        for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            rank = min(range(self.world_size), key=lambda r: (self.elements[r], self.flops[r], r))
+            owners[index] = rank
+            self.elements[rank] += sizes[index]
+            self.flops[rank] += costs[index]
+        self.numel += sum(sizes)
+        self.padded_numel += sum(sizes)
         return owners
 
     @property
@@ -112,11 +141,19 @@ class OwnerPlan:
         mean = sum(self.flops) / len(self.flops)
         return max(self.flops) / mean if mean else 1.0
 
+    @property
+    def fullest(self) -> float:
+        """The most whole-parameter elements a rank stores, over the mean (1.0: even)."""
+        mean = self.numel / self.world_size
+        return max(self.elements) / mean if mean else 1.0
+
     def summary(self) -> str:
         spans = max((len(s) for s in self.span_units), default=1)
         return (
-            f"{self.numel} elements of whole parameters over {self.world_size} ranks: padding "
-            f"{100 * self.padding:.1f}%, busiest rank's Newton-Schulz work {self.imbalance:.3f}x the mean"
+            f"{self.numel} elements of whole parameters over {self.world_size} ranks"
+            + (", uneven slices" if self.uneven else "")
+            + f": padding {100 * self.padding:.1f}%, fullest rank {self.fullest:.3f}x the mean, "
+            f"busiest rank's Newton-Schulz work {self.imbalance:.3f}x the mean"
             + (f", flat groups spanning up to {spans} units" if spans > 1 else "")
         )
 

@@ -53,7 +53,7 @@ def _gather_updated(comm: Communicator | None, group: FlatGroup):
     """Issue the all-gather of the other ranks' slices of `group`'s updated parameters."""
     assert comm is not None and group.full is not None  # issued after a step; kept: it does not reshard
     what = f"all-gather of updated parameters ({group.names[0]}...)"
-    return comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True)
+    return comm.all_gather(group.full, group.own_slice_of_full(), what, async_op=True, counts=group.layout.counts)
 
 
 @torch.no_grad()

@@ -165,6 +165,7 @@ def _build_groups(
                 reshards=reshards,
                 optimizer_group=index,
                 owners=owners,
+                uneven=owners is not None and owner_plan is not None and owner_plan.uneven,
                 master_store=master_store,
                 compute_shard=compute_shard,
                 grad_store=placement.optimizer_store if trainable else None,

@@ -133,7 +133,11 @@ class Sharded:
                 "or parameters to files (NVMe) is not supported with it: offload to 'cpu', or not at all"
             )
         # [Note: whole-parameter ownership] in core/owners.py
-        self.owner_plan = OwnerPlan(self.partition.world_size, whole) if whole else None
+        # Stage 3 without qwZ, qgZ and hpZ (which cut slices into equal blocks or rows): uneven slices.
+        uneven = policy.shard_parameters and not (
+            self.links.quantize_weights or self.links.quantize_gradients or self.links.secondary is not None
+        )
+        self.owner_plan = OwnerPlan(self.partition.world_size, whole, uneven=uneven) if whole else None
         self.units = shard_module(
             model,
             policy,

@@ -187,8 +187,8 @@ class Unit:
                     self.comm, group.new_full(), group.gather_input(), what, self.links.block, async_op=True, keep=keep
                 )
             else:
-                shard = group.gather_input()  # 1-D, numel = shard_numel, compute dtype
-                handle = self.comm.all_gather(group.new_full(), shard, what, async_op=True)
+                shard = group.gather_input()  # 1-D, this rank's slice, compute dtype
+                handle = self.comm.all_gather(group.new_full(), shard, what, async_op=True, counts=group.layout.counts)
             self._gathers.append(handle)
         self._keep_secondary = keep_secondary and not self.links.quantize_weights  # else kept as received
         self.state = UnitState.GATHERING
@@ -283,15 +283,17 @@ class Unit:
         if group.reduction is Reduction.REDUCE_SCATTER_IN_PLACE:
             # Stage 1: this rank's slice of full_grad becomes its reduced gradient.
             out = group.full_grad[slice(*group.layout.shard_range(group.rank))]
-            return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, None
-        out = torch.empty(group.layout.shard_numel, dtype=group.grad_dtype, device=group.device)  # 2/3
+            handle = self.comm.reduce_scatter(out, group.full_grad, what, async_op=True, counts=group.layout.counts)
+            return handle, group, None
+        out = torch.empty(group.layout.shard_size(group.rank), dtype=group.grad_dtype, device=group.device)  # 2/3
         if self.links.quantize_gradients:  # qgZ
             return (
                 quantize.reduce_scatter(self.comm, out, group.full_grad, what, self.links.block, async_op=True),
                 group,
                 out,
             )
-        return self.comm.reduce_scatter(out, group.full_grad, what, async_op=True), group, out
+        handle = self.comm.reduce_scatter(out, group.full_grad, what, async_op=True, counts=group.layout.counts)
+        return handle, group, out
 
     # [Note: taken as they land]
     # Stages 0/1 never wait for a reduction inside backward (waiting stalled it, docs/performance.md),
