@@ -26,6 +26,7 @@ from zeroshard.core import (
     shard,
     stage_policy,
 )
+from zeroshard.core.optim.declared import register_whole_parameter_optimizer
 from zeroshard.core.optim.muon import MuonWithAdamW
 from zeroshard.version import __version__
 
@@ -54,6 +55,7 @@ __all__ = [
     "initialize",
     "load_config",
     "ops",
+    "register_whole_parameter_optimizer",
     "runtime",
     "shard",
     "stage_policy",

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from zeroshard.config.schema import AdamParams, MuonParams, OptimizerConfig, SGDParams
+from zeroshard.core.optim.declared import declared_classes, whole_groups_rule
 from zeroshard.core.optim.muon import MuonWithAdamW
-from zeroshard.core.optim.whole import WHOLE_PARAMETER_OPTIMIZERS
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "OptimizerNotShardableError", "build_optimizer", "check_shardable"]
 
@@ -136,16 +136,18 @@ def check_shardable(optimizer: torch.optim.Optimizer) -> None:
     """Raise ``OptimizerNotShardableError`` unless ``optimizer`` can be run on flat shards.
 
     Accepted: instances of ``ELEMENTWISE_OPTIMIZERS`` (subclasses included: they keep the parent's
-    update unless they override it, which we cannot see), and Muon (``torch.optim.Muon``,
-    ``MuonWithAdamW``), whose matrices are each updated whole by one rank, without any state yet.
+    update unless they override it, which we cannot see), and whole-parameter optimizers
+    (``torch.optim.Muon``, ``MuonWithAdamW``, classes declared with
+    ``register_whole_parameter_optimizer``), whose matrices are each updated whole by one rank; all
+    without any state yet.
     """
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS + (MuonWithAdamW,)):
-        supported = ", ".join(
-            cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS + WHOLE_PARAMETER_OPTIMIZERS + (MuonWithAdamW,)
-        )
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and whole_groups_rule(optimizer) is None:
+        supported = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS + declared_classes())
         raise OptimizerNotShardableError(
             f"{type(optimizer).__name__} cannot be sharded by zeroshard: its update is not elementwise, "
-            f"or it is not a torch optimizer zeroshard knows. Supported: {supported} (or subclasses)"
+            f"or it is not a torch optimizer zeroshard knows. Supported: {supported} (or subclasses); an "
+            "optimizer that updates each parameter from that whole parameter alone can be declared with "
+            "zeroshard.register_whole_parameter_optimizer"
         )
     if any(_has_stepped(state) for state in optimizer.state.values()):
         raise OptimizerNotShardableError(

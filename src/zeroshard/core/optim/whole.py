@@ -17,20 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.core.group import FlatGroup
+from zeroshard.core.optim import declared
 from zeroshard.core.optim.muon import MuonWithAdamW
-
-WHOLE_PARAMETER_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.Muon,)
 
 
 def whole_param_groups(optimizer: torch.optim.Optimizer | None) -> frozenset[int]:
     """Indices of the param groups whose update needs whole parameters."""
-    if optimizer is None:
+    needs = declared.whole_groups_rule(optimizer) if optimizer is not None else None
+    if optimizer is None or needs is None:
         return frozenset()
-    if isinstance(optimizer, WHOLE_PARAMETER_OPTIMIZERS):
-        return frozenset(range(len(optimizer.param_groups)))
-    if isinstance(optimizer, MuonWithAdamW):
-        return frozenset(i for i, g in enumerate(optimizer.param_groups) if g["use_muon"])
-    return frozenset()
+    return frozenset(i for i, g in enumerate(optimizer.param_groups) if needs(g))
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,11 @@ def state_keys(optimizer: torch.optim.Optimizer, index: int) -> tuple[str, ...]:
     of a twin over a 2 x 2 matrix with the group's hyper-parameters."""
     hyper = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
     probe = torch.zeros(2, 2, requires_grad=True)
-    twin = type(optimizer)([{**hyper, "params": [probe]}])  # type: ignore[call-arg]  # the subclass's constructor
+    group = [{**hyper, "params": [probe]}]
+    if isinstance(optimizer, MuonWithAdamW):
+        twin: torch.optim.Optimizer = MuonWithAdamW(group, muon=optimizer.muon_class)
+    else:
+        twin = type(optimizer)(group)  # type: ignore[call-arg]  # the subclass's constructor
     probe.grad = torch.ones(2, 2)
     twin.step()
     return tuple(twin.state.get(probe, {}))
