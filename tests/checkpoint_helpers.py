@@ -26,6 +26,7 @@ def build_engine(
     optimizer_fn=adamw,
     zero: dict | None = None,
     precision: str = "fp32",
+    extras: dict | None = None,
     **model_overrides,
 ):
     model = gpt_model_fn(seed, **model_overrides)()
@@ -33,6 +34,7 @@ def build_engine(
     if precision != "fp32":  # fp16: a short window, so that the loss scale moves within a test
         config[precision] = {"enabled": True, **({"loss_scale_window": 2} if precision == "fp16" else {})}
     config["zeroshard"]["comm_timeout_s"] = 30
+    config["zeroshard"].update(extras or {})
     if scheduler:
         config["scheduler"] = SCHEDULER
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=optimizer_fn(model.parameters()), config=config)

@@ -63,10 +63,20 @@ def _arm(rank: int, crash: str) -> None:
 
 
 def _crash_worker(
-    rank: int, world: int, *, root: str, load: str | None, tag: str, step: int, crash: str, crash_tag: str
+    rank: int,
+    world: int,
+    *,
+    root: str,
+    load: str | None,
+    tag: str,
+    step: int,
+    crash: str,
+    crash_tag: str,
+    asynchronous: bool = False,
 ) -> str:
     """Load the checkpoint `latest` names (it must hold the weights recorded when it was saved),
-    train a step, save `tag` cleanly, train a step, then save `crash_tag` and die in it."""
+    train a step, save `tag` cleanly, train a step, then save `crash_tag` and die in it (`asynchronous`:
+    in the thread that writes it, while this rank trains on: [Note: asynchronous save])."""
     root = Path(root)
     engine = build_engine(2, seed=5)
     batches = tiny_batches()
@@ -80,7 +90,10 @@ def _crash_worker(
         _record(engine, root, crash_tag)
     _arm(rank, crash)
     try:
-        engine.save_checkpoint(root, tag=crash_tag)
+        engine.save_checkpoint(root, tag=crash_tag, async_save=asynchronous)
+        if asynchronous:
+            train_micro_steps(engine, batches, step + 2, 1)
+            engine.wait_checkpoint()
     except Exception as error:  # noqa: BLE001 - the survivor reports what it saw
         return f"{type(error).__name__}: {error}"
     return "save finished"
@@ -139,3 +152,17 @@ def test_killed_rank_leaves_the_previous_checkpoint_loadable(tmp_path):
 
     # 4. fresh processes: `latest` loads "d"; the published "e" is complete and loads too.
     run_distributed(_verify_worker, 2, timeout=120, root=str(root), latest="d", tags=["e", "a"])
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_an_asynchronous_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    """The same crash points, met by the writer thread while the ranks train on."""
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    # rank 1 dies writing its shard of "b" in the background: "a" stays latest
+    _run_crash(root, load=None, tag="a", step=0, crash="shard", crash_tag="b", asynchronous=True)
+    assert (root / "latest").read_text() == "a" and not (root / "b").exists()
+    # rank 0 dies after publishing "d", before moving `latest`: "c" stays latest, "d" is whole
+    _run_crash(root, load="a", tag="c", step=2, crash="latest", crash_tag="d", asynchronous=True)
+    assert (root / "latest").read_text() == "c" and (root / "d" / "manifest.json").is_file()
+    run_distributed(_verify_worker, 2, timeout=120, root=str(root), latest="c", tags=["d", "a"])

@@ -1,7 +1,7 @@
 """Checkpoints under injected faults, as torch's DCP tests do.
 
-One process group of 2 ranks, many sub-cases. An exception is injected at each phase of a save and
-of a load, on rank 0 and on rank 1; a full disk (ENOSPC after part of a shard is written) during a
+One process group of 2 ranks, many sub-cases. An exception is injected at each phase of a save
+(synchronous, and asynchronous: [Note: asynchronous save], raised by the next call) and of a load, on rank 0 and on rank 1; a full disk (ENOSPC after part of a shard is written) during a
 save; files deleted between save and load (with and without verification); ENOSPC in the NVMe
 write-back in the middle of a step. In every case:
   * every rank raises a named error (CheckpointError, or StoreError for the NVMe store) that says
@@ -172,14 +172,19 @@ def _faults_worker(rank: int, world: int, *, root: str) -> dict:
         assert Path(path).name == "good"
         assert_equal_params(full_params(probe), good, "latest after the fault")
 
-    def save_case(phase: str, on_rank: int) -> None:
+    def save_and_wait(asynchronous: bool) -> None:
+        engine.save_checkpoint(root, tag="new", async_save=asynchronous)
+        engine.wait_checkpoint()  # [Note: asynchronous save]: the thread's error is raised here
+
+    def save_case(phase: str, on_rank: int, asynchronous: bool = False) -> None:
         owner, name, replacement, _ = SAVE_FAULTS[phase]
         owner = engine.optimizer if owner is None else owner
         before = _snapshot(engine)
         with _patched(owner, name, replacement, rank == on_rank):
-            raised = _raised(engine.save_checkpoint, root, tag="new")
+            raised = _raised(save_and_wait, asynchronous)
         expect = "No space left on device" if "disk full" in phase else "injected fault"
-        timings[f"save {phase} on rank {on_rank}"] = _check_failure(phase, raised, on_rank, world, expect)
+        label = f"{'async ' if asynchronous else ''}save {phase} on rank {on_rank}"
+        timings[label] = _check_failure(phase, raised, on_rank, world, expect)
         assert not _differences(before, _snapshot(engine)), f"save {phase}: training state changed"
         assert not list(root.glob(".tmp-*")), f"save {phase}: staging left behind"
         latest_is_good()
@@ -217,13 +222,19 @@ def _faults_worker(rank: int, world: int, *, root: str) -> dict:
         latest_is_good()
 
     cases = [dict(kind="save", phase=p, on_rank=r) for p, f in SAVE_FAULTS.items() for r in f[3] if r < world]
+    cases += [dict(kind="async save", phase=p, on_rank=r) for p, f in SAVE_FAULTS.items() for r in f[3] if r < world]
     cases += [dict(kind="load", phase=p, on_rank=r) for p, f in LOAD_FAULTS.items() for r in f[3] if r < world]
     cases += [
         dict(kind="deleted", phase=n, on_rank=v)
         for n in ("rank_00001.safetensors", "objects.pt")
         for v in (True, False)
     ] + [dict(kind="deleted", phase="manifest.json", on_rank=True)]
-    run = {"save": save_case, "load": load_case, "deleted": deleted_case}
+    run = {
+        "save": save_case,
+        "async save": lambda phase, on_rank: save_case(phase, on_rank, asynchronous=True),
+        "load": load_case,
+        "deleted": deleted_case,
+    }
     subtests(cases, lambda kind, phase, on_rank: run[kind](phase, on_rank))
     probe.destroy()
     engine.destroy()

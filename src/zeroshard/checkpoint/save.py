@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.checkpoint.background import BackgroundSaves, stage
 from zeroshard.checkpoint.common import (
     agree,
     attempt,
@@ -77,11 +78,15 @@ from zeroshard.core.mesh import MESH_DIMS
 log = logging.getLogger(__name__)
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> str:
+def save_checkpoint(
+    engine, save_dir, tag=None, client_state=None, save_latest: bool = True, background: BackgroundSaves | None = None
+) -> str:
     """Write a checkpoint of `engine` to `save_dir/<tag>` (default tag `global_step<N>`) and, with
     `save_latest`, point `save_dir/latest` at it. Collective: every rank calls it with the same
     arguments (under tensor/pipeline parallelism every rank of the grid: [Note: checkpoints across
-    layouts] in layout.py). Returns the checkpoint directory."""
+    layouts] in layout.py). Returns the checkpoint directory. `background`: the engine's writer,
+    which writes and publishes the files after this returns ([Note: asynchronous save] in
+    background.py); None: all of it before returning."""
     counters = engine.counters()
     if counters.backward_pending:
         raise CheckpointError(
@@ -90,6 +95,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
         )
     comm = engine.comm  # the dp group: the ranks of one part
     layout = layout_of(engine)
+    if background is not None and layout is not None:  # alike on every rank: refused before any collective
+        raise CheckpointError(
+            "an asynchronous save under tensor or pipeline parallelism is not supported: save synchronously"
+        )
     grid = layout.comm if layout is not None else comm  # every rank that writes into this checkpoint
     save_dir = Path(save_dir)
     tag = check_tag(str(tag) if tag is not None else f"global_step{counters.global_steps}")
@@ -116,27 +125,48 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: 
     if error is None and grid.rank == 0:
         _, error = attempt(_prepare, save_dir, staging)
     agree(grid, error, what)
+    # What the files will hold, taken now: the rank's shards, and on dp rank 0 the part's manifest
+    # and buffers (copies when another thread writes them while training changes the originals).
+    shard = None
     if writes_shards(engine):
-        record, error = attempt(_write_rank_file, engine, states, part_dir, layout)
-    else:  # [Note: checkpoints of replicated shards]: a replica of shards another rank writes
-        record, error = _REPLICA, None
-    records = comm.all_gather_objects(record, f"{what}: shard checksums")
-    part = None  # on dp rank 0: the part's files, once all of them are written
-    if comm.rank == 0 and error is None and all(r is not None for r in records):
-        written = [r for r in records if r != _REPLICA]
-        part, error = attempt(_write_part, engine, states, part_dir, tag, written, objects, layout)
-    parts = grid.all_gather_objects(part, f"{what}: parts") if layout is not None else [part]
-    if grid.rank == 0:
-        written = [p for p in parts if p is not None]  # one per part whose dp rank 0 wrote it whole
-        complete = len(written) == (layout.parts if layout is not None else 1)
-        if complete:
-            _, error = attempt(_publish, staging, save_dir, tag, nonce, save_latest, layout, written, counters)
-        if not complete or error is not None:
-            # every rank is done writing (the checksums were gathered): remove the staging directory
-            # before reporting, so that no rank sees it after the error (a crash would leave it too)
-            shutil.rmtree(staging, ignore_errors=True)
-    agree(grid, error, what)
-    log.info("zeroshard: saved checkpoint %s", save_dir / tag)
+        shard, error = attempt(_shard_contents, engine, states, layout, background)
+    contents = None
+    if error is None and comm.rank == 0:
+        contents, error = attempt(_part_contents, engine, states, tag, layout, background is not None)
+
+    def write_and_publish(comm, grid) -> None:
+        """Steps 1-4 of [Note: atomic publication], from the contents taken above."""
+        failed: str | None
+        if error is not None:
+            record, failed = None, error
+        elif shard is not None:  # [Note: checkpoints of replicated shards]: else a replica's
+            record, failed = attempt(_write_rank_file, part_dir, *shard)
+        else:
+            record, failed = _REPLICA, None
+        records = comm.all_gather_objects(record, f"{what}: shard checksums")
+        part = None  # on dp rank 0: the part's files, once all of them are written
+        if comm.rank == 0 and failed is None and all(r is not None for r in records):
+            written = [r for r in records if r != _REPLICA]
+            part, failed = attempt(_write_part, part_dir, written, objects, contents)
+        parts = grid.all_gather_objects(part, f"{what}: parts") if layout is not None else [part]
+        if grid.rank == 0:
+            done = [p for p in parts if p is not None]  # one per part whose dp rank 0 wrote it whole
+            complete = len(done) == (layout.parts if layout is not None else 1)
+            if complete:
+                _, failed = attempt(_publish, staging, save_dir, tag, nonce, save_latest, layout, done, counters)
+            if not complete or failed is not None:
+                # every rank is done writing (the checksums were gathered): remove the staging directory
+                # before reporting, so that no rank sees it after the error (a crash would leave it too)
+                shutil.rmtree(staging, ignore_errors=True)
+        agree(grid, failed, what)
+        log.info("zeroshard: saved checkpoint %s", save_dir / tag)
+
+    if background is None:
+        write_and_publish(comm, grid)
+    else:
+        agree(comm, error, f"{what}: staging")
+        writer = background.communicator(comm)  # layout is None here: the grid is the dp group
+        background.start(lambda: write_and_publish(writer, writer), str(save_dir / tag))
     return str(save_dir / tag)
 
 
@@ -172,14 +202,29 @@ def rank_tensors(engine, states: list[dict]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _write_rank_file(engine, states: list[dict], part_dir: Path, layout: Layout | None) -> tuple[str, dict]:
-    part_dir.mkdir(parents=True, exist_ok=True)
+def _shard_contents(
+    engine, states: list[dict], layout: Layout | None, background: BackgroundSaves | None
+) -> tuple[str, dict, dict]:
+    """(file name, tensors, metadata) of this rank's shard file; with `background`, host copies of the
+    tensors, in its staging buffers."""
     partition = partition_of(engine)
     name = rank_file(partition.rank)
     metadata = {"format": FORMAT, "rank": str(partition.rank), "world_size": str(partition.world_size)}
     if layout is not None:
         metadata.update({f"{d}_rank": str(layout.coordinate[d]) for d in MESH_DIMS})
-    return name, write_safetensors(part_dir / name, rank_tensors(engine, states), metadata)
+    tensors = rank_tensors(engine, states)
+    return name, stage(tensors, background.buffers) if background is not None else tensors, metadata
+
+
+def _write_rank_file(part_dir: Path, name: str, tensors: dict, metadata: dict) -> tuple[str, dict]:
+    try:
+        part_dir.mkdir(parents=True, exist_ok=True)
+        return name, write_safetensors(part_dir / name, tensors, metadata)
+    except OSError as error:
+        if error.filename is not None:
+            raise
+        # a full disk in the middle of a write names no file: say which one
+        raise CheckpointError(f"writing {part_dir / name}: {type(error).__name__}: {error}") from error
 
 
 # -- rank 0 -------------------------------------------------------------------------------------------
@@ -208,32 +253,43 @@ def _clear_leftovers(save_dir: Path, staging: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
-def _write_part(
-    engine, states: list[dict], part_dir: Path, tag: str, records, objects: bytes, layout: Layout | None
-) -> dict:
-    """Step 2 of [Note: atomic publication] for one part (the whole checkpoint when dp-only): its
-    objects, buffers and manifest. Returns what the top manifest records of it."""
-    files = dict(records)
-    files[OBJECTS] = write_atomic(part_dir / OBJECTS, objects)
-    buffers = persistent_buffers(engine.module)
-    if buffers:
-        files[BUFFERS] = write_safetensors(part_dir / BUFFERS, {k: v.detach() for k, v in buffers.items()})
-    manifest = build_manifest(engine, states, tag, files, list(buffers))
+def _part_contents(engine, states: list[dict], tag: str, layout: Layout | None, copy: bool) -> dict:
+    """What step 2 of [Note: atomic publication] writes for one part (the whole checkpoint when
+    dp-only), but the files' checksums: its manifest and buffers (`copy`: host copies)."""
+    buffers = {k: v.detach() for k, v in persistent_buffers(engine.module).items()}
+    manifest = build_manifest(engine, states, tag, {}, list(buffers))
     shards = {}
     if layout is not None:
         shards = {rank_file(r): {**layout.coordinate, "dp": r} for r in range(partition_of(engine).world_size)}
         manifest.update(format_version=LAYOUT_FORMAT_VERSION, mesh=dict(layout.sizes), shards=shards)
         if layout.sizes["tp"] > 1:
             _record_tp_splits(engine, manifest["groups"])
+    return {
+        "manifest": manifest,
+        "buffers": stage(buffers) if copy else buffers,
+        "shards": shards,
+        "coordinate": dict(layout.coordinate) if layout is not None else None,
+        "dir": layout.part if layout is not None else None,
+    }
+
+
+def _write_part(part_dir: Path, records, objects: bytes, contents: dict) -> dict:
+    """Step 2 of [Note: atomic publication] for one part: its objects, buffers and manifest. Returns
+    what the top manifest records of it."""
+    files = dict(records)
+    files[OBJECTS] = write_atomic(part_dir / OBJECTS, objects)
+    if contents["buffers"]:
+        files[BUFFERS] = write_safetensors(part_dir / BUFFERS, contents["buffers"])
+    manifest = {**contents["manifest"], "files": files}
     record = write_atomic(part_dir / MANIFEST, manifest_text(manifest).encode())
-    if layout is None:
+    if contents["coordinate"] is None:
         return {}
     return {
-        "tp": layout.coordinate["tp"],
-        "pp": layout.coordinate["pp"],
-        "dir": layout.part,
+        "tp": contents["coordinate"]["tp"],
+        "pp": contents["coordinate"]["pp"],
+        "dir": contents["dir"],
         "manifest": record,
-        "shards": shards,
+        "shards": contents["shards"],
     }
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
+from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.compat import policies
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
@@ -91,6 +92,7 @@ class ZeroEngine(EngineBase):
         self.lr_scheduler = lr_scheduler
         self._backwards_at_step = 0  # sharded.completed_backwards when the last micro step ended
         self.tput_timer = ThroughputTimer(config.train_batch_size)
+        self._background_saves = BackgroundSaves()  # [Note: asynchronous save] in checkpoint/background.py
         # [Note: the optimizer initialize returns] in compat/client_optimizer.py
         self._client_link = (
             ClientOptimizerLink(optimizer, self.sharded.optimizer)
@@ -246,13 +248,35 @@ class ZeroEngine(EngineBase):
         """MiCS: the ranks holding this rank's shards in the other partition groups; else None."""
         return self.sharded.links.replica
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True):
+    def save_checkpoint(
+        self, save_dir, tag=None, client_state=None, save_latest: bool = True, async_save: bool | None = None
+    ):
+        """Write a checkpoint (collective). `async_save` (default: the config's
+        ``zeroshard.async_checkpoint``): return once the shards are copied to host memory and write the
+        files in the background ([Note: asynchronous save] in checkpoint/background.py)."""
+        self._background_saves.wait()  # one save at a time; a failed one raises here
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+        background = self.config.zeroshard.async_checkpoint if async_save is None else async_save
+        if not isinstance(background, bool):
+            raise TypeError(f"save_checkpoint(async_save=...) takes True, False or None, got {async_save!r}")
+        return save_checkpoint(
+            self,
+            save_dir,
+            tag=tag,
+            client_state=client_state or {},
+            save_latest=save_latest,
+            background=self._background_saves if background else None,
+        )
+
+    def wait_checkpoint(self) -> str | None:
+        """Wait until an asynchronous save is published (no-op without one); raise its error, on every
+        rank. Returns the checkpoint directory of the last save, None before the first."""
+        return self._background_saves.wait()
 
     def load_checkpoint(
         self, load_dir, tag=None, load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, **kwargs
     ):
+        self._background_saves.wait()
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
         return load_checkpoint(
             self,
@@ -278,7 +302,14 @@ class ZeroEngine(EngineBase):
 
     # (num_parameters, memory_report, comm_report: compat/engine_base.py)
     def destroy(self) -> None:
-        """Remove every hook and free every buffer; the module's parameters are released too."""
+        """Remove every hook and free every buffer; the module's parameters are released too. An
+        asynchronous save in flight is finished first (its error raised after the rest is freed)."""
+        try:
+            self._background_saves.close()
+        finally:
+            self._destroy()
+
+    def _destroy(self) -> None:
         unregister_ds_metadata(self.sharded)
         if self._client_link is not None:
             self._client_link.remove()

@@ -528,3 +528,9 @@ class ZeroShardExtConfig(Section):
     activation_checkpointing_units: bool = False
     """Checkpoint the activations of every unit but the root (see zeroshard.checkpointing), without
     editing the model; the ``activation_checkpointing`` section's options apply to them."""
+    async_checkpoint: bool = False
+    """engine.save_checkpoint() returns once each rank's shards are copied to host memory; a thread
+    writes and publishes the files while training goes on (the call's ``async_save`` argument
+    overrides this). The next save, load_checkpoint(), wait_checkpoint() and destroy() wait for it
+    and raise its error ([Note: asynchronous save] in checkpoint/background.py). Costs a host copy of
+    the rank's shards while it writes."""
