@@ -170,7 +170,7 @@ def test_consolidate_cli_help_and_errors(capsys, tmp_path):
         "examples:",
         "zeroshard consolidate checkpoints/ model.safetensors",
         "--dtype {fp32,bf16,fp16}",
-        "--format {safetensors,pt}",
+        "--format {safetensors,pt,hf}",
         "--tag",
     ):
         assert text in out, text

@@ -362,6 +362,32 @@ def test_consolidate_equals_zero_to_fp32(tmp_path, source, via):
     assert summary["tensors"] == len(reference)
 
 
+def test_consolidate_in_hugging_face_layout_equals_zero_to_fp32(tmp_path):
+    """`zeroshard consolidate --format hf` of a DeepSpeed checkpoint: the shards, read through their
+    index, hold zero_to_fp32's tensors; each file at most the shard size unless one tensor is larger."""
+    import json
+
+    from safetensors.torch import load_file
+
+    source = CASES[0]
+    consolidate(DATA / source, tmp_path / "hf", fmt="hf", max_shard_size="4KB", progress=False)
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    reference = _reference(source)
+    assert index["weight_map"].keys() == reference.keys()
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and index["metadata"]["total_size"] == sum(
+        t.numel() * t.element_size() for t in reference.values()
+    )
+    ours = {}
+    for name in files:
+        tensors = load_file(str(tmp_path / "hf" / name))
+        big = max(t.numel() * t.element_size() for t in tensors.values())
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 4000, (name, big)
+        ours.update(tensors)
+    for name in reference:
+        assert torch.equal(ours[name], reference[name]), name
+
+
 @pytest.mark.parametrize("source", list(tm.FROZEN_CASES))
 @pytest.mark.parametrize("via", ["direct", "convert"])
 def test_consolidate_frozen_parameters(tmp_path, source, via):

@@ -149,6 +149,55 @@ def test_transformers_models_match_ddp_and_generate():
     run_distributed(_models_worker, 2, timeout=300, env=ENV)
 
 
+# -- Hugging Face's sharded layout ------------------------------------------------------------------------
+def _export_case(kind: str, out: str) -> None:
+    """Stage 3, trained 2 steps: `engine.save_hf_model` (config.json included) and `zeroshard consolidate
+    --format hf` of a checkpoint write several shards and an index that from_pretrained loads, with the
+    engine's logits bit for bit."""
+    import json
+
+    import transformers
+
+    from zeroshard.checkpoint import consolidate
+
+    rank = torch.distributed.get_rank()
+    model = model_fn(kind)()
+    config = make_config(3, stage3_param_persistence_threshold=0)
+    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+    for step in range(2):
+        engine.backward(causal_lm_loss(engine, *batches(step, 0, rank)))
+        engine.step()
+    root = Path(out) / kind
+    assert engine.save_hf_model(root / "engine", max_shard_size="40KB") == str(root / "engine")
+    engine.save_checkpoint(root / "ckpt")
+    probe = torch.arange(2, 2 + SEQ).reshape(2, SEQ // 2)  # (2, T/2)
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=probe).logits
+    engine.destroy()
+    if rank != 0:
+        return
+    consolidate(root / "ckpt", root / "cli", fmt="hf", max_shard_size="40KB", progress=False)
+    (root / "cli" / "config.json").write_text((root / "engine" / "config.json").read_text())
+    for directory in ("engine", "cli"):
+        index = json.loads((root / directory / "model.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors", files
+        assert all((root / directory / f).stat().st_size <= 40_000 + 4 * 32 * VOCAB + 1024 for f in files)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(root / directory).eval()
+        with torch.no_grad():
+            reloaded = loaded(input_ids=probe).logits
+        assert torch.equal(reloaded, logits), f"{kind} {directory}: logits differ by {(reloaded - logits).abs().max()}"
+
+
+def _export_worker(rank: int, world_size: int, out: str) -> None:
+    subtests([dict(kind=k, out=out) for k in ("gpt2", "llama")], _export_case)
+
+
+def test_hugging_face_export_loads_with_from_pretrained(tmp_path):
+    run_distributed(_export_worker, 2, timeout=300, env=ENV, out=str(tmp_path))
+
+
 # -- the Trainer ---------------------------------------------------------------------------------------
 class CountingDataset(torch.utils.data.Dataset):
     """16 rows that count up from a start fixed by the row index."""

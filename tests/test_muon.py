@@ -313,17 +313,26 @@ def _parity_case(stage: int, gas: int, clip: float, world: int) -> dict:
     return {"stage": stage, "bytes": ours["comm_per_step"]}
 
 
-def _declared_case(stage: int, world: int) -> None:
+def _declared_case(stage: int, world: int, offload: bool = False) -> None:
     """A Muon variant the user declared, with its Newton-Schulz in fp32: bit for bit at 2 ranks, within
-    1e-5 of DDP at 4 (summation order alone, unamplified by bfloat16)."""
+    1e-5 of DDP at 4 (summation order alone, unamplified by bfloat16); also with the optimizer states
+    (and at stage 3 the parameters) offloaded to CPU memory."""
     batches = gpt_batches(CONFIG, batch_size=4)
     model_fn = gpt_model_fn() if world == 2 else gpt_model_fn(bias=False)
     kwargs = dict(steps=STEPS, reduce_every_micro_step=stage >= 2, record_params=True)
     ref = train_ddp(model_fn, batches, optimizer_fn=_Fp32OneAfterTheOther, **kwargs)
+    zero: dict = {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000} if offload else {}
+    if offload and stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
     ours = train_engine(
-        model_fn, batches, config=make_config(stage), optimizer_fn=fp32_muon_and_adamw, steps=STEPS, record_params=True
+        model_fn,
+        batches,
+        config=make_config(stage, **zero),
+        optimizer_fn=fp32_muon_and_adamw,
+        steps=STEPS,
+        record_params=True,
     )
-    what = f"declared fp32 Muon stage {stage} world {world}"
+    what = f"declared fp32 Muon stage {stage} world {world}{' offload' if offload else ''}"
     if world == 2:
         assert_close(ours, ref, exact=True, what=what)
     else:
@@ -534,7 +543,7 @@ def _worker(rank: int, world: int, directory: str) -> dict:
     cases = [dict(stage=s, gas=g, clip=c, world=world) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
     out = {"parity": subtests(cases, _parity_case)}
     out["bytes"] = subtests([dict(stage=s) for s in range(1, 4)], _bytes_case)
-    subtests([dict(stage=s, world=world) for s in range(1, 4)], _declared_case)
+    subtests([dict(stage=s, world=world, offload=o) for s in range(1, 4) for o in (False, True)], _declared_case)
     if world == 4:
         subtests([dict(zero={"mics_shard_size": 2}), dict(zero={"zero_hpz_partition_size": 2})], _partition_case)
     if world == 2:

@@ -36,7 +36,7 @@ schema on every read ([Note: manifest schema] in manifest.py).
 from zeroshard.checkpoint.consolidate import consolidate, open_checkpoint
 from zeroshard.checkpoint.contract import CheckpointableSharded
 from zeroshard.checkpoint.files import CheckpointError
-from zeroshard.checkpoint.full import full_state_dict, save_16bit_model
+from zeroshard.checkpoint.full import full_state_dict, save_16bit_model, save_hf_model
 from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.save import save_checkpoint
 from zeroshard.checkpoint.weights import load_full_weights
@@ -50,5 +50,6 @@ __all__ = [
     "load_full_weights",
     "open_checkpoint",
     "save_16bit_model",
+    "save_hf_model",
     "save_checkpoint",
 ]

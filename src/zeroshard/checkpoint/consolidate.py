@@ -29,7 +29,7 @@ from zeroshard.checkpoint.manifest import (
     read_manifest,
     resolve_tag,
 )
-from zeroshard.checkpoint.output import FullModelWriter, format_for
+from zeroshard.checkpoint.output import HF_SHARD_BYTES, FullModelWriter, format_for, parse_size
 from zeroshard.checkpoint.reader import CheckpointReader
 
 log = logging.getLogger(__name__)
@@ -61,20 +61,24 @@ def consolidate(
     fmt: str | None = None,
     verify: bool = True,
     progress: bool = True,
+    max_shard_size: int | str = HF_SHARD_BYTES,
 ) -> dict:
     """Write the full model of a checkpoint to `output` (safetensors, or torch.save for `fmt='pt'`
-    or a .pt/.bin name), parameters in `dtype`, keys as the model's `state_dict()` has them (tied
+    or a .pt/.bin name; for `fmt='hf'` a directory of safetensors files of at most `max_shard_size`
+    with their index, as transformers' save_pretrained writes: [Note: Hugging Face's sharded layout]
+    in output.py), parameters in `dtype`, keys as the model's `state_dict()` has them (tied
     aliases and buffers included), so `model.load_state_dict(..., strict=True)` takes it.
     Returns a summary: output path, tensors, bytes, seconds, the largest group's bytes.
     A DeepSpeed ZeRO checkpoint is read in its own format (what its zero_to_fp32.py makes of it:
     deepspeed_convert.py); `verify` has no checksums to check there."""
     started = time.monotonic()
+    shard_bytes = parse_size(max_shard_size)
     deepspeed_dir = find_deepspeed(checkpoint_dir, tag)
     if deepspeed_dir is not None:
-        return consolidate_deepspeed(deepspeed_dir, output, dtype, fmt)
+        return consolidate_deepspeed(deepspeed_dir, output, dtype, fmt, shard_bytes)
     path, manifest = open_checkpoint(checkpoint_dir, tag)
     if is_layout(manifest):  # tensor/pipeline parallel: join the parts ([Note: checkpoints across layouts])
-        joined = consolidate_layout(path, manifest, output, dtype, format_for(output, fmt), verify)
+        joined = consolidate_layout(path, manifest, output, dtype, format_for(output, fmt), verify, shard_bytes)
         writer = joined["writer"]
         return {
             "output": str(output),
@@ -98,7 +102,9 @@ def consolidate(
         buffers = manifest.get("buffers") or []
         buffer_file = reader.file(BUFFERS) if buffers else None
         buffer_specs = {n: (buffer_file.dtype(n), buffer_file.shape(n)) for n in buffers if buffer_file is not None}
-        writer = FullModelWriter(output, params, manifest["aliases"], buffer_specs, dtype, format_for(output, fmt))
+        writer = FullModelWriter(
+            output, params, manifest["aliases"], buffer_specs, dtype, format_for(output, fmt), shard_bytes
+        )
         try:
             _write_groups(reader, groups, writer, progress)
             for name in buffers:

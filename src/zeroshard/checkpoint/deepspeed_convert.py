@@ -31,7 +31,7 @@ from zeroshard.checkpoint.manifest import (
     rank_file,
     state_key,
 )
-from zeroshard.checkpoint.output import FullModelWriter, format_for
+from zeroshard.checkpoint.output import HF_SHARD_BYTES, FullModelWriter, format_for
 from zeroshard.checkpoint.save import publish
 
 
@@ -48,7 +48,13 @@ def _params(checkpoint: DeepSpeedCheckpoint) -> list[tuple[str, tuple[int, ...]]
     ]
 
 
-def consolidate_deepspeed(path: Path, output, dtype: torch.dtype = torch.float32, fmt: str | None = None) -> dict:
+def consolidate_deepspeed(
+    path: Path,
+    output,
+    dtype: torch.dtype = torch.float32,
+    fmt: str | None = None,
+    max_shard_bytes: int = HF_SHARD_BYTES,
+) -> dict:
     """The full model of a DeepSpeed checkpoint as one file: the fp32 masters (frozen parameters as
     DeepSpeed saved them), buffers in fp32 like zero_to_fp32, tied aliases; in `dtype`."""
     started = time.monotonic()
@@ -56,7 +62,7 @@ def consolidate_deepspeed(path: Path, output, dtype: torch.dtype = torch.float32
     buffers = {n: (v.float() if v.is_floating_point() else v) for n, v in checkpoint.buffers().items()}
     buffer_specs = {n: (v.dtype if not v.is_floating_point() else dtype, tuple(v.shape)) for n, v in buffers.items()}
     writer = FullModelWriter(
-        output, _params(checkpoint), checkpoint.aliases(), buffer_specs, dtype, format_for(output, fmt)
+        output, _params(checkpoint), checkpoint.aliases(), buffer_specs, dtype, format_for(output, fmt), max_shard_bytes
     )
     try:
         for place in checkpoint.places:

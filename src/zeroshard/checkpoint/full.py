@@ -11,7 +11,7 @@ import torch
 
 from zeroshard.checkpoint.common import agree, attempt, compute_dtype, partition_of
 from zeroshard.checkpoint.manifest import model_aliases, persistent_buffers, state_dict_order
-from zeroshard.checkpoint.output import FullModelWriter, format_for
+from zeroshard.checkpoint.output import HF_SHARD_BYTES, FullModelWriter, format_for, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,33 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors")
             path,
         )
         return False
+    return _save_full(engine, path, None, compute_dtype(engine), HF_SHARD_BYTES)
+
+
+def save_hf_model(engine, save_dir, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> str:
+    """Rank 0 writes the full model to the directory `save_dir` as transformers' `save_pretrained`
+    does: safetensors files of at most `max_shard_size` and their index ([Note: Hugging Face's
+    sharded layout] in output.py), and the module's `config.json` when it has a transformers config,
+    so that `from_pretrained(save_dir)` loads it. Parameters in `dtype` (default: the compute dtype).
+    At every stage, also 3: the groups are gathered one at a time and streamed into the files, so
+    the whole model is never in one rank's memory. Collective; returns `save_dir` on every rank."""
+    shard_bytes = parse_size(max_shard_size)
+    path = Path(save_dir)
+    _save_full(engine, path, "hf", dtype or compute_dtype(engine), shard_bytes)
+    config = getattr(engine.module, "config", None)
+    error = None
+    if engine.comm.rank == 0 and hasattr(config, "save_pretrained"):
+        _, error = attempt(config.save_pretrained, str(path))  # type: ignore[union-attr]
+    agree(engine.comm, error, f"saving the model's config to {path}")
+    return str(path)
+
+
+def _save_full(engine, path: Path, fmt: str | None, dtype: torch.dtype, shard_bytes: int) -> str:
+    """Rank 0 streams every gathered group into a FullModelWriter (collective)."""
     what = f"saving the model to {path}"
-    writer, error = attempt(_open_writer, engine, path) if engine.comm.rank == 0 else (None, None)
+    writer, error = (
+        attempt(_open_writer, engine, path, fmt, dtype, shard_bytes) if engine.comm.rank == 0 else (None, None)
+    )
     agree(engine.comm, error, what)
     failed = [error]
 
@@ -108,11 +133,11 @@ def _gather_on_save(engine) -> bool:
     return bool(engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
 
-def _open_writer(engine, path: Path) -> FullModelWriter:
+def _open_writer(engine, path: Path, fmt: str | None, dtype: torch.dtype, shard_bytes: int) -> FullModelWriter:
     params = [(s.name, tuple(s.shape)) for g in engine.groups for s in g.layout.slots]
     buffers = {n: (b.dtype, tuple(b.shape)) for n, b in persistent_buffers(engine.module).items()}
     return FullModelWriter(
-        path, params, model_aliases(engine.module), buffers, compute_dtype(engine), format_for(path, None)
+        path, params, model_aliases(engine.module), buffers, dtype, format_for(path, fmt), shard_bytes
     )
 
 

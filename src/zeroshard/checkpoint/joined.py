@@ -18,7 +18,7 @@ import torch
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.layout import describe
 from zeroshard.checkpoint.manifest import BUFFERS, MANIFEST, check_file, check_files, read_manifest
-from zeroshard.checkpoint.output import FullModelWriter
+from zeroshard.checkpoint.output import HF_SHARD_BYTES, FullModelWriter
 from zeroshard.checkpoint.reader import CheckpointReader
 
 
@@ -98,7 +98,15 @@ def _plan(path: Path, mesh: dict, parts: dict) -> list[_Param]:
     return planned
 
 
-def consolidate_layout(path: Path, manifest: dict, output, dtype: torch.dtype, fmt: str, verify: bool) -> dict:
+def consolidate_layout(
+    path: Path,
+    manifest: dict,
+    output,
+    dtype: torch.dtype,
+    fmt: str,
+    verify: bool,
+    max_shard_bytes: int = HF_SHARD_BYTES,
+) -> dict:
     """Write the full model of the tp/pp checkpoint at `path` (`manifest`: its top manifest) to
     `output`; returns what `consolidate` reports."""
     mesh = manifest["mesh"]
@@ -124,6 +132,7 @@ def consolidate_layout(path: Path, manifest: dict, output, dtype: torch.dtype, f
             {n: (d, s) for n, (_, d, s) in buffers.items()},
             dtype,
             fmt,
+            max_shard_bytes,
         )
         try:
             for param in planned:

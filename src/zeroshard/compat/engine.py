@@ -11,7 +11,7 @@ import logging
 import torch
 from torch import nn
 
-from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint
+from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint, save_hf_model
 from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.compat import policies
@@ -299,6 +299,14 @@ class ZeroEngine(EngineBase):
             )
         self.sharded.wait_parameters()
         return save_16bit_model(self, save_dir, save_filename)
+
+    def save_hf_model(self, save_dir, max_shard_size: int | str = "5GB", dtype: torch.dtype | None = None) -> str:
+        """The full model in Hugging Face's layout (sharded safetensors, their index, the module's
+        config.json when it has one), streamed unit by unit at every stage; collective. See
+        zeroshard.checkpoint.save_hf_model."""
+        self._background_saves.wait()
+        self.sharded.wait_parameters()
+        return save_hf_model(self, save_dir, max_shard_size=max_shard_size, dtype=dtype)
 
     # (num_parameters, memory_report, comm_report: compat/engine_base.py)
     def destroy(self) -> None:

@@ -18,7 +18,10 @@ checksum is verified first; a damaged or incomplete checkpoint is an error namin
 A checkpoint saved under tensor/pipeline parallelism (dp x tp x pp) gives the full model: each
 parameter's tp slices joined along the dim they were cut on, the pipeline stages side by side.
 A checkpoint DeepSpeed wrote (ZeRO stages 1-3, any world size) is accepted too: the result is what
-DeepSpeed's zero_to_fp32.py makes of it, streamed parameter by parameter, without DeepSpeed."""
+DeepSpeed's zero_to_fp32.py makes of it, streamed parameter by parameter, without DeepSpeed.
+With --format hf, OUT is a directory that transformers' from_pretrained reads: safetensors files of
+at most --max-shard-size and model.safetensors.index.json, as save_pretrained writes them (copy the
+model's config.json next to them)."""
 
 EXAMPLES = [
     "zeroshard consolidate checkpoints/ model.safetensors             # the 'latest' tag, fp32",
@@ -26,6 +29,7 @@ EXAMPLES = [
     "zeroshard consolidate checkpoints/ model.pt --tag global_step1000   # torch.save format",
     "zeroshard consolidate checkpoints/global_step1000 out.bin --format pt --json",
     "zeroshard consolidate ds_checkpoints/ model.safetensors          # a DeepSpeed checkpoint",
+    "zeroshard consolidate checkpoints/ hf_model/ --format hf --max-shard-size 2GB  # Hugging Face's layout",
 ]
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -40,7 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         examples=EXAMPLES,
     )
     parser.add_argument("checkpoint", metavar="CKPT_DIR", help="save_dir of save_checkpoint, or one checkpoint")
-    parser.add_argument("output", metavar="OUT", help="output file (.safetensors, or .pt/.bin for torch.save)")
+    parser.add_argument(
+        "output",
+        metavar="OUT",
+        help="output file (.safetensors, or .pt/.bin for torch.save), or directory (--format hf)",
+    )
     parser.add_argument("--tag", help="checkpoint tag inside CKPT_DIR (default: the one 'latest' names)")
     parser.add_argument(
         "--dtype",
@@ -50,9 +58,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--format",
-        choices=["safetensors", "pt"],
+        choices=["safetensors", "pt", "hf"],
         dest="fmt",
-        help="output format (default: from OUT's suffix, safetensors unless .pt/.pth/.bin)",
+        help="output format (default: from OUT's suffix, safetensors unless .pt/.pth/.bin); hf: a directory of "
+        "sharded safetensors with their index, as transformers' save_pretrained writes",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="--format hf: the largest file, in bytes or like 5GB, 500MB (default 5GB, as save_pretrained)",
     )
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 checks of the shard files")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -74,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
             fmt=args.fmt,
             verify=not args.no_verify,
             progress=not args.quiet,
+            max_shard_size=args.max_shard_size,
         )
-    except CheckpointError as error:
+    except (CheckpointError, ValueError) as error:
         raise CommandError(str(error)) from None
     if args.json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
