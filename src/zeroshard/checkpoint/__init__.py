@@ -12,7 +12,8 @@ consolidation to one file, and full weights in and out of a live engine.
                                  offset, the kinds of optimizer state), and the size and sha256 of
                                  every other file
         rank_<r>.safetensors     rank r: per group g, `g<g>/master` = elements [r*S, (r+1)*S) of the
-                                 fp32 master buffer, `g<g>/state/<name>` the same slice of each
+                                 fp32 master buffer (its own slice where the group's slices are
+                                 uneven: the manifest's `shard_counts`), `g<g>/state/<name>` the same slice of each
                                  elementwise optimizer state (exp_avg, momentum_buffer, ...), and
                                  `g<g>/grad` (rank-local accumulated gradients) when saved in the
                                  middle of gradient accumulation. At stage 0, where every rank holds
@@ -35,6 +36,7 @@ schema on every read ([Note: manifest schema] in manifest.py).
 
 from zeroshard.checkpoint.consolidate import consolidate, open_checkpoint
 from zeroshard.checkpoint.contract import CheckpointableSharded
+from zeroshard.checkpoint.dcp import load_dcp, save_dcp
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.full import full_state_dict, save_16bit_model, save_hf_model
 from zeroshard.checkpoint.load import load_checkpoint
@@ -50,6 +52,8 @@ __all__ = [
     "load_full_weights",
     "open_checkpoint",
     "save_16bit_model",
+    "save_dcp",
+    "load_dcp",
     "save_hf_model",
     "save_checkpoint",
 ]

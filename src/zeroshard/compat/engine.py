@@ -14,6 +14,7 @@ from torch import nn
 from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpoint, save_hf_model
 from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.contract import Counters
+from zeroshard.checkpoint.dcp import load_dcp, save_dcp
 from zeroshard.compat import policies
 from zeroshard.compat.activation_checkpointing import configure_engine as configure_activation_checkpointing
 from zeroshard.compat.client_optimizer import ClientOptimizerLink, returns_basic_optimizer
@@ -307,6 +308,24 @@ class ZeroEngine(EngineBase):
         self._background_saves.wait()
         self.sharded.wait_parameters()
         return save_hf_model(self, save_dir, max_shard_size=max_shard_size, dtype=dtype)
+
+    def save_dcp(self, directory, model_key: str = "model", optim_key: str = "optim") -> str:
+        """The model and optimizer state as a torch.distributed.checkpoint checkpoint that FSDP2 loads
+        (`{model_key: model_sd, optim_key: optim_sd}`, as torch's get_state_dict gives them); collective.
+        See [Note: DCP checkpoints] in checkpoint/dcp.py."""
+        self._background_saves.wait()
+        self.sharded.wait_parameters()
+        return save_dcp(self, directory, model_key=model_key, optim_key=optim_key)
+
+    def load_dcp(
+        self, directory, model_key: str = "model", optim_key: str = "optim", load_optimizer_states: bool = True
+    ) -> str:
+        """Load a DCP checkpoint FSDP2 wrote (or save_dcp), at any stage and world size; collective."""
+        self._background_saves.wait()
+        self.sharded.wait_parameters()
+        return load_dcp(
+            self, directory, model_key=model_key, optim_key=optim_key, load_optimizer_states=load_optimizer_states
+        )
 
     # (num_parameters, memory_report, comm_report: compat/engine_base.py)
     def destroy(self) -> None:
