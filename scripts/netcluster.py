@@ -331,14 +331,22 @@ class NetCluster:
         module: bool = False,
         monitor_interval_s: float = 0.1,
         join_timeout_s: float = 300.0,
+        min_nodes: int | None = None,
+        max_restarts: int = 0,
+        rdzv_conf: str = "",
     ) -> list[str]:
+        """`min_nodes` (elastic: `--nnodes MIN:MAX`) with `max_restarts`: torchrun restarts the
+        workers of the nodes still up, at the world size they make, after one fails; `rdzv_conf`:
+        more `--rdzv-conf` entries (`last_call_timeout=2,...`)."""
         is_host = int(node == 0)
+        nnodes = str(self.nodes) if min_nodes is None else f"{min_nodes}:{self.nodes}"
+        conf = f"is_host={is_host},join_timeout={join_timeout_s:g}" + (f",{rdzv_conf}" if rdzv_conf else "")
         return [
             sys.executable,
             "-m",
             "torch.distributed.run",  # = torchrun, with this interpreter
             "--nnodes",
-            str(self.nodes),
+            nnodes,
             "--node_rank",
             str(node),
             "--nproc_per_node",
@@ -350,11 +358,11 @@ class NetCluster:
             "--rdzv-id",
             self.base,
             "--rdzv-conf",
-            f"is_host={is_host},join_timeout={join_timeout_s:g}",
+            conf,
             "--local-addr",
             self.address(node),
             "--max-restarts",
-            "0",
+            str(max_restarts),
             "--monitor-interval",
             f"{monitor_interval_s:g}",
             *(["--module"] if module else []),

@@ -412,3 +412,78 @@ def _start_up_problems(run: _StartUpKill, result) -> list[str]:
         or f"ranks {lost} " not in error["message"]
         or error["at"] - run.killed_at >= bound
     ]
+
+
+# -- elastic: torchrun --nnodes 1:2 --max-restarts 3 ----------------------------------------------------
+ELASTIC_STEPS = 12
+# torchrun's agent on the rendezvous host keeps one TCPStore for every round, so the keys of the round
+# before a restart are still there and the new workers' gloo may read a dead peer's address ("Connection
+# refused", in some runs); a store per round is torchrun's opt-out.
+ELASTIC_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def _elastic_direct(rank: int, world_size: int, *, argv: list[str]) -> None:
+    import tests.elastic_job as job
+
+    job.main(argv, leave=False)
+
+
+def _wait_for_checkpoint(ckpt: Path, step: int, cluster, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            if int((ckpt / "latest").read_text().removeprefix("global_step")) >= step:
+                return
+        assert cluster.running(), "the job ended before the checkpoint"
+        time.sleep(0.1)
+    raise AssertionError(f"no checkpoint of step {step} within {timeout_s:g} s")
+
+
+@pytest.mark.slow
+def test_losing_a_machine_keeps_training_at_the_smaller_world_size(cluster_env):
+    """Two machines of 2 ranks under torchrun's elastic mode; machine 1 is killed once the step-3
+    checkpoint exists. Machine 0's agent restarts its workers at 2 ranks; the job's own
+    `engine.load_checkpoint(dir)` resumes the latest checkpoint, `train_batch_size` stays 16 (the
+    accumulation steps go from 2 to 4), and the run finishes with the losses of a run that resumed
+    the same checkpoint at 2 ranks directly."""
+    out, ckpt = cluster_env / "elastic", cluster_env / "ckpt"
+    job = ["tests.elastic_job", "--out", str(out), "--ckpt", str(ckpt), "--steps", str(ELASTIC_STEPS)]
+    with netcluster.NetCluster(2) as cluster:
+        cluster.launch(
+            [*job, "--first-run-step-s", "1.0"],
+            2,
+            module=True,
+            cwd=REPO,
+            min_nodes=1,
+            max_restarts=3,
+            env=ELASTIC_ENV,
+            rdzv_conf="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
+        )
+        _wait_for_checkpoint(ckpt, 3, cluster)
+        cluster.kill_node(1)
+        results = cluster.wait(RUN_TIMEOUT_S, fail_grace_s=RUN_TIMEOUT_S)  # node 0 goes on alone
+    assert results[0].returncode == 0, f"machine 0: exit {results[0].returncode}\n{results[0].output[-4000:]}"
+    first = [json.loads((out / f"rank{r}.restart0.json").read_text()) for r in range(4)]
+    assert all(r["world"] == 4 and r["gas"] == 2 for r in first), first
+    restarts = sorted(int(p.name.split(".restart")[1].split(".")[0]) for p in out.glob("rank0.restart*.json"))
+    last = [json.loads((out / f"rank{r}.restart{restarts[-1]}.json").read_text()) for r in range(2)]
+    assert restarts[-1] >= 1 and all(r["world"] == 2 and r["gas"] == 4 for r in last), last
+    tag = last[0]["resumed"]
+    resumed_at = int(tag.removeprefix("global_step"))
+    assert 3 <= resumed_at < ELASTIC_STEPS and all(r["resumed"] == tag for r in last), last
+    assert sorted(map(int, last[0]["losses"])) == list(range(resumed_at, ELASTIC_STEPS)), last[0]["losses"]
+    direct = cluster_env / "direct"
+    argv = [*job[1:], "--tag", tag, "--no-save"]
+    argv[argv.index("--out") + 1] = str(direct)
+    run_distributed(_elastic_direct, 2, timeout=RUN_TIMEOUT_S, argv=argv)
+    for rank in range(2):
+        theirs = json.loads((direct / f"rank{rank}.restart0.json").read_text())
+        assert theirs["gas"] == 4 and last[rank]["losses"] == theirs["losses"], (rank, last[rank], theirs)
+
+
+def test_a_global_batch_that_a_world_size_cannot_keep_is_an_error_naming_the_numbers():
+    import zeroshard
+
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 3}
+    with pytest.raises(zeroshard.ConfigError, match=r"16.*3.*2|16.*2.*3"):
+        zeroshard.load_config(config, world_size=2)
