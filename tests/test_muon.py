@@ -321,9 +321,7 @@ def _declared_case(stage: int, world: int, offload: bool = False) -> None:
     model_fn = gpt_model_fn() if world == 2 else gpt_model_fn(bias=False)
     kwargs = dict(steps=STEPS, reduce_every_micro_step=stage >= 2, record_params=True)
     ref = train_ddp(model_fn, batches, optimizer_fn=_Fp32OneAfterTheOther, **kwargs)
-    zero: dict = {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000} if offload else {}
-    if offload and stage == 3:
-        zero["offload_param"] = {"device": "cpu"}
+    zero = _cpu_offload(stage) if offload else {}
     ours = train_engine(
         model_fn,
         batches,
@@ -336,7 +334,7 @@ def _declared_case(stage: int, world: int, offload: bool = False) -> None:
     if world == 2:
         assert_close(ours, ref, exact=True, what=what)
     else:
-        error = max(_worst(a, b) for a, b in zip(ours["params_per_step"], ref["params_per_step"]))
+        error = _largest_error(ours, ref)
         assert error <= 1e-5, f"{what}: {error:.2e} from DDP"
 
 
@@ -348,9 +346,7 @@ def _offload_case(stage: int, directory: str) -> None:
     ref = train_ddp(
         gpt_model_fn(), batches, optimizer_fn=_OneAfterTheOther, steps=3, reduce_every_micro_step=stage >= 2
     )
-    zero = {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000}
-    if stage == 3:
-        zero["offload_param"] = {"device": "cpu"}
+    zero = _cpu_offload(stage)
     ours = train_engine(
         gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=muon_and_adamw, steps=3
     )
@@ -381,10 +377,22 @@ def _within_summation_floor(ours: dict, ref: dict, model_fn, batches, what: str,
     summation order]); returns that floor."""
     world = dist.get_world_size()
     floor_run = train_single(model_fn, batches, optimizer_fn=_OneAfterTheOther, steps=STEPS, world_size=world, **kwargs)
-    floor = max(_worst(a, b) for a, b in zip(floor_run["params_per_step"], ref["params_per_step"]))
-    error = max(_worst(a, b) for a, b in zip(ours["params_per_step"], ref["params_per_step"]))
+    floor, error = _largest_error(floor_run, ref), _largest_error(ours, ref)
     assert error <= 3 * floor + 1e-5, f"{what}: {error:.2e} from DDP; summation order alone: {floor:.2e}"
     return floor
+
+
+def _largest_error(run: dict, ref: dict) -> float:
+    """The largest relative difference of any parameter from the oracle's at any recorded step."""
+    return max(_worst(a, b) for a, b in zip(run["params_per_step"], ref["params_per_step"]))
+
+
+def _cpu_offload(stage: int) -> dict:
+    """zero_optimization keys: optimizer states, and at stage 3 parameters, in CPU memory."""
+    zero: dict = {"offload_optimizer": {"device": "cpu"}, "sub_group_size": 1000}
+    if stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    return zero
 
 
 def _worst(params: dict, ref: dict) -> float:

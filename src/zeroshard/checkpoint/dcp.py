@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from zeroshard.checkpoint.common import agree, attempt, optimizer_states, partition_of
+from zeroshard.checkpoint.common import agree, attempt, optimizer_states
 from zeroshard.checkpoint.files import CheckpointError
+from zeroshard.checkpoint.full import gathered
 from zeroshard.checkpoint.layout import layout_of
 from zeroshard.checkpoint.load import _apply, _Loaded, _restore_param_groups
 from zeroshard.checkpoint.manifest import is_elementwise, model_aliases, persistent_buffers
@@ -46,15 +47,6 @@ def _check_layout(engine, what: str) -> None:
         raise CheckpointError(
             f"{what}: not supported under tensor or pipeline parallelism (save a zeroshard checkpoint)"
         )
-
-
-def _gathered(engine, group, local: torch.Tensor, what: str) -> torch.Tensor:
-    """The full 1-D buffer of a tensor laid out like `group.master` (collective over the partition group)."""
-    if not group.sharded_master:
-        return local
-    full = torch.empty(group.layout.padded_numel, dtype=local.dtype, device=local.device)
-    partition_of(engine).all_gather(full, local.contiguous(), what, counts=group.layout.counts)
-    return full
 
 
 @torch.no_grad()
@@ -73,9 +65,9 @@ def save_dcp(engine, directory, model_key: str = "model", optim_key: str = "opti
     model_sd: dict[str, torch.Tensor] = {}
     optim_state: dict[str, dict] = {}
     for group, state in zip(engine.groups, states):
-        master = _gathered(engine, group, group.master, f"{what}: masters of {group.names[0]}...")
+        master = gathered(engine, group, group.master, f"{what}: masters of {group.names[0]}...")
         full_states = {
-            key: _gathered(engine, group, value, f"{what}: {key} of {group.names[0]}...")
+            key: gathered(engine, group, value, f"{what}: {key} of {group.names[0]}...")
             for key, value in state.items()
             if is_elementwise(value, group.master)
         }

@@ -16,22 +16,25 @@ from zeroshard.checkpoint.output import HF_SHARD_BYTES, FullModelWriter, format_
 log = logging.getLogger(__name__)
 
 
+def gathered(engine, group, local: torch.Tensor, what: str) -> torch.Tensor:
+    """The whole 1-D buffer (numel = padded_numel) of a tensor laid out like `group.master` (the master
+    itself, or an elementwise optimizer state); `local` itself at stage 0, where it is whole already.
+    Collective over the group the layout is sliced over: under MiCS one partition group holds every
+    shard. Allocated next to `local`: host memory under CPU offload, which NCCL cannot move; the
+    communicator stages it through its device ([Note: staging host tensors] in core/staging.py)."""
+    if not group.sharded_master:
+        return local
+    full = torch.empty(group.layout.padded_numel, dtype=local.dtype, device=local.device)
+    partition_of(engine).all_gather(full, local.contiguous(), what, counts=group.layout.counts)
+    return full
+
+
 def for_each_gathered_group(engine, visit: Callable[[object, torch.Tensor], None]) -> None:
     """visit(group, full fp32 master buffer (1-D, numel = padded_numel)) for each group in engine
     order. Collective: every rank runs it. Each buffer is dropped before the next is gathered, so
     `visit` must not keep views of it."""
     for group in engine.groups:
-        padded = group.layout.padded_numel
-        if not group.sharded_master:  # stage 0: the master is already whole
-            visit(group, group.master)
-            continue
-        # Next to the master: host memory under CPU offload, which NCCL cannot move; the communicator
-        # stages it through its device ([Note: staging host tensors] in core/staging.py). Gathered over
-        # the group the layout is sliced over: under MiCS one partition group holds every shard.
-        full = torch.empty(padded, dtype=torch.float32, device=group.master.device)
-        partition_of(engine).all_gather(
-            full, group.master, f"gather of master weights ({group.names[0]}...)", counts=group.layout.counts
-        )
+        full = gathered(engine, group, group.master, f"gather of master weights ({group.names[0]}...)")
         visit(group, full)
         del full
 

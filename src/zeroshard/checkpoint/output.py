@@ -81,7 +81,6 @@ class _HFShards:
         self.temporary = [directory / f".{name}.tmp-{suffix}" for name in self.names]
         self._open: SafetensorsWriter | None = None
         self._index = -1
-        self._written: list[Path] = []
 
     def write(self, name: str, value: torch.Tensor) -> None:
         k = self.file_of[name]
@@ -95,7 +94,6 @@ class _HFShards:
     def _close_open(self) -> None:
         if self._open is not None:
             self._open.close()
-            self._written.append(self._open.path)
             self._open = None
 
     def close(self) -> None:

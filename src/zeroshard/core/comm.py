@@ -41,14 +41,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def _uneven(counts: tuple[int, ...] | None, world_size: int) -> tuple[int, ...] | None:
-    """`counts` where the ranks' pieces differ, None where they are all alike (the even collectives)."""
-    if counts is None:
-        return None
-    assert len(counts) == world_size, (counts, world_size)
-    return None if len(set(counts)) == 1 else tuple(counts)
-
-
 class CollectiveError(RuntimeError):
     """A collective failed, timed out, or ranks disagreed about which collective comes next."""
 
@@ -85,7 +77,23 @@ def _splits(rank: int, n: int) -> list[int]:
     return [0, n] if rank == 0 else [n, 0]  # nothing to or from ourselves, n to or from the peer
 
 
-class _PairwiseReduceScatter:
+class _Works:
+    """Several collectives in flight as one: the pieces of a two-rank exchange, or the uneven
+    all-gather's broadcasts ([Note: uneven slices] in flat.py; no backend has an all-gather of
+    unequal pieces that gloo runs)."""
+
+    def __init__(self, works: list):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+class _PairwiseReduceScatter(_Works):
     """A reduce-scatter between two ranks as one exchange: send the peer the half it owns, receive
     ours, add. See [Note: reduce-scatter on gloo] in backend.py. The peer's half is received straight
     into `out` where `out` is a tensor of its own (stages 2/3: no temporary, whose fresh pages cost
@@ -112,12 +120,8 @@ class _PairwiseReduceScatter:
                 )
             )
 
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
+        super().wait()
         # g_mine + g_theirs: at two ranks the same sum, bit for bit, as an all-reduce's (a + b = b + a).
         if self.theirs is self.out:
             self.out.add_(self.mine)
@@ -125,7 +129,7 @@ class _PairwiseReduceScatter:
             torch.add(self.mine, self.theirs, out=self.out)
 
 
-class _PairwiseAllGather:
+class _PairwiseAllGather(_Works):
     """An all-gather between two ranks as one exchange: send the peer our shard, receive theirs
     straight into their half of `out`. See [Note: all-gather on gloo] in backend.py."""
 
@@ -149,28 +153,6 @@ class _PairwiseAllGather:
         mine = out[starts[rank] : starts[rank] + counts[rank]]
         if mine.data_ptr() != shard.data_ptr():  # in place (stages 1/2 refresh): already there
             mine.copy_(shard)  # while the exchange runs; the peer only reads `shard`, never `mine`
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-
-
-class _Works:
-    """Several collectives in flight as one: the uneven all-gather's broadcasts ([Note: uneven slices]
-    in flat.py; no backend has an all-gather of unequal pieces that gloo runs)."""
-
-    def __init__(self, works: list):
-        self.works = works
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
 
 
 class Handle:
@@ -324,11 +306,7 @@ class Communicator:
         """out (1-D, numel = world * shard.numel) <- every rank's `shard`. `shard` may be this rank's
         slice of `out` itself. `counts`: each rank's shard size where they differ ([Note: uneven
         slices] in flat.py); then `out` holds the shards back to back, sum(counts) elements."""
-        counts = _uneven(counts, self.world_size)
-        if counts is not None:
-            assert out.numel() == sum(counts) and shard.numel() == counts[self.rank], (out.numel(), counts)
-        else:
-            assert out.numel() == shard.numel() * self.world_size, (out.numel(), shard.numel())
+        counts = self._uneven(counts, out.numel(), shard.numel())
         stage = Staging(self)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
 
@@ -341,6 +319,16 @@ class Communicator:
             return _all_gather(staged_out, staged_shard, group=self.group, async_op=True)
 
         return self._run("all_gather", out, what, async_op, launch, stage)
+
+    def _uneven(self, counts: tuple[int, ...] | None, whole: int, piece: int) -> tuple[int, ...] | None:
+        """`counts` where the ranks' pieces differ, None where they are alike (the even collectives);
+        checked against the sizes of the whole tensor and of this rank's piece."""
+        if counts is not None and len(set(counts)) > 1:
+            assert len(counts) == self.world_size and whole == sum(counts), (counts, whole)
+            assert piece == counts[self.rank], (counts, piece)
+            return tuple(counts)
+        assert whole == piece * self.world_size, (whole, piece)
+        return None
 
     def _broadcast_pieces(self, out: torch.Tensor, shard: torch.Tensor, counts: tuple[int, ...]) -> _Works:
         starts = [sum(counts[:r]) for r in range(self.world_size)]
@@ -371,11 +359,7 @@ class Communicator:
         """out (1-D, numel = full.numel() / world) <- this rank's slice of the sum of every rank's `full`.
         `out` may be that slice of `full` itself. `counts`: each rank's slice size where they differ
         ([Note: uneven slices] in flat.py); then the slices lie back to back in `full`."""
-        counts = _uneven(counts, self.world_size)
-        if counts is not None:
-            assert full.numel() == sum(counts) and out.numel() == counts[self.rank], (full.numel(), counts)
-        else:
-            assert full.numel() == out.numel() * self.world_size, (full.numel(), out.numel())
+        counts = self._uneven(counts, full.numel(), out.numel())
         stage = Staging(self)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
 

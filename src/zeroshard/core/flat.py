@@ -59,27 +59,21 @@ class FlatLayout:
         if owners is None:
             offsets = [sum(numels[:i]) for i in range(len(numels))]
             self.shard_numel = -(-self.numel // world_size)  # ceil
-        elif uneven:
-            self._check_owners(owners, len(names))
-            filled = [0] * world_size
-            for owner, numel in zip(owners, numels):
-                filled[owner] += numel
-            starts = [sum(filled[:r]) for r in range(world_size)]
-            self.shard_numel = max(filled)  # the fullest slice
-            self.starts, self._counts = tuple(starts), tuple(filled)
-            offsets, used = [], [0] * world_size
-            for owner, numel in zip(owners, numels):
-                offsets.append(starts[owner] + used[owner])
-                used[owner] += numel
         else:
             self._check_owners(owners, len(names))
             filled = [0] * world_size
             for owner, numel in zip(owners, numels):
                 filled[owner] += numel
-            self.shard_numel = max(max(filled), 1)
+            if uneven:  # [Note: uneven slices]: each slice its owner's parameters, back to back
+                self.shard_numel = max(filled)  # the fullest slice
+                starts = [sum(filled[:r]) for r in range(world_size)]
+                self.starts, self._counts = tuple(starts), tuple(filled)
+            else:  # equal slices, each padded to the fullest
+                self.shard_numel = max(max(filled), 1)
+                starts = [r * self.shard_numel for r in range(world_size)]
             offsets, used = [], [0] * world_size
             for owner, numel in zip(owners, numels):
-                offsets.append(owner * self.shard_numel + used[owner])
+                offsets.append(starts[owner] + used[owner])
                 used[owner] += numel
         self.owners = tuple(owners) if owners is not None else None
         self.slots: tuple[Slot, ...] = tuple(
