@@ -15,6 +15,12 @@ segment + anonymous memory, set before Python starts) is --cap (default: half th
     counts), in elements: the first layers stay in memory, the rest stream.
   * zeroshard-resident-buffered: the same with `zeroshard.nvme_io`
     "buffered": the store's aligned reads go through the page cache instead of O_DIRECT.
+  * zeroshard-int8, zeroshard-int4: the first system with `weight_quantization.quantized_initialization`
+    (groups of 64, with a minimum): the store holds and reads packed 8- or 4-bit weights, dequantized
+    layer by layer after each read.
+  * zeroshard-speculative (batch 1): the first system with speculative decoding, the model's own int4
+    copy kept in memory as the draft (`resident_draft`); zeroshard-speculative-draft: the model of
+    --draft-dir as the draft (kept in memory, fp32).
   * accelerate: transformers `from_pretrained(device_map="auto", max_memory={"cpu": ...},
     offload_folder=...)`: what fits in the CPU budget stays resident, the rest is read from the
     checkpoint's safetensors files at each forward (accelerate's disk offload).
@@ -29,13 +35,19 @@ batch size: tokens/s (batch x new tokens / wall time of generate), bytes read fr
 before and after each system's process (this machine is shared: absolute times move with it), peak RSS (VmHWM, reset before each
 generate through /proc/self/clear_refs) with MALLOC_MMAP_THRESHOLD_=65536 in both (glibc returns freed
 buffers), and whether the tokens equal those of the unsharded model (computed without a cap, in this
-process). Outputs: OUT.json, OUT.txt (table and command), OUT.png (tokens/s against batch size).
+process; for the quantized systems, of the unsharded model whose matrices went through the same
+quantization), bytes read per generated position, and for the speculative systems the passes over the
+weights and the share of the draft's proposals kept. `--pretrained` takes --model-dir as it is (a
+trained model, e.g. scripts/train_stdlib_gpt.py's target) instead of building the random one, and
+`--prompts-from DATA_JSON` takes byte-level prompts from the held-out files that script lists.
+Outputs: OUT.json, OUT.txt (table and command), OUT.png (tokens/s against batch size).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import resource
@@ -73,6 +85,16 @@ def build_model(args) -> int:
         bos_token_id=0,
         eos_token_id=1,
     )
+    if args.pretrained:
+        import safetensors
+
+        total = 0
+        for path in args.model_dir.glob("*.safetensors"):
+            with safetensors.safe_open(path, "pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    total += math.prod(sl.get_shape()) * 4
+        return total
     marker = args.model_dir / "zero_inference.json"
     wanted = config.to_dict()
     if marker.is_file() and json.loads(marker.read_text()) == {k: wanted[k] for k in json.loads(marker.read_text())}:
@@ -107,22 +129,47 @@ def dd_read(path: Path, megabytes: int = 1024) -> float:
 def prompts(args, batch: int):
     import torch
 
+    if args.prompts_from is not None:  # byte-level: windows of the held-out text
+        held = json.loads(args.prompts_from.read_text())["held_out"]
+        text = b"".join(Path(p).read_bytes() for p in held)
+        data = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        starts = torch.linspace(0, len(data) - args.prompt_len - 1, batch).long()
+        return torch.stack([data[s : s + args.prompt_len] for s in starts.tolist()])
     generator = torch.Generator().manual_seed(1000 + batch)
     return torch.randint(2, args.vocab, (batch, args.prompt_len), generator=generator)
 
 
-def reference_tokens(args) -> dict[int, list]:
+QUANTIZED = {"zeroshard-int8": 8, "zeroshard-int4": 4}
+SPECULATIVE = ("zeroshard-speculative", "zeroshard-speculative-draft")
+
+
+def batches_of(system: str, args) -> list[int]:
+    """Speculative decoding takes one sequence at a time (transformers refuses batches)."""
+    return [1] if system in SPECULATIVE else args.batches
+
+
+def reference_tokens(args, bits: int | None = None) -> dict[int, list]:
     """The unsharded model's greedy tokens for every batch (no cap: this process has the RAM), kept
-    beside the model for the next run with the same prompts."""
+    beside the model for the next run with the same prompts; `bits`: of the model whose matrices went
+    through the quantization the store applies (groups of 64, with a minimum)."""
     import torch
     import transformers
 
-    cache = args.model_dir / f"reference-p{args.prompt_len}-n{args.new_tokens}.json"
+    suffix = f"-int{bits}" if bits else ""
+    source = "-held" if args.prompts_from is not None else ""
+    cache = args.model_dir / f"reference-p{args.prompt_len}-n{args.new_tokens}{source}{suffix}.json"
     out = {int(k): v for k, v in json.loads(cache.read_text()).items()} if cache.is_file() else {}
     missing = [b for b in args.batches if b not in out]
     if missing:
         torch.set_num_threads(args.threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+        if bits:
+            from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
+
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.dim() >= 2:
+                        param.copy_(dequantize(quantize(param, QuantSpec(bits, 64))))
         for batch in missing:
             prompt = prompts(args, batch)
             out[batch] = model.generate(
@@ -196,15 +243,19 @@ def load(system: str, args):
                 f"{cpu_budget_mb(args)} MiB budget less the {window_mb} MiB prefetch window)",
                 file=sys.stderr,
             )
-        config = {
+        config: dict = {
             "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": args.prefetch, "offload_param": offload},
             "zeroshard": {
                 "wrap_modules": ["LlamaDecoderLayer", "Embedding", "Linear"],
                 "nvme_io": "buffered" if system.endswith("-buffered") else "direct",
             },
         }
+        if system in QUANTIZED:
+            config["weight_quantization"] = {
+                "quantized_initialization": {"num_bits": QUANTIZED[system], "group_size": 64}
+            }
         engine = from_pretrained(args.model_dir, config)
-        return engine.module, engine.placement.param_store
+        return engine, getattr(engine.placement.param_store, "inner", engine.placement.param_store)
     budget = cpu_budget_mb(args)
     offload = tempfile.mkdtemp(dir=args.nvme)
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -230,20 +281,43 @@ def _store_io(store) -> dict:
     return nvme.io.clock.snapshot() if nvme is not None else {}
 
 
+def draft_of(system: str, args):
+    """The draft a speculative system keeps in memory; None for the others."""
+    if system == "zeroshard-speculative":
+        from zeroshard.compat.speculative import resident_draft
+
+        # Every Linear and the embedding a unit of its own: the draft's fp32 copy of its LM head (131 MB
+        # here) exists only while the head computes.
+        return resident_draft(
+            args.model_dir, num_bits=4, group_size=64, wrap_modules=["LlamaDecoderLayer", "Embedding", "Linear"]
+        )
+    if system == "zeroshard-speculative-draft":
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_pretrained(args.draft_dir).eval()
+    return None
+
+
 def child(system: str, args) -> None:
     """Runs under the cap (set by the parent before exec); one JSON line per batch size on stdout."""
     import torch
 
+    from zeroshard.compat.speculative import PassCounter
+
     torch.set_num_threads(args.threads)
     model, store = load(system, args)
+    draft = draft_of(system, args)
+    extra = {"assistant_model": draft} if draft is not None else {}
     io_mode = getattr(getattr(store, "nvme", store), "io_mode", None)
     files = sorted(args.model_dir.glob("*.safetensors"))
     drop = DropPageCache(files)
     drop.put(None)
     warm = prompts(args, 1)
-    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=1, do_sample=False)
-    for batch in args.batches:
+    model.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=1, do_sample=False, **extra)
+    for batch in batches_of(system, args):
         prompt = prompts(args, batch)
+        passes = PassCounter(getattr(model, "module", model))
+        proposals = PassCounter(getattr(draft, "module", draft)) if draft is not None else None
         drop.put(None)
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")  # resets VmHWM to the current RSS
@@ -256,8 +330,10 @@ def child(system: str, args) -> None:
             streamer=drop,
             max_new_tokens=args.new_tokens,
             min_new_tokens=args.new_tokens,
+            **extra,
         )
         seconds = time.perf_counter() - started
+        passes.close()
         read = _read_bytes() - read_before
         io = {k: v - io_before[k] for k, v in _store_io(store).items()}
         print(
@@ -274,10 +350,14 @@ def child(system: str, args) -> None:
                     "io_mode": io_mode,
                     "store_read_gb_s": io["read_bytes"] / io["read_busy_s"] / 1e9 if io.get("read_busy_s") else None,
                     "tokens": tokens.tolist(),
+                    "passes": passes.passes,
+                    "proposals": proposals.passes if proposals is not None else None,
                 }
             ),
             flush=True,
         )
+        if proposals is not None:
+            proposals.close()
 
 
 def run_capped(system: str, args, argv: list[str], capped: bool = True) -> list[dict]:
@@ -294,7 +374,7 @@ def run_capped(system: str, args, argv: list[str], capped: bool = True) -> list[
     )
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     notes = [line for line in result.stderr.splitlines() if line.startswith(("accelerate:", "zeroshard:", "INFO"))]
-    if len(rows) < len(args.batches):
+    if len(rows) < len(batches_of(system, args)):
         tail = "\n".join(result.stderr.strip().splitlines()[-6:])
         rows.append({"system": system, "error": f"exit code {result.returncode}: {tail}"})
     load = [load_before, os.getloadavg()[0]]  # this machine's 1-minute load average, before and after
@@ -313,7 +393,7 @@ def run_system(system: str, args, argv: list[str]) -> list[dict]:
 
 
 # -- report -------------------------------------------------------------------------------------------------
-def report(args, weights: int, dd: float, reference: dict, rows: list[dict], command: str) -> str:
+def report(args, weights: int, dd: float, references: dict, rows: list[dict], command: str) -> str:
     lines = [
         f"$ {command}",
         "(a system marked 'uncapped' failed under the cap and ran again without it, same settings)",
@@ -325,22 +405,32 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
         "disk GB/s: bytes the block layer read per second of generate; busy GB/s: the NVMe store's bytes "
         "per second its reads were in flight",
         "",
+        "GB/pos: bytes read per generated position (for the whole batch); passes: forwards over the "
+        "weights; kept: the draft's proposals kept",
+        "",
         f"{'system':<27} {'batch':>5} {'tokens/s':>9} {'s':>7} {'disk GB/s':>9} {'of dd':>6} "
-        f"{'busy GB/s':>9} {'of dd':>6} {'peak RSS GB':>11} {'< cap':>5} {'tokens = unsharded':>18} {'load':>9}",
+        f"{'busy GB/s':>9} {'of dd':>6} {'GB/pos':>7} {'peak RSS GB':>11} {'< cap':>5} {'tokens = unsharded':>18} "
+        f"{'passes':>6} {'kept':>5} {'load':>9}",
     ]
     for row in rows:
         name = row["system"] + ("" if row.get("capped", True) else " uncapped")
         if "error" in row:
             lines.append(f"{name} failed: {row['error'].splitlines()[-1]}")
             continue
-        same = row["tokens"] == reference[row["batch"]]
+        same = row["tokens"] == references[QUANTIZED.get(row["system"])][row["batch"]]
         busy = row.get("store_read_gb_s")
         busy_text = f"{busy:>9.2f} {busy / dd:>6.0%}" if busy else f"{'-':>9} {'-':>6}"
+        new_tokens = row["batch"] * args.new_tokens
+        bits = QUANTIZED.get(row["system"])
+        equal = ("yes" if same else "NO") + (f" (int{bits})" if bits else "")
+        kept = f"{(new_tokens - row['passes']) / row['proposals']:>5.0%}" if row.get("proposals") else f"{'-':>5}"
         lines.append(
             f"{name:<27} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
             f"{row['read_gb_s']:>9.2f} {row['read_gb_s'] / dd:>6.0%} {busy_text} "
+            f"{row['read_bytes'] / args.new_tokens / 1e9:>7.3f} "
             f"{row['peak_rss'] / 1e9:>11.2f} {'yes' if row['peak_rss'] < args.cap else 'NO':>5} "
-            f"{'yes' if same else 'NO':>18} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}"
+            f"{equal:>18} "
+            f"{row.get('passes', 0):>6} {kept} {row['load'][0]:>4.1f}-{row['load'][1]:<4.1f}"
         )
     modes = sorted({f"{r['system']}: {r['io_mode']}" for r in rows if r.get("io_mode")})
     lines += (
@@ -352,7 +442,7 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
     )
     for system in dict.fromkeys(r["system"] for r in rows if r["system"].startswith("zeroshard")):
         speedups = []
-        for batch in args.batches:
+        for batch in batches_of(system, args):
             ours = [r for r in rows if r.get("batch") == batch and r["system"] == system and "error" not in r]
             theirs = [r for r in rows if r.get("batch") == batch and r["system"] == "accelerate" and "error" not in r]
             if ours and theirs:
@@ -361,7 +451,7 @@ def report(args, weights: int, dd: float, reference: dict, rows: list[dict], com
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, title: str, cap_ratio: float) -> None:
     try:
         import matplotlib
 
@@ -375,6 +465,10 @@ def plot(rows: list[dict], path: Path) -> None:
         ("zeroshard", "o"),
         ("zeroshard-resident", "^"),
         ("zeroshard-resident-buffered", "v"),
+        ("zeroshard-int8", "D"),
+        ("zeroshard-int4", "d"),
+        ("zeroshard-speculative", "*"),
+        ("zeroshard-speculative-draft", "P"),
         ("accelerate", "s"),
     ):
         ok = [r for r in rows if r.get("system") == system and "error" not in r]
@@ -385,7 +479,7 @@ def plot(rows: list[dict], path: Path) -> None:
     axis.set_xscale("log", base=2)
     axis.set_xlabel("batch size (sequences generated together)")
     axis.set_ylabel("generated tokens / s")
-    axis.set_title("2.1 GB model, process capped at half of it (RLIMIT_DATA)")
+    axis.set_title(f"{title}, process capped at {cap_ratio:.2f} of it (RLIMIT_DATA)")
     axis.grid(True, alpha=0.3)
     axis.legend()
     figure.tight_layout()
@@ -422,7 +516,14 @@ def main() -> None:
         default=None,
         help="accelerate's max_memory for the CPU (default: what the cap leaves, less 300 MiB and the KV cache)",
     )
-    parser.add_argument("--systems", default="zeroshard,zeroshard-resident,zeroshard-resident-buffered,accelerate")
+    parser.add_argument(
+        "--systems",
+        default="zeroshard,zeroshard-resident,zeroshard-resident-buffered,zeroshard-int8,zeroshard-int4,"
+        "zeroshard-speculative,accelerate",
+    )
+    parser.add_argument("--pretrained", action="store_true", help="use --model-dir as it is (no random model)")
+    parser.add_argument("--draft-dir", type=Path, help="the draft of zeroshard-speculative-draft (save_pretrained)")
+    parser.add_argument("--prompts-from", type=Path, help="scripts/train_stdlib_gpt.py's data.json: byte prompts")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--out", type=Path, default=Path("zero_inference"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -435,10 +536,13 @@ def main() -> None:
     weights = build_model(args)
     args.cap = args.cap or weights // 2
     dd = dd_read(args.nvme)
-    reference = reference_tokens(args)
-    rows = [row for system in args.systems.split(",") for row in run_system(system, args, argv)]
+    systems = args.systems.split(",")
+    references = {
+        bits: reference_tokens(args, bits) for bits in {None} | {QUANTIZED[s] for s in systems if s in QUANTIZED}
+    }
+    rows = [row for system in systems for row in run_system(system, args, argv)]
     command = "python benchmarks/zero_inference.py " + " ".join(argv)
-    text = report(args, weights, dd, reference, rows, command)
+    text = report(args, weights, dd, references, rows, command)
     sys.stdout.write(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".txt").write_text(text)
@@ -450,12 +554,12 @@ def main() -> None:
                 "cap": args.cap,
                 "dd_read_gb_s": dd,
                 "rows": rows,
-                "reference": {str(k): v for k, v in reference.items()},
+                "reference": {str(k): v for k, v in references[None].items()},
             },
             indent=1,
         )
     )
-    plot(rows, args.out.with_suffix(".png"))
+    plot(rows, args.out.with_suffix(".png"), f"{weights / 1e9:.2f} GB model", args.cap / weights)
 
 
 if __name__ == "__main__":

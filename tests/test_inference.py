@@ -264,10 +264,18 @@ def test_inference_engine_refuses_training_and_bad_checkpoints(tmp_path):
 
 # -- the CLI ---------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_generate_command(tmp_path):
+@pytest.mark.parametrize("mode", ["fp32", "int4+draft"])
+def test_generate_command(mode, tmp_path):
     model = build_model("llama", seed=5)
     model.save_pretrained(tmp_path / "m", max_shard_size="20KB")
     prompt = torch.tensor([[5, 6, 7, 8]])
+    extra = []
+    if mode == "int4+draft":  # int4 weights streamed, its own 4-bit copy as draft: the int4 model's tokens
+        from tests.test_quantized_inference import _fake_quantized
+        from zeroshard.core.weight_quant import QuantSpec
+
+        model = _fake_quantized(model, QuantSpec(4, 32))
+        extra = ["--quant-bits", "4", "--group-size", "32", "--draft", "self"]
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
     command = [
         sys.executable,
@@ -284,6 +292,7 @@ def test_generate_command(tmp_path):
         "--nvme-path",
         str(tmp_path / "swap"),
         "--json",
+        *extra,
     ]
     result = subprocess.run(
         command,
@@ -297,6 +306,8 @@ def test_generate_command(tmp_path):
     report = json.loads(result.stdout)
     assert report["tokens"] == expected.tolist(), report
     assert report["new_tokens"] == 6 and report["tokens_per_s"] > 0, report
+    if mode == "int4+draft":
+        assert report["quant_bits"] == 4 and report["speculation"]["target_passes"] >= 1, report
 
 
 # -- a memory cap the unsharded model exceeds ---------------------------------------------------------------
@@ -323,8 +334,11 @@ CAPPED = textwrap.dedent("""
         rss_loaded = rss()
         tokens = model.generate(prompt, **kwargs)
     else:
+        offload = {"device": "nvme", "nvme_path": swap} if mode == "zeroshard" else {"device": "cpu"}
         config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                  "stage3_prefetch_bucket_size": 1, "offload_param": {"device": "nvme", "nvme_path": swap}}}
+                  "stage3_prefetch_bucket_size": 1, "offload_param": offload}}
+        if mode == "int4":  # weights in memory, packed 4-bit (tests/test_quantized_inference.py)
+            config["weight_quantization"] = {"quantized_initialization": {"num_bits": 4, "group_size": 64}}
         engine = from_pretrained(path, config)
         rss_loaded = rss()
         open("/proc/self/clear_refs", "w").write("5")  # VmHWM of generate alone

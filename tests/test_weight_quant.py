@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroshard.core.weight_quant import QuantSpec, _pack, _unpack, dequantize, error_bound, quantize
+from zeroshard.core.weight_quant import QuantSpec, _pack, dequantize, error_bound, quantize, unpack_codes
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -16,7 +16,7 @@ def test_packing_round_trips(bits, count):
     codes = torch.randint(0, 1 << bits, (count,), dtype=torch.uint8, generator=torch.Generator().manual_seed(count))
     packed = _pack(codes, bits)
     assert packed.numel() == (count if bits == 8 else -(-count // 2))
-    assert torch.equal(_unpack(packed, bits, count), codes)
+    assert torch.equal(unpack_codes(packed, bits, count), codes)
 
 
 @pytest.mark.parametrize("symmetric", [False, True])

@@ -17,6 +17,7 @@ safetensors files: the tests read them with `safetensors.torch.load_file` and `s
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -229,7 +230,12 @@ class SafetensorsReader:
         dtype, shape, start = self.entries[name]
         if not 0 <= lo <= hi <= math.prod(shape):
             raise IndexError(f"{self.path}: elements [{lo}, {hi}) outside tensor '{name}' {list(shape)}")
-        buffer = memoryview(out.view(torch.uint8).numpy()) if out.numel() else memoryview(b"")  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only for Python >= 3.12
+        # The tensor's memory through ctypes, not numpy: numpy() would mark its storage not resizable
+        # for good, and the quantized store frees a master's storage between uses (offload/quantized.py).
+        nbytes = out.numel() * out.element_size()
+        buffer = (
+            memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B") if nbytes else memoryview(b"")
+        )
         position, done = start + lo * dtype.itemsize, 0
         while done < buffer.nbytes:
             got = os.preadv(self._file.fileno(), [buffer[done:]], position + done)

@@ -123,6 +123,7 @@ def _load(engine, source, strict: bool, layout: Layout | None) -> None:
         cuts = _tp_cuts(engine, layout)
         found = _match(engine, weights, strict, cuts, pipelined=layout is not None and layout.sizes["pp"] > 1)
         for group in engine.groups:
+            group.open_master()
             for slot, lo, hi, dest in group.master_pieces():
                 if slot.name in found and slot.name in cuts:
                     dest.copy_(cuts[slot.name].local(weights, found[slot.name], slot.shape).view(-1)[lo:hi])

@@ -76,6 +76,12 @@ def initialize(
             )
         return _inference(model, cfg, lr_scheduler, training_data, collate_fn)
     params = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if cfg.weight_quantization.quantized_initialization is not None:
+        raise ConfigError(
+            "weight_quantization.quantized_initialization quantizes the weights of an inference engine: "
+            "initialize() without an optimizer (and without an 'optimizer' section) to use it; training "
+            "keeps fp32 master weights"
+        )
     torch_optimizer = _build_optimizer(optimizer, cfg, params, model)
     check_shardable(torch_optimizer)
     engine = ZeroEngine(model, torch_optimizer, cfg, group=group, model_parallel=model_parallel)

@@ -21,6 +21,7 @@ without ever materialising it, see `zeroshard.compat.pretrained.from_pretrained`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
@@ -33,7 +34,9 @@ from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.sharded import Sharded
 from zeroshard.core.unit import UnitState
-from zeroshard.offload import build_placement
+from zeroshard.core.weight_quant import QuantSpec
+from zeroshard.offload import CPUStore, build_placement
+from zeroshard.offload.quantized import QuantizedStore
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,9 @@ class InferenceEngine(EngineBase):
     DeepSpeed's engine built without an optimizer (compat/engine_base.py).
     """
 
-    def __init__(self, model: nn.Module, config):
+    def __init__(self, model: nn.Module, config, group=None):
+        """`group`: the process group the weights are sharded over (default: the whole world); a
+        resident draft uses its own rank alone (compat/speculative.py)."""
         meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]
         if meta:
             raise ValueError(
@@ -70,11 +75,15 @@ class InferenceEngine(EngineBase):
             )
         # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
         comm_policy = policies.comm_policy(zero, extras)
-        comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives)
+        comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives, group=group)
         numel = sum(p.numel() for p in model.parameters())
         placement = build_placement(
             zero, config.aio, None, numel, comm.rank, comm.world_size, nvme_io=extras.nvme_io or "direct"
         )
+        quantized = quantized_store(config, placement)
+        gathering = policies.gather_policy(zero, extras)
+        if quantized:  # every matrix is quantized, so every parameter lives in the (quantized) store
+            gathering = dataclasses.replace(gathering, persistence_threshold=0)
         with policies.config_terms():
             self.sharded = Sharded(
                 model,
@@ -83,8 +92,9 @@ class InferenceEngine(EngineBase):
                 stage_policy(zero.stage),
                 policies.precision_policy(config),
                 placement,
-                gathering=policies.gather_policy(zero, extras),
+                gathering=gathering,
                 comm_policy=comm_policy,
+                whole_parameters=quantized,
             )
         model.eval()
         self._freeze(True)
@@ -95,7 +105,7 @@ class InferenceEngine(EngineBase):
             comm.world_size,
             len(self.units),
             self.num_parameters() / 1e6,
-            type(placement.param_store).__name__ if placement.param_store is not None else "compute memory",
+            getattr(placement.param_store, "kind", "compute memory"),
         )
 
     # -- the core's parts, read-only (EngineBase has the rest; its optimizer is None): no scheduler ---
@@ -128,11 +138,21 @@ class InferenceEngine(EngineBase):
     def generate(self, *args, **kwargs):
         """`engine.module.generate(...)`, safe on several ranks: `synced_gpus` defaults to True at
         stage 3 with more than one rank, so that a rank whose sequences end first keeps running the
-        forwards (collectives) the others need. Nothing stays gathered afterwards, even on error."""
-        if self.policy.shard_parameters and self.world_size > 1:
-            kwargs.setdefault("synced_gpus", True)
+        forwards (collectives) the others need; with an `assistant_model` (speculative decoding,
+        which may be a `resident_draft` engine) the ranks keep in step themselves ([Note:
+        speculative decoding on several ranks] in compat/speculative.py). Nothing stays gathered
+        afterwards, even on error."""
+        if isinstance(kwargs.get("assistant_model"), InferenceEngine):  # a resident draft (compat/speculative.py)
+            kwargs["assistant_model"] = kwargs["assistant_model"].module
+        in_step = self.policy.shard_parameters and self.world_size > 1
         try:
             with torch.no_grad():
+                if in_step and kwargs.get("assistant_model") is not None:
+                    from zeroshard.compat.speculative import generate_in_step
+
+                    return generate_in_step(self, *args, **kwargs)
+                if in_step:
+                    kwargs.setdefault("synced_gpus", True)
                 return self.module.generate(*args, **kwargs)
         finally:
             self.reshard()
@@ -188,3 +208,20 @@ class InferenceEngine(EngineBase):
 
     def destroy(self) -> None:
         self.sharded.destroy()
+
+
+def quantized_store(config, placement) -> bool:
+    """With `weight_quantization.quantized_initialization`, the parameter store becomes a
+    QuantizedStore over the configured one (host memory when none is): [Note: quantized weight
+    store] in offload/quantized.py. Returns whether it did."""
+    section = config.weight_quantization.quantized_initialization
+    if section is None:
+        return False
+    if config.zero_optimization.stage != 3:
+        raise ValueError(
+            "weight_quantization.quantized_initialization keeps quantized parameter shards in the "
+            f"stage-3 parameter store: set zero_optimization.stage to 3 (got {config.zero_optimization.stage})"
+        )
+    spec = QuantSpec(section.num_bits, section.group_size, section.group_dim, section.symmetric)
+    placement.param_store = QuantizedStore(placement.param_store or CPUStore(), spec)
+    return True

@@ -85,6 +85,7 @@ def _cut(full: torch.Tensor, slot, device) -> torch.Tensor:
 def _with_master(group, fn):
     if group.master_store is not None:
         group.master_store.prefetch([group.master])
+        group.master_store.ready([group.master])
     try:
         return fn()
     finally:

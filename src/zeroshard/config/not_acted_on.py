@@ -89,7 +89,6 @@ TABLE: dict[str, Rule] = {
         "dataloader_drop_last",
         "load_universal_checkpoint",
         "hybrid_engine",
-        "weight_quantization",
         "graph_harvesting",
         "train_epochs",
         "compile",

@@ -40,6 +40,7 @@ from zeroshard.config.schema import (
     SchedulerConfig,
     Section,
     TorchAutocastConfig,
+    WeightQuantizationConfig,
     ZeroConfig,
     ZeroShardExtConfig,
     canonical_name,
@@ -87,6 +88,7 @@ class ZeroShardConfig(Section):
         "activation_checkpointing": ActivationCheckpointingConfig,
         "zeroshard": ZeroShardExtConfig,
         "torch_autocast": TorchAutocastConfig,
+        "weight_quantization": WeightQuantizationConfig,
     }
 
     world_size: PosInt
@@ -128,6 +130,8 @@ class ZeroShardConfig(Section):
     """zeroshard's own extensions."""
     torch_autocast: TorchAutocastConfig = TorchAutocastConfig()
     """torch.autocast around the forward."""
+    weight_quantization: WeightQuantizationConfig = WeightQuantizationConfig()
+    """ZeRO-Inference's weight quantization (inference engines at stage 3)."""
 
     @model_validator(mode="after")
     def _one_half_precision(self) -> ZeroShardConfig:

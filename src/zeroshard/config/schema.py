@@ -486,6 +486,39 @@ class ActivationCheckpointingConfig(Section):
     """Log the time spent in checkpointed forward and recompute."""
 
 
+class QuantizedInitConfig(Section):
+    """``weight_quantization.quantized_initialization``: ZeRO-Inference's weights quantized while
+    they are loaded and kept packed in the parameter store ([Note: quantized weight store] in
+    offload/quantized.py). Every parameter of two or more dimensions (the weights of Linear and
+    Embedding layers) is quantized group-wise; vectors (norms, biases) stay fp32. Every parameter
+    lives in the store then (``stage3_param_persistence_threshold`` is not acted on)."""
+
+    section_path: ClassVar[str] = "weight_quantization.quantized_initialization"
+
+    num_bits: Literal[8, 4] = 8
+    """Bits per weight: 8 (one code a byte) or 4 (two a byte)."""
+    group_size: PosInt = 64
+    """Consecutive elements along ``group_dim`` that share one scale (and minimum)."""
+    group_dim: NonNegInt = 1
+    """The dimension the groups run along: 1 = the input features of a Linear weight (out, in)."""
+    symmetric: bool = False
+    """False: each group's codes span its minimum to its maximum (DeepSpeed's and FlexGen's form);
+    True: zero-centred codes, a scale and no minimum."""
+
+
+class WeightQuantizationConfig(Section):
+    """``weight_quantization``: ZeRO-Inference's weight quantization (DeepSpeed's section). Only for
+    an inference engine (``initialize`` without an optimizer) at stage 3. DeepSpeed's per-layer
+    ``post_init_quant`` form is not read (an unknown key): ``quantized_initialization`` covers every
+    weight matrix."""
+
+    section_path: ClassVar[str] = "weight_quantization"
+    sections: ClassVar[dict[str, type[Section]]] = {"quantized_initialization": QuantizedInitConfig}
+
+    quantized_initialization: QuantizedInitConfig | None = None
+    """Quantize the weights as they are loaded (DeepSpeed's quantized initialization)."""
+
+
 class ZeroShardExtConfig(Section):
     """The ``zeroshard`` section: our extensions, not part of DeepSpeed's schema."""
 

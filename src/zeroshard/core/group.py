@@ -187,8 +187,11 @@ class FlatGroup:
             self.point_params_at_full()
             return
         if self.master_store is not None:
-            self.master = self.master_store.tensor(f"{self.names[0]}.master", end - start, torch.float32)
+            self.master = self.master_store.tensor(
+                f"{self.names[0]}.master", end - start, torch.float32, pieces=self.whole_pieces()
+            )
             if full_fp32 is not None:
+                self.open_master()
                 self.master.copy_(full_fp32[start:end])
             self.master_store.release([self.master])
         elif full_fp32 is None:
@@ -284,6 +287,22 @@ class FlatGroup:
             return self.master
         return self.master.to(device=self.device, dtype=self.param_dtype)
 
+    def whole_pieces(self) -> list[tuple[int, torch.Size]]:
+        """(offset in the master, shape) of each parameter that lies whole in this rank's range."""
+        start, end = self.opt_range
+        return [
+            (slot.offset + lo - start, slot.shape)
+            for slot, lo, hi in self.layout.pieces_in(start, end)
+            if lo == 0 and hi == slot.numel
+        ]
+
+    def open_master(self) -> None:
+        """Before writing the master outside a step: a store that frees a released tensor's storage
+        (the quantized store, offload/quantized.py) brings its values back."""
+        if self.master_store is not None and self.master.numel() and not self.master.untyped_storage().nbytes():
+            self.master_store.stage([self.master])
+            self.master_store.ready([self.master])
+
     def release_master(self) -> None:
         """An offloaded master shard is not needed until its next use: let the store write it out."""
         if self.master_store is not None and self.compute_shard is None:
@@ -321,6 +340,7 @@ class FlatGroup:
         self.drop_secondary()
         assert self.full is not None  # gathered
         if not self.master_is_view_of_full():
+            self.open_master()
             self.master.copy_(self.full[start:end])  # to the master's store and dtype
         if self.compute_shard is not None:
             self.compute_shard.copy_(self.full[start:end])

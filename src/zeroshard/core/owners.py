@@ -63,7 +63,7 @@ class OwnerPlan:
     """Owners for every whole-parameter flat group of one model, and what they cost."""
 
     world_size: int
-    groups: frozenset[int]  # the optimizer param groups that need whole parameters
+    groups: frozenset[int | None]  # optimizer param groups that need whole parameters; None: frozen ones
     flops: list[float] = field(default_factory=list)  # Newton-Schulz work per rank so far
     numel: int = 0  # elements of whole parameters planned
     padded_numel: int = 0  # what their flat groups take, padding included

@@ -28,8 +28,11 @@ class Store(Protocol):
     def offloaded_bytes(self) -> int:
         """Bytes of its tensors that live in files (the memory report's `offloaded_nvme`)."""
 
-    def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A new zero-filled 1-D tensor that lives in this store."""
+    def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
+        """A new zero-filled 1-D tensor that lives in this store. `pieces`: (offset, shape) of the
+        whole parameters laid out in it, for a store that packs them by shape (offload/quantized.py);
+        others ignore it. A store may free a released tensor's storage (that one does): a writer
+        outside a step calls `stage` and `ready` first."""
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Is `tensor` one of this store's tensors?"""

@@ -150,7 +150,8 @@ def _build_groups(
                 comm.broadcast(local_tensor(param.detach()), 0, f"initial broadcast of '{name}'")
         trainable = index is not None
         owners = None  # [Note: whole-parameter ownership] in owners.py
-        if owner_plan is not None and index in owner_plan.groups and policy.shard_optimizer:
+        # Frozen parameters are laid out whole only in resharding groups (whose shards a store packs).
+        if owner_plan is not None and index in owner_plan.groups and policy.shard_optimizer and (trainable or reshards):
             owners = owner_plan.assign([local_tensor(p).shape for p in params])
         device = comm.device if params[0].device.type == "meta" else params[0].device
         master_store, compute_shard = _master_placement(placement, precision, device, reshards, trainable)

@@ -111,7 +111,11 @@ class Sharded:
         gathering: GatherPolicy,
         comm_policy: CommPolicy,
         model_parallel: ModelParallel | None = None,
+        whole_parameters: bool = False,
     ):
+        """`whole_parameters`: the frozen parameters' resharding groups too are laid out whole, with
+        uneven slices (the quantized weight store packs whole rows: [Note: quantized weight store]
+        in offload/quantized.py)."""
         self.module = model
         self.model_parallel = model_parallel
         self.comm = comm
@@ -137,7 +141,10 @@ class Sharded:
         uneven = policy.shard_parameters and not (
             self.links.quantize_weights or self.links.quantize_gradients or self.links.secondary is not None
         )
-        self.owner_plan = OwnerPlan(self.partition.world_size, whole, uneven=uneven) if whole else None
+        whole_groups: frozenset[int | None] = frozenset(whole)
+        if whole_parameters:
+            whole_groups |= {None}  # the frozen parameters' groups
+        self.owner_plan = OwnerPlan(self.partition.world_size, whole_groups, uneven=uneven) if whole_groups else None
         self.units = shard_module(
             model,
             policy,

@@ -125,7 +125,7 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     length = moved_shape.pop(spec.group_dim)
     rows = math.prod(moved_shape) if moved_shape else 1
     groups = -(-length // spec.group_size)
-    codes = _unpack(q.packed, spec.num_bits, rows * length).view(rows, length).float()
+    codes = unpack_codes(q.packed, spec.num_bits, rows * length).view(rows, length).float()
     if spec.symmetric:
         codes -= spec.levels + 1
     scale = q.scale.repeat_interleave(spec.group_size, dim=1)[:, :length]  # (R, length)
@@ -153,7 +153,7 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return codes[0::2] | (codes[1::2] << 4)
 
 
-def _unpack(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+def unpack_codes(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     if bits == 8:
         return packed[:count]
     out = torch.empty(packed.numel() * 2, dtype=torch.uint8, device=packed.device)

@@ -38,7 +38,7 @@ class ResidentFirstStore:
         self.counters = nvme.counters
         self._streamed_bytes = 0  # bytes of the NVMe tensors this store asked for
 
-    def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
         if not self._streamed_bytes and self.numel_in_cpu + numel <= self.max_in_cpu:
             self.numel_in_cpu += numel
             return self.cpu.tensor(key, numel, dtype)

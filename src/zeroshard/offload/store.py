@@ -78,7 +78,7 @@ class CPUStore:
         self.bytes_held = 0
         self._held: dict[int, torch.Tensor] = {}  # id -> tensor, so `holds` can answer
 
-    def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
         self.bytes_held += numel * torch.empty(0, dtype=dtype).element_size()
         tensor = torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
         self._held[id(tensor)] = tensor
@@ -160,7 +160,7 @@ class NVMeStore:
         atexit.register(self._finalizer)
         remove_on_sigterm(self.root)
 
-    def tensor(self, key: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         path = self.root / f"{key}.swp"
         try:

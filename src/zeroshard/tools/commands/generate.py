@@ -21,13 +21,20 @@ model.safetensors.index.json names. The model is built on the meta device and ea
 the weights is read straight into the store (--offload cpu: host memory; nvme: files under
 --nvme-path); each forward gathers one layer at a time and prefetches the next, so memory holds
 about two layers plus the embeddings. Every weight is read once per generated token for the whole
-batch: a larger --batch-size costs little more time per token. Runs as one process, or on N ranks
-under torchrun (weights partitioned N ways, every rank generating the same prompts)."""
+batch: a larger --batch-size costs little more time per token. --quant-bits 8|4 keeps the weights
+packed (int8, or int4: a quarter or an eighth of the fp32 bytes, plus a scale and minimum per group
+of --group-size), so fewer bytes are read per token. --draft self (a 4-bit copy of the model kept in
+memory) or --draft DIR (a small model of the same vocabulary) turns on speculative decoding at batch
+1: the draft proposes tokens, the streamed model checks several per pass over its weights, and the
+tokens are the model's own (greedy: equal; sampled: the same distribution). Runs as one process, or
+on N ranks under torchrun (weights partitioned N ways, every rank generating the same prompts)."""
 
 EXAMPLES = [
     "zeroshard generate ./my-model --prompt 'Once upon a time' --max-new-tokens 32",
     "zeroshard generate ./my-model --prompt-ids 5,6,7 --offload nvme --nvme-path /local_nvme --batch-size 8",
     "zeroshard generate ./my-model --prompt 'Hello' --do-sample --seed 0 --top-k 50 --json",
+    "zeroshard generate ./my-model --prompt 'Hello' --offload nvme --nvme-path /local_nvme --quant-bits 4",
+    "zeroshard generate ./my-model --prompt 'Hello' --offload nvme --nvme-path /local_nvme --draft self",
     "torchrun --nproc_per_node 2 -m zeroshard.tools.cli generate ./my-model --prompt 'Hello'",
 ]
 
@@ -68,6 +75,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="JSON",
         help="DeepSpeed config (zero_optimization stage 3, offload_param, bf16/fp16, ...)",
     )
+    parser.add_argument(
+        "--quant-bits",
+        type=int,
+        choices=(8, 4),
+        default=None,
+        help="keep the weights quantized to 8 or 4 bits in the store (weight_quantization.quantized_initialization)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=bounded(int, 1),
+        default=64,
+        metavar="G",
+        help="weights sharing one scale and minimum, with --quant-bits or --draft self (default: 64)",
+    )
+    parser.add_argument(
+        "--draft",
+        metavar="self|DIR",
+        default=None,
+        help="speculative decoding (batch 1): 'self' = a 4-bit copy of MODEL_DIR kept in memory, or a "
+        "save_pretrained() directory of a small model with the same vocabulary",
+    )
     parser.add_argument("--do-sample", action="store_true", help="sample instead of greedy decoding")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
     parser.add_argument("--temperature", type=bounded(float, 0.0, inclusive=False), default=None)
@@ -103,7 +131,30 @@ def build_config(args: argparse.Namespace) -> dict:
         raise CommandError("--offload nvme needs --nvme-path DIR (or offload_param.nvme_path in --config)")
     zero["offload_param"] = offload
     zero.setdefault("stage3_prefetch_bucket_size", 1)  # prefetch the next unit only: memory stays ~2 units
-    return {**config, "zero_optimization": zero}
+    config = {**config, "zero_optimization": zero}
+    if args.quant_bits is not None:
+        config["weight_quantization"] = {
+            "quantized_initialization": {"num_bits": args.quant_bits, "group_size": args.group_size}
+        }
+    return config
+
+
+def _draft(args: argparse.Namespace):
+    """The assistant model of --draft, or None; with a counter of its forwards (its proposals)."""
+    if args.draft is None:
+        return None
+    if args.batch_size != 1:
+        raise CommandError(f"--draft decodes one sequence at a time: --batch-size must be 1, got {args.batch_size}")
+    from zeroshard.compat.speculative import resident_draft
+
+    if args.draft == "self":
+        return resident_draft(args.model, num_bits=4, group_size=args.group_size)
+    from transformers import AutoModelForCausalLM
+
+    where = Path(args.draft)
+    if not (where / "config.json").is_file():
+        raise CommandError(f"--draft {args.draft}: give 'self' or a save_pretrained() directory (no config.json there)")
+    return AutoModelForCausalLM.from_pretrained(where).eval()
 
 
 def _prompt_ids(args: argparse.Namespace):
@@ -147,6 +198,13 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"prompt ids must lie in [0, {vocab}) for this model, got {prompt[0].tolist()}")
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, attention_mask=torch.ones_like(prompt))
     kwargs.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k)) if v is not None})
+    from zeroshard.compat.speculative import PassCounter, speculation_report
+
+    draft = _draft(args)
+    passes = PassCounter(engine.module)
+    proposals = PassCounter(getattr(draft, "module", draft)) if draft is not None else None
+    if draft is not None:
+        kwargs["assistant_model"] = draft
     torch.manual_seed(args.seed)
     started = time.perf_counter()
     tokens = engine.generate(prompt, **kwargs)
@@ -160,7 +218,12 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_s": new * args.batch_size / seconds,
         "ranks": engine.world_size,
         "store": config["zero_optimization"]["offload_param"]["device"],
+        "quant_bits": args.quant_bits,
     }
+    if proposals is not None:
+        report["speculation"] = speculation_report(new, passes.passes, proposals.passes)
+        if hasattr(draft, "destroy"):
+            draft.destroy()
     if tokenizer is not None:
         report["text"] = tokenizer.batch_decode(tokens, skip_special_tokens=True)
     if engine.global_rank == 0:
@@ -178,5 +241,12 @@ def _print(report: dict, as_json: bool) -> None:
     sys.stdout.write(
         f"{report['new_tokens']} new tokens x {report['batch_size']} in {report['seconds']:.2f} s: "
         f"{report['tokens_per_s']:.2f} tokens/s ({report['ranks']} rank(s), weights in "
-        f"{report['store']})\n"
+        f"{report['store']}{', int' + str(report['quant_bits']) if report['quant_bits'] else ''})\n"
     )
+    if "speculation" in report:
+        spec = report["speculation"]
+        sys.stdout.write(
+            f"speculative decoding: {spec['target_passes']} passes over the weights, "
+            f"{spec['tokens_per_pass']:.2f} tokens a pass, {100 * spec['acceptance']:.0f}% of "
+            f"{spec['draft_proposals']} proposals kept\n"
+        )

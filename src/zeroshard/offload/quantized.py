@@ -1,0 +1,290 @@
+"""A store that keeps ZeRO-Inference's weights packed: 8- or 4-bit codes with a scale and minimum
+per group, in the CPU or NVMe store underneath (DeepSpeed's `weight_quantization.quantized_initialization`).
+
+[Note: quantized weight store]
+The engine's fp32 shard of a flat group (`master`) keeps its shape and dtype, so every consumer
+(the gather in place at one rank, the all-gather at N, the loaders) works as with any store; only
+its storage comes and goes. Between uses the store holds one uint8 tensor per shard in the inner
+store (`blob`): each whole parameter of two or more dimensions quantized group-wise ([Note:
+group-wise weight quantization] in core/weight_quant.py: codes, then the fp32 scales, then the
+minimums), everything else (vectors: norms and biases; padding) as raw fp32 bytes, each piece 16-byte
+aligned. `prefetch`/`stage` start reading the blob (from NVMe: fewer bytes by the compression
+ratio) and, on this store's own thread, grow the master's storage and dequantize into it, so the
+dequantization of the next unit overlaps the current unit's compute; `ready` waits for it; `release`
+quantizes a written (unfrozen) master back into the blob, releases the blob and frees the master's
+storage (resized to zero bytes, as a gathered buffer is). Quantizing needs whole rows of whole
+parameters: the engine lays these groups out with whole-parameter ownership ([Note: whole-parameter
+ownership] in core/owners.py), and a piece of a parameter cut by the layout is stored raw. A fresh
+blob is all zeros, which is a valid packed form of zeros (codes, scales and minimums 0), so
+creating a store tensor touches nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from zeroshard.core.weight_quant import Quantized, QuantSpec, dequantize, quantize, unpack_codes
+
+ALIGN = 16  # bytes: every piece of a blob starts on this, so fp32 views of it are aligned
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One stretch of a master shard: elements [offset, offset + numel), quantized as `shape` or raw."""
+
+    offset: int
+    numel: int
+    shape: tuple[int, ...] | None  # None: stored raw (fp32)
+    at: int  # byte offset in the blob
+    code_bytes: int = 0
+    groups: tuple[int, int] = (0, 0)  # (rows, groups per row) of its scales
+    minimums: bool = True  # asymmetric: a minimum per group after the scales
+
+    @property
+    def nbytes(self) -> int:
+        if self.shape is None:
+            return self.numel * 4
+        return _aligned(self.code_bytes) + (1 + self.minimums) * _aligned(self.groups[0] * self.groups[1] * 4)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def plan(numel: int, pieces, spec: QuantSpec) -> tuple[list[_Piece], int]:
+    """How a master shard of `numel` elements, holding the whole parameters `pieces` ((offset, shape)
+    pairs), is laid out in its blob: the pieces and the blob's size in bytes."""
+    quantized = sorted((off, tuple(shape)) for off, shape in pieces if 2 <= len(shape) > spec.group_dim)
+    out: list[_Piece] = []
+    at = 0
+
+    def raw(lo: int, hi: int) -> None:
+        nonlocal at
+        if hi > lo:
+            out.append(_Piece(lo, hi - lo, None, at))
+            at += _aligned((hi - lo) * 4)
+
+    cursor = 0
+    for offset, shape in quantized:
+        raw(cursor, offset)
+        count = math.prod(shape)
+        length = shape[spec.group_dim]
+        rows = count // length
+        groups = (rows, -(-length // spec.group_size))
+        piece = _Piece(offset, count, shape, at, -(-count * spec.num_bits // 8), groups, not spec.symmetric)
+        out.append(piece)
+        at += piece.nbytes
+        cursor = offset + count
+    raw(cursor, numel)
+    return out, max(at, 1)
+
+
+class _State(enum.Enum):
+    PACKED = "packed"  # only the blob holds the values; the master has no storage
+    OPENING = "opening"  # the blob is being read and dequantized into the master
+    OPEN = "open"  # the master holds the values (and may be written unless frozen)
+
+
+@dataclass
+class _Item:
+    master: torch.Tensor
+    blob: torch.Tensor
+    pieces: list[_Piece]
+    state: _State = _State.PACKED
+    blank: bool = True  # the blob was never written: its values are zeros
+    frozen: bool = False
+    opening: Future | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class QuantizedStore:
+    """A `zeroshard.core.placement.Store` over `inner` (a CPU or NVMe store) whose fp32 tensors are
+    kept packed ([Note: quantized weight store])."""
+
+    def __init__(self, inner, spec: QuantSpec):
+        self.inner = inner
+        self.spec = spec
+        self.kind = f"{inner.kind}, int{spec.num_bits}"
+        self.in_memory = inner.in_memory
+        self._items: dict[int, _Item] = {}
+        # One thread: units are dequantized in the order they are asked for (the gather order).
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroshard-dequantize")
+        self.packed_bytes = 0  # the blobs' bytes
+        self.numel = 0  # the elements they stand for
+
+    # -- what it holds ----------------------------------------------------------------------------
+    @property
+    def counters(self):
+        return self.inner.counters
+
+    @property
+    def bytes_held(self) -> int:
+        return self.inner.bytes_held
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.inner.offloaded_bytes
+
+    def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
+        if dtype != torch.float32:
+            raise ValueError(f"the quantized store holds fp32 weights, asked for {dtype} ({key})")
+        layout, nbytes = plan(numel, pieces, self.spec)
+        blob = self.inner.tensor(f"{key}.int{self.spec.num_bits}", nbytes, torch.uint8)
+        master = torch.empty(numel, dtype=torch.float32)
+        master.untyped_storage().resize_(0)
+        self._items[id(master)] = _Item(master, blob, layout)
+        self.packed_bytes += nbytes
+        self.numel += numel
+        return master
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) in self._items
+
+    def addressable_from(self, device: torch.device) -> bool:
+        return self.inner.addressable_from(device)
+
+    def resident(self, tensor: torch.Tensor) -> bool:
+        item = self._items.get(id(tensor))
+        return item is None or self.inner.resident(item.blob)
+
+    def _mine(self, tensors) -> list[_Item]:
+        return [self._items[id(t)] for t in tensors if id(t) in self._items]
+
+    # -- uses ---------------------------------------------------------------------------------------
+    def prefetch(self, tensors) -> None:
+        self._open(tensors, self.inner.prefetch)
+
+    def stage(self, tensors) -> None:
+        self._open(tensors, self.inner.stage)
+
+    def _open(self, tensors, read) -> None:
+        for item in self._mine(tensors):
+            if item.state is not _State.PACKED:
+                continue
+            item.master.untyped_storage().resize_(item.master.numel() * 4)
+            if item.blank:
+                item.master.zero_()
+                item.state = _State.OPEN
+                continue
+            read([item.blob])
+            item.state = _State.OPENING
+            item.opening = self._worker.submit(self._dequantize, item)
+
+    def _dequantize(self, item: _Item) -> None:
+        self.inner.ready([item.blob])
+        unpack(item.blob, item.pieces, self.spec, item.master)
+
+    def ready(self, tensors) -> None:
+        for item in self._mine(tensors):
+            opening, item.opening = item.opening, None
+            if opening is not None:
+                try:
+                    opening.result()
+                except BaseException:
+                    item.state = _State.PACKED
+                    item.master.untyped_storage().resize_(0)
+                    raise
+                item.state = _State.OPEN
+
+    def release(self, tensors) -> None:
+        mine = self._mine(tensors)
+        self.ready([item.master for item in mine])
+        for item in mine:
+            if item.state is not _State.OPEN:
+                continue
+            if not item.frozen:
+                pack(item.master, item.pieces, self.spec, item.blob)
+                item.blank = False
+            item.master.untyped_storage().resize_(0)
+            item.state = _State.PACKED
+            self.inner.release([item.blob])
+
+    def freeze(self, tensors, frozen: bool = True) -> None:
+        mine = self._mine(tensors)
+        for item in mine:
+            item.frozen = frozen
+        self.inner.freeze([item.blob for item in mine], frozen)
+
+    def check(self, tensors) -> None:
+        self.inner.check([item.blob for item in self._mine(tensors)])
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+    def destroy(self) -> None:
+        self._worker.shutdown(wait=True)
+        self._items.clear()
+        self.inner.destroy()
+
+
+# -- the arithmetic between a master shard and its blob ---------------------------------------------
+def _views(blob: torch.Tensor, piece: _Piece):
+    """(codes, scale, minimum or None) views of `piece` in `blob`."""
+    rows, groups = piece.groups
+    codes = blob[piece.at : piece.at + piece.code_bytes]
+    at = piece.at + _aligned(piece.code_bytes)
+    n = rows * groups * 4
+    scale = blob[at : at + n].view(torch.float32).view(rows, groups)
+    if not piece.minimums:
+        return codes, scale, None
+    minimum = blob[at + _aligned(n) : at + _aligned(n) + n].view(torch.float32).view(rows, groups)
+    return codes, scale, minimum
+
+
+def pack(master: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, blob: torch.Tensor) -> None:
+    """Quantize `master`'s pieces into `blob`."""
+    for piece in pieces:
+        values = master[piece.offset : piece.offset + piece.numel]
+        if piece.shape is None:
+            blob[piece.at : piece.at + piece.numel * 4].view(torch.float32).copy_(values)
+            continue
+        q = quantize(values.view(piece.shape), spec)
+        codes, scale, minimum = _views(blob, piece)
+        codes.copy_(q.packed)
+        scale.copy_(q.scale)
+        if minimum is not None:
+            minimum.copy_(q.minimum)
+
+
+def unpack(blob: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, master: torch.Tensor) -> None:
+    """Dequantize `blob` into `master` (the inverse of `pack`, up to the quantization error)."""
+    for piece in pieces:
+        out = master[piece.offset : piece.offset + piece.numel]
+        if piece.shape is None:
+            out.copy_(blob[piece.at : piece.at + piece.numel * 4].view(torch.float32))
+            continue
+        codes, scale, minimum = _views(blob, piece)
+        length = piece.shape[spec.group_dim]
+        if spec.group_dim == len(piece.shape) - 1 and length % spec.group_size == 0:
+            _dequantize_rows(codes, scale, minimum, spec, out)  # the common case, without temporaries
+        else:
+            q = Quantized(codes, scale, minimum, torch.Size(piece.shape), spec)
+            out.copy_(dequantize(q).reshape(-1))
+
+
+def _dequantize_rows(codes, scale, minimum, spec: QuantSpec, out: torch.Tensor) -> None:
+    """Groups are consecutive runs of `group_size` elements of `out`: broadcast each group's scale
+    (and minimum) over its run."""
+    rows, groups = scale.shape
+    grouped = out.view(rows, groups, spec.group_size)
+    if spec.num_bits == 8:
+        grouped.copy_(codes.view(rows, groups, spec.group_size))
+    else:
+        pairs = grouped.view(rows, groups, spec.group_size // 2, 2) if spec.group_size % 2 == 0 else None
+        if pairs is not None:
+            packed = codes.view(rows, groups, spec.group_size // 2)
+            pairs[..., 0].copy_(packed & 0x0F)
+            pairs[..., 1].copy_(packed >> 4)
+        else:
+            out.copy_(unpack_codes(codes, 4, out.numel()))
+    if spec.symmetric:
+        grouped.sub_(spec.levels + 1)
+    grouped.mul_(scale[:, :, None])
+    if minimum is not None:
+        grouped.add_(minimum[:, :, None])
