@@ -395,6 +395,10 @@ def run_system(system: str, args, argv: list[str]) -> list[dict]:
 
 # -- report -------------------------------------------------------------------------------------------------
 def report(args, weights: int, dd: float, references: dict, rows: list[dict], command: str) -> str:
+    if args.pretrained:  # the model's own shape
+        shape = json.loads((args.model_dir / "config.json").read_text())
+        args.layers, args.hidden = shape["num_hidden_layers"], shape["hidden_size"]
+        args.intermediate, args.vocab = shape["intermediate_size"], shape["vocab_size"]
     lines = [
         f"$ {command}",
         "(a system marked 'uncapped' failed under the cap and ran again without it, same settings)",
