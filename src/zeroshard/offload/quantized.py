@@ -113,12 +113,17 @@ class _Item:
 
 
 class _Buffers:
-    """Released masters' fp32 buffers by size, up to `limit` bytes ([Note: reused master buffers])."""
+    """Released masters' fp32 buffers by size: at most `PER_SIZE` of each and `limit` bytes in all
+    ([Note: reused master buffers]). Each buffer is exchanged with a holder: a tensor of the same
+    size whose storage is empty, kept for the next exchange, so none is allocated per use."""
+
+    PER_SIZE = 2
 
     def __init__(self, limit: int):
         self.limit = limit
         self.bytes = 0
         self._free: dict[int, list[torch.Tensor]] = {}
+        self._holders: dict[int, list[torch.Tensor]] = {}
 
     def grow(self, master: torch.Tensor) -> None:
         """Storage for `master` (whose storage is empty): a kept buffer if one fits, else fresh."""
@@ -126,28 +131,34 @@ class _Buffers:
         if kept:
             buffer = kept.pop()
             self.bytes -= buffer.numel() * 4
-            torch.utils.swap_tensors(master, buffer)  # `buffer` now holds master's empty storage
+            torch.utils.swap_tensors(master, buffer)  # `buffer` is now an empty holder
+            self._holders.setdefault(master.numel(), []).append(buffer)
             return
         master.untyped_storage().resize_(master.numel() * 4)
 
     def shrink(self, master: torch.Tensor) -> None:
         """Take `master`'s storage away, keeping the buffer when there is room and nothing views it."""
-        size = master.numel() * 4
-        if self.bytes + size <= self.limit:
-            holder = torch.empty(master.numel(), dtype=torch.float32)
-            holder.untyped_storage().resize_(0)
+        numel, size = master.numel(), master.numel() * 4
+        holders = self._holders.get(numel)
+        if holders and len(self._free.get(numel, ())) < self.PER_SIZE and self.bytes + size <= self.limit:
+            holder = holders.pop()
             try:
                 torch.utils.swap_tensors(master, holder)
             except RuntimeError:  # a view of it is alive somewhere: free it instead
-                pass
+                holders.append(holder)
             else:
-                self._free.setdefault(holder.numel(), []).append(holder)
+                self._free.setdefault(numel, []).append(holder)
                 self.bytes += size
                 return
         master.untyped_storage().resize_(0)
+        if not holders and self.bytes + size <= self.limit:  # a holder, so the next one of this size is kept
+            holder = torch.empty(numel, dtype=torch.float32)  # allocated where master's bytes were just freed
+            holder.untyped_storage().resize_(0)
+            self._holders.setdefault(numel, []).append(holder)
 
     def clear(self) -> None:
         self._free.clear()
+        self._holders.clear()
         self.bytes = 0
 
 
