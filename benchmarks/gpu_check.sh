@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 17, as one prepared run that fits in 10 minutes on one H200 (docs/gpu.md):
+# The GPU checks, as one prepared run that fits in 10 minutes on one H200 (docs/gpu.md):
 #   (a) the tests marked `gpu` (CUDA tensors, NCCL at world size 1, gloo with CUDA tensors),
 #   (b) parity of stages 0-3 on CUDA against plain single-GPU training, fp32 and bf16 (figures kept),
 #   (c) stage 2 + CPU optimizer offload, bf16, the largest GPT whose states fit host memory,

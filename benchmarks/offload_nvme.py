@@ -166,7 +166,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     started = time.monotonic()
-    with zeroshard.zero.Init():  # no rank ever holds the whole model (issue 3, item 3)
+    with zeroshard.zero.Init():  # no rank ever holds the whole model
         model = GPT(
             GPTConfig(
                 vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
