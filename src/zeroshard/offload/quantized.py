@@ -164,6 +164,20 @@ class _Buffers:
         self.bytes = 0
 
 
+class Scratch:
+    """A reused uint8 buffer for the nibbles of 4-bit codes: a temporary per call would be fresh
+    pages each time when glibc maps large blocks afresh ([Note: reused master buffers]; with
+    MALLOC_MMAP_THRESHOLD_=65536 that doubled the time of dequantizing int4, docs/bench/dequantize.txt)."""
+
+    def __init__(self):
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buffer[:nbytes]
+
+
 class QuantizedStore:
     """A `zeroshard.core.placement.Store` over `inner` (a CPU or NVMe store) whose fp32 tensors are
     kept packed ([Note: quantized weight store])."""
@@ -172,6 +186,7 @@ class QuantizedStore:
         self.inner = inner
         self.spec = spec
         self._buffers = _Buffers(keep_bytes)
+        self._scratch = Scratch()  # the dequantizing thread's own
 
         self.kind = f"{inner.kind}, int{spec.num_bits}"
         self.in_memory = inner.in_memory
@@ -241,7 +256,7 @@ class QuantizedStore:
 
     def _dequantize(self, item: _Item) -> None:
         self.inner.ready([item.blob])
-        unpack(item.blob, item.pieces, self.spec, item.master)
+        unpack(item.blob, item.pieces, self.spec, item.master, self._scratch)
 
     def ready(self, tensors) -> None:
         for item in self._mine(tensors):
@@ -316,8 +331,11 @@ def pack(master: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, blob: torc
             minimum.copy_(q.minimum)
 
 
-def unpack(blob: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, master: torch.Tensor) -> None:
+def unpack(
+    blob: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, master: torch.Tensor, scratch: Scratch | None = None
+) -> None:
     """Dequantize `blob` into `master` (the inverse of `pack`, up to the quantization error)."""
+    scratch = scratch if scratch is not None else Scratch()
     for piece in pieces:
         out = master[piece.offset : piece.offset + piece.numel]
         if piece.shape is None:
@@ -326,13 +344,13 @@ def unpack(blob: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, master: to
         codes, scale, minimum = _views(blob, piece)
         length = piece.shape[spec.group_dim]
         if spec.group_dim == len(piece.shape) - 1 and length % spec.group_size == 0:
-            _dequantize_rows(codes, scale, minimum, spec, out)  # the common case
+            _dequantize_rows(codes, scale, minimum, spec, out, scratch)  # the common case
         else:
             q = Quantized(codes, scale, minimum, torch.Size(piece.shape), spec)
             out.copy_(dequantize(q).reshape(-1))
 
 
-def _dequantize_rows(codes, scale, minimum, spec: QuantSpec, out: torch.Tensor) -> None:
+def _dequantize_rows(codes, scale, minimum, spec: QuantSpec, out: torch.Tensor, scratch: Scratch) -> None:
     """Groups are consecutive runs of `group_size` elements of `out`: broadcast each group's scale
     (and minimum) over its run."""
     rows, groups = scale.shape
@@ -341,9 +359,10 @@ def _dequantize_rows(codes, scale, minimum, spec: QuantSpec, out: torch.Tensor) 
         grouped.copy_(codes.view(rows, groups, spec.group_size))
     elif spec.group_size % 2 == 0:  # each group's codes are whole bytes: low nibbles first
         pairs = grouped.view(rows, groups, spec.group_size // 2, 2)
+        nibbles = scratch.take(codes.numel()).view(rows, groups, spec.group_size // 2)
         packed = codes.view(rows, groups, spec.group_size // 2)
-        pairs[..., 0].copy_(packed & 0x0F)
-        pairs[..., 1].copy_(packed >> 4)
+        pairs[..., 0].copy_(torch.bitwise_and(packed, 0x0F, out=nibbles))
+        pairs[..., 1].copy_(torch.bitwise_right_shift(packed, 4, out=nibbles))
     else:
         out.copy_(unpack_codes(codes, 4, out.numel()))
     if spec.symmetric:
