@@ -20,13 +20,12 @@ creating a store tensor touches nothing.
 
 [Note: reused master buffers]
 A master's fp32 storage grown for each use is fresh pages, and the first write to each page faults:
-on this machine 11.6 ms per 50 MB against 1.3 ms into pages already mapped. A token of a 2.1 GB
-model with int4 weights took 0.96 s with fresh pages and 0.75 s with reused ones (one process,
-4 tokens, at batch 1).
-So a released master's buffer is kept for the next master of the same size (two a size, `KEEP_BYTES`
-in all, which a memory cap counts): the tensors' contents are exchanged (`torch.utils.swap_tensors`,
-so each master stays the same object), never copied. A buffer still viewed elsewhere cannot be
-exchanged; it is freed as before.
+dequantizing one token's matrices of a 2.1 GB model took 0.59-0.66 s into fresh buffers and
+0.18-0.23 s into buffers already mapped (docs/bench/dequantize.txt). So a released master's buffer
+is kept for the next master of the same size (two a size, `KEEP_BYTES` in all, which a memory cap
+counts): the tensors' contents are exchanged (`torch.utils.swap_tensors`, so each master stays the
+same object), never copied. A buffer still viewed elsewhere cannot be exchanged; it is freed as
+before. The nibbles of 4-bit codes go through one kept scratch buffer for the same reason.
 """
 
 from __future__ import annotations
@@ -165,9 +164,8 @@ class _Buffers:
 
 
 class Scratch:
-    """A reused uint8 buffer for the nibbles of 4-bit codes: a temporary per call would be fresh
-    pages each time when glibc maps large blocks afresh ([Note: reused master buffers]; with
-    MALLOC_MMAP_THRESHOLD_=65536 that doubled the time of dequantizing int4, docs/bench/dequantize.txt)."""
+    """A reused uint8 buffer for the nibbles of 4-bit codes: a temporary per call is fresh pages
+    whenever glibc maps large blocks afresh ([Note: reused master buffers])."""
 
     def __init__(self):
         self._buffer = torch.empty(0, dtype=torch.uint8)
