@@ -160,6 +160,9 @@ def _quantized_case(store: str, bits: int, checkpoint: str, swap: str) -> None:
         assert sum(math.prod(s) for _, s in group.whole_pieces()) == group.master.numel()
     # int8 with groups of 64: (1 + 4/64) / 4 = 0.27 of fp32; int4 with groups of 32: (0.5 + 8/32) / 4 = 0.19
     assert quantized.packed_bytes < 4 * stored * (0.28 if bits == 8 else 0.2), (quantized.packed_bytes, stored)
+    memory = engine.memory_report()  # the packed bytes, in memory or in files, not the fp32 ones
+    held = (memory["params"], memory["offloaded_nvme"])
+    assert held == ((quantized.packed_bytes, 0) if store == "cpu" else (0, quantized.packed_bytes)), memory
     prompt = torch.randint(2, VOCAB, (2, 5), generator=torch.Generator().manual_seed(10 + rank))
     before = quantized.counters.prefetched_bytes
     logits = engine(prompt).logits

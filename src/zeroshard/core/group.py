@@ -591,7 +591,7 @@ class FlatGroup:
 
         def in_memory(t):  # tensors an NVMe store holds are reported by the store
             stores = [s for s in (self.master_store, self.grad_store) if s is not None]
-            return 0 if t is None or not all(s.resident(t) for s in stores) else nbytes(t)
+            return 0 if t is None else min([nbytes(t), *(s.held_bytes(t) for s in stores)])
 
         if self.keep_full:
             params = nbytes(self.full)

@@ -46,6 +46,11 @@ class Store(Protocol):
         """Does `tensor` occupy this process's memory at rest (True for host memory; False for a
         tensor whose bytes live in a file)? Used by the memory report."""
 
+    def held_bytes(self, tensor: torch.Tensor) -> int:
+        """Bytes of this process's memory `tensor` takes at rest: its size, 0 for a tensor whose
+        bytes live in a file, its packed size for a store that packs (offload/quantized.py). Used
+        by the memory report."""
+
     def prefetch(self, tensors) -> None:
         """Start bringing these tensors in ahead of use."""
 

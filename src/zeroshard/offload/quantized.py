@@ -226,8 +226,13 @@ class QuantizedStore:
         return self.inner.addressable_from(device)
 
     def resident(self, tensor: torch.Tensor) -> bool:
+        return id(tensor) not in self._items  # a master's values live in its blob
+
+    def held_bytes(self, tensor: torch.Tensor) -> int:
         item = self._items.get(id(tensor))
-        return item is None or self.inner.resident(item.blob)
+        if item is None:
+            return tensor.numel() * tensor.element_size()
+        return self.inner.held_bytes(item.blob)  # the packed form, when the inner store keeps it in memory
 
     def _mine(self, tensors) -> list[_Item]:
         return [self._items[id(t)] for t in tensors if id(t) in self._items]

@@ -64,6 +64,9 @@ class ResidentFirstStore:
     def resident(self, tensor: torch.Tensor) -> bool:
         return self.nvme.resident(tensor)  # True for a CPU tensor: the NVMe store does not hold it
 
+    def held_bytes(self, tensor: torch.Tensor) -> int:
+        return self.nvme.held_bytes(tensor)
+
     # Tensors in CPU memory need no prefetch, release or check (CPUStore's are no-ops); the NVMe store
     # ignores tensors it does not hold (the Store contract).
     def prefetch(self, tensors) -> None:

@@ -93,6 +93,9 @@ class CPUStore:
     def resident(self, tensor: torch.Tensor) -> bool:
         return True
 
+    def held_bytes(self, tensor: torch.Tensor) -> int:
+        return tensor.numel() * tensor.element_size()
+
     def prefetch(self, tensors) -> None:
         pass
 
@@ -189,6 +192,9 @@ class NVMeStore:
 
     def resident(self, tensor: torch.Tensor) -> bool:
         return not self.holds(tensor)  # its bytes live in a file; pages come and go
+
+    def held_bytes(self, tensor: torch.Tensor) -> int:
+        return 0 if self.holds(tensor) else tensor.numel() * tensor.element_size()
 
     @property
     def offloaded_bytes(self) -> int:
