@@ -297,3 +297,40 @@ def test_capped_process_loads_and_generates_from_int4_weights_in_memory(tmp_path
     assert report["tokens"] == expected.tolist(), report
     assert report["data"] < report["cap"], report
     assert Path(tmp_path / "m" / "model.safetensors.index.json").is_file()
+
+
+# -- a training checkpoint into a quantized store, twice -----------------------------------------------------
+def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
+    import zeroshard
+    from zeroshard.checkpoint import full_state_dict
+    from zeroshard.compat.inference import InferenceEngine
+    from zeroshard.config import load_config
+
+    model = _model(seed=4)
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    trainer, *_ = zeroshard.initialize(model=model, config={**config, "zero_optimization": {"stage": 3}})
+    ids = torch.arange(2, 14).reshape(2, 6)
+    trainer.backward(trainer(input_ids=ids, labels=ids).loss)
+    trainer.step()
+    trainer.save_checkpoint(root)
+    trained = {k: v.clone() for k, v in full_state_dict(trainer).items()}
+    trainer.destroy()
+    oracle = _model(seed=4)
+    oracle.load_state_dict(trained, strict=False)
+    oracle = _fake_quantized(oracle, QuantSpec(8, 64))
+    from zeroshard.checkpoint.manifest import persistent_buffers
+    from zeroshard.compat.pretrained import materialize_buffers
+
+    with torch.device("meta"):
+        empty = _model(seed=4)
+    materialize_buffers(empty, persistent_buffers(empty))
+    spec = {"weight_quantization": {"quantized_initialization": {"num_bits": 8}}, "zero_optimization": {"stage": 3}}
+    engine = InferenceEngine(empty, load_config(spec, world_size))
+    for _ in range(2):  # the second load writes over packed masters
+        engine.load_checkpoint(root)
+        assert torch.equal(engine(ids).logits, oracle(ids).logits)
+    engine.destroy()
+
+
+def test_training_checkpoint_loads_into_a_quantized_store_twice(tmp_path):
+    run_distributed(_checkpoint_worker, 1, timeout=120, env=ENV, root=str(tmp_path / "ckpt"))
