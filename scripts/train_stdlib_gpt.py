@@ -1,7 +1,7 @@
 """Train a byte-level Llama on the Python standard library's own source: a model that has learned
 something, for measuring what weight quantization and speculative decoding do to a real model.
 
-    python scripts/train_stdlib_gpt.py --out /tmp/stdlib_gpt        # about 25 minutes on 2 cores
+    python scripts/train_stdlib_gpt.py --out /tmp/stdlib_gpt        # about 30 minutes on 2 cores
 
 Writes two Hugging Face model directories (config.json + model.safetensors), `target/` (6 layers,
 width 384, 10.8M parameters) and `draft/` (2 layers, width 256, 1.7M parameters: a small model to
