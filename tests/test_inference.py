@@ -365,8 +365,9 @@ def _capped(mode: str, path: Path, swap: Path, headroom: int) -> subprocess.Comp
     )
 
 
-@pytest.mark.slow
-def test_capped_process_generates_a_model_larger_than_its_cap(tmp_path):
+def capped_model(path: Path):
+    """The capped tests' model, saved sharded to `path`: a Llama of 24 layers of 6.6 MB, 158 MB of
+    fp32 weights. Returns (model, its bytes of weights)."""
     import transformers
 
     torch.manual_seed(0)
@@ -380,9 +381,14 @@ def test_capped_process_generates_a_model_larger_than_its_cap(tmp_path):
         max_position_embeddings=64,
         tie_word_embeddings=False,
     )
-    model = transformers.LlamaForCausalLM(config).eval()  # 24 layers of 6.6 MB: 158 MB of fp32 weights
-    weights = sum(p.numel() * 4 for p in model.parameters())
-    model.save_pretrained(tmp_path / "m", max_shard_size="40MB")
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, max_shard_size="40MB")
+    return model, sum(p.numel() * 4 for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_capped_process_generates_a_model_larger_than_its_cap(tmp_path):
+    model, weights = capped_model(tmp_path / "m")
     prompt = torch.tensor([[5, 6, 7, 8]])
     expected = model.generate(prompt, max_new_tokens=4, do_sample=False, attention_mask=torch.ones_like(prompt))
     headroom = weights // 2  # the process may grow by half the model's weights

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="needs the hf extra: pip install 'zeroshard[hf]' (make test installs it)")
 
 import torch
 
 from tests.harness import grid, run_distributed, subtests
-from tests.test_inference import ENV, TEARDOWN_ABORT, _capped
+from tests.test_inference import ENV, TEARDOWN_ABORT, _capped, capped_model
 from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
 from zeroshard.offload import CPUStore
 from zeroshard.offload.quantized import QuantizedStore
@@ -267,22 +267,7 @@ def _sample_pairs(tmp_path) -> None:
 # -- a memory cap below the fp32 weights --------------------------------------------------------------------
 @pytest.mark.slow
 def test_capped_process_loads_and_generates_from_int4_weights_in_memory(tmp_path):
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=320,
-        intermediate_size=1280,
-        num_hidden_layers=24,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()  # 158 MB of fp32 weights
-    weights = sum(p.numel() * 4 for p in model.parameters())
-    model.save_pretrained(tmp_path / "m", max_shard_size="40MB")
+    model, weights = capped_model(tmp_path / "m")  # 158 MB of fp32 weights, saved in shards
     spec = QuantSpec(4, 64)
     prompt = torch.tensor([[5, 6, 7, 8]])
     oracle = _fake_quantized(model, spec)

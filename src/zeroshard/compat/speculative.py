@@ -85,8 +85,6 @@ class PassCounter:
     """Forward passes of a module, counted by a pre-hook (`close()` removes it): how many times a
     target read its weights, and how many tokens a draft proposed."""
 
-    passes: int = 0
-
     def __init__(self, module: nn.Module):
         self.passes = 0
         self._handle = module.register_forward_pre_hook(self._count)

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import enum
 import math
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -110,7 +109,6 @@ class _Item:
     blank: bool = True  # the blob was never written: its values are zeros
     frozen: bool = False
     opening: Future | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class _Buffers:
@@ -185,14 +183,12 @@ class QuantizedStore:
         self.spec = spec
         self._buffers = _Buffers(keep_bytes)
         self._scratch = Scratch()  # the dequantizing thread's own
-
         self.kind = f"{inner.kind}, int{spec.num_bits}"
         self.in_memory = inner.in_memory
         self._items: dict[int, _Item] = {}
         # One thread: units are dequantized in the order they are asked for (the gather order).
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="zeroshard-dequantize")
         self.packed_bytes = 0  # the blobs' bytes
-        self.numel = 0  # the elements they stand for
 
     # -- what it holds ----------------------------------------------------------------------------
     @property
@@ -216,7 +212,6 @@ class QuantizedStore:
         master.untyped_storage().resize_(0)
         self._items[id(master)] = _Item(master, blob, layout)
         self.packed_bytes += nbytes
-        self.numel += numel
         return master
 
     def holds(self, tensor: torch.Tensor) -> bool:
