@@ -18,6 +18,9 @@ segment + anonymous memory, set before Python starts) is --cap (default: half th
   * zeroshard-int8, zeroshard-int4: the first system with `weight_quantization.quantized_initialization`
     (groups of 64, with a minimum): the store holds and reads packed 8- or 4-bit weights, dequantized
     layer by layer after each read.
+  * zeroshard-int4-packed: zeroshard-int4 with `zeroshard.packed_matmul`: the Linear layers multiply
+    by the packed weights (torch's int4 kernel, bf16 activations) and the embedding looks up its rows
+    in them, with no dequantized copy of those matrices.
   * zeroshard-speculative (batch 1): the first system with speculative decoding, the model's own int4
     copy kept in memory as the draft (`resident_draft`); zeroshard-speculative-draft: the model of
     --draft-dir as the draft (kept in memory, fp32).
@@ -139,7 +142,8 @@ def prompts(args, batch: int):
     return torch.randint(2, args.vocab, (batch, args.prompt_len), generator=generator)
 
 
-QUANTIZED = {"zeroshard-int8": 8, "zeroshard-int4": 4}
+QUANTIZED = {"zeroshard-int8": "int8", "zeroshard-int4": "int4", "zeroshard-int4-packed": "int4-packed"}
+BITS = {"int8": 8, "int4": 4, "int4-packed": 4}
 SPECULATIVE = ("zeroshard-speculative", "zeroshard-speculative-draft")
 
 
@@ -148,14 +152,15 @@ def batches_of(system: str, args) -> list[int]:
     return [1] if system in SPECULATIVE else args.batches
 
 
-def reference_tokens(args, bits: int | None = None) -> dict[int, list]:
+def reference_tokens(args, mode: str | None = None) -> dict[int, list]:
     """The unsharded model's greedy tokens for every batch (no cap: this process has the RAM), kept
-    beside the model for the next run with the same prompts; `bits`: of the model whose matrices went
-    through the quantization the store applies (groups of 64, with a minimum)."""
+    beside the model for the next run with the same prompts; `mode` (int8, int4, int4-packed): of the
+    model whose matrices went through the quantization the store applies (groups of 64, with a
+    minimum), and for int4-packed whose layers multiply as the engine's do (`PackedMatmuls.of_model`)."""
     import torch
     import transformers
 
-    suffix = f"-int{bits}" if bits else ""
+    suffix = f"-{mode}" if mode else ""
     source = "-held" if args.prompts_from is not None else ""
     cache = args.model_dir / f"reference-p{args.prompt_len}-n{args.new_tokens}{source}{suffix}.json"
     out = {int(k): v for k, v in json.loads(cache.read_text()).items()} if cache.is_file() else {}
@@ -163,13 +168,18 @@ def reference_tokens(args, bits: int | None = None) -> dict[int, list]:
     if missing:
         torch.set_num_threads(args.threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
-        if bits:
+        if mode == "int4-packed":
+            from zeroshard.compat.packed_matmul import PackedMatmuls
+            from zeroshard.core.weight_quant import QuantSpec
+
+            PackedMatmuls.of_model(model, QuantSpec(4, 64))
+        elif mode:
             from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
 
             with torch.no_grad():
                 for param in model.parameters():
                     if param.dim() >= 2:
-                        param.copy_(dequantize(quantize(param, QuantSpec(bits, 64))))
+                        param.copy_(dequantize(quantize(param, QuantSpec(BITS[mode], 64))))
         for batch in missing:
             prompt = prompts(args, batch)
             out[batch] = model.generate(
@@ -252,8 +262,9 @@ def load(system: str, args):
         }
         if system in QUANTIZED:
             config["weight_quantization"] = {
-                "quantized_initialization": {"num_bits": QUANTIZED[system], "group_size": 64}
+                "quantized_initialization": {"num_bits": BITS[QUANTIZED[system]], "group_size": 64}
             }
+            config["zeroshard"]["packed_matmul"] = QUANTIZED[system] == "int4-packed"
         engine = from_pretrained(args.model_dir, config)
         return engine, getattr(engine.placement.param_store, "inner", engine.placement.param_store)
     budget = cpu_budget_mb(args)
@@ -426,8 +437,8 @@ def report(args, weights: int, dd: float, references: dict, rows: list[dict], co
         busy = row.get("store_read_gb_s")
         busy_text = f"{busy:>9.2f} {busy / dd:>6.0%}" if busy else f"{'-':>9} {'-':>6}"
         new_tokens = row["batch"] * args.new_tokens
-        bits = QUANTIZED.get(row["system"])
-        equal = ("yes" if same else "NO") + (f" (int{bits})" if bits else "")
+        mode = QUANTIZED.get(row["system"])
+        equal = ("yes" if same else "NO") + (f" ({mode})" if mode else "")
         kept = f"{(new_tokens - row['passes']) / row['proposals']:>5.0%}" if row.get("proposals") else f"{'-':>5}"
         lines.append(
             f"{name:<27} {row['batch']:>5} {row['tokens_per_s']:>9.3f} {row['seconds']:>7.1f} "
@@ -472,6 +483,7 @@ def plot(rows: list[dict], path: Path, title: str, cap_ratio: float) -> None:
         ("zeroshard-resident-buffered", "v"),
         ("zeroshard-int8", "D"),
         ("zeroshard-int4", "d"),
+        ("zeroshard-int4-packed", "X"),
         ("zeroshard-speculative", "*"),
         ("zeroshard-speculative-draft", "P"),
         ("accelerate", "s"),
@@ -543,7 +555,7 @@ def main() -> None:
     dd = dd_read(args.nvme)
     systems = args.systems.split(",")
     references = {
-        bits: reference_tokens(args, bits) for bits in {None} | {QUANTIZED[s] for s in systems if s in QUANTIZED}
+        mode: reference_tokens(args, mode) for mode in {None} | {QUANTIZED[s] for s in systems if s in QUANTIZED}
     }
     rows = [row for system in systems for row in run_system(system, args, argv)]
     command = "python benchmarks/zero_inference.py " + " ".join(argv)

@@ -29,6 +29,7 @@ from torch import nn
 
 from zeroshard.compat import policies
 from zeroshard.compat.engine_base import EngineBase
+from zeroshard.compat.packed_matmul import PackedMatmuls
 from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
@@ -80,7 +81,7 @@ class InferenceEngine(EngineBase):
         placement = build_placement(
             zero, config.aio, None, numel, comm.rank, comm.world_size, nvme_io=extras.nvme_io or "direct"
         )
-        quantized = quantized_store(config, placement)
+        quantized = quantized_store(config, placement, comm.world_size)
         gathering = policies.gather_policy(zero, extras)
         if quantized:  # every matrix is quantized, so every parameter lives in the (quantized) store
             gathering = dataclasses.replace(gathering, persistence_threshold=0)
@@ -96,6 +97,9 @@ class InferenceEngine(EngineBase):
                 comm_policy=comm_policy,
                 whole_parameters=quantized,
             )
+        self._packed = (
+            PackedMatmuls(model, self.sharded.groups, placement.param_store) if extras.packed_matmul else None
+        )
         model.eval()
         self._freeze(True)
         self.tput_timer = ThroughputTimer(config.train_batch_size)
@@ -207,14 +211,30 @@ class InferenceEngine(EngineBase):
         return [u.name for u in self.units if u.reshards and u.state is not UnitState.SHARDED]
 
     def destroy(self) -> None:
+        if self._packed is not None:
+            self._packed.detach()
         self.sharded.destroy()
 
 
-def quantized_store(config, placement) -> bool:
+def quantized_store(config, placement, world_size: int) -> bool:
     """With `weight_quantization.quantized_initialization`, the parameter store becomes a
     QuantizedStore over the configured one (host memory when none is): [Note: quantized weight
-    store] in offload/quantized.py. Returns whether it did."""
+    store] in offload/quantized.py; with `zeroshard.packed_matmul`, one that lays 4-bit Linear
+    weights out for torch's int4 kernel ([Note: packed matmuls] in compat/packed_matmul.py).
+    Returns whether it did."""
     section = config.weight_quantization.quantized_initialization
+    packed = config.zeroshard.packed_matmul
+    if packed and (section is None or section.num_bits != 4):
+        raise ValueError(
+            "zeroshard.packed_matmul: true multiplies by 4-bit weights as stored: it needs "
+            "weight_quantization.quantized_initialization with num_bits 4 (got "
+            f"{'no such section' if section is None else f'num_bits {section.num_bits}'})"
+        )
+    if packed and world_size > 1:
+        raise ValueError(
+            f"zeroshard.packed_matmul: true works on one rank (this engine has {world_size}): at N ranks the "
+            "weights of the other ranks arrive as fp32 over the all-gather; set it to false"
+        )
     if section is None:
         return False
     if config.zero_optimization.stage != 3:
@@ -223,5 +243,5 @@ def quantized_store(config, placement) -> bool:
             f"stage-3 parameter store: set zero_optimization.stage to 3 (got {config.zero_optimization.stage})"
         )
     spec = QuantSpec(section.num_bits, section.group_size, section.group_dim, section.symmetric)
-    placement.param_store = QuantizedStore(placement.param_store or CPUStore(), spec)
+    placement.param_store = QuantizedStore(placement.param_store or CPUStore(), spec, kernel=packed)
     return True

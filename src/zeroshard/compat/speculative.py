@@ -49,14 +49,23 @@ from zeroshard.config import load_config
 
 
 def resident_draft(
-    path, num_bits: int = 4, group_size: int = 64, *, model_class=None, wrap_modules: list[str] | None = None
+    path,
+    num_bits: int = 4,
+    group_size: int = 64,
+    *,
+    model_class=None,
+    wrap_modules: list[str] | None = None,
+    packed_matmul: bool | None = None,
 ) -> InferenceEngine:
     """The checkpoint at `path` (a save_pretrained() directory) as a draft for speculative decoding:
     every weight matrix quantized to `num_bits` (8 or 4) in groups of `group_size`, the whole model
     kept in this rank's memory and run on this rank alone ([Note: exact speculative decoding]).
     Pass it as `engine.generate(..., assistant_model=draft)`. `wrap_modules`: the module classes
     dequantized one at a time (`zeroshard.wrap_modules`; default: each decoder layer, and the rest
-    together), which bounds the draft's fp32 memory. Collective: every rank calls it."""
+    together), which bounds the draft's fp32 memory. `packed_matmul` (default: with 4 bits): its
+    Linear layers multiply by the 4-bit weights as stored ([Note: packed matmuls] in
+    compat/packed_matmul.py), which changes only which tokens it proposes, never the output.
+    Collective: every rank calls it."""
     source = weights_source(path)
     init_one_rank()
     own = _own_rank_group()
@@ -64,7 +73,10 @@ def resident_draft(
         {
             "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
             "weight_quantization": {"quantized_initialization": {"num_bits": num_bits, "group_size": group_size}},
-            "zeroshard": {"wrap_modules": wrap_modules},
+            "zeroshard": {
+                "wrap_modules": wrap_modules,
+                "packed_matmul": num_bits == 4 if packed_matmul is None else packed_matmul,
+            },
         },
         1,
     )

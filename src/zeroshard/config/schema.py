@@ -567,3 +567,9 @@ class ZeroShardExtConfig(Section):
     overrides this). The next save, load_checkpoint(), wait_checkpoint() and destroy() wait for it
     and raise its error ([Note: asynchronous save] in checkpoint/background.py). Costs a host copy of
     the rank's shards while it writes."""
+    packed_matmul: bool = False
+    """ZeRO-Inference with 4-bit weights (``weight_quantization.quantized_initialization.num_bits``
+    4) on one rank: each ``nn.Linear`` whose weight is its own multiplies by it as stored, packed,
+    through torch's int4 CPU kernel, instead of dequantizing it to fp32 first. Activations go
+    through bf16 in those matmuls, so tokens are close to, not equal to, the dequantized model's
+    ([Note: packed matmuls] in compat/packed_matmul.py). A resident draft always does this."""

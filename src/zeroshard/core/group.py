@@ -126,6 +126,9 @@ class FlatGroup:
         # Set by its unit when the gather does more than copy (ZeRO++ qwZ quantizes, hpZ keeps secondary
         # copies): then it never gathers in place ([Note: gathering in place at one rank] in unit.py).
         self.gather_must_copy = False
+        # Set by an inference engine whose Linear layers read some of this group's weights packed from
+        # a quantized store ([Note: packed matmuls] in compat/packed_matmul.py).
+        self.packed_reads = False
         if deferred:
             for param in params:
                 placeholder = nn.Parameter(torch.empty(0, dtype=param.dtype, device=device), param.requires_grad)
@@ -267,10 +270,14 @@ class FlatGroup:
             and self.master.device == self.device
         )
 
-    def gather_in_place(self) -> None:
+    def gather_in_place(self, for_compute: bool = False) -> None:
         """The unshard of a group that gathers in place: ask the store for the master's pages (the
-        read runs ahead of use, while earlier units compute) and use the master as the buffer."""
-        if self.master_store is not None:
+        read runs ahead of use, while earlier units compute) and use the master as the buffer.
+        `for_compute`: for a forward, which may read packed weights in place of some of the values
+        (`packed_reads`: [Note: packed matmuls] in compat/packed_matmul.py)."""
+        if self.master_store is not None and for_compute and self.packed_reads:
+            self.master_store.prefetch_for_compute([self.master])
+        elif self.master_store is not None:
             self.master_store.prefetch([self.master])
         self.full = self.master
 

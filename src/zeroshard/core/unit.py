@@ -171,7 +171,7 @@ class Unit:
         keep_secondary = node is not None and not from_secondary and torch.is_grad_enabled()
         for group in self.groups:
             if group.gathers_in_place:  # one rank: no copy ([Note: gathering in place at one rank])
-                group.gather_in_place()
+                group.gather_in_place(for_compute=phase == "forward" and not torch.is_grad_enabled())
                 continue
             what = f"all-gather of unit '{self.name}' parameters ({phase})"
             if from_secondary:  # hpZ: inside the node group, from the copies the forward kept

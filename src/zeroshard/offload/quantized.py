@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard.core import int4_kernel
 from zeroshard.core.weight_quant import Quantized, QuantSpec, dequantize, quantize, unpack_codes
 
 ALIGN = 16  # bytes: every piece of a blob starts on this, so fp32 views of it are aligned
@@ -54,11 +55,14 @@ class _Piece:
     code_bytes: int = 0
     groups: tuple[int, int] = (0, 0)  # (rows, groups per row) of its scales
     minimums: bool = True  # asymmetric: a minimum per group after the scales
+    kernel: bool = False  # in the int4 kernel's layout ([Note: the int4 kernel's layout])
 
     @property
     def nbytes(self) -> int:
         if self.shape is None:
             return self.numel * 4
+        if self.kernel:
+            return _aligned(self.code_bytes) + _aligned(self.groups[0] * self.groups[1] * 4)
         return _aligned(self.code_bytes) + (1 + self.minimums) * _aligned(self.groups[0] * self.groups[1] * 4)
 
 
@@ -66,9 +70,10 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def plan(numel: int, pieces, spec: QuantSpec) -> tuple[list[_Piece], int]:
+def plan(numel: int, pieces, spec: QuantSpec, block: int | None = None) -> tuple[list[_Piece], int]:
     """How a master shard of `numel` elements, holding the whole parameters `pieces` ((offset, shape)
-    pairs), is laid out in its blob: the pieces and the blob's size in bytes."""
+    pairs), is laid out in its blob: the pieces and the blob's size in bytes. `block`: the int4
+    kernel's block size, to lay the matrices it can take out in its form (None: never)."""
     quantized = sorted((off, tuple(shape)) for off, shape in pieces if 2 <= len(shape) > spec.group_dim)
     out: list[_Piece] = []
     at = 0
@@ -86,7 +91,8 @@ def plan(numel: int, pieces, spec: QuantSpec) -> tuple[list[_Piece], int]:
         length = shape[spec.group_dim]
         rows = count // length
         groups = (rows, -(-length // spec.group_size))
-        piece = _Piece(offset, count, shape, at, -(-count * spec.num_bits // 8), groups, not spec.symmetric)
+        kernel = int4_kernel.eligible(shape, spec, block)
+        piece = _Piece(offset, count, shape, at, -(-count * spec.num_bits // 8), groups, not spec.symmetric, kernel)
         out.append(piece)
         at += piece.nbytes
         cursor = offset + count
@@ -109,6 +115,8 @@ class _Item:
     blank: bool = True  # the blob was never written: its values are zeros
     frozen: bool = False
     opening: Future | None = None
+    direct: frozenset[int] = frozenset()  # offsets of pieces the int4 kernel reads from the blob
+    skipped: bool = False  # open, with the `direct` pieces not dequantized into the master
 
 
 class _Buffers:
@@ -178,9 +186,12 @@ class QuantizedStore:
     """A `zeroshard.core.placement.Store` over `inner` (a CPU or NVMe store) whose fp32 tensors are
     kept packed ([Note: quantized weight store])."""
 
-    def __init__(self, inner, spec: QuantSpec, keep_bytes: int = KEEP_BYTES):
+    def __init__(self, inner, spec: QuantSpec, keep_bytes: int = KEEP_BYTES, kernel: bool = False):
+        """`kernel`: lay the matrices torch's int4 kernel can multiply by out in its form
+        ([Note: the int4 kernel's layout]; only where this CPU's layout is known: `self.block`)."""
         self.inner = inner
         self.spec = spec
+        self.block = int4_kernel.kernel_block() if kernel else None
         self._buffers = _Buffers(keep_bytes)
         self._scratch = Scratch()  # the dequantizing thread's own
         self.kind = f"{inner.kind}, int{spec.num_bits}"
@@ -206,7 +217,7 @@ class QuantizedStore:
     def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
         if dtype != torch.float32:
             raise ValueError(f"the quantized store holds fp32 weights, asked for {dtype} ({key})")
-        layout, nbytes = plan(numel, pieces, self.spec)
+        layout, nbytes = plan(numel, pieces, self.spec, self.block)
         blob = self.inner.tensor(f"{key}.int{self.spec.num_bits}", nbytes, torch.uint8)
         master = torch.empty(numel, dtype=torch.float32)
         master.untyped_storage().resize_(0)
@@ -229,6 +240,17 @@ class QuantizedStore:
             return tensor.numel() * tensor.element_size()
         return self.inner.held_bytes(item.blob)  # the packed form, when the inner store keeps it in memory
 
+    def direct(self, master: torch.Tensor, offset: int) -> PackedWeight | None:
+        """The piece of `master` at `offset`, to be multiplied by in its packed form from now on: a
+        frozen master's use (`prefetch`/`stage`) no longer dequantizes it ([Note: packed matmuls]).
+        None when the piece is not in the kernel's layout."""
+        item = self._items[id(master)]
+        piece = next((p for p in item.pieces if p.offset == offset and p.kernel), None)
+        if piece is None:
+            return None
+        item.direct = item.direct | {offset}
+        return PackedWeight(self, item, piece)
+
     def _mine(self, tensors) -> list[_Item]:
         return [self._items[id(t)] for t in tensors if id(t) in self._items]
 
@@ -236,12 +258,19 @@ class QuantizedStore:
     def prefetch(self, tensors) -> None:
         self._open(tensors, self.inner.prefetch)
 
+    def prefetch_for_compute(self, tensors) -> None:
+        """`prefetch` for a forward that multiplies by the `direct` pieces packed: a frozen master's
+        are left out of its dequantization ([Note: packed matmuls])."""
+        self._open(tensors, self.inner.prefetch, packed=True)
+
     def stage(self, tensors) -> None:
         self._open(tensors, self.inner.stage)
 
-    def _open(self, tensors, read) -> None:
+    def _open(self, tensors, read, packed: bool = False) -> None:
         for item in self._mine(tensors):
             if item.state is not _State.PACKED:
+                if item.skipped and not packed:  # open for compute, now wanted whole
+                    self._complete(item)
                 continue
             self._buffers.grow(item.master)
             if item.blank:
@@ -250,11 +279,20 @@ class QuantizedStore:
                 continue
             read([item.blob])
             item.state = _State.OPENING
-            item.opening = self._worker.submit(self._dequantize, item)
+            item.skipped = packed and item.frozen and bool(item.direct)
+            item.opening = self._worker.submit(self._dequantize, item, item.direct if item.skipped else frozenset())
 
-    def _dequantize(self, item: _Item) -> None:
+    def _dequantize(self, item: _Item, skip: frozenset[int]) -> None:
         self.inner.ready([item.blob])
-        unpack(item.blob, item.pieces, self.spec, item.master, self._scratch)
+        unpack(item.blob, item.pieces, self.spec, item.master, self._scratch, self.block, skip)
+
+    def _complete(self, item: _Item) -> None:
+        """Dequantize the pieces an open for compute left out ([Note: packed matmuls])."""
+        self.ready([item.master])
+        if item.state is _State.OPEN:
+            kept = [p for p in item.pieces if p.offset in item.direct]
+            unpack(item.blob, kept, self.spec, item.master, None, self.block)  # the worker owns _scratch
+        item.skipped = False
 
     def ready(self, tensors) -> None:
         for item in self._mine(tensors):
@@ -275,14 +313,19 @@ class QuantizedStore:
             if item.state is not _State.OPEN:
                 continue
             if not item.frozen:
-                pack(item.master, item.pieces, self.spec, item.blob)
+                pack(item.master, item.pieces, self.spec, item.blob, self.block)
                 item.blank = False
             self._buffers.shrink(item.master)
             item.state = _State.PACKED
+            item.skipped = False
             self.inner.release([item.blob])
 
     def freeze(self, tensors, frozen: bool = True) -> None:
         mine = self._mine(tensors)
+        if not frozen:  # about to be written: dequantize what the kernel read packed
+            for item in mine:
+                if item.skipped:
+                    self._complete(item)
         for item in mine:
             item.frozen = frozen
         self.inner.freeze([item.blob for item in mine], frozen)
@@ -300,11 +343,34 @@ class QuantizedStore:
         self.inner.destroy()
 
 
+class PackedWeight:
+    """A Linear weight that the int4 kernel reads from its store's blob ([Note: packed matmuls])."""
+
+    def __init__(self, store: QuantizedStore, item: _Item, piece: _Piece):
+        assert piece.shape is not None  # a matrix, not a raw stretch
+        self._item, self._piece = item, piece
+        self.shape = piece.shape
+        self.group_size = store.spec.group_size
+        self.block = store.block
+
+    def views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed codes (N, K/2), bf16 scales and zeros (K/g, N, 2)): valid while its master is in
+        use (between the unit's gather and its release)."""
+        if self._item.state is not _State.OPEN:
+            raise RuntimeError(f"a packed weight of shape {list(self.shape)} was read while its unit is not gathered")
+        return _views(self._item.blob, self._piece)[:2]
+
+
 # -- the arithmetic between a master shard and its blob ---------------------------------------------
 def _views(blob: torch.Tensor, piece: _Piece):
-    """(codes, scale, minimum or None) views of `piece` in `blob`."""
+    """(codes, scale, minimum or None) views of `piece` in `blob`; for a piece in the int4 kernel's
+    layout (codes (N, K/2), bf16 scales and zeros (K/g, N, 2), None)."""
     rows, groups = piece.groups
     codes = blob[piece.at : piece.at + piece.code_bytes]
+    if piece.kernel:
+        at = piece.at + _aligned(piece.code_bytes)
+        scales = blob[at : at + rows * groups * 4].view(torch.bfloat16).view(groups, rows, 2)
+        return codes.view(rows, -1), scales, None
     at = piece.at + _aligned(piece.code_bytes)
     n = rows * groups * 4
     scale = blob[at : at + n].view(torch.float32).view(rows, groups)
@@ -314,8 +380,10 @@ def _views(blob: torch.Tensor, piece: _Piece):
     return codes, scale, minimum
 
 
-def pack(master: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, blob: torch.Tensor) -> None:
-    """Quantize `master`'s pieces into `blob`."""
+def pack(
+    master: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, blob: torch.Tensor, block: int | None = None
+) -> None:
+    """Quantize `master`'s pieces into `blob` (`block`: the int4 kernel's, for pieces in its layout)."""
     for piece in pieces:
         values = master[piece.offset : piece.offset + piece.numel]
         if piece.shape is None:
@@ -323,6 +391,10 @@ def pack(master: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, blob: torc
             continue
         q = quantize(values.view(piece.shape), spec)
         codes, scale, minimum = _views(blob, piece)
+        if piece.kernel:
+            assert block is not None
+            int4_kernel.to_kernel(q, block, codes, scale)
+            continue
         codes.copy_(q.packed)
         scale.copy_(q.scale)
         if minimum is not None:
@@ -330,16 +402,29 @@ def pack(master: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, blob: torc
 
 
 def unpack(
-    blob: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, master: torch.Tensor, scratch: Scratch | None = None
+    blob: torch.Tensor,
+    pieces: list[_Piece],
+    spec: QuantSpec,
+    master: torch.Tensor,
+    scratch: Scratch | None = None,
+    block: int | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> None:
-    """Dequantize `blob` into `master` (the inverse of `pack`, up to the quantization error)."""
+    """Dequantize `blob` into `master` (the inverse of `pack`, up to the quantization error), except
+    the pieces at the offsets in `skip`."""
     scratch = scratch if scratch is not None else Scratch()
     for piece in pieces:
+        if piece.offset in skip:
+            continue
         out = master[piece.offset : piece.offset + piece.numel]
         if piece.shape is None:
             out.copy_(blob[piece.at : piece.at + piece.numel * 4].view(torch.float32))
             continue
         codes, scale, minimum = _views(blob, piece)
+        if piece.kernel:
+            assert block is not None
+            int4_kernel.dequantize_kernel(codes, scale, spec.group_size, block, out.view(piece.shape))
+            continue
         length = piece.shape[spec.group_dim]
         if spec.group_dim == len(piece.shape) - 1 and length % spec.group_size == 0:
             _dequantize_rows(codes, scale, minimum, spec, out, scratch)  # the common case
