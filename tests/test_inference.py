@@ -270,12 +270,12 @@ def test_generate_command(mode, tmp_path):
     model.save_pretrained(tmp_path / "m", max_shard_size="20KB")
     prompt = torch.tensor([[5, 6, 7, 8]])
     extra = []
-    if mode == "int4+draft":  # int4 weights streamed, its own 4-bit copy as draft: the int4 model's tokens
-        from tests.test_quantized_inference import _fake_quantized
+    if mode == "int4+draft":  # int4 weights streamed and multiplied packed, its own 4-bit copy as draft
+        from zeroshard.compat.packed_matmul import PackedMatmuls
         from zeroshard.core.weight_quant import QuantSpec
 
-        model = _fake_quantized(model, QuantSpec(4, 32))
-        extra = ["--quant-bits", "4", "--group-size", "32", "--draft", "self"]
+        PackedMatmuls.of_model(model, QuantSpec(4, 32))  # the model the engine computes as
+        extra = ["--quant-bits", "4", "--group-size", "32", "--packed-matmul", "--draft", "self"]
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False, attention_mask=torch.ones_like(prompt))
     command = [
         sys.executable,

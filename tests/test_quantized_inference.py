@@ -9,7 +9,11 @@ decoding] in compat/speculative.py), against the unsharded model on gloo at 1 an
   * speculative greedy decoding (the engine's own 4-bit copy as draft, or a small model the user
     gives) produces the unsharded model's greedy tokens; sampled tokens follow the target's
     distribution (a chi-square test);
-  * a process capped below the fp32 weights loads and generates from int4 weights in memory.
+  * a process capped below the fp32 weights loads and generates from int4 weights in memory;
+  * packed matmuls ([Note: packed matmuls] in compat/packed_matmul.py): the int4 kernel's form
+    matches torch's own converter and its dequantization; an engine whose layers multiply packed
+    computes the logits and tokens of the unsharded model made to compute the same way, bit for
+    bit, and every reader outside the forward sees the dequantized weights.
 """
 
 from __future__ import annotations
@@ -26,9 +30,15 @@ import torch
 
 from tests.harness import grid, run_distributed, subtests
 from tests.test_inference import ENV, TEARDOWN_ABORT, _capped, capped_model
-from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
+from zeroshard.core import int4_kernel
+from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize, unpack_codes
 from zeroshard.offload import CPUStore
 from zeroshard.offload.quantized import QuantizedStore
+
+BLOCK = int4_kernel.kernel_block()
+needs_kernel = pytest.mark.skipif(
+    BLOCK is None, reason="torch's int4 CPU kernel uses a layout zeroshard does not know on this CPU"
+)
 
 VOCAB = 48
 
@@ -139,6 +149,84 @@ def test_store_packs_whole_parameters_and_keeps_the_rest_raw(spec):
     store.destroy()
 
 
+# -- the int4 kernel's form, one process ------------------------------------------------------------------
+def _kernel_form(q, n: int, k: int, group: int):
+    codes = torch.empty(n, k // 2, dtype=torch.uint8)
+    scales = torch.empty(k // group, n, 2, dtype=torch.bfloat16)
+    int4_kernel.to_kernel(q, BLOCK, codes, scales)
+    return codes, scales
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(4, 64, symmetric=True)])
+def test_int4_kernel_form_matches_torchs_converter_and_our_dequantization(spec):
+    assert BLOCK is not None
+    gen = torch.Generator().manual_seed(1)
+    n, k = 2 * BLOCK, 4 * spec.group_size
+    weight = torch.randn(n, k, generator=gen)
+    q = quantize(weight, spec)
+    codes, scales = _kernel_form(q, n, k, spec.group_size)
+    plain = unpack_codes(q.packed, 4, n * k).view(n, k).to(torch.int32)
+    assert torch.equal(codes, torch._convert_weight_to_int4pack_for_cpu(plain, 1))
+    values = torch.empty(n, k)
+    int4_kernel.dequantize_kernel(codes, scales, spec.group_size, BLOCK, values)
+    # Ours up to the bf16 rounding of the scale and of the zero (m + 8 s): 2^-9 of each, |q - 8| <= 8.
+    scale = q.scale.repeat_interleave(spec.group_size, dim=1)
+    zero = torch.zeros_like(scale) if q.minimum is None else q.minimum.repeat_interleave(spec.group_size, dim=1)
+    bound = (8 * scale + (zero + 8 * scale).abs()) * 2**-8
+    assert ((values - dequantize(q)).abs() <= bound).all()
+    rows = torch.tensor([[0, BLOCK - 1], [BLOCK // 2, n - 1]])
+    assert torch.equal(int4_kernel.rows(codes, scales, spec.group_size, BLOCK, rows), values[rows])
+    x = torch.randn(2, 3, k, generator=gen)
+    out = int4_kernel.linear(x, codes, scales, spec.group_size, torch.ones(n))
+    reference = x.to(torch.bfloat16).float() @ values.t() + 1
+    assert out.shape == (2, 3, n) and out.dtype == torch.float32
+    assert (out - reference).abs().max() <= 2**-7 * reference.abs().max(), "the kernel disagrees with its form"
+
+
+@needs_kernel
+def test_store_reads_kernel_pieces_packed_for_compute_and_dequantized_otherwise():
+    assert BLOCK is not None
+    spec = QuantSpec(4, 32)
+    gen = torch.Generator().manual_seed(2)
+    shapes = [torch.Size((BLOCK, 64)), torch.Size((6, 64))]  # the second: not whole blocks of rows
+    numel = sum(s.numel() for s in shapes) + 8  # and a raw vector
+    store = QuantizedStore(CPUStore(), spec, kernel=True)
+    master = store.tensor("g", numel, torch.float32, pieces=[(0, shapes[0]), (shapes[0].numel(), shapes[1])])
+    full = torch.randn(numel, generator=gen)
+    store.stage([master])
+    store.ready([master])
+    master.copy_(full)
+    store.release([master])
+    store.prefetch([master])
+    store.ready([master])
+    dequantized = master.clone()
+    first = full[: shapes[0].numel()].view(shapes[0])
+    codes, scales = _kernel_form(quantize(first, spec), *shapes[0], spec.group_size)
+    expected = torch.empty(shapes[0])
+    int4_kernel.dequantize_kernel(codes, scales, spec.group_size, BLOCK, expected)
+    assert torch.equal(dequantized[: shapes[0].numel()].view(shapes[0]), expected)
+    rest = full[shapes[0].numel() : shapes[0].numel() + shapes[1].numel()].view(shapes[1])
+    assert torch.equal(dequantized[shapes[0].numel() : -8], dequantize(quantize(rest, spec)).reshape(-1))
+    assert torch.equal(dequantized[-8:], full[-8:])
+    store.release([master])
+    assert store.direct(master, shapes[0].numel()) is None  # not in the kernel's layout
+    packed = store.direct(master, 0)
+    assert packed is not None
+    store.freeze([master])
+    store.prefetch_for_compute([master])
+    store.ready([master])
+    assert [torch.equal(a, b) for a, b in zip(packed.views(), (codes, scales))] == [True, True]
+    assert torch.equal(master[shapes[0].numel() :], dequantized[shapes[0].numel() :])
+    store.prefetch([master])  # a reader of the whole master: the packed piece is dequantized now
+    store.ready([master])
+    assert torch.equal(master, dequantized)
+    store.release([master])
+    with pytest.raises(RuntimeError, match="not gathered"):
+        packed.views()
+    store.destroy()
+
+
 # -- engines at 1 and 2 ranks ---------------------------------------------------------------------------
 def _quantized_case(store: str, bits: int, checkpoint: str, swap: str) -> None:
     from zeroshard.compat.pretrained import from_pretrained
@@ -186,6 +274,7 @@ def _speculative_case(store: str, draft: str, checkpoint: str, swap: str) -> Non
     assistant = resident_draft(checkpoint, num_bits=4, group_size=32) if draft == "self" else _model(seed=5, layers=1)
     if draft == "self":
         assert assistant.world_size == 1 and isinstance(assistant.placement.param_store, QuantizedStore)
+        assert BLOCK is None or assistant._packed.layers, "a resident 4-bit draft multiplies packed by default"
     new = 12 - 4 * rank  # rank 0 runs on alone at the end (synced_gpus)
     prompt = torch.randint(2, VOCAB, (1, 4), generator=torch.Generator().manual_seed(20 + rank))
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
@@ -199,7 +288,60 @@ def _speculative_case(store: str, draft: str, checkpoint: str, swap: str) -> Non
     engine.destroy()
 
 
-def _worker(rank: int, world_size: int, checkpoint: str, swap: str) -> None:
+def _packed_case(store: str, checkpoint: str, swap: str) -> None:
+    """One rank: layers multiplying by the packed weights compute the unsharded model's logits when it
+    computes the same way (`PackedMatmuls.of_model`), bit for bit. With the NVMe store every Linear
+    and the embedding are units of their own, read packed whole: their masters get no fp32 storage."""
+    from zeroshard.compat import packed_matmul
+    from zeroshard.compat.pretrained import from_pretrained
+
+    spec = QuantSpec(4, 32)
+    oracle = _model(seed=3, vocab=64)
+    expected = packed_matmul.PackedMatmuls.of_model(oracle, spec)
+    config = _config(store, f"{swap}/p-{store}", spec)
+    config["zeroshard"]["packed_matmul"] = True
+    alone = store == "nvme"
+    if alone:
+        config["zeroshard"]["wrap_modules"] = ["LlamaDecoderLayer", "Embedding", "Linear"]
+    engine = from_pretrained(checkpoint, config)
+    assert engine._packed is not None
+    seen: list[int] = []
+    engine.module.lm_head.register_forward_pre_hook(lambda m, a: seen.append(m.weight.untyped_storage().nbytes()))
+    packed = sorted(type(m).__name__ for m, _ in engine._packed.layers)
+    assert packed == sorted(type(m).__name__ for m, _ in expected.layers), packed
+    assert "PackedEmbedding" in packed and "PackedLinear" in packed and len(packed) < 15  # k/v: 32 rows
+    prompt = torch.randint(2, 64, (2, 5), generator=torch.Generator().manual_seed(10))
+    assert torch.equal(engine(prompt).logits, oracle(prompt).logits), "logits differ from the packed oracle"
+    assert (seen[0] == 4) if alone else (seen[0] > 4 * 64 * 64), seen  # 4: one zero under the weight's shape
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(engine.generate(prompt, **kwargs), oracle.generate(prompt, **kwargs)), "tokens differ"
+    # Read outside the forward, the weights are those the kernel multiplies by.
+    layer = engine.module.model.layers[1].mlp.down_proj
+    with engine.gathered_parameters([layer.weight]):
+        got = layer.weight.detach().clone()
+    codes, scales = packed_matmul._WEIGHTS[oracle.model.layers[1].mlp.down_proj].views()
+    want = torch.empty(got.shape)
+    int4_kernel.dequantize_kernel(codes, scales, spec.group_size, BLOCK, want)
+    assert torch.equal(got, want)
+    engine.destroy()
+    assert not [m for m in engine.module.modules() if type(m).__name__.startswith("Packed")]
+    config["weight_quantization"]["quantized_initialization"]["num_bits"] = 8
+    with pytest.raises(ValueError, match="packed_matmul.*num_bits 4.*got num_bits 8"):
+        from_pretrained(checkpoint, config)
+
+
+def _worker(rank: int, world_size: int, checkpoint: str, swap: str, packed_checkpoint: str) -> None:
+    if world_size == 1 and BLOCK is not None:
+        subtests(
+            grid(store=["cpu", "nvme"]), lambda **case: _packed_case(checkpoint=packed_checkpoint, swap=swap, **case)
+        )
+    if world_size > 1:
+        config = _config("cpu", swap, QuantSpec(4, 32))
+        config["zeroshard"]["packed_matmul"] = True
+        with pytest.raises(ValueError, match="packed_matmul: true works on one rank"):
+            from zeroshard.compat.pretrained import from_pretrained
+
+            from_pretrained(checkpoint, config)
     subtests(
         grid(store=["cpu", "nvme"], bits=[8, 4]),
         lambda **case: _quantized_case(checkpoint=checkpoint, swap=swap, **case),
@@ -215,7 +357,17 @@ def test_quantized_store_and_speculative_decoding_match_the_unsharded_model(worl
     checkpoint = tmp_path / "model"
     _model(seed=3).save_pretrained(checkpoint, max_shard_size="40KB")  # several shards and an index
     assert (checkpoint / "model.safetensors.index.json").is_file()
-    run_distributed(_worker, world_size, timeout=300, env=ENV, checkpoint=str(checkpoint), swap=str(tmp_path / "swap"))
+    packed = tmp_path / "model64"  # a vocabulary of whole blocks of rows: the embedding too is packed
+    _model(seed=3, vocab=64).save_pretrained(packed)
+    run_distributed(
+        _worker,
+        world_size,
+        timeout=300,
+        env=ENV,
+        checkpoint=str(checkpoint),
+        swap=str(tmp_path / "swap"),
+        packed_checkpoint=str(packed),
+    )
 
 
 # -- sampling: the target's distribution -----------------------------------------------------------------

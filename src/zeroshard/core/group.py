@@ -221,7 +221,14 @@ class FlatGroup:
         swap = not self._swapped
         full = self.full if full is None else full
         assert full is not None  # gathered, or given
-        for param, view, spec in zip(self.params, self.layout.views(full), self.tp_specs):
+        if self.packed_reads and full.numel() and not full.untyped_storage().nbytes():
+            # Every weight here is read packed from the store, which gave the master no fp32 storage:
+            # the parameters keep their shapes over one zero ([Note: packed matmuls] in compat/packed_matmul.py).
+            zero = torch.zeros(1, dtype=full.dtype, device=full.device)
+            views = [zero.expand(slot.shape) for slot in self.layout.slots]
+        else:
+            views = self.layout.views(full)
+        for param, view, spec in zip(self.params, views, self.tp_specs):
             if spec is None:
                 param.data = view
             elif swap:  # once: see [Note: parameter storage]

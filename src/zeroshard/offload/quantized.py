@@ -272,24 +272,31 @@ class QuantizedStore:
                 if item.skipped and not packed:  # open for compute, now wanted whole
                     self._complete(item)
                 continue
-            self._buffers.grow(item.master)
+            item.skipped = packed and item.frozen and bool(item.direct) and not item.blank
+            if not (item.skipped and self._all_direct(item)):  # else no fp32 values at all: no storage
+                self._buffers.grow(item.master)
             if item.blank:
                 item.master.zero_()
                 item.state = _State.OPEN
                 continue
             read([item.blob])
             item.state = _State.OPENING
-            item.skipped = packed and item.frozen and bool(item.direct)
             item.opening = self._worker.submit(self._dequantize, item, item.direct if item.skipped else frozenset())
 
     def _dequantize(self, item: _Item, skip: frozenset[int]) -> None:
         self.inner.ready([item.blob])
         unpack(item.blob, item.pieces, self.spec, item.master, self._scratch, self.block, skip)
 
+    @staticmethod
+    def _all_direct(item: _Item) -> bool:
+        return all(p.offset in item.direct for p in item.pieces)
+
     def _complete(self, item: _Item) -> None:
         """Dequantize the pieces an open for compute left out ([Note: packed matmuls])."""
         self.ready([item.master])
         if item.state is _State.OPEN:
+            if not item.master.untyped_storage().nbytes():
+                self._buffers.grow(item.master)
             kept = [p for p in item.pieces if p.offset in item.direct]
             unpack(item.blob, kept, self.spec, item.master, None, self.block)  # the worker owns _scratch
         item.skipped = False
@@ -302,7 +309,8 @@ class QuantizedStore:
                     opening.result()
                 except BaseException:
                     item.state = _State.PACKED
-                    self._buffers.shrink(item.master)
+                    if item.master.untyped_storage().nbytes():
+                        self._buffers.shrink(item.master)
                     raise
                 item.state = _State.OPEN
 
@@ -315,7 +323,8 @@ class QuantizedStore:
             if not item.frozen:
                 pack(item.master, item.pieces, self.spec, item.blob, self.block)
                 item.blank = False
-            self._buffers.shrink(item.master)
+            if item.master.untyped_storage().nbytes():
+                self._buffers.shrink(item.master)
             item.state = _State.PACKED
             item.skipped = False
             self.inner.release([item.blob])
