@@ -6,7 +6,8 @@ byte-level Llama that scripts/train_stdlib_gpt.py trains on the Python standard 
 
 Perplexity per byte on the held-out files (the script's data.json: every 20th standard-library file,
 --windows windows of 256 bytes, evenly spaced), computed by zeroshard inference engines whose
-weights are fp32, int8 (groups of 64) and int4 (groups of 64 and of 128), all loaded with
+weights are fp32, int8 (groups of 64) and int4 (groups of 64 and of 128; each also with
+`zeroshard.packed_matmul`, the Linear layers multiplying by the packed weights), all loaded with
 `from_pretrained` into the quantized store. Then speculative decoding, greedy, from --prompts
 held-out prompts of 64 bytes, --new-tokens each, with the fp32 target streamed from the NVMe store:
 the draft the script trained (2 layers, width 256) and the target's own 4-bit copy
@@ -46,10 +47,12 @@ def perplexity(engine, batches: list[torch.Tensor]) -> float:
     return math.exp(sum(losses) / sum(len(b) for b in batches))
 
 
-def config(bits: int | None, group: int, store: dict) -> dict:
+def config(bits: int | None, group: int, store: dict, packed: bool = False) -> dict:
     out: dict = {"zero_optimization": {"stage": 3, "offload_param": store, "stage3_param_persistence_threshold": 0}}
     if bits is not None:
         out["weight_quantization"] = {"quantized_initialization": {"num_bits": bits, "group_size": group}}
+    if packed:
+        out["zeroshard"] = {"packed_matmul": True}
     return out
 
 
@@ -74,17 +77,18 @@ def main() -> None:
     rows: list[dict] = []
     cpu = {"device": "cpu"}
     fp32 = None
-    for bits, group in ((None, 0), (8, 64), (4, 64), (4, 128)):
-        engine = from_pretrained(target_dir, config(bits, group, cpu))
+    for bits, group, packed in ((None, 0, False), (8, 64, False), (4, 64, False), (4, 128, False), (4, 64, True), (4, 128, True)):
+        engine = from_pretrained(target_dir, config(bits, group, cpu, packed))
         store = engine.placement.param_store
         ppl = perplexity(engine, batches)
         fp32 = ppl if bits is None else fp32
         rows.append(
             {
-                "weights": "fp32" if bits is None else f"int{bits}, group {group}",
+                "weights": "fp32" if bits is None else f"int{bits}, group {group}" + (", packed" if packed else ""),
                 "perplexity": ppl,
                 "delta": ppl / fp32 - 1 if fp32 else 0.0,
                 "store_bytes": getattr(store, "packed_bytes", sum(g.master.numel() * 4 for g in engine.groups)),
+                "packed_layers": len(engine._packed.layers) if engine._packed is not None else 0,
             }
         )
         engine.destroy()
@@ -133,11 +137,11 @@ def main() -> None:
         f"{trained['perplexity']['target']:.3f}), {sum(p.numel() for p in unsharded.parameters()) / 1e6:.2f}M parameters",
         f"held-out: {len(trained['held_out'])} standard-library files, {args.windows} windows of {CONTEXT} bytes",
         "",
-        f"{'weights':<16} {'perplexity/byte':>15} {'vs fp32':>8} {'store MB':>9}",
+        f"{'weights':<24} {'perplexity/byte':>15} {'vs fp32':>8} {'store MB':>9} {'packed layers':>13}",
     ]
     for row in rows:
         lines.append(
-            f"{row['weights']:<16} {row['perplexity']:>15.4f} {100 * row['delta']:>+7.2f}% {row['store_bytes'] / 1e6:>9.2f}"
+            f"{row['weights']:<24} {row['perplexity']:>15.4f} {100 * row['delta']:>+7.2f}% {row['store_bytes'] / 1e6:>9.2f} {row['packed_layers']:>13}"
         )
     lines += [
         "",

@@ -32,7 +32,7 @@ from tests.harness import grid, run_distributed, subtests
 from tests.test_inference import ENV, TEARDOWN_ABORT, _capped, capped_model
 from zeroshard.core import int4_kernel
 from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize, unpack_codes
-from zeroshard.offload import CPUStore
+from zeroshard.offload import CPUStore, quantized
 from zeroshard.offload.quantized import QuantizedStore
 
 BLOCK = int4_kernel.kernel_block()
@@ -106,7 +106,10 @@ def _config(store: str, swap: str, spec: QuantSpec | None) -> dict:
 
 # -- the store's arithmetic, one process ----------------------------------------------------------------
 @pytest.mark.parametrize("spec", [QuantSpec(8, 64), QuantSpec(4, 32), QuantSpec(4, 5, symmetric=True), QuantSpec(8, 7)])
-def test_store_packs_whole_parameters_and_keeps_the_rest_raw(spec):
+def test_store_packs_whole_parameters_and_keeps_the_rest_raw(spec, monkeypatch):
+    monkeypatch.setattr(
+        quantized, "CHUNK", 130
+    )  # a few rows at a time: a chunk's bytes and scales land where the whole's would
     gen = torch.Generator().manual_seed(0)
     shapes = [(6, 64), (64,), (3, 7, 10), (5, 70)]
     values = [torch.randn(s, generator=gen) for s in shapes]
@@ -185,11 +188,12 @@ def test_int4_kernel_form_matches_torchs_converter_and_our_dequantization(spec):
 
 
 @needs_kernel
-def test_store_reads_kernel_pieces_packed_for_compute_and_dequantized_otherwise():
+def test_store_reads_kernel_pieces_packed_for_compute_and_dequantized_otherwise(monkeypatch):
     assert BLOCK is not None
+    monkeypatch.setattr(quantized, "CHUNK", 64)  # one block of rows at a time
     spec = QuantSpec(4, 32)
     gen = torch.Generator().manual_seed(2)
-    shapes = [torch.Size((BLOCK, 64)), torch.Size((6, 64))]  # the second: not whole blocks of rows
+    shapes = [torch.Size((2 * BLOCK, 64)), torch.Size((6, 64))]  # the second: not whole blocks of rows
     numel = sum(s.numel() for s in shapes) + 8  # and a raw vector
     store = QuantizedStore(CPUStore(), spec, kernel=True)
     master = store.tensor("g", numel, torch.float32, pieces=[(0, shapes[0]), (shapes[0].numel(), shapes[1])])

@@ -42,6 +42,7 @@ from zeroshard.core.weight_quant import Quantized, QuantSpec, dequantize, quanti
 
 ALIGN = 16  # bytes: every piece of a blob starts on this, so fp32 views of it are aligned
 KEEP_BYTES = 64 * 2**20  # freed master buffers kept for reuse: [Note: reused master buffers]
+CHUNK = 2**20  # elements of a matrix quantized at once (`pack`)
 
 
 @dataclass(frozen=True)
@@ -392,22 +393,44 @@ def _views(blob: torch.Tensor, piece: _Piece):
 def pack(
     master: torch.Tensor, pieces: list[_Piece], spec: QuantSpec, blob: torch.Tensor, block: int | None = None
 ) -> None:
-    """Quantize `master`'s pieces into `blob` (`block`: the int4 kernel's, for pieces in its layout)."""
+    """Quantize `master`'s pieces into `blob` (`block`: the int4 kernel's, for pieces in its layout).
+    A matrix whose groups run along its last dimension is quantized `CHUNK` elements of whole rows
+    at a time: `quantize`'s temporaries are several times the values it takes, which for a 131 MB
+    embedding outgrew a memory cap the packed model fits in. Groups never span rows, so the result
+    is the whole matrix's, bit for bit."""
     for piece in pieces:
         values = master[piece.offset : piece.offset + piece.numel]
         if piece.shape is None:
             blob[piece.at : piece.at + piece.numel * 4].view(torch.float32).copy_(values)
             continue
-        q = quantize(values.view(piece.shape), spec)
         codes, scale, minimum = _views(blob, piece)
-        if piece.kernel:
-            assert block is not None
-            int4_kernel.to_kernel(q, block, codes, scale)
+        rows = piece.groups[0]
+        length = piece.numel // rows
+        if spec.group_dim != len(piece.shape) - 1:
+            _pack_rows(values.view(piece.shape), spec, codes, scale, minimum, piece.kernel, block)
             continue
-        codes.copy_(q.packed)
-        scale.copy_(q.scale)
-        if minimum is not None:
-            minimum.copy_(q.minimum)
+        step = block if piece.kernel else 2  # whole blocks of the kernel's rows; whole bytes of 4-bit codes
+        step = max(step, CHUNK // length // step * step)
+        per_row = length * spec.num_bits / 8
+        for lo in range(0, rows, step):
+            hi = min(lo + step, rows)
+            chunk_codes = codes[lo:hi] if piece.kernel else codes[int(lo * per_row) : math.ceil(hi * per_row)]
+            chunk_scale = scale[:, lo:hi] if piece.kernel else scale[lo:hi]
+            chunk_min = None if minimum is None else minimum[lo:hi]
+            part = values[lo * length : hi * length].view(hi - lo, length)
+            _pack_rows(part, spec, chunk_codes, chunk_scale, chunk_min, piece.kernel, block)
+
+
+def _pack_rows(values, spec: QuantSpec, codes, scale, minimum, kernel: bool, block: int | None) -> None:
+    q = quantize(values, spec)
+    if kernel:
+        assert block is not None
+        int4_kernel.to_kernel(q, block, codes, scale)
+        return
+    codes.copy_(q.packed)
+    scale.copy_(q.scale.view(scale.shape))
+    if minimum is not None:
+        minimum.copy_(q.minimum.view(minimum.shape))
 
 
 def unpack(
