@@ -77,7 +77,14 @@ def main() -> None:
     rows: list[dict] = []
     cpu = {"device": "cpu"}
     fp32 = None
-    for bits, group, packed in ((None, 0, False), (8, 64, False), (4, 64, False), (4, 128, False), (4, 64, True), (4, 128, True)):
+    for bits, group, packed in (
+        (None, 0, False),
+        (8, 64, False),
+        (4, 64, False),
+        (4, 128, False),
+        (4, 64, True),
+        (4, 128, True),
+    ):
         engine = from_pretrained(target_dir, config(bits, group, cpu, packed))
         store = engine.placement.param_store
         ppl = perplexity(engine, batches)

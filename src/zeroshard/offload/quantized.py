@@ -409,7 +409,10 @@ def pack(
         if spec.group_dim != len(piece.shape) - 1:
             _pack_rows(values.view(piece.shape), spec, codes, scale, minimum, piece.kernel, block)
             continue
-        step = block if piece.kernel else 2  # whole blocks of the kernel's rows; whole bytes of 4-bit codes
+        step = 2  # whole bytes of 4-bit codes
+        if piece.kernel:
+            assert block is not None
+            step = block  # whole blocks of the kernel's rows
         step = max(step, CHUNK // length // step * step)
         per_row = length * spec.num_bits / 8
         for lo in range(0, rows, step):
@@ -430,6 +433,7 @@ def _pack_rows(values, spec: QuantSpec, codes, scale, minimum, kernel: bool, blo
     codes.copy_(q.packed)
     scale.copy_(q.scale.view(scale.shape))
     if minimum is not None:
+        assert q.minimum is not None  # the same spec: asymmetric
         minimum.copy_(q.minimum.view(minimum.shape))
 
 
