@@ -570,6 +570,7 @@ class ZeroShardExtConfig(Section):
     packed_matmul: bool = False
     """ZeRO-Inference with 4-bit weights (``weight_quantization.quantized_initialization.num_bits``
     4) on one rank: each ``nn.Linear`` whose weight is its own multiplies by it as stored, packed,
-    through torch's int4 CPU kernel, instead of dequantizing it to fp32 first. Activations go
-    through bf16 in those matmuls, so tokens are close to, not equal to, the dequantized model's
-    ([Note: packed matmuls] in compat/packed_matmul.py). A resident draft always does this."""
+    through torch's int4 CPU kernel, and each ``nn.Embedding`` dequantizes only the rows it looks
+    up, instead of dequantizing the whole matrix to fp32 first. Activations go through bf16 in those
+    matmuls, so tokens are close to, not equal to, the dequantized model's ([Note: packed matmuls]
+    in compat/packed_matmul.py). A 4-bit resident draft (compat/speculative.py) does this by default."""
