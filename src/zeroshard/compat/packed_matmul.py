@@ -18,9 +18,12 @@ Each such layer's class becomes a subclass of its own (`isinstance(layer, nn.Lin
 hooks and attributes stay), whose forward asks this module's registry for the layer's
 `PackedWeight` (offload/quantized.py); the engine's `destroy` gives every layer its class back.
 The forward gather of a unit (`prefetch_for_compute`) skips dequantizing those weights, so their
-parameter views hold stale values during the forward; any other use of the master (gathered
-parameters, a state dict, loading, `prefetch`/`stage` from elsewhere) first dequantizes them
-(`QuantizedStore._complete`), so every reader outside the layers' own forward sees the weights.
+parameter views hold stale values during the forward, and a unit whose every weight is read this way
+gets no fp32 storage at all (its parameters keep their shapes over a single zero: FlatGroup.
+point_params_at_full), which is what lets the model's own 4-bit copy sit beside a streamed model
+under a cap. Any other use of the master (gathered parameters, a state dict, loading,
+`prefetch`/`stage` from elsewhere) first dequantizes them (`QuantizedStore._complete`), so every
+reader outside the layers' own forward sees the weights.
 
 The arithmetic differs from the dequantized model's: activations enter the matmul as bf16 and the
 result returns through bf16 (the kernel's only fast path), and the scales and zeros are bf16. Tokens

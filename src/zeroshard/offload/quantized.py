@@ -17,6 +17,11 @@ parameters: the engine lays these groups out with whole-parameter ownership ([No
 ownership] in core/owners.py), and a piece of a parameter cut by the layout is stored raw. A fresh
 blob is all zeros, which is a valid packed form of zeros (codes, scales and minimums 0), so
 creating a store tensor touches nothing.
+With `kernel` (`zeroshard.packed_matmul`), each 4-bit matrix torch's int4 CPU kernel can take is
+laid out in the kernel's form instead (codes interleaved by blocks of rows, bf16 scales and zeros:
+[Note: the int4 kernel's layout] in core/int4_kernel.py); the engine marks the ones its layers
+multiply by as `direct`, and a forward's open (`prefetch_for_compute`) leaves those out of the
+dequantization ([Note: packed matmuls] in compat/packed_matmul.py).
 
 [Note: reused master buffers]
 A master's fp32 storage grown for each use is fresh pages, and the first write to each page faults:
