@@ -105,7 +105,7 @@ def _owners(model: nn.Module) -> dict[int, int]:
 
 
 class _InMemory:
-    """A weight in the kernel's form held in memory (`pack_model`)."""
+    """A weight in the kernel's form held in memory (`PackedMatmuls.of_model`)."""
 
     def __init__(self, weight: torch.Tensor, spec: QuantSpec, block: int):
         n, k = weight.shape
@@ -150,6 +150,13 @@ class PackedMatmuls:
                 continue
             group.packed_reads = True
             self._swap(module, packed)
+        if not self.layers:
+            log.warning(
+                "zeroshard.packed_matmul: no layer reads its weights packed: it needs nn.Linear / nn.Embedding "
+                "weights of their own, fp32 on the CPU (no bf16/fp16 section), groups of 32-256 along the "
+                "input features and rows in whole blocks of %d; every weight is dequantized instead",
+                store.block,
+            )
         log.info("zeroshard.packed_matmul: %d layers read their 4-bit weights packed", len(self.layers))
 
     @classmethod
