@@ -231,6 +231,18 @@ def test_store_reads_kernel_pieces_packed_for_compute_and_dequantized_otherwise(
     store.destroy()
 
 
+@needs_kernel
+def test_packed_matmul_that_packs_nothing_says_so(caplog):
+    """No group gathers in place (bf16 compute, N ranks, another device): the option warns, not silent."""
+    from zeroshard.compat.packed_matmul import PackedMatmuls
+
+    store = QuantizedStore(CPUStore(), QuantSpec(4, 32), kernel=True)
+    with caplog.at_level("WARNING", logger="zeroshard.compat.packed_matmul"):
+        assert PackedMatmuls(_model(seed=3), [], store).layers == []
+    assert "no layer reads its weights packed" in caplog.text
+    store.destroy()
+
+
 # -- engines at 1 and 2 ranks ---------------------------------------------------------------------------
 def _quantized_case(store: str, bits: int, checkpoint: str, swap: str) -> None:
     from zeroshard.compat.pretrained import from_pretrained
