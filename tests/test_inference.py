@@ -36,16 +36,21 @@ ENV = {
 TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
 
 
-def hf_config(kind: str, layers: int = 3, width: int = 32):
+def hf_config(kind: str, layers: int = 3, width: int = 32, vocab: int = VOCAB, special_tokens: bool = True):
+    """`special_tokens` False: no bos/eos/pad ids (generation then never stops early)."""
     import transformers
 
-    special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    special = (
+        dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        if special_tokens
+        else dict(bos_token_id=None, eos_token_id=None)
+    )
     if kind == "gpt2":  # tied embedding and LM head
         return transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=64, n_embd=width, n_layer=layers, n_head=2, **special
+            vocab_size=vocab, n_positions=64, n_embd=width, n_layer=layers, n_head=2, **special
         )
     return transformers.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=width,
         intermediate_size=2 * width,
         num_hidden_layers=layers,

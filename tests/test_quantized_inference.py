@@ -29,7 +29,7 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install 'zer
 import torch
 
 from tests.harness import grid, run_distributed, subtests
-from tests.test_inference import ENV, TEARDOWN_ABORT, _capped, capped_model
+from tests.test_inference import ENV, TEARDOWN_ABORT, _capped, capped_model, hf_config
 from zeroshard.core import int4_kernel
 from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize, unpack_codes
 from zeroshard.offload import CPUStore, quantized
@@ -43,30 +43,11 @@ needs_kernel = pytest.mark.skipif(
 VOCAB = 48
 
 
-def _hf_config(layers: int = 2, width: int = 64, vocab: int = VOCAB, special: bool = True):
-    import transformers
-
-    tokens = (
-        dict(bos_token_id=0, eos_token_id=1, pad_token_id=1) if special else dict(bos_token_id=None, eos_token_id=None)
-    )
-    return transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=width,
-        intermediate_size=2 * width,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        **tokens,
-    )
-
-
-def _model(seed: int, **shape):
+def _model(seed: int, layers: int = 2, width: int = 64, vocab: int = VOCAB, special_tokens: bool = True):
     import transformers
 
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(_hf_config(**shape)).eval()
+    return transformers.LlamaForCausalLM(hf_config("llama", layers, width, vocab, special_tokens)).eval()
 
 
 def _fake_quantized(model, spec: QuantSpec):
@@ -229,6 +210,22 @@ def test_store_reads_kernel_pieces_packed_for_compute_and_dequantized_otherwise(
     with pytest.raises(RuntimeError, match="not gathered"):
         packed.views()
     store.destroy()
+
+
+@needs_kernel
+def test_tied_embedding_and_head_are_not_packed():
+    """A tied weight is read by the embedding by row and by the head as a matrix: left dequantized."""
+    import transformers
+
+    from zeroshard.compat.packed_matmul import PackedMatmuls
+
+    config = hf_config("llama", 1, 64, 64)
+    config.tie_word_embeddings = True
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    packed = {id(m) for m, _ in PackedMatmuls.of_model(model, QuantSpec(4, 32)).layers}
+    assert id(model.lm_head) not in packed and id(model.model.embed_tokens) not in packed
+    assert id(model.model.layers[0].mlp.up_proj) in packed
 
 
 @needs_kernel
@@ -404,11 +401,11 @@ def _sample_pairs(tmp_path) -> None:
 
     init_one_rank()
     vocab = 6
-    target = _model(seed=11, layers=1, width=16, vocab=vocab, special=False)  # no end token: every pair can come
+    target = _model(seed=11, layers=1, width=16, vocab=vocab, special_tokens=False)  # no end token: every pair can come
     with torch.no_grad():
         target.lm_head.weight.mul_(8)  # a peaked distribution, far from the draft's
     target.save_pretrained(tmp_path / "t")
-    draft = _model(seed=12, layers=1, width=16, vocab=vocab, special=False)
+    draft = _model(seed=12, layers=1, width=16, vocab=vocab, special_tokens=False)
     engine = from_pretrained(tmp_path / "t", _config("cpu", "", None))
     prompt = torch.tensor([[2, 3, 4]])
     with torch.no_grad():

@@ -42,6 +42,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from zeroshard.checkpoint.manifest import model_aliases
 from zeroshard.core import int4_kernel
 from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
 
@@ -94,14 +95,10 @@ def _eligible(module: nn.Module) -> bool:
     return type(module) is nn.Linear
 
 
-def _owners(model: nn.Module) -> dict[int, int]:
-    """How many modules hold each parameter (two for tied weights)."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for param in module._parameters.values():
-            if param is not None:
-                owners[id(param)] = owners.get(id(param), 0) + 1
-    return owners
+def _tied(model: nn.Module) -> set[int]:
+    """ids of the parameters reached under more than one name (a tied LM head and embedding)."""
+    aliases = model_aliases(model)
+    return {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in aliases}
 
 
 class _InMemory:
@@ -131,18 +128,16 @@ class PackedMatmuls:
                 torch.backends.cpu.get_cpu_capability(),
             )
             return
-        owners = _owners(model)
+        tied = _tied(model)
         places = {}  # id(param) -> (group, offset in its master)
         for group in groups:
             if not group.gathers_in_place or group.device.type != "cpu" or group.master_store is not store:
                 continue
-            names = {name: i for i, name in enumerate(group.names)}
-            for slot, lo, hi in group.layout.pieces_in(*group.opt_range):
-                if lo == 0 and hi == slot.numel:
-                    places[id(group.params[names[slot.name]])] = (group, slot.offset - group.opt_range[0])
+            for param, slot in zip(group.params, group.layout.slots):  # in place: the master is the whole buffer
+                places[id(param)] = (group, slot.offset)
         for module in model.modules():
             weight = module._parameters.get("weight") if _eligible(module) else None
-            if weight is None or owners.get(id(weight)) != 1 or id(weight) not in places:
+            if weight is None or id(weight) in tied or id(weight) not in places:
                 continue
             group, offset = places[id(weight)]
             packed = store.direct(group.master, offset)
@@ -168,11 +163,11 @@ class PackedMatmuls:
         self = cls.__new__(cls)
         self.layers = []
         block = int4_kernel.kernel_block()
-        owners = _owners(model)
+        tied = _tied(model)
         packed: set[int] = set()
         for module in list(model.modules()):
             weight = module._parameters.get("weight") if _eligible(module) else None
-            if weight is not None and owners.get(id(weight)) == 1 and int4_kernel.eligible(weight.shape, spec, block):
+            if weight is not None and id(weight) not in tied and int4_kernel.eligible(weight.shape, spec, block):
                 assert block is not None
                 self._swap(module, _InMemory(weight, spec, block))
                 packed.add(id(weight))

@@ -80,14 +80,6 @@ def eligible(shape, spec: QuantSpec, block: int | None) -> bool:
     )
 
 
-def code_bytes(shape) -> int:
-    return shape[0] * shape[1] // 2
-
-
-def scale_bytes(shape, spec: QuantSpec) -> int:
-    return shape[1] // spec.group_size * shape[0] * 2 * 2  # (K/g, N, 2) bf16
-
-
 def to_kernel(q: Quantized, block: int, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
     """Write `q` (4 bits, groups along dim 1 of an (N, K) weight) in the kernel's form: packed codes
     into `codes_out` (uint8 (N, K/2)), scales and zeros into `scales_out` (bf16 (K/g, N, 2))."""

@@ -382,11 +382,10 @@ def _views(blob: torch.Tensor, piece: _Piece):
     layout (codes (N, K/2), bf16 scales and zeros (K/g, N, 2), None)."""
     rows, groups = piece.groups
     codes = blob[piece.at : piece.at + piece.code_bytes]
+    at = piece.at + _aligned(piece.code_bytes)
     if piece.kernel:
-        at = piece.at + _aligned(piece.code_bytes)
         scales = blob[at : at + rows * groups * 4].view(torch.bfloat16).view(groups, rows, 2)
         return codes.view(rows, -1), scales, None
-    at = piece.at + _aligned(piece.code_bytes)
     n = rows * groups * 4
     scale = blob[at : at + n].view(torch.float32).view(rows, groups)
     if not piece.minimums:
