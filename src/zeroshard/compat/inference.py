@@ -140,24 +140,19 @@ class InferenceEngine(EngineBase):
             return self.sharded(*args, **kwargs)
 
     def generate(self, *args, **kwargs):
-        """`engine.module.generate(...)`, safe on several ranks: `synced_gpus` defaults to True at
-        stage 3 with more than one rank, so that a rank whose sequences end first keeps running the
-        forwards (collectives) the others need; with an `assistant_model` (speculative decoding,
-        which may be a `resident_draft` engine) the ranks keep in step themselves ([Note:
+        """As `EngineBase.generate`; with an `assistant_model` (speculative decoding, which may be a
+        `resident_draft` engine) on several stage-3 ranks, the ranks keep in step themselves ([Note:
         speculative decoding on several ranks] in compat/speculative.py). Nothing stays gathered
         afterwards, even on error."""
         if isinstance(kwargs.get("assistant_model"), InferenceEngine):  # a resident draft (compat/speculative.py)
             kwargs["assistant_model"] = kwargs["assistant_model"].module
-        in_step = self.policy.shard_parameters and self.world_size > 1
+        if kwargs.get("assistant_model") is None or not (self.policy.shard_parameters and self.world_size > 1):
+            return super().generate(*args, **kwargs)
+        from zeroshard.compat.speculative import generate_in_step
+
         try:
             with torch.no_grad():
-                if in_step and kwargs.get("assistant_model") is not None:
-                    from zeroshard.compat.speculative import generate_in_step
-
-                    return generate_in_step(self, *args, **kwargs)
-                if in_step:
-                    kwargs.setdefault("synced_gpus", True)
-                return self.module.generate(*args, **kwargs)
+                return generate_in_step(self, *args, **kwargs)
         finally:
             self.reshard()
 

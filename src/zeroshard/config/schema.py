@@ -551,6 +551,12 @@ class ZeroShardExtConfig(Section):
     """Module class names that become sharding units; None = each block of the model's largest
     ``nn.ModuleList``, an untied LM head of at least half a block's size (so its gradient is reduced
     while backward goes on), plus the root."""
+    generate_gather: Literal["units", "whole"] = "units"
+    """How ``engine.generate()`` gathers a stage-3 model. "units": each unit for each forward and freed
+    after it, the least memory, one all-gather per unit per token (``synced_gpus`` then keeps the
+    ranks' forwards in step). "whole": the whole model once per ``generate()`` call, freed when it
+    returns: no collective per token, and the whole model on every rank meanwhile (TRL's
+    ``ds3_gather_for_generation``; ``ZeroShardTrainer`` takes it from there)."""
     nvme_io: Literal["direct", "buffered", "mapped"] | None = None
     """How the NVMe store reads and writes the tensors it is told of ahead of time (the optimizer's
     sub-group stream, ZeRO-Inference's weights): "direct" (aligned O_DIRECT requests into buffers,

@@ -32,7 +32,9 @@ the order of its units is recorded on the first pass, until a unit runs a second
 the training order. On later passes each unit's pre-forward prefetches the units after it in that
 order, and a pass starts again whenever the order's first unit runs. Nothing is enforced (every rank
 runs the same model code, so the collectives still match): from a unit that is off the order the pass
-is simply not prefetched, and a unit prefetched but not run is freed when the next pass starts.
+is simply not prefetched, and a unit prefetched but not run is freed when the pass ends: when no call
+of a unit's module is open any more (a module called on its own, [Note: calls below a unit's module]
+in wrap.py, is a pass of its own), or when the next pass starts.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from zeroshard.core.gathered import GatherPolicy, LiveCount, reuse_offsets
 from zeroshard.core.group import SpentGradients
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import InflightReductions, Unit, UnitState
+from zeroshard.core.wrap import entry_modules
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,9 @@ class Lifecycle:
         # Keep units gathered until end_backward: a pipeline schedule's later micro-batches still
         # need the parameters their saved activations view (Sharded.backward_by_caller).
         self.hold_gathered = False
+        # Keep units gathered after forwards without autograd: the whole model, gathered once for many
+        # generation forwards (Sharded.gathered_model).
+        self.keep_gathered = False
         self.forward_order: list[Unit] | None = None
         self.backward_order: list[Unit] | None = None
         self._recording: list[Unit] = []
@@ -125,16 +131,18 @@ class Lifecycle:
         self._forward_suffix: list[int] = []  # [i]: elements of forward_order[i:]
         self._input_watches: list = []  # multi-grad hook handles: [Note: frozen parameters in backward]
         self._watched_in_forward: set[int] = set()
+        self._open_calls: dict[int, list] = {}  # id(unit) -> its entry modules' calls in progress, outermost first
+        self._units_in_call = 0  # units with a call in progress
 
     # -- registration ------------------------------------------------------------------------------
     def register(self) -> None:
         for unit in self.units:
-            if unit.reshards and unit.module is not None:
-                self._handles.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-                self._handles.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
-                if unit.frozen:  # [Note: frozen parameters in backward]
-                    watch = functools.partial(self._watch_inputs, unit)
-                    self._handles.append(unit.module.register_forward_pre_hook(watch, with_kwargs=True))
+            if unit.reshards and unit.module is not None:  # [Note: calls below a unit's module] in wrap.py
+                params = {id(p) for group in unit.groups for p in group.params}
+                for module in entry_modules(unit.module, params):
+                    enter, leave = functools.partial(self._enter, unit), functools.partial(self._leave, unit)
+                    self._handles.append(module.register_forward_pre_hook(enter, with_kwargs=True))
+                    self._handles.append(module.register_forward_hook(leave, always_call=True))
             for group in unit.groups:
                 for index, param in enumerate(group.params):
                     if param.requires_grad:
@@ -172,6 +180,32 @@ class Lifecycle:
         outer_grad = self._forward_grad if self.phase is Phase.FORWARD else self.phase is Phase.BACKWARD
         return not torch.is_grad_enabled() and not outer_grad
 
+    def _enter(self, unit: Unit, module, args, kwargs) -> None:
+        """A call of one of `unit`'s entry modules begins; the outermost gathers the unit."""
+        calls = self._open_calls.setdefault(id(unit), [])
+        calls.append(module)
+        if len(calls) == 1:
+            self._units_in_call += 1
+            self._pre_forward(unit, module, args)
+            if unit.frozen:  # [Note: frozen parameters in backward]
+                self._watch_inputs(unit, module, args, kwargs)
+
+    def _leave(self, unit: Unit, module, args, output):
+        """The call ends, normally or by an exception (the hook is always called); the outermost frees."""
+        calls = self._open_calls.get(id(unit))
+        if not calls or calls[-1] is not module:
+            return None  # its pre-hook never ran: a hook before it raised
+        calls.pop()
+        if calls:
+            return None  # an outer call still needs it
+        self._units_in_call -= 1
+        if unit.state is UnitState.GATHERING:
+            return None  # its gather failed: the failure's cleanup frees it
+        output = self._post_forward(unit, module, args, output)
+        if self.inference_order and self._inference_forward() and not self._units_in_call:
+            self._free_prefetched(self.inference_order)  # the pass is over: [Note: inference prefetch]
+        return output
+
     def _pre_forward(self, unit: Unit, module, args) -> None:
         inference = self._inference_forward()
         if self._training_forward():
@@ -198,9 +232,7 @@ class Lifecycle:
             order = self.inference_order = self._inference_recording  # a unit ran twice: a new pass
             log.debug("inference unit order: %s", [u.name for u in order])
         if unit is order[0]:
-            for straggler in order:  # prefetched by the previous pass, never run
-                if straggler.state is UnitState.GATHERING:
-                    straggler.reshard()
+            self._free_prefetched(order)  # by the previous pass
             self._inference_next = 1
         elif (
             self._inference_next is not None
@@ -210,6 +242,13 @@ class Lifecycle:
             self._inference_next += 1
         else:
             self._inference_next = None  # off the recorded order: no prefetch for the rest of this pass
+
+    @staticmethod
+    def _free_prefetched(order: list[Unit]) -> None:
+        """Free the units a pass prefetched and never ran."""
+        for straggler in order:
+            if straggler.state is UnitState.GATHERING:
+                straggler.reshard()
 
     def _check_order(self, unit: Unit) -> None:
         position = self._position
@@ -233,6 +272,8 @@ class Lifecycle:
             if self._reused_soon(unit):
                 self._retained.append(unit)
                 return output
+        elif self.keep_gathered:  # Sharded.gathered_model()
+            return output
         unit.reshard()
         return output
 

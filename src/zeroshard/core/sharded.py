@@ -470,6 +470,29 @@ class Sharded:
                 for unit in units:
                     unit.reshard(release=True)  # what the block took from them stays valid
 
+    @contextlib.contextmanager
+    def gathered_model(self):
+        """Every unit gathered once for the block and kept through any number of forwards without
+        autograd, then freed: generation's many short forwards cost one all-gather of the model instead
+        of one per unit per token, and no collective per token (TRL's `ds3_gather_for_generation`). The
+        whole model is on every rank inside the block."""
+        if self.lifecycle.phase is not Phase.IDLE:
+            raise RuntimeError("gathered_model() inside a forward or backward: use it between steps")
+        self._check_usable("forward")
+        self.wait_parameters()
+        self.lifecycle.release_retained()
+        for unit in self.units:  # issued together, then waited for
+            unit.unshard("gathered parameters")
+        try:
+            for unit in self.units:
+                unit.wait_unshard()
+            self.lifecycle.keep_gathered = True
+            yield
+        finally:
+            self.lifecycle.keep_gathered = False
+            for unit in self.units:
+                unit.reshard()
+
     def wait_parameters(self) -> None:
         """Complete the all-gathers of updated parameters still in flight after a step: call it
         before a script reads parameter values between step() and the next forward ([Note: reads

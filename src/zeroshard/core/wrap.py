@@ -16,6 +16,16 @@ parameters of its own and at least half a block's worth of them, is a unit of it
 that also frees it outside its use. Not the embedding: its gradient is the last of backward anyway.
 A module whose parameters are also used outside it (a head tied to the embedding) stays in the
 root, where its other user is.
+
+[Note: calls below a unit's module]
+Code outside the engine calls modules inside the model directly: PEFT's `generate` runs the base
+model's forward, never the PeftModel's; scripts embed tokens with `get_input_embeddings()(ids)` or
+call a vision tower by hand. A unit's parameters are therefore gathered by a call of any module that
+holds some of them, or lies between such a module and the unit's module (`entry_modules`), not only
+by a call of the unit's module. Calls nest: the outermost one gathers and frees, the calls inside it
+find the unit gathered (lifecycle.py keeps the stack of open calls). The price is a forward pre-
+and post-hook on each of those modules (torch's slower call path), paid whether a call gathers or
+not; DeepSpeed's stage 3 hooks every module.
 """
 
 from __future__ import annotations
@@ -71,6 +81,19 @@ def _heads(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> list[
         if not inside & elsewhere:
             heads.append((name, module))
     return heads
+
+
+def entry_modules(unit_module: nn.Module, params: set[int]) -> list[nn.Module]:
+    """The modules whose call needs parameters of a unit whose module is `unit_module` and whose
+    parameters have the ids `params`: those holding one, and each module between them and
+    `unit_module`, which comes first. See [Note: calls below a unit's module]."""
+    named = list(unit_module.named_modules())
+    needed = {""}
+    for name, module in named:
+        if name and any(id(p) in params for p in module.parameters(recurse=False)):
+            parts = name.split(".")
+            needed.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return [module for name, module in named if name in needed]
 
 
 def is_inside(inner: str, outer: str) -> bool:

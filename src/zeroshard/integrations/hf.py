@@ -28,24 +28,12 @@ __all__ = ["HfDeepSpeedConfig", "ZeroShardTrainer", "generate", "is_deepspeed_ze
 
 
 def generate(engine, *args, **kwargs):
-    """`engine.module.generate(*args, **kwargs)`, safe on a stage-3 engine of several ranks.
-
-    Each forward of generation gathers a unit's parameters in its forward pre-hook and frees them in
-    its forward hook, so nothing stays gathered. Ranks must run the same number of forwards even
-    when one rank's sequences end first (each forward is a collective): like DeepSpeed ZeRO-3,
-    `synced_gpus` defaults to True at stage 3 with more than one rank, where transformers only
-    turns it on for DeepSpeed and FSDP. The train/eval mode is left as it is: call `engine.eval()`
-    first for deterministic dropout-free decoding.
-    """
-    if engine.zero_optimization_stage() == 3 and engine.world_size > 1:
-        kwargs.setdefault("synced_gpus", True)
-    try:
-        with torch.no_grad():
-            output = engine.module.generate(*args, **kwargs)
-    except BaseException:
-        for unit in engine.units:  # a forward that raised never reached the hook that frees its unit
-            unit.reshard()
-        raise
+    """`engine.generate(*args, **kwargs)`: `engine.module.generate` under `torch.no_grad()`, safe on a
+    stage-3 engine of several ranks (`synced_gpus`, or the whole model gathered once, as the config's
+    `zeroshard.generate_gather` says: `EngineBase.generate`). Nothing stays gathered afterwards
+    (checked). The train/eval mode is left as it is: call `engine.eval()` first for deterministic
+    dropout-free decoding."""
+    output = engine.generate(*args, **kwargs)
     gathered = [unit.name for unit in engine.units if unit.reshards and unit.state is not UnitState.SHARDED]
     assert not gathered, f"units left gathered after generate(): {gathered}"
     return output
