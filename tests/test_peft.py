@@ -31,9 +31,10 @@ TARGETS = {"gpt2": ["c_attn", "c_proj"], "llama": ["q_proj", "v_proj", "down_pro
 BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}
 
 
-def peft_fn(kind: str, layers: list[int] | None = None, checkpointing: str | None = None):
+def peft_fn(kind: str, layers: list[int] | None = None, checkpointing: str | None = None, modules_to_save=None):
     """The base model of `model_fn(kind)` with LoRA adapters (random B, so they change the output from
-    the first step); `layers`: adapt only these blocks; `checkpointing`: "reentrant" or "non-reentrant"."""
+    the first step); `layers`: adapt only these blocks; `checkpointing`: "reentrant" or "non-reentrant";
+    `modules_to_save`: modules trained whole beside the adapters (PEFT keeps a trainable copy)."""
 
     def build():
         import peft
@@ -49,6 +50,7 @@ def peft_fn(kind: str, layers: list[int] | None = None, checkpointing: str | Non
             lora_dropout=0.0,
             init_lora_weights="gaussian",
             layers_to_transform=layers,
+            modules_to_save=modules_to_save,
         )
         torch.manual_seed(1)
         return peft.get_peft_model(model, config)
@@ -86,8 +88,9 @@ def _against_ddp(
     layers=None,
     checkpointing=None,
     offload: bool = False,
+    modules_to_save=None,
 ) -> None:
-    build = peft_fn(kind, layers, checkpointing)
+    build = peft_fn(kind, layers, checkpointing, modules_to_save)
     ref = train_ddp(
         build,
         batches,
@@ -101,7 +104,7 @@ def _against_ddp(
     zero = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}} if offload else {}
     engine = _engine(build, stage, gas=gas, clip=clip, **zero)
     trainable = {n for n, p in engine.module.named_parameters() if p.requires_grad}
-    assert trainable and all("lora_" in n for n in trainable), sorted(trainable)
+    assert trainable and all("lora_" in n or "modules_to_save" in n for n in trainable), sorted(trainable)
     ours = {"losses": _train(engine, range(STEPS), gas), "params": full_params(engine)}
     what = f"{kind} stage {stage} gas {gas} clip {clip} layers {layers} checkpointing {checkpointing} offload {offload}"
     assert_close(ours, ref, exact=exact, what=what)
@@ -198,6 +201,8 @@ def _worker_2(rank: int, world_size: int, root: str) -> None:
         dict(case="ddp", kind="gpt2", stage=1, layers=[1]),
         dict(case="ddp", kind="llama", stage=3, checkpointing="reentrant"),
         dict(case="ddp", kind="gpt2", stage=3, checkpointing="non-reentrant"),
+        # the root's trainable head gets its gradient first; the frozen final norm is read after it
+        dict(case="ddp", kind="llama", stage=3, modules_to_save=["lm_head"]),
         dict(case="freed", kind="llama"),
         dict(case="partitioned", kind="gpt2"),
         dict(case="resume", kind="llama", stage=3),

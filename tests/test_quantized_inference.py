@@ -322,7 +322,10 @@ def _packed_case(store: str, checkpoint: str, swap: str) -> None:
     engine.module.lm_head.register_forward_pre_hook(lambda m, a: seen.append(m.weight.untyped_storage().nbytes()))
     packed = sorted(type(m).__name__ for m, _ in engine._packed.layers)
     assert packed == sorted(type(m).__name__ for m, _ in expected.layers), packed
-    assert "PackedEmbedding" in packed and "PackedLinear" in packed and len(packed) < 15  # k/v: 32 rows
+    assert "PackedEmbedding" in packed and "PackedLinear" in packed
+    # The embedding and 15 Linears; the 4 k/v projections have 32 rows, whole kernel blocks where the
+    # block is 32 (AVX2), not where it is 64 (AVX-512)
+    assert len(packed) == (16 if 32 % BLOCK == 0 else 12), (BLOCK, packed)
     prompt = torch.randint(2, 64, (2, 5), generator=torch.Generator().manual_seed(10))
     assert torch.equal(engine(prompt).logits, oracle(prompt).logits), "logits differ from the packed oracle"
     assert (seen[0] == 4) if alone else (seen[0] > 4 * 64 * 64), seen  # 4: one zero under the weight's shape

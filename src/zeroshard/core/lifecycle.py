@@ -24,6 +24,11 @@ checkpointing runs the forward without autograd and recomputes it inside backwar
 watched in the forward is watched in its recomputation; non-reentrant checkpointing backpropagates
 through the first forward's graph, so its recomputation is not watched. Whatever a hook never
 reports (a forward with no backward after it) is freed by end_backward, as unused units are.
+A unit that encloses other units (the root) is the exception: its frozen parameters are read in the
+middle of backward and the gradient they carry goes into the units inside it, never to its own
+inputs: a PEFT reward model's trainable score head (the root's) gets its gradient first, and the
+frozen final norm is read right after it. Such a unit, when it has frozen parameters, stays gathered
+until end_backward.
 
 [Note: inference prefetch]
 A forward without autograd (eval, ZeRO-Inference, HF `generate`, which calls the model directly and so
@@ -54,7 +59,7 @@ from zeroshard.core.gathered import GatherPolicy, LiveCount, reuse_offsets
 from zeroshard.core.group import SpentGradients
 from zeroshard.core.policy import StagePolicy
 from zeroshard.core.unit import InflightReductions, Unit, UnitState
-from zeroshard.core.wrap import entry_modules
+from zeroshard.core.wrap import entry_modules, is_inside
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +136,9 @@ class Lifecycle:
         self._forward_suffix: list[int] = []  # [i]: elements of forward_order[i:]
         self._input_watches: list = []  # multi-grad hook handles: [Note: frozen parameters in backward]
         self._watched_in_forward: set[int] = set()
+        self._frozen_enclosing = {  # [Note: frozen parameters in backward]
+            id(u) for u in units if u.frozen and any(o is not u and is_inside(o.name, u.name) for o in units)
+        }
         self._open_calls: dict[int, list] = {}  # id(unit) -> its entry modules' calls in progress, outermost first
         self._units_in_call = 0  # units with a call in progress
 
@@ -334,8 +342,12 @@ class Lifecycle:
         if self.phase is not Phase.BACKWARD or unit.input_grads_pending == 0:
             return
         unit.input_grads_pending -= 1
-        if unit.input_grads_pending == 0 and unit.grads_done and not self.hold_gathered:
+        if unit.input_grads_pending == 0 and unit.grads_done and not self._held_in_backward(unit):
             unit.reshard()
+
+    def _held_in_backward(self, unit: Unit) -> bool:
+        """Kept gathered to the end of backward? [Note: frozen parameters in backward]"""
+        return self.hold_gathered or id(unit) in self._frozen_enclosing
 
     def _clear_input_watches(self) -> None:
         for handle in self._input_watches:
@@ -440,7 +452,7 @@ class Lifecycle:
             # step, 0.2-1 Gbit/s and loopback; 50 MB more at 202M, docs/multinode.md).
             if not (self.max_inflight and all(g.grads_persist_full for g in unit.groups)):
                 self._inflight.keep_at_most(self.max_inflight)
-        if not self.hold_gathered and unit.input_grads_pending == 0:  # [Note: frozen parameters in backward]
+        if unit.input_grads_pending == 0 and not self._held_in_backward(unit):  # [Note: frozen parameters in backward]
             unit.reshard()
 
     def end_backward(self) -> None:

@@ -52,13 +52,26 @@ def unit_modules(model: nn.Module, wrap_modules: list[str] | None = None) -> lis
                 f"contain; module classes in the model: {sorted(known)}"
             )
     else:
-        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-        found = []
-        if lists:
-            name, biggest = max(lists, key=lambda item: _numel(item[1]))
-            found = [(f"{name}.{i}", block) for i, block in enumerate(biggest) if _numel(block)]
-            found += _heads(model, name, [block for _, block in found])
+        blocks, heads = _default_units(model)
+        found = blocks + heads
     return found + [(ROOT, model)]
+
+
+def block_classes(model: nn.Module) -> list[str]:
+    """Class names of the default policy's blocks: as `wrap_modules`, the same units with every head
+    left in the root."""
+    blocks, _ = _default_units(model)
+    return sorted({type(block).__name__ for _, block in blocks})
+
+
+def _default_units(model: nn.Module) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """(the blocks of the largest ModuleList, the heads after them)."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return [], []
+    name, biggest = max(lists, key=lambda item: _numel(item[1]))
+    blocks = [(f"{name}.{i}", block) for i, block in enumerate(biggest) if _numel(block)]
+    return blocks, _heads(model, name, [block for _, block in blocks])
 
 
 def _heads(model: nn.Module, blocks_name: str, blocks: list[nn.Module]) -> list[tuple[str, nn.Module]]:

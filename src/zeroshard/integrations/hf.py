@@ -12,6 +12,7 @@ DeepSpeed scripts (hf_deepspeed.py). Requires `pip install zeroshard[hf]`; nothi
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -20,11 +21,20 @@ from transformers.trainer import SCHEDULER_NAME
 
 from zeroshard.checkpoint import full_state_dict
 from zeroshard.compat.api import initialize
-from zeroshard.config import ConfigError, read_config
+from zeroshard.config import ConfigError
 from zeroshard.core.unit import UnitState
+from zeroshard.core.wrap import block_classes
+from zeroshard.integrations.hf_config import trainer_config
 from zeroshard.integrations.hf_deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
-__all__ = ["HfDeepSpeedConfig", "ZeroShardTrainer", "generate", "is_deepspeed_zero3_enabled", "trainer_config"]
+__all__ = [
+    "HfDeepSpeedConfig",
+    "ZeroShardTrainer",
+    "generate",
+    "is_deepspeed_zero3_enabled",
+    "trainer_config",
+    "zeroshard_trainer",
+]
 
 
 def generate(engine, *args, **kwargs):
@@ -40,51 +50,6 @@ def generate(engine, *args, **kwargs):
 
 
 # -- the Trainer ------------------------------------------------------------------------------------
-
-
-def trainer_config(config, args: transformers.TrainingArguments, max_steps: int) -> dict:
-    """The DeepSpeed-style `config` (dict or JSON path) with the values the Trainer owns filled in,
-    as the DeepSpeed integration of transformers does: batch sizes, accumulation and clipping from
-    `args` when missing or "auto" (a different explicit value is an error, the Trainer's loop and the
-    engine must count the same micro steps); "auto" optimizer and scheduler parameters from the
-    learning rate, Adam betas/epsilon, weight decay, warmup and total steps."""
-    config = read_config(config)
-    if args.fp16 or args.bf16:
-        raise ConfigError(
-            "ZeroShardTrainer: set precision in the zeroshard config ('bf16': {'enabled': true} or "
-            "'fp16'), not with TrainingArguments(fp16/bf16), which would autocast on top of it"
-        )
-    owned = {
-        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "gradient_clipping": args.max_grad_norm,
-    }
-    for key, value in owned.items():
-        given = config.get(key, "auto")
-        if given != "auto" and given != value:
-            raise ConfigError(
-                f"config '{key}' is {given!r} but TrainingArguments give {value!r}: remove it from "
-                'the config, set it to "auto", or make them agree'
-            )
-        config[key] = value
-    config.pop("train_batch_size", None)  # derived from the two above and the world size
-    lr = args.learning_rate
-    fill = {
-        "lr": lr,
-        "betas": [args.adam_beta1, args.adam_beta2],
-        "eps": args.adam_epsilon,
-        "weight_decay": args.weight_decay,
-        "warmup_min_lr": 0.0,
-        "warmup_max_lr": lr,
-        "warmup_num_steps": args.get_warmup_steps(max_steps),
-        "total_num_steps": max_steps,
-    }
-    for section in ("optimizer", "scheduler"):
-        if section in config:
-            params = dict(config[section].get("params", {}))
-            params.update({k: fill[k] for k, v in params.items() if v == "auto" and k in fill})
-            config[section] = {**config[section], "params": params}
-    return config
 
 
 class _SteppedByEngine:
@@ -121,12 +86,18 @@ class ZeroShardTrainer(transformers.Trainer):
         trainer = ZeroShardTrainer(model=model, args=TrainingArguments(...), train_dataset=...,
                                    zeroshard_config="ds_config.json")   # a DeepSpeed-style config
 
-    Do not set `TrainingArguments.deepspeed`: the config goes to `zeroshard_config`. The optimizer
-    is the Trainer's (`create_optimizer`, or `optimizers=`) unless the config has an `optimizer`
-    section; likewise the scheduler. `save_model()` (collective: call it on every rank) writes the
-    full model with `save_pretrained` from rank 0; checkpoints also hold the engine's sharded
-    checkpoint (`global_step<N>/`, `latest`), from which `train(resume_from_checkpoint=...)`
-    restores weights, optimizer state and counters.
+    Any other Trainer subclass (TRL's `SFTTrainer`, `DPOTrainer`, ...) becomes a zeroshard one with
+    `zeroshard_trainer(TrainerClass)`. Do not set `TrainingArguments.deepspeed`: the config goes to
+    `zeroshard_config`, and the TrainingArguments fill it where it says "auto" or nothing, as
+    transformers' DeepSpeed integration does (hf_config.py): batch sizes, accumulation, clipping,
+    bf16/fp16, the optimizer's and scheduler's parameters. The optimizer is the Trainer's
+    (`create_optimizer`, or `optimizers=`) unless the config has an `optimizer` section; likewise the
+    scheduler. At stage 3 a reference model (`self.ref_model`, TRL's) and reward models
+    (`self.reward_funcs`) are sharded too, as frozen engines without an optimizer. `save_model()`
+    (collective: call it on every rank) writes the full model, or a PEFT model's adapters, with
+    `save_pretrained` from rank 0; checkpoints also hold the engine's sharded checkpoint
+    (`global_step<N>/`, `latest`), from which `train(resume_from_checkpoint=...)` restores weights,
+    optimizer state and counters.
     """
 
     def __init__(self, *args, zeroshard_config=None, **kwargs):
@@ -137,6 +108,10 @@ class ZeroShardTrainer(transformers.Trainer):
                 f"ZeroShardTrainer needs transformers>=5.24 (installed: {transformers.__version__}): "
                 "pip install 'zeroshard[hf]'"
             )
+        if zeroshard_config is not None or not hasattr(self, "zeroshard_config"):  # zeroshard_trainer sets it first
+            self.zeroshard_config = zeroshard_config if zeroshard_config is not None else {}
+        self.engine = None
+        self.frozen_engines: list = []  # the reference and reward models' engines (stage 3)
         super().__init__(*args, **kwargs)
         if self.args.deepspeed:
             raise ConfigError(
@@ -145,8 +120,6 @@ class ZeroShardTrainer(transformers.Trainer):
                 "HfDeepSpeedConfig looks up the installed deepspeed distribution, which zeroshard "
                 "is not); see docs/integrations.md, 'ZeRO-3 with transformers'"
             )
-        self.zeroshard_config = zeroshard_config if zeroshard_config is not None else {}
-        self.engine = None
 
     # -- building the engine: replaces the Trainer's accelerator.prepare(model, optimizer) ---------
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
@@ -175,14 +148,45 @@ class ZeroShardTrainer(transformers.Trainer):
         return self.engine, train_dataloader
 
     def _build_engine(self, max_steps: int) -> None:
-        config = trainer_config(self.zeroshard_config, self.args, max_steps)
+        assert self.model is not None  # Trainer requires a model (or model_init) before train()
+        config = trainer_config(self.zeroshard_config, self.args, max_steps, self.args.world_size)
+        config = _fit_model(config, self.model)
         if "scheduler" in config and self.lr_scheduler is not None:
             raise ConfigError(
                 "a scheduler was given to Trainer(optimizers=...) and the zeroshard config has a "
                 "'scheduler' section: give exactly one"
             )
+        stage = config.get("zero_optimization", {}).get("stage", 0)
+        if stage == 3 and getattr(self.args, "sync_ref_model", False):
+            raise ConfigError(
+                "sync_ref_model=True (TR-DPO) at zero_optimization.stage 3: it mixes the policy's "
+                "parameters into the reference model's in place, which at stage 3 are 1/N shards of "
+                "differently laid out models; use stage 0-2, or sync_ref_model=False"
+            )
         optimizer = None if "optimizer" in config else self.create_optimizer()
         self.engine, *_ = initialize(model=self.model, optimizer=optimizer, config=config)
+        if stage == 3:
+            self._shard_frozen_models(config)
+
+    def _shard_frozen_models(self, config: dict) -> None:
+        """Stage 3: the reference model (TRL's `ref_model`) and reward models held as frozen stage-3
+        engines, 1/N of each on a rank, as DeepSpeed's ZeRO-3 holds them in TRL. Their calls reach
+        the module itself (TRL calls `self.ref_model(...)`), whose units gather on each call ([Note:
+        calls below a unit's module] in core/wrap.py)."""
+        frozen = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
+        frozen["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
+        models = [getattr(self, "ref_model", None), *getattr(self, "reward_funcs", [])]
+        for model in models:
+            if isinstance(model, torch.nn.Module) and model is not self.model and any(True for _ in model.parameters()):
+                engine, *_ = initialize(model=model, config=_fit_model(copy.deepcopy(frozen), model))
+                self.frozen_engines.append(engine)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        """Evaluation runs through the engine once it exists (Trainer would prepare the bare module
+        with Accelerate, which adds its autocast to the module's forward)."""
+        if self.engine is not None and not training:
+            return self.engine
+        return super()._wrap_model(model, training, dataloader)
 
     # -- one micro step -------------------------------------------------------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -222,10 +226,19 @@ class ZeroShardTrainer(transformers.Trainer):
     # -- saving and loading ---------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The full model, gathered to rank 0 and written by `save_pretrained` (model.safetensors,
-        config). Collective: every rank calls it, as the Trainer itself does."""
+        config); of a PEFT model only the trainable parameters (the adapters) are gathered, and its
+        `save_pretrained` writes the adapter. Collective: every rank calls it, as the Trainer itself
+        does."""
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
-        state_dict = full_state_dict(self.engine)  # rank 0 holds it, {} elsewhere
+        model = self.engine.module
+        if hasattr(model, "peft_config"):
+            trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+            with self.engine.gathered_parameters([p for _, p in trainable]):
+                rank0 = self.engine.global_rank == 0
+                state_dict = {name: p.detach().clone() for name, p in trainable} if rank0 else {}
+        else:
+            state_dict = full_state_dict(self.engine)  # rank 0 holds it, {} elsewhere
         self._save(output_dir or self.args.output_dir, state_dict=state_dict)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -257,3 +270,40 @@ class ZeroShardTrainer(transformers.Trainer):
 
     def _load_best_model(self) -> None:
         self.engine.load_checkpoint(self.state.best_model_checkpoint, load_module_only=True)
+
+
+def zeroshard_trainer(trainer_class: type) -> type:
+    """`trainer_class` (a `transformers.Trainer` subclass: TRL's `SFTTrainer`, `DPOTrainer`,
+    `RewardTrainer`, `KTOTrainer`, `GRPOTrainer`, or your own) training through a zeroshard engine:
+
+        DPO = zeroshard_trainer(trl.DPOTrainer)
+        trainer = DPO(model=..., args=trl.DPOConfig(...), train_dataset=..., zeroshard_config=config)
+
+    The class is `trainer_class` first and `ZeroShardTrainer` below it, so the subclass's own
+    `training_step` and `compute_loss` run and reach ZeroShardTrainer's through `super()` (TRL's
+    GRPO counts its generation steps there); `zeroshard_config` is taken before the subclass's
+    `__init__`, whose signature does not know it."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"zeroshard_trainer({trainer_class!r}): a transformers.Trainer subclass")
+    if issubclass(trainer_class, ZeroShardTrainer):
+        return trainer_class
+
+    def __init__(self, *args, zeroshard_config=None, **kwargs):
+        self.zeroshard_config = zeroshard_config if zeroshard_config is not None else {}
+        trainer_class.__init__(self, *args, **kwargs)
+
+    name = f"ZeroShard{trainer_class.__name__}"
+    return type(name, (trainer_class, ZeroShardTrainer), {"__init__": __init__, "__qualname__": name})
+
+
+def _fit_model(config: dict, model: torch.nn.Module) -> dict:
+    """`config`, with the wrap policy told to leave an LM head in the root unit when the model's
+    forward was replaced on the instance: TRL's fused LM head (`add_fused_lm_head`) reads
+    `lm_head.weight` without calling `lm_head`, so a head that was a unit of its own ([Note: the head
+    is a unit] in core/wrap.py) would never be gathered. The blocks stay the units they were."""
+    get_base = getattr(model, "get_base_model", None)  # under PEFT's wrapper
+    base = get_base() if callable(get_base) else model
+    extras = config.setdefault("zeroshard", {})
+    if "forward" in vars(base) and not extras.get("wrap_modules"):
+        extras["wrap_modules"] = block_classes(model)
+    return config
