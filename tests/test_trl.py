@@ -134,13 +134,70 @@ def _grpo_gathering_per_unit(root: str) -> None:
     assert all(torch.equal(runs[True][1][k], v) for k, v in runs[False][1].items())
 
 
+def _logits(model, probe: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=probe).logits
+
+
+def _saves_and_resumes(root: str, name: str, peft: bool) -> None:
+    """Stage 3, 4 steps with a checkpoint at step 2: `save_model()` writes a model (or, with PEFT, an
+    adapter) that `from_pretrained` (`PeftModel.from_pretrained`) loads with the engine's logits;
+    a run resumed from the checkpoint has the straight run's losses and parameters."""
+    import peft as peft_lib
+    import transformers
+
+    rank = torch.distributed.get_rank()
+    steps = dict(max_steps=4, save_strategy="steps", save_steps=2)
+    straight = _trainer(root, name, stage=3, peft=peft, tag="-save", **steps)
+    straight.train()
+    final = os.path.join(root, f"final-{name}-{peft}")
+    straight.save_model(final)
+    probe = torch.arange(3, 11).reshape(2, 4)  # (2, T)
+    engine = straight.engine
+    engine.eval()
+    expected = {"losses": _losses(straight), "params": _trained(straight), "logits": _logits(engine, probe)}
+    engine.destroy()
+    base_dir = _model_dir(root, name) if peft else final  # (collective: every rank)
+    if rank == 0:
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+        loaded = peft_lib.PeftModel.from_pretrained(base, final) if peft else base
+        assert os.path.isfile(os.path.join(final, "adapter_model.safetensors" if peft else "model.safetensors"))
+        reloaded = _logits(loaded.eval(), probe)
+        assert torch.equal(reloaded, expected["logits"]), (
+            f"{name}: logits differ by {(reloaded - expected['logits']).abs().max()}"
+        )
+    torch.distributed.barrier()
+    resumed = _trainer(root, name, stage=3, peft=peft, tag="-resumed", **steps)
+    resumed.train(resume_from_checkpoint=os.path.join(root, f"out-{name}-3-{peft}-save", "checkpoint-2"))
+    assert _losses(resumed) == expected["losses"], (_losses(resumed), expected["losses"])
+    for key, value in _trained(resumed).items():
+        assert torch.equal(value, expected["params"][key]), f"{name} resumed: '{key}' differs"
+    resumed.engine.destroy()
+
+
+def _bf16_from_training_arguments(root: str) -> None:
+    """`TrainingArguments(bf16=True)`, a config without a bf16 section: the engine trains in bf16."""
+    trainer = _trainer(root, "sft", stage=3, peft=False, tag="-bf16", bf16=True)
+    trainer.train()
+    engine = trainer.engine
+    assert engine.bfloat16_enabled() and engine.precision.param_dtype is torch.bfloat16
+    losses = _losses(trainer)
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+    engine.destroy()
+
+
 def _worker(rank: int, world_size: int, root: str) -> None:
     cases = [dict(case="parity", name=n, peft=p) for n in TRAINERS for p in (False, True)]
-    cases.append(dict(case="grpo_units"))
+    cases += [dict(case="grpo_units"), dict(case="bf16")]
+    cases += [dict(case="save", name="sft", peft=True), dict(case="save", name="dpo", peft=False)]
 
     def run(case: str, **kw):
         if case == "parity":
             return _parity(root, kw["name"], kw["peft"])
+        if case == "save":
+            return _saves_and_resumes(root, kw["name"], kw["peft"])
+        if case == "bf16":
+            return _bf16_from_training_arguments(root)
         return _grpo_gathering_per_unit(root)
 
     subtests(cases, run)
