@@ -138,6 +138,15 @@ def run_script(script, *args, world_size: int = 2, cwd, timeout: float = 300.0, 
     )
 
 
+def write_titled_blocks(page: Path, directory: Path) -> None:
+    """Write the fenced blocks of a guide page that carry a title (```python title="x.py") into
+    `directory` as files of that name: the page's scripts, as a reader copies them."""
+    import re
+
+    for name, body in re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', page.read_text(), re.S):
+        (directory / name).write_text(body)
+
+
 def _script_worker(rank: int, world_size: int, *, script: str, argv: list[str], cwd: str) -> str:
     import io
     import runpy

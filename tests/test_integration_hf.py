@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 import torch
 
 import zeroshard
-from tests.harness import run_distributed, run_script, subtests
+from tests.harness import run_distributed, run_script, subtests, write_titled_blocks
 from tests.reference import train_ddp
 from tests.zs_common import adamw, assert_close, full_params, make_config
 from zeroshard.core.unit import UnitState
@@ -290,11 +290,6 @@ def test_trainer_saves_loadable_model_and_resumes(tmp_path):
 
 
 # -- the documented examples ---------------------------------------------------------------------------
-def _documented_scripts(directory) -> None:
-    """Write the files of docs/integrations.md (fenced blocks with a title) into `directory`."""
-    text = (ROOT / "docs" / "integrations.md").read_text()
-    for name, body in re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', text, re.S):
-        (directory / name).write_text(body)
 
 
 @pytest.mark.slow
@@ -303,7 +298,7 @@ def test_documented_example_runs_on_two_ranks(script, tmp_path):
     """As `torchrun --nproc_per_node 2 SCRIPT` starts it (tests.harness.run_script); the scripts end by
     destroying their process group, which retires the ranks."""
     pytest.importorskip("accelerate")
-    _documented_scripts(tmp_path)
+    write_titled_blocks(ROOT / "docs" / "integrations.md", tmp_path)
     stdout = "\n".join(run_script(tmp_path / script, world_size=2, cwd=tmp_path, env=ENV, timeout=300))
     if script == "hf_train.py":  # the reloaded model generates what the engine generated on rank 0
         generated = re.search(r"rank 0: \[[\d, ]+\] -> (\[[\d, ]+\])", stdout)

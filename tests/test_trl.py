@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,7 +23,7 @@ pytest.importorskip("trl")  # the hf extra, which `make test` installs
 import torch
 
 from tests import trl_helpers as H
-from tests.harness import run_distributed, subtests
+from tests.harness import run_distributed, subtests, write_titled_blocks
 from tests.test_integration_hf import ENV
 
 CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -90,7 +93,8 @@ def _parity(root: str, name: str, peft: bool) -> None:
     expected = {"losses": _losses(ddp), "params": _trained(ddp)}
     assert len(expected["losses"]) == 3
     for stage in (1, 3):
-        trainer = _trainer(root, name, stage=stage, peft=peft)
+        with _loads_counted(name) as loads:
+            trainer = _trainer(root, name, stage=stage, peft=peft)
         trainer.train()
         engine = trainer.engine
         assert engine.zero_optimization_stage() == stage
@@ -101,9 +105,31 @@ def _parity(root: str, name: str, peft: bool) -> None:
             assert torch.equal(got["params"][key], value), f"{what}: '{key}' differs from DDP's"
         if stage == 3:
             _reference_sharded(trainer, name, peft)
+            # DPO and KTO take `ref_model`: zeroshard builds it from the policy's directory shard by
+            # shard, and TRL loads only the policy; GRPO loads its reference itself (sharded after).
+            assert len(loads) == (2 if name == "grpo" and not peft else 1), loads
         for frozen in trainer.frozen_engines:
             frozen.destroy()
         engine.destroy()
+
+
+@contextlib.contextmanager
+def _loads_counted(name: str):
+    """The models TRL's trainer `name` loads from a path (`create_model_from_path`) while inside."""
+    import importlib
+
+    module = importlib.import_module(f"trl.trainer.{name}_trainer")
+    original, loads = module.create_model_from_path, []
+
+    def counted(path, *args, **kwargs):
+        loads.append(path)
+        return original(path, *args, **kwargs)
+
+    module.create_model_from_path = counted
+    try:
+        yield loads
+    finally:
+        module.create_model_from_path = original
 
 
 def _reference_sharded(trainer, name: str, peft: bool) -> None:
@@ -206,3 +232,31 @@ def _worker(rank: int, world_size: int, root: str) -> None:
 @pytest.mark.slow
 def test_trl_trainers_match_ddp(tmp_path):
     run_distributed(_worker, 2, timeout=900, env=ENV, root=str(tmp_path))
+
+
+@pytest.mark.slow
+def test_documented_trl_script_runs_under_both_launchers(tmp_path):
+    """docs/integrations.md's trl_dpo.py under a real `torchrun --nproc_per_node 2 trl_dpo.py`
+    (`python -m torch.distributed.run`) and a real `accelerate launch --multi_gpu --num_processes 2
+    trl_dpo.py`: both ranks train with the reference model split over them, in bf16 as TRL's config
+    asks where bf16 is supported."""
+    write_titled_blocks(Path(__file__).resolve().parents[1] / "docs" / "integrations.md", tmp_path)
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
+        "accelerate": [
+            str(Path(sys.executable).parent / "accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+        ],
+    }
+    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
+    expected = "reference model units ['model.layers.0', 'model.layers.1', '<root>']"
+    for name, launcher in launchers.items():
+        done = subprocess.run(
+            [*launcher, "trl_dpo.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, f"{name}:\n{done.stdout}{done.stderr}"
+        for rank in (0, 1):
+            assert f"rank {rank}: bf16 " in done.stdout and expected in done.stdout, f"{name}:\n{done.stdout}"

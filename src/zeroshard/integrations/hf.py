@@ -13,6 +13,7 @@ DeepSpeed scripts (hf_deepspeed.py). Requires `pip install zeroshard[hf]`; nothi
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 
 import torch
@@ -21,6 +22,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from zeroshard.checkpoint import full_state_dict
 from zeroshard.compat.api import initialize
+from zeroshard.compat.pretrained import from_pretrained, meta_model
 from zeroshard.config import ConfigError
 from zeroshard.core.unit import UnitState
 from zeroshard.core.wrap import block_classes
@@ -172,13 +174,15 @@ class ZeroShardTrainer(transformers.Trainer):
         """Stage 3: the reference model (TRL's `ref_model`) and reward models held as frozen stage-3
         engines, 1/N of each on a rank, as DeepSpeed's ZeRO-3 holds them in TRL. Their calls reach
         the module itself (TRL calls `self.ref_model(...)`), whose units gather on each call ([Note:
-        calls below a unit's module] in core/wrap.py)."""
-        frozen = {k: v for k, v in config.items() if k not in ("optimizer", "scheduler")}
-        frozen["zero_optimization"] = {k: v for k, v in config["zero_optimization"].items() if k != "offload_optimizer"}
+        calls below a unit's module] in core/wrap.py). A reference model `zeroshard_trainer` built
+        from the policy's directory is one already."""
         models = [getattr(self, "ref_model", None), *getattr(self, "reward_funcs", [])]
+        held = {id(engine.module) for engine in self.frozen_engines}
         for model in models:
-            if isinstance(model, torch.nn.Module) and model is not self.model and any(True for _ in model.parameters()):
-                engine, *_ = initialize(model=model, config=_fit_model(copy.deepcopy(frozen), model))
+            if not isinstance(model, torch.nn.Module) or model is self.model or id(model) in held:
+                continue
+            if any(True for _ in model.parameters()):
+                engine, *_ = initialize(model=model, config=_fit_model(_frozen_config(config), model))
                 self.frozen_engines.append(engine)
 
     def _wrap_model(self, model, training=True, dataloader=None):
@@ -282,7 +286,9 @@ def zeroshard_trainer(trainer_class: type) -> type:
     The class is `trainer_class` first and `ZeroShardTrainer` below it, so the subclass's own
     `training_step` and `compute_loss` run and reach ZeroShardTrainer's through `super()` (TRL's
     GRPO counts its generation steps there); `zeroshard_config` is taken before the subclass's
-    `__init__`, whose signature does not know it."""
+    `__init__`, whose signature does not know it. At stage 3 a reference model TRL would load whole
+    from the policy's local directory is built from it shard by shard instead
+    (`_reference_from_directory`)."""
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
         raise TypeError(f"zeroshard_trainer({trainer_class!r}): a transformers.Trainer subclass")
     if issubclass(trainer_class, ZeroShardTrainer):
@@ -290,10 +296,49 @@ def zeroshard_trainer(trainer_class: type) -> type:
 
     def __init__(self, *args, zeroshard_config=None, **kwargs):
         self.zeroshard_config = zeroshard_config if zeroshard_config is not None else {}
+        reference = _reference_from_directory(trainer_class, self.zeroshard_config, kwargs)
+        if reference is not None:
+            kwargs["ref_model"] = reference.module
         trainer_class.__init__(self, *args, **kwargs)
+        if reference is not None:
+            self.frozen_engines.append(reference)
 
     name = f"ZeroShard{trainer_class.__name__}"
     return type(name, (trainer_class, ZeroShardTrainer), {"__init__": __init__, "__qualname__": name})
+
+
+def _frozen_config(config: dict) -> dict:
+    """A copy of a training config for a model without an optimizer (a reference or reward model):
+    no optimizer, scheduler or optimizer offload, as TRL's `prepare_deepspeed` does for DeepSpeed."""
+    frozen = {k: copy.deepcopy(v) for k, v in config.items() if k not in ("optimizer", "scheduler")}
+    zero = frozen.get("zero_optimization", {})
+    frozen["zero_optimization"] = {k: v for k, v in zero.items() if k != "offload_optimizer"}
+    return frozen
+
+
+def _reference_from_directory(trainer_class: type, config, kwargs: dict):
+    """The frozen stage-3 engine of a reference model that `trainer_class` (a trainer taking
+    `ref_model`: TRL's DPO, KTO) would load whole with `from_pretrained` (no `ref_model` given, no
+    PEFT, no precomputed reference log-probabilities), built straight from the policy's local
+    directory with each rank reading only its shards (compat/pretrained.py); None where that does
+    not apply (then `_shard_frozen_models` shards what the trainer loaded)."""
+    model, args = kwargs.get("model"), kwargs.get("args")
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model) or args is None:
+        return None
+    if kwargs.get("ref_model") is not None or kwargs.get("peft_config") is not None:
+        return None
+    if "ref_model" not in inspect.signature(trainer_class).parameters:
+        return None
+    if getattr(args, "precompute_ref_log_probs", False):
+        return None
+    full = trainer_config(config, args, None, args.world_size)
+    if full.get("zero_optimization", {}).get("stage", 0) != 3:
+        return None
+    frozen = _frozen_config(full)
+    extras = frozen.setdefault("zeroshard", {})
+    if not extras.get("wrap_modules"):  # TRL's fused LM head reads the head's weight: see _fit_model
+        extras["wrap_modules"] = block_classes(meta_model(model))
+    return from_pretrained(model, frozen)
 
 
 def _fit_model(config: dict, model: torch.nn.Module) -> dict:
