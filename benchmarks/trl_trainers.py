@@ -174,8 +174,14 @@ def _launch(name: str, model_dir: str, out: Path, vocab: int, memory: bool) -> l
         env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     command += [__file__, "--worker", name, "--model-dir", model_dir, "--out", str(out), "--vocab", str(vocab)]
-    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
-    return json.loads((out / f"{name.replace(' ', '-')}.json").read_text())
+    report = out / f"{name.replace(' ', '-')}.json"
+    report.unlink(missing_ok=True)
+    done = subprocess.run(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Judged by the ranks' report, not the exit status: torch 2.13 + gloo may abort a process in its
+    # teardown after every rank has reported ("terminate called without an active exception").
+    if not report.exists():
+        raise RuntimeError(f"{name}: no report (exit status {done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(report.read_text())
 
 
 def _table(results: dict) -> str:
