@@ -23,7 +23,7 @@ pytest.importorskip("trl")  # the hf extra, which `make test` installs
 import torch
 
 from tests import trl_helpers as H
-from tests.harness import run_distributed, subtests, write_titled_blocks
+from tests.harness import run_distributed, run_script, subtests, write_titled_blocks
 from tests.test_integration_hf import ENV
 
 CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
@@ -236,27 +236,19 @@ def test_trl_trainers_match_ddp(tmp_path):
 
 @pytest.mark.slow
 def test_documented_trl_script_runs_under_both_launchers(tmp_path):
-    """docs/integrations.md's trl_dpo.py under a real `torchrun --nproc_per_node 2 trl_dpo.py`
-    (`python -m torch.distributed.run`) and a real `accelerate launch --multi_gpu --num_processes 2
-    trl_dpo.py`: both ranks train with the reference model split over them, in bf16 as TRL's config
-    asks where bf16 is supported."""
+    """docs/integrations.md's trl_dpo.py as `torchrun --nproc_per_node 2 trl_dpo.py` starts it
+    (tests.harness.run_script: kept ranks in torchrun's environment) and under a real
+    `accelerate launch --multi_gpu --num_processes 2 trl_dpo.py`: both ranks train with the reference
+    model split over them, in bf16 as TRL's config asks where bf16 is supported."""
     write_titled_blocks(Path(__file__).resolve().parents[1] / "docs" / "integrations.md", tmp_path)
-    launchers = {
-        "torchrun": [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"],
-        "accelerate": [
-            str(Path(sys.executable).parent / "accelerate"),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-        ],
-    }
-    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
     expected = "reference model units ['model.layers.0', 'model.layers.1', '<root>']"
-    for name, launcher in launchers.items():
-        done = subprocess.run(
-            [*launcher, "trl_dpo.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 0, f"{name}:\n{done.stdout}{done.stderr}"
-        for rank in (0, 1):
-            assert f"rank {rank}: bf16 " in done.stdout and expected in done.stdout, f"{name}:\n{done.stdout}"
+    for rank, stdout in enumerate(run_script(tmp_path / "trl_dpo.py", world_size=2, cwd=tmp_path, env=ENV)):
+        assert f"rank {rank}: bf16 " in stdout and expected in stdout, stdout
+    accelerate = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2"]
+    env = {**os.environ, **ENV, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*accelerate, "trl_dpo.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in (0, 1):
+        assert f"rank {rank}: bf16 " in done.stdout and expected in done.stdout, done.stdout
