@@ -102,7 +102,7 @@ def test_every_difference_is_named_in_one_error():
 
 
 def test_trl_generation_gathering_maps_to_generate_gather():
-    trl = pytest.importorskip("trl")
+    trl = pytest.importorskip("trl")  # the hf extra, which `make test` installs
 
     def grpo(gather: bool):
         return trl.GRPOConfig(

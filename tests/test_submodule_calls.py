@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("transformers")  # the hf extra, which `make test` installs
-pytest.importorskip("peft")
+pytest.importorskip("peft")  # the dev extra, which `make test` installs
 
 import torch
 from torch import nn
