@@ -69,6 +69,37 @@ def _peft_generate(kind: str, stage: int) -> None:
     engine.destroy()
 
 
+def _prefetch_order_after_a_lone_call(kind: str) -> None:
+    """Stage 3: the input embedding called on its own before any generation records a one-unit
+    inference order; the first `generate()` records the whole model's instead, so later passes
+    prefetch (each layer finds the next one gathering ahead of it)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    engine = _engine(peft_fn(kind)(), 3)
+    engine.eval()
+    model, lifecycle = engine.module, engine.lifecycle
+    with torch.no_grad():
+        for _ in range(2):
+            model.get_input_embeddings()(torch.arange(2, 10).reshape(1, 8))
+        assert [u.name for u in lifecycle.inference_order] == ["<root>"]
+        _generate(model, rank, 3, world)
+    assert [u.name for u in lifecycle.inference_order] == [u.name for u in [engine.units[-1], *engine.units[:-1]]]
+    layers = engine.units[:-1]
+    ahead = []  # at each layer's forward: is the next layer already gathering or gathered?
+    hooks = [
+        unit.module.register_forward_pre_hook(
+            lambda module, args, i=i: ahead.append(layers[i + 1].state is not UnitState.SHARDED)
+        )
+        for i, unit in enumerate(layers[:-1])
+    ]
+    with torch.no_grad():
+        _generate(model, rank, 3, world)
+    for hook in hooks:
+        hook.remove()
+    assert ahead and all(ahead), ahead
+    _nothing_gathered(engine, "generate()")
+    engine.destroy()
+
+
 def _training_around_generate(kind: str) -> None:
     """Stage 3: two steps, `engine.module.generate()`, a third step: the losses and parameters of DDP's
     three steps, bit for bit (generation changes nothing a step reads)."""
@@ -187,7 +218,7 @@ def _vision_tower_by_hand(stage: int) -> None:
 def _worker(rank: int, world_size: int) -> None:
     cases = [dict(case="generate", kind=k, stage=s) for k in ("llama", "gpt2") for s in (0, 1, 2, 3)]
     cases += [dict(case="vision", stage=s) for s in (1, 3)]
-    cases += [dict(case="whole", kind="llama")]
+    cases += [dict(case="whole", kind="llama"), dict(case="order", kind="llama")]
     if world_size == 2:
         cases += [dict(case="around", kind="llama")]
 
@@ -198,6 +229,8 @@ def _worker(rank: int, world_size: int) -> None:
             return _vision_tower_by_hand(kw["stage"])
         if case == "whole":
             return _whole_model_generate(kw["kind"])
+        if case == "order":
+            return _prefetch_order_after_a_lone_call(kw["kind"])
         return _training_around_generate(kw["kind"])
 
     subtests(cases, run)

@@ -37,7 +37,8 @@ the order of its units is recorded on the first pass, until a unit runs a second
 the training order. On later passes each unit's pre-forward prefetches the units after it in that
 order, and a pass starts again whenever the order's first unit runs. Nothing is enforced (every rank
 runs the same model code, so the collectives still match): from a unit that is off the order the pass
-is simply not prefetched, and a unit prefetched but not run is freed when the pass ends: when no call
+is simply not prefetched (a unit the order does not hold at all means it was recorded from a shorter
+pass, such as a module called on its own: the order is then recorded again from this pass), and a unit prefetched but not run is freed when the pass ends: when no call
 of a unit's module is open any more (a module called on its own, [Note: calls below a unit's module]
 in wrap.py, is a pass of its own), or when the next pass starts.
 """
@@ -249,6 +250,10 @@ class Lifecycle:
         ):
             self._inference_next += 1
         else:
+            if self._inference_next is not None and not any(u is unit for u in order):
+                # Recorded from a shorter pass (a module called on its own): record this one instead.
+                self._inference_recording = [*order[: self._inference_next], unit]
+                self.inference_order = None
             self._inference_next = None  # off the recorded order: no prefetch for the rest of this pass
 
     @staticmethod
