@@ -40,7 +40,7 @@ class _FakeMesh:
 
 @pytest.mark.parametrize("names", [None, ("tp", "pp"), ("dp", "cp"), ("dp", "dp")])
 def test_mesh_needs_named_dp_dimension(names):
-    with pytest.raises(ValueError, match="name them from \\('dp', 'tp', 'pp'\\)"):
+    with pytest.raises(ValueError, match="name them from \\('dp', 'tp', 'pp', 'sp'\\)"):
         from_device_mesh(_FakeMesh(names), torch.nn.Linear(2, 2))
 
 

@@ -16,8 +16,9 @@ from zeroshard.compat.engine import ZeroEngine
 from zeroshard.compat.inference import InferenceEngine
 from zeroshard.compat.optimizers import build_optimizer, check_shardable
 from zeroshard.compat.schedulers import build_scheduler
-from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, load_config
-from zeroshard.core.mesh import from_device_mesh, from_mpu
+from zeroshard.compat.ulysses_sp import sequence_mesh
+from zeroshard.config import ConfigError, ConfigKeyNotActedOnWarning, ZeroShardConfig, load_config, read_config
+from zeroshard.core.mesh import ZeroGroups, from_device_mesh, from_mpu
 from zeroshard.core.optim.muon import as_one_optimizer
 from zeroshard.core.optim.optimizer import ZeroOptimizer
 
@@ -62,8 +63,15 @@ def initialize(
     config = _pick_config(args, config, config_params)
     _check_local_rank(args)
     config = _init_distributed(config, dist_init_required, mesh is None and mpu is None)
-    group, model_parallel = _parallel_layout(mesh, mpu, model)
-    cfg = load_config(config, dist.get_world_size(group) if group is not None else dist.get_world_size())
+    groups = _parallel_layout(mesh, mpu, model, _sequence_parallel_size(config))
+    group, model_parallel = groups.dp, groups.model_parallel
+    sp = dist.get_world_size(groups.sp) if groups.sp is not None else 1
+    cfg = load_config(config, (dist.get_world_size(group) if group is not None else dist.get_world_size()) // sp)
+    if cfg.sequence_parallel_size != sp:
+        raise ConfigError(
+            f"config sequence_parallel_size is {cfg.sequence_parallel_size} but the "
+            f"{'mesh' if mesh is not None else 'mpu'}'s sequence-parallel groups have {sp} ranks: make them agree"
+        )
     deferred = any(p.is_meta for p in model.parameters())  # values loaded into the shards later
     if torch.cuda.is_available() and dist.get_backend() == "nccl" and not deferred:
         model.to(torch.device("cuda", torch.cuda.current_device()))
@@ -84,7 +92,7 @@ def initialize(
         )
     torch_optimizer = _build_optimizer(optimizer, cfg, params, model)
     check_shardable(torch_optimizer)
-    engine = ZeroEngine(model, torch_optimizer, cfg, group=group, model_parallel=model_parallel)
+    engine = ZeroEngine(model, torch_optimizer, cfg, group=group, model_parallel=model_parallel, sequence=groups.sp)
     engine.lr_scheduler = _build_scheduler(lr_scheduler, cfg, engine, optimizer)
     loader = _dataloader(training_data, collate_fn, engine) if training_data is not None else None
     return engine, engine.returned_optimizer, loader, engine.lr_scheduler
@@ -104,20 +112,33 @@ def _init_distributed(config, dist_init_required, whole_world: bool):
     if not (whole_world and world.isdigit() and int(world) > 0):
         init_distributed(dist_init_required=dist_init_required)  # raises when launched without torchrun
         return config
-    parsed = load_config(config, int(world))
+    parsed = load_config(config, int(world) // _sequence_parallel_size(config))
     init_distributed(dist_init_required=dist_init_required, timeout_s=parsed.zeroshard.comm_timeout_s)
     return parsed
 
 
-def _parallel_layout(mesh, mpu, model):
-    """(dp group, ModelParallel) of a mesh or an mpu; (None, None): ZeRO over the whole world."""
+def _parallel_layout(mesh, mpu, model, sequence_parallel_size: int) -> ZeroGroups:
+    """ZeRO's groups in a mesh or an mpu; without either, the whole world, or with the config's
+    `sequence_parallel_size` above 1, the groups of consecutive ranks that DeepSpeed's ALST builds."""
     if mesh is not None:
         if not hasattr(mesh, "get_group"):
             raise ValueError(f"initialize(mesh=...) needs a torch DeviceMesh, got {type(mesh).__name__}")
         return from_device_mesh(mesh, model)
     if mpu is not None:
         return from_mpu(mpu, model)
-    return None, None
+    if sequence_parallel_size > 1:
+        return from_device_mesh(sequence_mesh(sequence_parallel_size), model)
+    return ZeroGroups()
+
+
+def _sequence_parallel_size(config) -> int:
+    """The config's `sequence_parallel_size` before it is parsed (the batch sizes count dp ranks)."""
+    if isinstance(config, ZeroShardConfig):
+        return config.sequence_parallel_size
+    size = read_config(config).get("sequence_parallel_size", 1)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"config sequence_parallel_size is {size!r}: a positive integer")
+    return size
 
 
 def _refuse_hf_deepspeed_config() -> None:

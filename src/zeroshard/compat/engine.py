@@ -21,10 +21,12 @@ from zeroshard.compat.client_optimizer import ClientOptimizerLink, returns_basic
 from zeroshard.compat.ds_params import register as register_ds_metadata, unregister as unregister_ds_metadata
 from zeroshard.compat.engine_base import EngineBase
 from zeroshard.compat.throughput import ThroughputTimer
+from zeroshard.compat.ulysses_sp import attach_model, detach
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.optim.rollback import UpdateFailed
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.precision import cast_floating
+from zeroshard.core.sequence import SequenceParallel
 from zeroshard.core.sharded import Sharded
 from zeroshard.offload import build_placement
 
@@ -49,9 +51,12 @@ class ZeroEngine(EngineBase):
         *,
         group=None,
         model_parallel=None,
+        sequence=None,
     ):
         """`group`/`model_parallel`: ZeRO's data-parallel group and the tp/pp dimensions around it
-        (core/mesh.py), from `initialize(mesh=...)` or `initialize(mpu=...)`; default: the world."""
+        (core/mesh.py), from `initialize(mesh=...)` or `initialize(mpu=...)`; default: the world.
+        `sequence`: the sequence-parallel group inside `group` (Ulysses; a transformers model's
+        attention is wired to it: compat/ulysses_sp.py)."""
         super().__init__(model, config)
         zero = config.zero_optimization
         extras = config.zeroshard
@@ -82,7 +87,16 @@ class ZeroEngine(EngineBase):
                 gathering=policies.gather_policy(zero, extras),
                 comm_policy=comm_policy,
                 model_parallel=model_parallel,
+                sequence_parallel=(
+                    None
+                    if sequence is None
+                    else SequenceParallel(
+                        Communicator(comm_policy.timeout_s, comm_policy.check_collectives, group=sequence)
+                    )
+                ),
             )
+        if self.sharded.sequence_parallel is not None:
+            attach_model(model, self.sharded.sequence_parallel)
         register_ds_metadata(self.sharded)  # ds_id, ds_status, ... at stage 3 (compat/ds_params.py)
         if self.sharded.optimizer is not None:
             self.sharded.set_gradient_clipping(float(config.gradient_clipping or 0.0))
@@ -143,6 +157,11 @@ class ZeroEngine(EngineBase):
         self.sharded.set_gradient_scale(1.0 / self.gradient_accumulation_steps())
         with context:
             return self.sharded(*args, **kwargs)
+
+    def get_sequence_parallel_group(self):
+        """The sequence-parallel process group (Ulysses), or None without sequence parallelism."""
+        sequence = self.sharded.sequence_parallel
+        return sequence.comm.group if sequence is not None else None
 
     def _reduce_in_this_backward(self) -> bool:
         return self.is_gradient_accumulation_boundary() and not self._in_no_sync
@@ -338,6 +357,7 @@ class ZeroEngine(EngineBase):
 
     def _destroy(self) -> None:
         unregister_ds_metadata(self.sharded)
+        detach(self.module)
         if self._client_link is not None:
             self._client_link.remove()
             self._client_link = None

@@ -22,6 +22,7 @@ PATHS: dict[str, str] = {
     "ops.adam": "zeroshard.compat.adam",
     "runtime.lr_schedules": "zeroshard.compat.schedulers",
     "runtime.engine": "zeroshard.compat.engine",
+    "runtime.sequence_parallel.ulysses_sp": "zeroshard.compat.ulysses_sp",
     "runtime.zero.partition_parameters": "zeroshard.compat.partition_parameters",
     "moe.utils": "zeroshard.compat.moe",
     "utils": "zeroshard.compat.utils",

@@ -99,6 +99,13 @@ class ZeroShardConfig(Section):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: PosInt
     """Micro batches accumulated before each optimizer step."""
+    sequence_parallel_size: PosInt = 1
+    """Ranks that each hold a shard of every sequence (Ulysses sequence parallelism, DeepSpeed's ALST):
+    ZeRO partitions over data-parallel x sequence-parallel ranks, and batch sizes count the
+    data-parallel ones, world size / sequence_parallel_size. Its groups are those of the mpu or mesh
+    given to initialize (``UlyssesSPAttentionHF.register_with_transformers`` returns one), which must
+    agree; without one, initialize builds them from consecutive ranks. A transformers model's
+    attention is wired to them by initialize (compat/ulysses_sp.py)."""
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient norm to this value; 0 = off. DeepSpeed 0.19.8's default is 1.0
     (``GRADIENT_CLIPPING_DEFAULT`` in deepspeed/runtime/constants.py): a config without the key clips.

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 MESH_DIMS = ("dp", "tp", "pp")
+SEQUENCE_DIM = "sp"  # sequence parallelism: ZeRO partitions over dp x sp (core/sequence.py)
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,13 @@ def replicated_names(model: nn.Module, tensor_parallel: bool) -> frozenset:
 
 
 class ZeroGroups(NamedTuple):
-    """The process group ZeRO shards over (None: the world) and the model-parallel dimensions around
-    it (None: there are none)."""
+    """The process group ZeRO shards over (None: the world), the model-parallel dimensions around
+    it (None: there are none) and the sequence-parallel group inside it (None: no sequence
+    parallelism; [Note: Ulysses sequence parallelism] in core/sequence.py)."""
 
     dp: dist.ProcessGroup | None = None
     model_parallel: ModelParallel | None = None
+    sp: dist.ProcessGroup | None = None
 
 
 def zero_groups(mesh, model: nn.Module) -> ZeroGroups:
@@ -150,14 +153,17 @@ def zero_groups(mesh, model: nn.Module) -> ZeroGroups:
 
 
 def from_device_mesh(mesh, model: nn.Module) -> ZeroGroups:
-    """ZeRO's groups in a DeviceMesh with named dimensions 'dp' and 'tp'/'pp'."""
+    """ZeRO's groups in a DeviceMesh with named dimensions 'dp' and 'tp'/'pp', or 'dp' and 'sp'."""
     names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
-    if "dp" not in names or any(n not in MESH_DIMS for n in names) or len(set(names)) != len(names):
+    allowed = (*MESH_DIMS, SEQUENCE_DIM)
+    if "dp" not in names or any(n not in allowed for n in names) or len(set(names)) != len(names):
         raise ValueError(
-            f"mesh dimensions {names or '(unnamed)'}: name them from {MESH_DIMS}, with 'dp' "
+            f"mesh dimensions {names or '(unnamed)'}: name them from {allowed}, with 'dp' "
             "(the dimension ZeRO partitions over), e.g. init_device_mesh(device, (2, 2), "
             "mesh_dim_names=('dp', 'tp'))"
         )
+    if SEQUENCE_DIM in names:
+        return _sequence_groups(mesh, names)
     sizes = {n: mesh[n].size() for n in names}
     others = [n for n in ("tp", "pp") if n in names]
     tp = sizes.get("tp", 1) > 1
@@ -171,6 +177,20 @@ def from_device_mesh(mesh, model: nn.Module) -> ZeroGroups:
             coordinate={n: mesh.get_local_rank(n) for n in names},
         ),
     )
+
+
+def _sequence_groups(mesh, names: tuple) -> ZeroGroups:
+    """ZeRO over dp x sp, the sp group for attention ([Note: Ulysses sequence parallelism] in
+    core/sequence.py). Every rank of dp x sp holds other shards of the same model, so checkpoints
+    see one group of dp sp ranks, as without a mesh."""
+    if len(names) != 2:
+        raise ValueError(
+            f"mesh dimensions {names}: sequence parallelism takes a mesh of 'dp' and 'sp' alone "
+            "(with 'tp' or 'pp' it is not supported)"
+        )
+    # DeviceMesh._flatten: the one group of the dims' ranks, as FSDP2 over dp x cp in torchtitan.
+    whole = mesh[("dp", SEQUENCE_DIM)]._flatten(f"dp_{SEQUENCE_DIM}")
+    return ZeroGroups(whole.get_group(), None, mesh.get_group(SEQUENCE_DIM))
 
 
 _MPU_DP = ("get_data_parallel_group", "get_data_parallel_rank", "get_data_parallel_world_size")
@@ -188,7 +208,11 @@ _MPU_PP = (
 def from_mpu(mpu, model: nn.Module) -> ZeroGroups:
     """ZeRO's groups in a DeepSpeed/Megatron `mpu` object. Tensor-parallel calls
     are Megatron's `get_tensor_model_parallel_*` or, as DeepSpeed names them, `get_model_parallel_*`;
-    the pipeline's are optional."""
+    the pipeline's are optional. A sequence-parallel mpu (DeepSpeed's ALST: `get_sequence_parallel_*`
+    and `get_sequence_data_parallel_*`, whose `get_model_parallel_*` are the sequence-parallel group)
+    makes ZeRO partition over its sequence-data-parallel group."""
+    if all(callable(getattr(mpu, f"get_sequence{kind}_parallel_group", None)) for kind in ("", "_data")):
+        return ZeroGroups(mpu.get_sequence_data_parallel_group(), None, mpu.get_sequence_parallel_group())
     missing = [m for m in _MPU_DP if not callable(getattr(mpu, m, None))]
     tp_calls = next((calls for calls in _MPU_TP if all(callable(getattr(mpu, c, None)) for c in calls)), None)
     if missing or tp_calls is None:

@@ -44,6 +44,7 @@ from zeroshard.core.placement import Placement
 from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
 from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, check_supported
 from zeroshard.core.registry import register_engine
+from zeroshard.core.sequence import SequenceParallel
 from zeroshard.core.shard import shard_module
 from zeroshard.core.unit import build_links
 
@@ -72,7 +73,9 @@ def shard(
     `mesh`: where ZeRO shards: None (the world), a ProcessGroup, or a DeviceMesh with dimensions
     named 'dp' and 'tp' and/or 'pp' (ZeRO shards over 'dp' and completes the gradient norm over the
     others; ZeroGroups from `zeroshard.core.mesh.from_mpu` for a Megatron mpu), see [Note: ZeRO
-    over the data-parallel dimension] in core/mesh.py.
+    over the data-parallel dimension] in core/mesh.py; or 'dp' and 'sp' (sequence parallelism: ZeRO
+    shards over dp x sp, `Sharded.sequence_parallel` is the sp group, [Note: Ulysses sequence
+    parallelism] in core/sequence.py).
     `precision`: compute and reduce dtypes (masters are fp32). `offload`: where optimizer states and
     stage-3 parameter shards live (a Placement of stores). `gathering`: which modules become units
     and how much stage 3 gathers ahead ([Note: bounded gathering] in core/gathered.py). `comm`:
@@ -83,6 +86,9 @@ def shard(
     comm = comm or CommPolicy()
     communicator = Communicator(comm.timeout_s, comm.check_collectives, group=groups.dp)
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
+    sequence = None
+    if groups.sp is not None:
+        sequence = SequenceParallel(Communicator(comm.timeout_s, comm.check_collectives, group=groups.sp))
     return Sharded(
         model,
         as_one_optimizer(optimizer),
@@ -93,6 +99,7 @@ def shard(
         gathering=gathering or GatherPolicy(),
         comm_policy=comm,
         model_parallel=groups.model_parallel,
+        sequence_parallel=sequence,
     )
 
 
@@ -112,12 +119,15 @@ class Sharded:
         comm_policy: CommPolicy,
         model_parallel: ModelParallel | None = None,
         whole_parameters: bool = False,
+        sequence_parallel: SequenceParallel | None = None,
     ):
         """`whole_parameters`: the frozen parameters' resharding groups too are laid out whole, with
         uneven slices (the quantized weight store packs whole rows: [Note: quantized weight store]
         in offload/quantized.py)."""
         self.module = model
         self.model_parallel = model_parallel
+        # The sp group inside `comm`'s ranks: [Note: Ulysses sequence parallelism] in core/sequence.py
+        self.sequence_parallel = sequence_parallel
         self.comm = comm
         self.policy = policy
         self.precision = precision
