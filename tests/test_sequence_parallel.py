@@ -9,6 +9,8 @@ heads that do not split over sp, eager attention, padding before real tokens.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 pytest.importorskip("transformers")  # the hf extra, which `make test` installs
@@ -72,7 +74,34 @@ def _reference(build, dp_size: int, gas: int) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool) -> dict:
+class _TiledLoss(torch.nn.Module):
+    """A causal LM whose MLPs and loss run 2 tiles at a time (TiledMLP, TiledFusedLogitsLoss): the
+    forward returns the shard's summed token loss, so that it runs inside the sharded forward."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        for layer in lm.model.layers:
+            layer.mlp.forward = functools.partial(self._tiled_mlp, layer.mlp)
+
+    @staticmethod
+    def _tiled_mlp(mlp, x):
+        from zeroshard.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+        return TiledMLP.apply(lambda module, tile: type(module).forward(module, tile), mlp, x, 2, None)
+
+    def forward(self, input_ids, position_ids, shift_labels):
+        from zeroshard.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        hidden = self.lm.model(input_ids=input_ids, position_ids=position_ids).last_hidden_state  # (B, S/sp, C)
+
+        def loss(head, x, y):
+            return F.cross_entropy(head(x), y, ignore_index=-100, reduction="sum")
+
+        return TiledFusedLogitsLoss.apply(loss, self.lm.lm_head, hidden, shift_labels, None, 2, None, "sum")
+
+
+def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool, tiled: bool = False) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from zeroshard.compat.ulysses_sp import attach, detach
@@ -82,9 +111,10 @@ def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool) -> dict
     model = build()
     if checkpointing:
         model.gradient_checkpointing_enable({"use_reentrant": False})
+    trained = _TiledLoss(model) if tiled else model
     sharded = zeroshard.shard(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=LR),
+        trained,
+        torch.optim.AdamW(trained.parameters(), lr=LR),
         stage=stage,
         mesh=mesh,
         gathering=zeroshard.GatherPolicy(persistence_threshold=0),
@@ -99,8 +129,11 @@ def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool) -> dict
         for micro in range(gas):
             part = shard_batch(_batch(step, micro, dp), sequence.rank, sequence.size)
             labels = part.pop("shift_labels")  # (B, S/sp)
-            logits = sharded(**part).logits  # (B, S/sp, V)
-            summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            if tiled:
+                summed = sharded(**part, shift_labels=labels)
+            else:
+                logits = sharded(**part).logits  # (B, S/sp, V)
+                summed = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
             loss = sequence.whole_loss(summed, (labels != -100).sum())
             sharded.set_requires_gradient_sync(micro == gas - 1)
             (loss / gas).backward()
@@ -110,19 +143,19 @@ def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool) -> dict
         mean = torch.tensor(step_losses, dtype=torch.float64)
         sharded.comm.all_reduce(mean, "losses for the test", kind="control")
         losses.append((mean / world).tolist())
-    with sharded.gathered_parameters(list(model.parameters())):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with sharded.gathered_parameters(list(trained.parameters())):
+        params = {n.removeprefix("lm."): p.detach().clone() for n, p in trained.named_parameters()}
     detach(model)
     sharded.destroy()
     return {"losses": losses, "params": params}
 
 
-def _parity(stage: int, gas: int = 1, checkpointing: bool = False, kv_heads: int = 2) -> None:
+def _parity(stage: int, gas: int = 1, checkpointing: bool = False, kv_heads: int = 2, tiled: bool = False) -> None:
     world = torch.distributed.get_world_size()
     build = lambda: _model(kv_heads)  # noqa: E731
     ref = _reference(build, world // 2, gas)
-    ours = _sequence_parallel(build, stage, gas, checkpointing)
-    what = f"stage {stage} gas {gas} checkpointing {checkpointing} kv heads {kv_heads} at {world} ranks"
+    ours = _sequence_parallel(build, stage, gas, checkpointing, tiled)
+    what = f"stage {stage} gas {gas} checkpointing {checkpointing} kv heads {kv_heads} tiled {tiled} at {world} ranks"
     got, want = torch.tensor(ours["losses"]), torch.tensor(ref["losses"])
     assert torch.allclose(got, want, rtol=0, atol=1e-5), f"{what}: losses {got} vs {want}"
     for name, value in ref["params"].items():
@@ -238,9 +271,9 @@ def test_shard_batch_pads_shifts_and_positions():
 
 
 def _worker(rank: int, world_size: int, root: str) -> None:
-    cases = [dict(stage=s) for s in (1, 3)]
+    cases = [dict(stage=s, tiled=t) for s in (1, 3) for t in (False, True)]
     if world_size == 2:
-        cases += [dict(stage=3, gas=2), dict(stage=3, checkpointing=True), dict(stage=1, kv_heads=1)]
+        cases += [dict(stage=3, gas=2), dict(stage=3, checkpointing=True, tiled=True), dict(stage=1, kv_heads=1)]
     subtests(cases, lambda **case: _parity(**case))
     if world_size == 2:  # gloo: the all_gather's backward fails on an sp group without rank 0 (torch)
         subtests([dict(how="model"), dict(how="config")], lambda how: _alst_script(how, root))

@@ -23,9 +23,19 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zeroshard.compat.tiled import TiledFusedLogitsLoss, TiledMLP, sequence_tiled_compute
 from zeroshard.core.sequence import SequenceParallel, shard_batch
 
-__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter", "attach", "detach", "shard_batch"]
+__all__ = [
+    "TiledFusedLogitsLoss",
+    "TiledMLP",
+    "UlyssesSPAttentionHF",
+    "UlyssesSPDataLoaderAdapter",
+    "attach",
+    "detach",
+    "sequence_tiled_compute",
+    "shard_batch",
+]
 
 _ATTACHED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> SequenceParallel
 _EVERY_MODEL: list[SequenceParallel] = []  # DeepSpeed's registration by name: every model's attention
