@@ -64,10 +64,12 @@ class _Tiled(torch.autograd.Function):
             targets = ([first] if wants_input else []) + wanted
             found = list(torch.autograd.grad(out, targets, out_grad, allow_unused=True)) if targets else []
             if wants_input:
-                input_grads.append(found.pop(0) if found[0] is not None else torch.zeros_like(first))
+                tile_grad = found.pop(0)
+                input_grads.append(tile_grad if tile_grad is not None else torch.zeros_like(first))
             for j, g in enumerate(found):
+                so_far = param_grads[j]
                 if g is not None:
-                    param_grads[j] = g if param_grads[j] is None else param_grads[j] + g
+                    param_grads[j] = g if so_far is None else so_far + g
         input_grad = torch.cat(input_grads, ctx.dim) if input_grads else None
         summed = iter(param_grads)
         per_param = [next(summed) if need else None for need in needs[sharded:]]
