@@ -238,6 +238,58 @@ def _alst_script(how: str, root: str) -> None:
     assert torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5), (how, losses, expected)
 
 
+class _Rows(torch.utils.data.Dataset):
+    """8 rows of 13 tokens (padded to 14 at sp = 2), labels the tokens."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict:
+        ids = torch.randint(3, VOCAB, (LENGTH,), generator=torch.Generator().manual_seed(index))
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _trainer(root: str) -> None:
+    """`ZeroShardTrainer` with `sequence_parallel_size: 2` (2 ranks, dp = 1), sequential sampling:
+    each rank's batch is trained by both ranks in turn, so the steps take the dataset's rows in order,
+    2 at a time: the losses and parameters of one process doing that on whole sequences."""
+    import transformers
+
+    from zeroshard.integrations.hf import ZeroShardTrainer
+
+    data = _Rows()
+    reference = _model()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.0)
+    expected = []
+    for step in range(4):
+        rows = [data[i] for i in range(2 * step, 2 * step + 2)]
+        ids = torch.stack([r["input_ids"] for r in rows])  # (2, S)
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    args = transformers.TrainingArguments(
+        output_dir=root, per_device_train_batch_size=2, max_steps=4, learning_rate=LR, weight_decay=0.0,
+        lr_scheduler_type="constant", max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, seed=0, train_sampling_strategy="sequential",
+    )  # fmt: skip
+    config = {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    trainer = ZeroShardTrainer(model=_model(), args=args, train_dataset=data, zeroshard_config=config)
+    assert trainer.get_sp_size() == 2
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5), (losses, expected)
+    engine = trainer.engine
+    assert engine.sharded.sequence_parallel.size == 2 and engine.train_batch_size() == 2  # dp = 1
+    with engine.gathered_parameters(list(engine.module.parameters())):
+        for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+            assert (ours - theirs).abs().max().item() <= 1e-5, f"Trainer with sp: '{name}' differs"
+    with pytest.raises(zeroshard.config.ConfigError, match="evaluate\\(\\) with sequence_parallel_size 2"):
+        trainer.evaluate(data)
+    engine.destroy()
+
+
 def _refusals() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -277,6 +329,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     subtests(cases, lambda **case: _parity(**case))
     if world_size == 2:  # gloo: the all_gather's backward fails on an sp group without rank 0 (torch)
         subtests([dict(how="model"), dict(how="config")], lambda how: _alst_script(how, root))
+        _trainer(root)
     _refusals()
 
 

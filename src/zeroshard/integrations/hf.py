@@ -23,7 +23,8 @@ from transformers.trainer import SCHEDULER_NAME
 from zeroshard.checkpoint import full_state_dict
 from zeroshard.compat.api import initialize
 from zeroshard.compat.pretrained import from_pretrained, meta_model
-from zeroshard.config import ConfigError
+from zeroshard.compat.ulysses_sp import UlyssesSPDataLoaderAdapter
+from zeroshard.config import ConfigError, read_config
 from zeroshard.core.unit import UnitState
 from zeroshard.core.wrap import block_classes
 from zeroshard.integrations.hf_config import trainer_config
@@ -141,6 +142,17 @@ class ZeroShardTrainer(transformers.Trainer):
             self.create_scheduler(max_steps, optimizer=self.engine.optimizer.optimizer)
         self.optimizer = _SteppedByEngine(self.engine)
         self.model_wrapped = self.engine
+        sequence = self.engine.sharded.sequence_parallel
+        if sequence is not None:  # each batch trained by the whole sp group, a shard on each rank
+            pad = getattr(self.processing_class, "pad_token_id", None)
+            train_dataloader = UlyssesSPDataLoaderAdapter(
+                train_dataloader,
+                sp_rank=sequence.rank,
+                sp_group=sequence.comm.group,
+                sp_world_size=sequence.size,
+                device=self.args.device,
+                pad_token_id=pad if isinstance(pad, int) else 0,
+            )
         if resume_from_checkpoint is not None:  # weights, optimizer state, counters; then the Trainer's scheduler
             self.engine.load_checkpoint(resume_from_checkpoint)
             self._load_optimizer_and_scheduler(resume_from_checkpoint)
@@ -151,7 +163,14 @@ class ZeroShardTrainer(transformers.Trainer):
 
     def _build_engine(self, max_steps: int) -> None:
         assert self.model is not None  # Trainer requires a model (or model_init) before train()
-        config = trainer_config(self.zeroshard_config, self.args, max_steps, self.args.world_size)
+        sp = self.get_sp_size()
+        if sp > 1 and type(self).compute_loss is not ZeroShardTrainer.compute_loss:
+            raise ConfigError(
+                f"sequence_parallel_size {sp} with {type(self).__name__}, whose compute_loss is its own: "
+                "ZeroShardTrainer computes the loss of a sequence's shards itself; sequence parallelism "
+                "is supported with ZeroShardTrainer alone"
+            )
+        config = trainer_config(self.zeroshard_config, self.args, max_steps, self.args.world_size // sp)
         config = _fit_model(config, self.model)
         if "scheduler" in config and self.lr_scheduler is not None:
             raise ConfigError(
@@ -211,6 +230,36 @@ class ZeroShardTrainer(transformers.Trainer):
             reported = loss / engine.gradient_accumulation_steps()
         engine.step()
         return reported.detach()
+
+    # -- sequence parallelism ([Note: Ulysses sequence parallelism] in core/sequence.py) --------------
+    def get_sp_size(self) -> int:
+        """The config's `sequence_parallel_size`: the Trainer counts the adapter's batches (each
+        dataloader batch once per sp rank) and the data-parallel ranks (world / sp) by it."""
+        size = read_config(self.zeroshard_config).get("sequence_parallel_size", 1)
+        return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else 1
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Under sequence parallelism: the whole sequences' mean token loss from this rank's shard
+        (its `shift_labels`), on every sp rank; otherwise the Trainer's."""
+        sequence = self.engine.sharded.sequence_parallel if self.engine is not None else None
+        if sequence is None or "shift_labels" not in inputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs.pop("shift_labels")  # (B, S/sp)
+        outputs = model(**inputs)
+        logits = outputs.logits.float()  # (B, S/sp, V)
+        summed = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        )
+        loss = sequence.whole_loss(summed, (labels != -100).sum())
+        return (loss, outputs) if return_outputs else loss
+
+    def evaluate(self, *args, **kwargs):
+        if self.get_sp_size() > 1:
+            raise ConfigError(
+                f"evaluate() with sequence_parallel_size {self.get_sp_size()}: evaluation batches are not "
+                "sharded over the sequence; evaluate with a trainer without sequence parallelism"
+            )
+        return super().evaluate(*args, **kwargs)
 
     def _loss_is_scaled_for_ga(self, num_items_in_batch) -> bool:
         if self.loss_is_scaled_for_ga is not None:  # as Trainer.training_step decides it
