@@ -26,11 +26,11 @@ from zeroshard.core.sequence import shard_batch
 VOCAB, LENGTH, ROWS, STEPS, LR = 64, 13, 2, 3, 1e-3  # 13: padded to 14 at sp = 2
 
 
-def _model(kv_heads: int = 2, heads: int = 4, implementation: str = "sdpa"):
+def _model(kv_heads: int = 2, heads: int = 4, implementation: str = "sdpa", vocab: int = VOCAB):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=8 * heads,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -121,6 +121,8 @@ def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool, tiled: 
     )
     sequence = sharded.sequence_parallel
     assert sequence.size == 2 and sharded.comm.world_size == world  # ZeRO over dp x sp
+    head_unit = any(u.name.endswith("lm_head") for u in sharded.units)
+    assert head_unit == (model.config.vocab_size >= 512), [u.name for u in sharded.units]
     attach(model, sequence)
     dp = mesh.get_local_rank("dp")
     losses = []
@@ -150,9 +152,12 @@ def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool, tiled: 
     return {"losses": losses, "params": params}
 
 
-def _parity(stage: int, gas: int = 1, checkpointing: bool = False, kv_heads: int = 2, tiled: bool = False) -> None:
+def _parity(
+    stage: int, gas: int = 1, checkpointing: bool = False, kv_heads: int = 2, tiled: bool = False, vocab: int = VOCAB
+) -> None:
+    """`vocab` 512: the LM head is a unit of its own (at least half a layer), gathered for the tiled loss."""
     world = torch.distributed.get_world_size()
-    build = lambda: _model(kv_heads)  # noqa: E731
+    build = lambda: _model(kv_heads, vocab=vocab)  # noqa: E731
     ref = _reference(build, world // 2, gas)
     ours = _sequence_parallel(build, stage, gas, checkpointing, tiled)
     what = f"stage {stage} gas {gas} checkpointing {checkpointing} kv heads {kv_heads} tiled {tiled} at {world} ranks"
@@ -326,6 +331,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     cases = [dict(stage=s, tiled=t) for s in (1, 3) for t in (False, True)]
     if world_size == 2:
         cases += [dict(stage=3, gas=2), dict(stage=3, checkpointing=True, tiled=True), dict(stage=1, kv_heads=1)]
+        cases += [dict(stage=3, tiled=True, vocab=512)]
     subtests(cases, lambda **case: _parity(**case))
     if world_size == 2:  # gloo: the all_gather's backward fails on an sp group without rank 0 (torch)
         subtests([dict(how="model"), dict(how="config")], lambda how: _alst_script(how, root))

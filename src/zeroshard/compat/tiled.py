@@ -14,6 +14,10 @@ marks all but the last as not ready (`ds_grad_is_ready`); and its `TiledFusedLog
 backward inside the forward, which a stage-3 engine here refuses (a backward outside its own): this
 one computes the logits of each tile once more in backward, like the others. The parameters a tile
 reads are `compute_params`, or, when none are given, every trainable parameter of the module passed.
+Autograd records an input's shape when the function is applied, so at stage 3 the parameters are
+gathered around that call (`GatheredParameters`): a module whose unit is not gathered at that moment
+(an LM head that is a unit of its own, read by a tiled loss) stays gathered until backward reduces its
+gradient; each tile's own call of the module, in backward, finds it gathered.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from zeroshard.compat.zero.gathered import GatheredParameters
 
 __all__ = ["TiledFusedLogitsLoss", "TiledMLP", "sequence_tiled_compute"]
 
@@ -37,7 +43,9 @@ class _Tiled(torch.autograd.Function):
         with torch.no_grad():
             outputs = [fn(*tile) for tile in tiles]
         ctx.fn, ctx.dim, ctx.combine, ctx.out_dim, ctx.tiles = fn, dim, combine, out_dim, tiles
-        ctx.save_for_backward(*params)
+        # The parameters themselves, not saved tensors: a stage-3 parameter is resharded between
+        # forward and backward, and a saved tensor would hold its sharded state's autograd metadata.
+        ctx.params = params
         if combine == "cat":
             return torch.cat(outputs, out_dim)
         stacked = torch.stack([o.reshape(()) for o in outputs])
@@ -45,7 +53,7 @@ class _Tiled(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        params = ctx.saved_tensors
+        params = ctx.params
         sharded = len(ctx.tiles[0])
         needs = ctx.needs_input_grad[6:]  # after fn, shards, dim, combine, out_dim, sharded
         wants_input = needs[0]
@@ -76,6 +84,13 @@ class _Tiled(torch.autograd.Function):
         return (None, None, None, None, None, None, input_grad, *([None] * (sharded - 1)), *per_param)
 
 
+def _apply(fn, shards: int, dim: int, combine: str, out_dim: int, sharded: list, params: list):
+    """`_Tiled` over `sharded` tensors, with `params` gathered around the call: [Note: tiles and
+    ZeRO's gradient hooks]."""
+    with GatheredParameters(params, enabled=bool(params)):
+        return _Tiled.apply(fn, int(shards), dim, combine, out_dim, len(sharded), *sharded, *params)
+
+
 def _params(module, compute_params) -> list[torch.Tensor]:
     if compute_params:
         return list(compute_params)
@@ -90,7 +105,7 @@ class TiledMLP:
     @staticmethod
     def apply(fn: Callable, module, x: torch.Tensor, shards: int, compute_params=None) -> torch.Tensor:
         params = _params(module, compute_params)
-        return _Tiled.apply(lambda tile: fn(module, tile), int(shards), -2, "cat", -2, 1, x, *params)
+        return _apply(lambda tile: fn(module, tile), shards, -2, "cat", -2, [x], params)
 
 
 class TiledFusedLogitsLoss:
@@ -113,7 +128,7 @@ class TiledFusedLogitsLoss:
         flat = [x.flatten(0, 1), y.flatten(0, 1)] + ([mask.flatten(0, 1)] if mask is not None else [])
         params = _params(module, compute_params)
         call = (lambda a, b, c: fn(module, a, b, c)) if mask is not None else (lambda a, b: fn(module, a, b))
-        return _Tiled.apply(call, int(shards), 0, output_reduction, 0, len(flat), *flat, *params)
+        return _apply(call, shards, 0, output_reduction, 0, flat, params)
 
 
 def sequence_tiled_compute(
@@ -146,6 +161,6 @@ def sequence_tiled_compute(
     def call(*tiles):
         return fn(**dict(zip(keys, tiles)), **kwargs_to_pass)
 
-    combine = output_reduction if output_unshard_dimension == 0 else "cat"
+    combine = str(output_reduction) if output_unshard_dimension == 0 else "cat"
     sharded = [kwargs_to_shard[k] for k in keys]
-    return _Tiled.apply(call, int(shards), 1, combine, output_unshard_dimension, len(sharded), *sharded, *params)
+    return _apply(call, shards, 1, combine, output_unshard_dimension, sharded, params)
