@@ -3,8 +3,10 @@
 trains each rank on its shard of every sequence with the losses and parameters of the same model
 trained on the whole sequences in one process (within 1e-5; torch's AdamW at lr 1e-3), at stages 1
 and 3, with a sequence length that is not a multiple of sp (padded), gradient accumulation,
-activation checkpointing and fewer key/value heads than sp ranks. Bad input is refused by name:
-heads that do not split over sp, eager attention, padding before real tokens.
+activation checkpointing, fewer key/value heads than sp ranks, tiled MLPs and loss, Llama, Qwen2,
+Qwen3 and Mistral; DeepSpeed's ALST script and ZeroShardTrainer alike. Bad input is refused by name:
+heads that do not split over sp, eager attention, a sliding window shorter than the sequence,
+padding before real tokens.
 [Note: Ulysses sequence parallelism] in core/sequence.py."""
 
 from __future__ import annotations
@@ -26,10 +28,17 @@ from zeroshard.core.sequence import shard_batch
 VOCAB, LENGTH, ROWS, STEPS, LR = 64, 13, 2, 3, 1e-3  # 13: padded to 14 at sp = 2
 
 
-def _model(kv_heads: int = 2, heads: int = 4, implementation: str = "sdpa", vocab: int = VOCAB):
+def _model(kv_heads: int = 2, heads: int = 4, implementation: str = "sdpa", vocab: int = VOCAB, kind: str = "llama"):
+    """A 2-layer decoder of transformers' `kind` ("llama", "qwen2", "qwen3", "mistral")."""
     import transformers
 
-    config = transformers.LlamaConfig(
+    configs = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }
+    config = configs[kind](
         vocab_size=vocab,
         hidden_size=8 * heads,
         intermediate_size=64,
@@ -42,7 +51,7 @@ def _model(kv_heads: int = 2, heads: int = 4, implementation: str = "sdpa", voca
     )
     config._attn_implementation = implementation
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return transformers.AutoModelForCausalLM.from_config(config)
 
 
 def _batch(step: int, micro: int, dp: int) -> dict:
@@ -153,14 +162,20 @@ def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool, tiled: 
 
 
 def _parity(
-    stage: int, gas: int = 1, checkpointing: bool = False, kv_heads: int = 2, tiled: bool = False, vocab: int = VOCAB
+    stage: int,
+    gas: int = 1,
+    checkpointing: bool = False,
+    kv_heads: int = 2,
+    tiled: bool = False,
+    vocab: int = VOCAB,
+    kind: str = "llama",
 ) -> None:
     """`vocab` 512: the LM head is a unit of its own (at least half a layer), gathered for the tiled loss."""
     world = torch.distributed.get_world_size()
-    build = lambda: _model(kv_heads, vocab=vocab)  # noqa: E731
+    build = lambda: _model(kv_heads, vocab=vocab, kind=kind)  # noqa: E731
     ref = _reference(build, world // 2, gas)
     ours = _sequence_parallel(build, stage, gas, checkpointing, tiled)
-    what = f"stage {stage} gas {gas} checkpointing {checkpointing} kv heads {kv_heads} tiled {tiled} at {world} ranks"
+    what = f"{kind} stage {stage} gas {gas} checkpointing {checkpointing} kv heads {kv_heads} tiled {tiled} at {world} ranks"
     got, want = torch.tensor(ours["losses"]), torch.tensor(ref["losses"])
     assert torch.allclose(got, want, rtol=0, atol=1e-5), f"{what}: losses {got} vs {want}"
     for name, value in ref["params"].items():
@@ -308,6 +323,12 @@ def _refusals() -> None:
         attach(_model(kv_heads=3, heads=3), sequence)
     with pytest.raises(ValueError, match="attn_implementation 'eager' builds a"):
         attach(_model(implementation="eager"), sequence)
+    mistral = _model(kind="mistral")
+    mistral.config.sliding_window = 4
+    attach(mistral, sequence)
+    part = shard_batch({"input_ids": torch.ones(1, 12, dtype=torch.long)}, sequence.rank, sequence.size)
+    with pytest.raises(ValueError, match="sliding-window attention \\(window 4\\) over a sequence of 12 tokens"):
+        mistral(**part)
     ids = torch.ones(1, 6, dtype=torch.long)
     with pytest.raises(ValueError, match="padding before real tokens"):
         shard_batch({"input_ids": ids, "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1]])}, 0, 2)
@@ -332,6 +353,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     if world_size == 2:
         cases += [dict(stage=3, gas=2), dict(stage=3, checkpointing=True, tiled=True), dict(stage=1, kv_heads=1)]
         cases += [dict(stage=3, tiled=True, vocab=512)]
+        cases += [dict(stage=3, kind=k) for k in ("qwen2", "qwen3", "mistral")]
     subtests(cases, lambda **case: _parity(**case))
     if world_size == 2:  # gloo: the all_gather's backward fails on an sp group without rank 0 (torch)
         subtests([dict(how="model"), dict(how="config")], lambda how: _alst_script(how, root))

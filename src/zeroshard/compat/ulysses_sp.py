@@ -95,6 +95,12 @@ def _install(implementation: str) -> None:
         sequence = _ATTACHED.get(module) or (_EVERY_MODEL[0] if _EVERY_MODEL else None)
         if sequence is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
+        window, length = kwargs.get("sliding_window"), query.shape[2] * sequence.size
+        if window is not None and window < length:
+            raise ValueError(
+                f"{type(module).__name__}: sliding-window attention (window {window}) over a sequence of {length} "
+                "tokens is not supported under sequence parallelism (its attention is causal over the whole sequence)"
+            )
         dropout = kwargs.get("dropout", 0.0) if module.training else 0.0
         return sequence.attention(query, key, value, scaling=kwargs.get("scaling"), dropout=dropout), None
 
