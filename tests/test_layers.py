@@ -3,14 +3,20 @@
 Imports run one way: tools and integrations -> compat -> checkpoint / offload -> core -> config. A
 module may import its own layer and the layers strictly below it; nothing imports the facade
 (`zeroshard/__init__.py`). Lazy imports inside functions count as much as top-level ones.
+
+Notes hold: a note is defined by its heading, such as `[Note: unit states]`, at the start of a line of
+the code or the tests (after `#`, a docstring's quotes or `--`); every other such bracket, there or in
+benchmarks, examples, scripts and docs, cites a note and must name one that is defined.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "src" / "zeroshard"
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "src" / "zeroshard"
 
 RANK = {"version": 0, "config": 0, "core": 1, "offload": 2, "checkpoint": 2, "compat": 3, "integrations": 4, "tools": 4}
 
@@ -100,3 +106,41 @@ def test_no_module_defines_a_name_twice():
     twice = {str(p.relative_to(PACKAGE)): names for p in SOURCES if (names := _redefined(p.read_text()))}
     assert not twice, f"defined twice (the later one wins, callers of the first break): {twice}"
     assert _redefined("def f():\n    pass\n\n\ndef f():\n    pass\n") == ["f (line 5)"], "the check can fail"
+
+
+NOTE = re.compile(r"\[Note[:] ([^\]]+)\]")  # "[:]", so that the pattern is no citation itself
+HEADING = re.compile(r'^\s*(?:#\s*)?(?:r?"""\s*)?(?:--\s*)?' + NOTE.pattern)
+CITING = ["src/**/*.py", "tests/**/*.py", "benchmarks/**/*.py", "examples/**/*.py", "scripts/**/*.py"]
+CITING += ["docs/**/*.md", "benchmarks/**/*.md", "examples/**/*.md", "README.md"]
+
+
+def _notes(text: str, defines: bool) -> tuple[set[str], list[tuple[int, str]]]:
+    """(names whose heading `text` holds, (line, name) of each citation). Where `text` may not define
+    notes (`defines` false), a heading is one more citation."""
+    headings, cited = set(), []
+    for number, line in enumerate(text.splitlines(), 1):
+        heading = HEADING.match(line) if defines else None
+        if heading:
+            headings.add(heading[1])
+        cited += [(number, m[1]) for m in NOTE.finditer(line, heading.end() if heading else 0)]
+    return headings, cited
+
+
+def test_every_cited_note_exists():
+    """Code and tests define notes (a test's own reasons live beside it); the rest only cite them."""
+    files = sorted({p for pattern in CITING for p in REPO.glob(pattern)})
+    read = {
+        p: _notes(p.read_text(), p.suffix == ".py" and p.relative_to(REPO).parts[0] in ("src", "tests")) for p in files
+    }
+    defined = set().union(*(headings for headings, _ in read.values()))
+    missing = [
+        f"{p.relative_to(REPO)}:{line} {name!r}"
+        for p, (_, cited) in read.items()
+        for line, name in cited
+        if name not in defined
+    ]
+    assert not missing, "cited notes that no heading defines:\n" + "\n".join(missing)
+    opening = "[Note: "  # <x> below is note x's bracket, written so that this file cites no note
+    text = '"""<a> why.\n\n<b> too."""\nx = 1  # <a>, <c>\n'.replace("<", opening).replace(">", "]")
+    assert _notes(text, defines=True) == ({"a", "b"}, [(4, "a"), (4, "c")]), "the check can fail"
+    assert _notes(text, defines=False) == (set(), [(1, "a"), (3, "b"), (4, "a"), (4, "c")])

@@ -89,13 +89,15 @@ def gather_masters(engine) -> dict:
 
 def without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as a comparison to tolerance should see it: a fused attention bias (`...attn.qkv.bias`,
-    laid out q, k, v) without its key third. [Note: the key bias has no gradient]: adding b_k to every key
-    adds q . b_k to a whole row of scores, which softmax ignores, so its true gradient is zero and what
-    backward returns is rounding noise; AdamW divides that noise by its own running scale, so the key bias
-    moves by up to lr per step in a direction set by the noise. Two runs that differ by one unit in the
-    last place anywhere (a CUDA and a CPU Adam, another summation order) end with key biases 1e-3 apart
-    relative to the tensor after 5 steps, where every other tensor is within 1e-5 (measured on the test
-    GPT by nudging every initial weight one ulp). Bit-exact comparisons keep it: equal runs are equal."""
+    laid out q, k, v) without its key third.
+
+    [Note: the key bias has no gradient]: adding b_k to every key adds q . b_k to a whole row of scores, which
+    softmax ignores, so its true gradient is zero and what backward returns is rounding noise; AdamW divides
+    that noise by its own running scale, so the key bias moves by up to lr per step in a direction set by the
+    noise. Two runs that differ by one unit in the last place anywhere (a CUDA and a CPU Adam, another
+    summation order) end with key biases 1e-3 apart relative to the tensor after 5 steps, where every other
+    tensor is within 1e-5 (measured on the test GPT by nudging every initial weight one ulp). Bit-exact
+    comparisons keep it: equal runs are equal."""
     if name.endswith("attn.qkv.bias"):
         width = tensor.numel() // 3
         return torch.cat([tensor[:width], tensor[2 * width :]])

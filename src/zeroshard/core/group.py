@@ -2,7 +2,7 @@
 requires_grad), their flat buffers, how the module's parameters point into them, and their gradients:
 the full buffer a unit's backward fills, the reduced shard the step reads, and the slice set aside
 between two reductions ([Note: a fresh full gradient], [Note: gradient shard lifetime], [Note: a
-second reduction before the step (stages 0/1)]).
+second reduction before the step]).
 
 [Note: parameter storage]
 Module parameters stay the user's `nn.Parameter` objects (names, optimizer groups and hooks keep
@@ -572,7 +572,7 @@ class FlatGroup:
         self.holds_reduced_slice = False
         self.grad_seen = [False] * len(self.layout.slots)
 
-    # [Note: a second reduction before the step (stages 0/1)]
+    # [Note: a second reduction before the step]
     # Stages 0/1 reduce the full gradient buffer in place (stage 1 reduce-scatters it): afterwards this
     # rank's slice (stage 0: the whole buffer) holds the reduced gradient and, at stage 1, the rest of
     # the buffer only stale local values. A script may run another

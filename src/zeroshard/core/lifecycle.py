@@ -443,18 +443,25 @@ class Lifecycle:
             # several inside `Sharded.backward_by_caller`); one backward() never gets here twice.
             unit.grads_pending = unit.trainable_params
 
+    # [Note: one reduction in flight]
+    # A unit's gradient reduction is issued when its backward is done and stays in flight while
+    # backward goes on with the units before it; how many may stay in flight (`max_inflight`) bounds
+    # the memory held by full gradients, which stages 2/3 free once their reduction is taken. There
+    # unit k's reduction is waited for once k+1's (the next in backward order) is issued: two full
+    # gradients at most, the one in flight and the one being filled. A second in flight would keep a
+    # third alive and buy no time, since the link carries the reductions in turn and the second only
+    # queues behind the first (measured: docs/multinode.md, "One reduction in flight";
+    # docs/stage3_memory.md). Stages 0/1 are not bounded inside backward: their full gradient buffers
+    # live across steps, so waiting frees nothing and only stalls backward (docs/performance.md); what
+    # has completed is still taken as it lands ([Note: taken as they land]). With overlap_comm off the
+    # bound is 0 at every stage: each reduction is waited for as soon as it is issued.
     def _unit_backward_done(self, unit: Unit) -> None:
         unit.grads_done = True
         if self.boundary:
             unit.reduce_grads(self.world_size)
             self._inflight.add(unit)
             self._inflight.take_landed()  # [Note: taken as they land]
-            # The bound is for memory held by full gradients, which stages 2/3 free once reduced;
-            # those of stages 0/1 live across steps, so there waiting early only stalls backward
-            # (docs/performance.md), unless overlap_comm is off (0). [Note: one reduction in flight]
-            # Stages 2/3 wait for unit k's reduction once k+1's is issued: two full gradients at most.
-            # A second in flight bought nothing: the link carries them in turn (within 4% of one's
-            # step, 0.2-1 Gbit/s and loopback; 50 MB more at 202M, docs/multinode.md).
+            # Stages 0/1 with overlap_comm on wait for nothing here: [Note: one reduction in flight]
             if not (self.max_inflight and all(g.grads_persist_full for g in unit.groups)):
                 self._inflight.keep_at_most(self.max_inflight)
         if unit.input_grads_pending == 0 and not self._held_in_backward(unit):  # [Note: frozen parameters in backward]

@@ -85,7 +85,8 @@ class Placement:
 
     optimizer_store: optimizer states, fp32 master shards, fp32 gradient shards;
     param_store: stage-3 parameter shards, which are also their master weights;
-    sub_group_size: elements per optimizer sub-step when states are offloaded ([Note: streamed step]).
+    sub_group_size: elements per optimizer sub-step when states are offloaded ([Note: streamed step] in
+    core/optim/streamed.py).
     """
 
     optimizer_store: Store | None = None

@@ -1,13 +1,20 @@
 """The optimizer step streamed through an offload store, one sub-group at a time.
 
+[Note: streamed step]
 ZeRO-Offload (arXiv 2101.06840 §4) and ZeRO-Infinity (arXiv 2104.07857 §5): the optimizer states of
 a rank's shard do not all need to be in memory at once. The shard is cut into sub-groups of
-`sub_group_size` elements; while the optimizer updates sub-group k, the store already reads
-sub-group k+1 and writes sub-group k-1 back: `stage` starts the read of k+1 (for the NVMe store an
-aligned direct read into a buffer, [Note: where a swap file's tensor lies] in offload/swapfile.py),
-`ready` waits for k's before its update, `release` writes k back behind it. The update itself is the user's torch optimizer run on
-one sub-group at a time — for the elementwise optimizers zeroshard accepts, the result is bit-for-bit
-the result of one step over the whole shard.
+`sub_group_size` elements and the user's torch optimizer runs on one sub-group at a time, for two
+reasons. Memory: of the states in an NVMe store only the sub-group being updated, the next one being
+read and those whose write-back is still under way are resident (NVMeStore.release bounds the last),
+and whatever temporaries the torch optimizer makes are one sub-group's size, not the shard's. Time:
+while the optimizer updates sub-group k, the store already reads sub-group k+1 and writes sub-group
+k-1 back, so the disk works while the CPU computes: `stage` starts the read of k+1 (for the NVMe
+store an aligned direct read into a buffer, [Note: where a swap file's tensor lies] in
+offload/swapfile.py), `ready` waits for k's before its update, `release` writes k back behind it. A
+CPU store's states are resident anyway; there only the temporaries shrink. A group's master is
+staged whole, with its first sub-group, and a `sub_group_size` at least its shard steps the master
+itself, so its state stays keyed by it. For the elementwise optimizers zeroshard accepts, stepping
+one sub-group at a time gives bit for bit the result of one step over the whole shard.
 """
 
 from __future__ import annotations
