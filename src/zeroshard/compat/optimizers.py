@@ -9,9 +9,8 @@ DeepSpeed semantics (``DeepSpeedEngine._configure_basic_optimizer``):
   ``torch_adam: true`` (then an absent weight_decay takes torch's default: 0.01 for AdamW). FusedAdam and
   torch's Adam/AdamW compute the same update, so zeroshard always builds the torch class and only
   reproduces the defaults. Like FusedAdam it asks for torch's fused kernel (``fused=True``) unless
-  ``torch_adam: true``: on CPU it is about 6x faster than the default foreach path (benchmarks/cpu_adam.py,
-  docs/bench/cpu_adam.txt: 1552 vs 244 Melem/s on one core here), which matters most for the
-  offloaded optimizer step.
+  ``torch_adam: true``: on CPU it is several times faster than the for-loop and foreach paths (measured with
+  benchmarks/cpu_adam.py: docs/bench/cpu_adam.txt), which matters most for the offloaded optimizer step.
 - type "SGD" is torch.optim.SGD with the given params.
 - type "Muon" is DeepSpeed's Muon with auxiliary Adam: the hidden matrices (2-D, name without "embed"
   or "lm_head") take Muon with ``lr``/``muon_lr``, ``momentum`` and ``weight_decay``; the other

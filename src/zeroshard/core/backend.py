@@ -24,31 +24,29 @@ import torch
 
 # [Note: reduce-scatter on gloo]
 # gloo's reduce_scatter_tensor is an all-reduce followed by a copy of this rank's slice: it sends
-# an all-reduce's bytes (docs/multinode.md: 1.5x DDP's at stages 1-2) and makes its input copy on
+# an all-reduce's bytes (docs/multinode.md, "Bytes across the link") and makes its input copy on
 # the calling thread (docs/performance.md). Between two ranks a reduce-scatter is one exchange:
 # each sends the other the half it owns and adds the half it receives, (N-1)/N of the buffer as
 # a ring sends, and the sum a + b is the all-reduce's bit for bit. So a gloo group of two ranks
 # takes that path (`pairwise`); other sizes and NCCL keep the backend's reduce-scatter. The
 # exchange is an all-to-all, a collective, not isend/irecv: point-to-point messages take no
-# place in gloo's sequence of collectives, so ranks that diverged (one failed mid-backward) met
-# each other's next collectives with buffers of different sizes, which aborts the process from
+# place in gloo's sequence of collectives, so ranks that diverged (one failed mid-backward) would
+# meet each other's next collectives with buffers of different sizes, which aborts the process from
 # gloo's transport thread, instead of failing the consistency check (test_failures.py).
 #
 # [Note: all-gather on gloo]
 # gloo's all_gather_into_tensor is its list all-gather: it allocates a flat buffer of the whole
 # output, gathers into it (copying this rank's shard in), then copies the buffer into the output's
-# chunks, all on its worker thread: per stage-3 gather of a 50 MB unit, 50 MB of fresh pages and
-# 75 MB of copies more than the bytes it receives (benchmarks/profile_phases.py; docs/performance.md,
-# stage 3: 59 ms of process CPU against 34 ms for the exchange of halves, on a 2-core machine where
-# that thread takes its time from the compute). Between two ranks an all-gather is one exchange,
-# as the reduce-scatter is ([Note: reduce-scatter on gloo]): send the peer our shard, receive
-# theirs into their half of the output, and copy ours into our half (nothing when it is already
-# there, as at a stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and
-# an all-to-all, so a collective in gloo's sequence like every other; sent in the reduce-scatter's
-# pieces across nodes (PAIRWISE_PIECE_BYTES: one large message ran at half a limited link's rate),
-# which at loopback cost 45-52 ms of process CPU per 50 MB against one message's 34 and gloo's 56,
-# so within a node one message ([Note: pieces across a link, one message within a node]).
-# Other sizes and NCCL keep the backend's all-gather.
+# chunks, all on its worker thread: fresh pages for a whole output and copies beyond the bytes it
+# receives, at every stage-3 gather, on a thread that takes its time from the compute where cores
+# are few (measured: docs/performance.md, "Stage 3, and the exchanges between two gloo ranks";
+# docs/bench/stage3_202m.txt). Between two ranks an all-gather is one exchange, as the
+# reduce-scatter is ([Note: reduce-scatter on gloo]): send the peer our shard, receive theirs into
+# their half of the output, and copy ours into our half (nothing when it is already there, as at a
+# stage-1/2 refresh). The same bytes as gloo's ring, no buffer of gloo's own, and an all-to-all, so
+# a collective in gloo's sequence like every other; sent as the reduce-scatter's exchange is, in
+# pieces across nodes and as one message within a node ([Note: pieces across a link, one message
+# within a node]). Other sizes and NCCL keep the backend's all-gather.
 def pairwise(backend: str, world_size: int) -> bool:
     """Does a process group of `backend` with `world_size` ranks exchange halves instead of running the
     backend's reduce-scatter and all-gather ([Note: reduce-scatter on gloo], [Note: all-gather on gloo])?"""
@@ -57,17 +55,13 @@ def pairwise(backend: str, world_size: int) -> bool:
 
 # [Note: pieces across a link, one message within a node]
 # Between two nodes the pairwise exchange goes in pieces of at most this many bytes, all in flight
-# at once: one message of a whole unit's half (6-17 MB for the 33.7M GPT) ran at half the link rate
-# or less over a tbf-limited veth at 0.1 Gbit/s when both ranks sent at once (16 MB tensor:
-# 1.26-1.40 s against 0.70 s for its bytes), and stages 1-3 were 1.5-1.9x DDP there with the same
-# bytes; pieces of 512 KiB ran at the link rate (0.72-0.75 s), as gloo's own ring all-reduce, which
-# pipelines chunks, does (docs/multinode.md). Within a node there is no link to pace, and each piece
-# is a collective of its own with its dispatch and its wake-ups of gloo's threads: over loopback the
-# 33.7M GPT's process CPU at stage 3 was 856-857 ms a step with one message per unit against
-# 926-928 in pieces, and stages 1/2/3 ran at 0.97-0.99/0.99-1.00/1.16-1.19x DDP against
-# 1.07/1.11/1.27x (docs/performance.md). So
-# the two ranks of a pair on one node (`place_on_nodes`, torchrun's LOCAL_WORLD_SIZE) send one
-# message, and only a pair across nodes sends pieces.
+# at once. Over a rate-limited link, one message of a whole unit's half runs at half the link rate or
+# less when both ranks send at once, while pieces of 512 KiB run at the link rate, as gloo's own ring
+# all-reduce, which pipelines chunks, does (measured: docs/multinode.md, "Bytes across the link").
+# Within a node there is no link to pace, and each piece is a collective of its own with its
+# dispatch and its wake-ups of gloo's threads: CPU the compute needs (measured: docs/performance.md,
+# docs/bench/pieces_loopback.txt). So the two ranks of a pair on one node (`place_on_nodes`,
+# torchrun's LOCAL_WORLD_SIZE) send one message, and only a pair across nodes sends pieces.
 PAIRWISE_PIECE_BYTES = 512 * 1024
 
 
@@ -88,17 +82,16 @@ def pieces(numel: int, element_size: int, piece_bytes: int | None) -> list[tuple
 # A stage-3 unit's flat groups are gathered into a full buffer before each use and freed after it
 # (their storage resized to nothing, [Note: parameter storage] in group.py), and at stages 2/3 a
 # unit's full gradient lives from its first gradient to its reduction. On CPU that memory is
-# glibc's: blocks above its largest mmap threshold (32 MiB on 64-bit) are mapped for each request and
-# unmapped on free, so each such buffer touched fresh pages, zero-filled by the kernel one 4 KiB fault
-# at a time. The 202M GPT's 50 MB blocks took 344 thousand faults a step at stage 3, which ran at
-# 1.19-1.20x DDP; the same code with glibc told to keep its memory ran at 1.05x (docs/performance.md).
-# Blocks at or below the ceiling are served from the heap, and glibc raises
-# its threshold to the largest one freed, so freed buffers are reused. Hence on CPU, at stages 2/3,
-# a unit's parameters go into flat groups of at most GATHER_GROUP_BYTES each (gathered buffer or full
-# gradient, whichever dtype is wider), split at parameter boundaries (a larger parameter has a
-# group of its own). Stages 0/1 keep their full gradient for good, and stage 3's persistent unit is
-# never gathered. CUDA's caching allocator reuses blocks of any size, so there a unit keeps one
-# group per optimizer param group.
+# glibc's: blocks above its largest mmap threshold (32 MiB on 64-bit) are mapped for each request
+# and unmapped on free, so each such buffer touches fresh pages, zero-filled by the kernel one 4 KiB
+# fault at a time, every step (measured: docs/performance.md, "Buffers under glibc's mmap ceiling").
+# Blocks at or below the ceiling are served from the heap, and glibc raises its threshold to the
+# largest one freed, so freed buffers are reused. Hence on CPU, at stages 2/3, a unit's parameters
+# go into flat groups of at most GATHER_GROUP_BYTES each (gathered buffer or full gradient,
+# whichever dtype is wider), split at parameter boundaries (a larger parameter has a group of its
+# own). Stages 0/1 keep their full gradient for good, and stage 3's persistent unit is never
+# gathered. CUDA's caching allocator reuses blocks of any size, so there a unit keeps one group per
+# optimizer param group.
 GATHER_GROUP_BYTES = 30 << 20  # under 32 MiB with room for the allocator's header and alignment
 
 

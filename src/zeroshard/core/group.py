@@ -54,15 +54,15 @@ from zeroshard.core.precision import PrecisionPolicy
 # [Note: spent full gradients reused]
 # At stages 2/3 each unit's full gradient is made empty by its first gradient and dropped once its
 # reduce-scatter is waited for. A buffer above glibc's mmap threshold is fresh pages each time it is
-# made: with the 202M GPT's 50 MB block gradients in one group each, 123 thousand first-touch faults
-# on the main thread a step, 469 ms of CPU of the gradient copy's 472 ms (docs/performance.md). On a
-# CPU the groups are cut under glibc's ceiling ([Note: gathered buffers under glibc's mmap
-# ceiling] in backend.py), and on a GPU the caching allocator reuses blocks, but a buffer handed over
-# directly still skips the allocator. Within one backward a buffer whose reduction completed is handed
-# to the next unit of the same size (`SpentGradients`); its stale values are treated as an empty buffer's
-# ([Note: a fresh full gradient]). Only buffers of completed reductions are kept (an abandoned one
-# may still be written by a peer), and none outlives the backward: Lifecycle.end_backward and
-# abort clear them, so the step and the next forward hold what they held before.
+# made, and their first-touch faults, on the main thread, take most of the gradient copy's time
+# (measured: docs/performance.md, "Spent full gradients reused"). On a CPU the groups are cut under
+# glibc's ceiling ([Note: gathered buffers under glibc's mmap ceiling] in backend.py), and on a GPU the
+# caching allocator reuses blocks, but a buffer handed over directly still skips the allocator. Within
+# one backward a buffer whose reduction completed is handed to the next unit of the same size
+# (`SpentGradients`); its stale values are treated as an empty buffer's ([Note: a fresh full gradient]).
+# Only buffers of completed reductions are kept (an abandoned one may still be written by a peer), and
+# none outlives the backward: Lifecycle.end_backward and abort clear them, so the step and the next
+# forward hold what they held before.
 class SpentGradients:
     """Full-gradient buffers of completed reductions, by (numel, dtype, device), for this backward."""
 
@@ -415,12 +415,12 @@ class FlatGroup:
 
     # [Note: a fresh full gradient]
     # At stages 2/3 a unit's full gradient buffer is made by its first gradient of each backward and
-    # freed once reduced. Zero filling it and adding each gradient to the zeros wrote and read the
-    # whole buffer once more per unit (the 202M GPT: 0.45 s of main-thread CPU per step in
-    # add_grad, docs/performance.md): so it is allocated empty, a slot's first gradient is copied
-    # in, later ones (a tied or reused parameter) are added, and `complete_full_grad` zeroes what
-    # no gradient wrote (slots without one, the padding) before the reduction reads the buffer.
-    # Bit for bit 0 + g, except that a -0.0 stays -0.0 (DDP keeps it too; no update it feeds differs).
+    # freed once reduced. Zero filling it and adding each gradient to the zeros would write and read the
+    # whole buffer once more per unit, on the main thread (measured: docs/performance.md, "Stage 3's
+    # full gradient"): so it is allocated empty, a slot's first gradient is copied in, later ones (a
+    # tied or reused parameter) are added, and `complete_full_grad` zeroes what no gradient wrote (slots
+    # without one, the padding) before the reduction reads the buffer. Bit for bit 0 + g, except that a
+    # -0.0 stays -0.0 (DDP keeps it too; no update it feeds differs).
     def add_grad(self, index: int, grad: torch.Tensor, scale: float | None = None) -> None:
         """Add a parameter's gradient to its slot. `scale`: the backward reduces this buffer, which
         is multiplied by it first ([Note: the pre-divide in the copy])."""
@@ -448,15 +448,15 @@ class FlatGroup:
         self.grad_seen[index] = True
 
     # [Note: the pre-divide in the copy]
-    # A reduction pre-divides the buffer by the world size (unit.py reduce_grads), one more pass over
-    # it after the copies that filled it (15 ms of the 33.7M GPT's step at stage 0,
-    # docs/performance.md). DDP multiplies each gradient by 1/N as it copies it into its bucket; so
-    # does add_grad when the backward will reduce (`scale`) and the slot is written for the first
-    # time in the window: torch.mul(grad, 1/N, out=slot) is the copy followed by mul_(1/N), element
-    # for element. `_scaled` marks those slots; `prescale` multiplies the others (accumulated over
-    # earlier micro-steps, or of another dtype than the buffer) and clears the marks. A second
-    # gradient into a marked slot before the reduction is added times 1/N: exact for N a power of two
-    # (a /2^k is exact), within one rounding of (a + b)/N otherwise.
+    # A reduction pre-divides the buffer by the world size (unit.py reduce_grads), one more pass over it
+    # after the copies that filled it (measured: docs/performance.md, "The pre-divide in the copy"). DDP
+    # multiplies each gradient by 1/N as it copies it into its bucket; so does add_grad when the
+    # backward will reduce (`scale`) and the slot is written for the first time in the window:
+    # torch.mul(grad, 1/N, out=slot) is the copy followed by mul_(1/N), element for element. `_scaled`
+    # marks those slots; `prescale` multiplies the others (accumulated over earlier micro-steps, or of
+    # another dtype than the buffer) and clears the marks. A second gradient into a marked slot before
+    # the reduction is added times 1/N: exact for N a power of two (a /2^k is exact), within one
+    # rounding of (a + b)/N otherwise.
     def prescale(self, scale: float) -> None:
         """Multiply by `scale` what add_grad did not, before a reduction."""
         marks, self._scaled = self._scaled, None
@@ -470,11 +470,11 @@ class FlatGroup:
 
     # [Note: zeroed when first read]
     # Stages 0/1 keep their full gradient buffer across steps. Zeroing it in zero_grads and adding the
-    # next backward's gradients to the zeros wrote the buffer once more per step and read it once
-    # more per gradient (6 ms of the 33.7M GPT's step, docs/performance.md); DDP copies a bucket's
-    # first gradient instead. So zero_grads (and setting the reduced slice aside) only marks every
-    # slot unwritten, as a fresh buffer's are ([Note: a fresh full gradient]), and the stale values
-    # stay until a gradient is copied over them; whoever reads the buffer otherwise goes through
+    # next backward's gradients to the zeros would write the buffer once more per step and read it once
+    # more per gradient (measured: docs/performance.md, "Stages 0/1's kept gradient buffer"); DDP copies
+    # a bucket's first gradient instead. So zero_grads (and setting the reduced slice aside) only marks
+    # every slot unwritten, as a fresh buffer's are ([Note: a fresh full gradient]), and the stale
+    # values stay until a gradient is copied over them; whoever reads the buffer otherwise goes through
     # `grad()` / `grad_for_optimizer()` (a checkpoint, safe_*_grad, a step without a backward) or the
     # reduction, which first zero what is still unwritten.
     def _mark_unwritten(self) -> None:
@@ -575,13 +575,13 @@ class FlatGroup:
     # [Note: a second reduction before the step]
     # Stages 0/1 reduce the full gradient buffer in place (stage 1 reduce-scatters it): afterwards this
     # rank's slice (stage 0: the whole buffer) holds the reduced gradient and, at stage 1, the rest of
-    # the buffer only stale local values. A script may run another
-    # backward before the step (a GAN's discriminator: one backward on real, one on fake data). Adding
-    # its local gradients to that buffer and reducing again would mix reduced and local values, so the
-    # reduced slice is set aside and the buffer zeroed when the next backward begins, and the slice is
-    # added back once that backward's reduction is done: reduced(g1) + reduced(g2), what stages 2/3 do
-    # by reducing into a separate grad_shard. Stage 0 could re-reduce reduced(g1) + g2 as DDP does, but
-    # that rounds differently from the other stages; one meaning at every stage is the simpler contract.
+    # the buffer only stale local values. A script may run another backward before the step (a GAN's
+    # discriminator: one backward on real, one on fake data). Adding its local gradients to that buffer
+    # and reducing again would mix reduced and local values, so the reduced slice is set aside and the
+    # buffer zeroed when the next backward begins, and the slice is added back once that backward's
+    # reduction is done: reduced(g1) + reduced(g2), what stages 2/3 do by reducing into a separate
+    # grad_shard. Stage 0 could re-reduce reduced(g1) + g2 as DDP does, but that rounds differently from
+    # the other stages; one meaning at every stage is the simpler contract.
     def set_aside_reduced_slice(self) -> None:
         if not self.holds_reduced_slice:
             return

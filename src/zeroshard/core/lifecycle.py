@@ -14,21 +14,21 @@ reduction and frees whatever is still gathered.
 A unit's last trainable gradient does not mean backward is done with its parameters when some of them
 have no gradient of their own: in a LoRA layer `y = x W^T + B(A(x))` the adapter's gradients can land
 before the frozen W is read to carry the gradient on to x. Freeing W at the adapters' last gradient
-left backward a parameter with no storage. So a unit with frozen parameters watches its forward's
-tensor inputs (positional and keyword) that require grad, with one multi-grad hook per forward call
-(mode "all"): every read of its parameters that sends a gradient out of the unit happens before
-those inputs' gradients are complete. It is freed once both its trainable gradients and its inputs'
-gradients are in; a unit whose inputs need no gradient (the first layers under a frozen embedding)
-is freed as before, since nothing then needs its frozen weights in backward. Reentrant activation
-checkpointing runs the forward without autograd and recomputes it inside backward, so a unit not
-watched in the forward is watched in its recomputation; non-reentrant checkpointing backpropagates
-through the first forward's graph, so its recomputation is not watched. Whatever a hook never
-reports (a forward with no backward after it) is freed by end_backward, as unused units are.
-A unit that encloses other units (the root) is the exception: its frozen parameters are read in the
-middle of backward and the gradient they carry goes into the units inside it, never to its own
-inputs: a PEFT reward model's trainable score head (the root's) gets its gradient first, and the
-frozen final norm is read right after it. Such a unit, when it has frozen parameters, stays gathered
-until end_backward.
+would leave backward a parameter with no storage. So a unit with frozen parameters watches its
+forward's tensor inputs (positional and keyword) that require grad, with one multi-grad hook per
+forward call (mode "all"): every read of its parameters that sends a gradient out of the unit happens
+before those inputs' gradients are complete. It is freed once both its trainable gradients and its
+inputs' gradients are in; a unit whose inputs need no gradient (the first layers under a frozen
+embedding) is freed at its last gradient, since nothing then needs its frozen weights in backward.
+Reentrant activation checkpointing runs the forward without autograd and recomputes it inside
+backward, so a unit not watched in the forward is watched in its recomputation; non-reentrant
+checkpointing backpropagates through the first forward's graph, so its recomputation is not watched.
+Whatever a hook never reports (a forward with no backward after it) is freed by end_backward, as
+unused units are. A unit that encloses other units (the root) is the exception: its frozen parameters
+are read in the middle of backward and the gradient they carry goes into the units inside it, never
+to its own inputs: a PEFT reward model's trainable score head (the root's) gets its gradient first,
+and the frozen final norm is read right after it. Such a unit, when it has frozen parameters, stays
+gathered until end_backward.
 
 [Note: inference prefetch]
 A forward without autograd (eval, ZeRO-Inference, HF `generate`, which calls the model directly and so
@@ -512,9 +512,9 @@ class Lifecycle:
     # [Note: prefetch before the wait]
     # A training pass issues the prefetch of the units after the current one before it waits for the
     # current one's own gather, not after: otherwise, where the current unit was not prefetched (the
-    # first unit of a forward, whose gather cannot start before the step that changes it, and the
-    # first unit of a backward after a unit it did not keep), its gather and the next one's ran one
-    # after the other with the link idle in between, and the next unit's compute waited for both.
+    # first unit of a forward, whose gather cannot start before the step that changes it, and the first
+    # unit of a backward after a unit it did not keep), its gather and the next one's would run one
+    # after the other with the link idle in between, and the next unit's compute would wait for both.
     # What is gathered at any moment is the same (the current unit counts as live from its `unshard`,
     # [Note: bounded gathering]); only the moment the next gather starts moves earlier. Without autograd
     # the order stays ([Note: inference prefetch]): the store's reads ahead decide the I/O's.

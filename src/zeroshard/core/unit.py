@@ -9,9 +9,9 @@ transition into or out of SHARDED updates the shared LiveCount ([Note: bounded g
 
 [Note: gathering in place at one rank]
 At one rank a stage-3 group's shard is its whole flat buffer (shard_numel == padded_numel), so the
-all-gather is only a copy of the master into the gathered buffer: every forward moved the model's
-bytes twice more (read the shard, write the buffer) and allocated and freed a buffer per unit,
-which made a ZeRO-Inference token from the NVMe store ~2x slower than its disk read. A group that
+all-gather is only a copy of the master into the gathered buffer: every forward would move the
+model's bytes twice more (read the shard, write the buffer) and allocate and free a buffer per unit,
+more work than a ZeRO-Inference token's read from the NVMe store itself. A group that
 is not trained and whose master is in compute dtype on the compute device (fp32 inference from
 CPU memory or the memory-mapped NVMe store) therefore gathers in place: `full` *is* the master,
 the parameters are views of the store's tensor, and freeing drops those views and releases the
@@ -296,19 +296,19 @@ class Unit:
         return handle, group, out
 
     # [Note: taken as they land]
-    # Stages 0/1 never wait for a reduction inside backward (waiting stalled it, docs/performance.md),
-    # so every unit's reduction used to stay in flight until end_backward. At stage 1 each holds a
-    # temporary for the peer's half (25 MB per block of the 202M GPT): all of them alive at once,
-    # 400 MB freed together at the end of backward and returned to the kernel, so every backward
-    # touched them fresh (82 thousand page faults a step on gloo's thread). After issuing a unit's
-    # reduction, the lifecycle now takes the earlier ones that have already completed, in order,
-    # without waiting: their temporaries are freed and reused by the next ones. Stages 2/3 wait for
-    # unit k's reduction only when k-1's is issued ([Note: one reduction in flight]), so k's full
-    # gradient stayed alive through k-1's whole backward, beside k-1's own: there the lifecycle also
-    # takes what has landed whenever a group is about to make a new full gradient, which then reuses
-    # k's buffer ([Note: spent full gradients reused]). Nothing else changes, the reduced values land
-    # as they did at end_backward or at the next issue, in the same order; MiCS's second reduction (a
-    # collective of its own) is still left for the end.
+    # Stages 0/1 never wait for a reduction inside backward ([Note: one reduction in flight]). Left in
+    # flight until end_backward, every unit's reduction would keep its temporaries (at stage 1, the
+    # peer's half of each block): all of them alive at once, freed together at the end of backward and
+    # returned to the kernel, so every backward would touch them afresh, page fault by page fault
+    # (measured: docs/performance.md, "Stages 0/1 never wait for a reduction inside backward"). So after
+    # issuing a unit's reduction the lifecycle takes the earlier ones that have already completed, in
+    # order, without waiting: their temporaries are freed and reused by the next ones. Stages 2/3 wait
+    # for unit k's reduction only once the next unit's is issued, so k's full gradient stays alive
+    # through the next unit's whole backward, beside that unit's own: there the lifecycle also takes
+    # what has landed whenever a group is about to make a new full gradient, which then reuses k's
+    # buffer ([Note: spent full gradients reused]). The reduced values land as they would at
+    # end_backward or at the next issue, in the same order; MiCS's second reduction (a collective of its
+    # own) is left for the end.
     def reduction_done(self) -> bool:
         """Could `finish_reduce` run now without waiting? (MiCS's second reduction would wait: no.)"""
         return self.links.replica is None and all(handle.done() for handle, _, _ in self._reductions)

@@ -1,19 +1,20 @@
 """Large aligned reads and writes of swap files, off the GIL: the NVMe store's fast path.
 
 [Note: aligned direct I/O]
-benchmarks/offload_io.py on this machine's disk (docs/bench/offload_io.txt): reading 2 GB through
-the swap files' memory mapping (the kernel's read-ahead, one fault at a time) reached 1.87 GB/s;
-positioned reads of 4 MiB blocks with O_DIRECT, eight in flight, reach what `dd` O_DIRECT reads
-(~1.9-2.0 GB/s here), without passing the bytes through the page cache (no copy, no cached pages
-to drop afterwards, nothing counted in RSS but the buffer read into). So a tensor the store brings
-in for a use is read with `DirectFile.read_into` into an anonymous, page-aligned `Buffer`, and
-written back with `DirectFile.write_from`. O_DIRECT wants the buffer address, the file offset and
-the length aligned to the device's logical block; ALIGN (4096) covers every block size Linux
-supports below the page, the buffers are whole pages (mmap), offsets are multiples of the block
-size, and swap files are preallocated to whole ALIGN blocks, so the partial tail of a tensor is
-read and written as one whole block. A file system without O_DIRECT (tmpfs, some FUSE) refuses
-the flag when the file is opened (or the first request with EINVAL): the same requests then go
-through the page cache (`mode` "buffered"), whose pages a write-back flushes and drops.
+Positioned reads and writes of 4 MiB blocks with O_DIRECT, eight in flight, read as fast as `dd`
+O_DIRECT and write faster than the swap files' memory mapping (measured with
+benchmarks/offload_io.py: docs/offload_nvme.md, docs/bench/offload_io.txt), without passing the
+bytes through the page cache (no copy, no cached pages to drop afterwards, nothing counted in RSS
+but the buffer read into); the mapping moves them through the kernel's read-ahead, one fault at a
+time. So a tensor the store brings in for a use is read with `DirectFile.read_into` into an
+anonymous, page-aligned `Buffer`, and written back with `DirectFile.write_from`. O_DIRECT wants the
+buffer address, the file offset and the length aligned to the device's logical block; ALIGN (4096)
+covers every block size Linux supports below the page, the buffers are whole pages (mmap), offsets
+are multiples of the block size, and swap files are preallocated to whole ALIGN blocks, so the
+partial tail of a tensor is read and written as one whole block. A file system without O_DIRECT
+(tmpfs, some FUSE) refuses the flag when the file is opened (or the first request with EINVAL): the
+same requests then go through the page cache (`mode` "buffered"), whose pages a write-back flushes
+and drops.
 
 libc's pread/pwrite are called through ctypes, which releases the GIL around each call, so the
 thread computing keeps running while I/O threads wait on the disk.

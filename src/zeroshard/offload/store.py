@@ -13,15 +13,15 @@ One interface, two homes (DESIGN.md, "Offload stores"):
     tensors in use.
 
 [Note: why memory-mapped files]
-benchmarks/offload_io.py moved 2.1 GB in 64 MiB tensors here (docs/bench/offload_io.txt): explicit
-buffered pwrite/pread on a 2-thread pool wrote 0.40 GB/s and read 2.61 GB/s; the mapping wrote 1.34 GB/s and
-read 1.87 GB/s. The tensor stays the mapping: every consumer (optimizer, all-gather, checkpoint) keeps
-using plain tensors at any moment, and writes to it need no staging buffer. Uses the store is told of
-ahead of time read and write with aligned direct I/O instead ([Note: where a swap file's tensor
-lies] in offload/swapfile.py). Files are preallocated with
-posix_fallocate, so a full disk is an error before training starts rather than SIGBUS in a step;
-each use first checks that the file still exists with its full size, so a deleted or truncated
-swap file is reported instead of crashing the process.
+The tensor stays the mapping: every consumer (optimizer, all-gather, checkpoint) keeps using plain
+tensors at any moment, and writes to it need no staging buffer; explicit buffered pwrite/pread on a
+thread pool would need one and writes more slowly than the mapping (measured with
+benchmarks/offload_io.py: docs/offload_nvme.md, docs/bench/offload_io.txt). Uses the store is told
+of ahead of time read and write with aligned direct I/O instead ([Note: where a swap file's tensor
+lies] in offload/swapfile.py). Files are preallocated with posix_fallocate, so a full disk is an
+error before training starts rather than SIGBUS in a step; each use first checks that the file still
+exists with its full size, so a deleted or truncated swap file is reported instead of crashing the
+process.
 """
 
 from __future__ import annotations
@@ -151,10 +151,10 @@ class NVMeStore:
         self._pool = Workers(threads, "zeroshard-nvme")
         self._pending: list[tuple[Future, int]] = []  # write-backs and their bytes
         # Reads ahead run on their own threads, so that a read is never queued behind write-backs;
-        # two reads in flight kept the mapping's disk busier than one (40 files of 51 MB read while
-        # a thread summed them, here: 1.0-1.2 GB/s with one reader, 1.3-1.5 with two; dd O_DIRECT
-        # 1.2). Four: ZeRO-Inference's units are 4-12 MB (one Linear each), one to three aligned
-        # requests, so four tensors in flight keep the I/O pool's eight requests busy.
+        # two reads in flight keep the mapping's disk busier than one, the next read going on while
+        # the consumer of the last one computes. Four: ZeRO-Inference's units are 4-12 MB (one Linear
+        # each), one to three aligned requests, so four tensors in flight keep the I/O pool's eight
+        # requests busy.
         self._readers = Workers(max(4, threads), "zeroshard-nvme-read")
         # Files go away on destroy(), at normal interpreter exit and on SIGTERM, whichever comes
         # first; after SIGKILL the next store on the same path reclaims them ([Note: swap files
@@ -279,9 +279,8 @@ class NVMeStore:
     def release(self, tensors) -> None:
         """Write these tensors back and drop their pages from memory, off the training thread; waits
         while more than WRITE_BEHIND_BYTES of earlier releases are not written back yet (a caller
-        that writes faster than the disk would otherwise keep every dirty page resident: loading a
-        2.1 GB model peaked at 2.5 GB of RSS so). A frozen tensor's buffer writes nothing: it is only
-        unmapped."""
+        that writes faster than the disk, such as a model's load, would otherwise keep every dirty
+        page resident). A frozen tensor's buffer writes nothing: it is only unmapped."""
         for item in self._mapped(tensors):
             self.counters.released_bytes += item.nbytes
             item.releases += 1

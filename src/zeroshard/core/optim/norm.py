@@ -9,9 +9,9 @@ import torch
 
 # fp64 squares are summed chunk by chunk through one scratch buffer of this many elements: 1 MiB
 # stays in cache, so the fp32 -> fp64 copy and the dot product that reads it back cost a pass over
-# the gradient each (profiled in docs/performance.md: 16 ms of CPU a step at stage 0 on the 33.7M
-# GPT, where `chunk.double().pow(2).sum()` over 4M-element chunks, writing two fp64 temporaries per
-# chunk, took 90).
+# the gradient each, where `chunk.double().pow(2).sum()` over large chunks writes two fp64
+# temporaries and reads them back from memory (measured: docs/performance.md, "The fp64 norm through
+# a 1 MiB scratch").
 _NORM_CHUNK = 1 << 17
 
 
@@ -31,14 +31,14 @@ def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
 
 # [Note: the stage-0 norm, computed when asked]
 # At stage 0 every rank holds the whole reduced gradient, and the step needs the norm only to clip
-# or unscale. Summing it every step for get_global_grad_norm() cost 16-17 ms of the 33.7M GPT's
-# ~800 ms step (docs/performance.md), which a DDP script that does not clip never spends, and
-# DeepSpeed's stage-0 engine reports None there. So without clipping or loss scaling the step keeps
-# the gradient tensors and their version counters, and the norm is summed when first asked, by each
-# rank from its own copy: no collective, so a rank that logs alone may ask. Stage 0 keeps its
-# gradient buffer across steps ([Note: zeroed when first read]), so holding it costs no memory.
-# Anything that writes the buffer (the next backward, a checkpoint load) moves the version; asked
-# after that, the norm is gone: None, and a warning says when to ask.
+# or unscale. Summing it every step for get_global_grad_norm() would cost a pass over the gradient
+# that a DDP script that does not clip never spends (measured: docs/performance.md), and DeepSpeed's
+# stage-0 engine reports None there. So without clipping or loss scaling the step keeps the gradient
+# tensors and their version counters, and the norm is summed when first asked, by each rank from its
+# own copy: no collective, so a rank that logs alone may ask. Stage 0 keeps its gradient buffer
+# across steps ([Note: zeroed when first read]), so holding it costs no memory. Anything that writes
+# the buffer (the next backward, a checkpoint load) moves the version; asked after that, the norm is
+# gone: None, and a warning says when to ask.
 class NormWhenAsked:
     """The global gradient norm of one stage-0 step, summed on first request."""
 
