@@ -45,7 +45,7 @@ def _tokens(rows: int, rank: int = 0) -> torch.Tensor:
 
 
 def _llama():
-    from tests.test_integration_hf import hf_config, model_fn
+    from tests.hf_models import hf_config, model_fn
 
     return hf_config("llama"), model_fn("llama")()
 
