@@ -45,7 +45,7 @@ def _tokens(rows: int, rank: int = 0) -> torch.Tensor:
 
 
 def _llama():
-    from tests.test_integration_hf import hf_config, model_fn
+    from tests.hf_models import hf_config, model_fn
 
     return hf_config("llama"), model_fn("llama")()
 
@@ -148,10 +148,10 @@ def lora(ns: dict, here: Path, rank: int) -> None:
 
 def mesh(ns: dict, here: Path, rank: int) -> None:
     """`init_device_mesh`, `device_type` "cpu", `dp` 2 x `tp` 1, `model` (the GPT), `opt` (AdamW),
-    `ds_config`, and an `mpu` over the same layout (tests/test_tensor_parallel.py's)."""
+    `ds_config`, and an `mpu` over the same layout (tests/tp_helpers.py's)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tests.test_tensor_parallel import Mpu
+    from tests.tp_helpers import Mpu
 
     ns.update(init_device_mesh=init_device_mesh, device_type="cpu", dp=2, tp=1, model=_gpt())
     ns["opt"] = torch.optim.AdamW(ns["model"].parameters(), lr=1e-2)

@@ -61,6 +61,9 @@ _FAILURE_GRACE_S = 5.0  # after one rank fails, how long run_distributed waits f
 _STACK_DUMP_WAIT_S = 1.0  # how long the parent waits for a hung rank to dump its stacks (SIGUSR1)
 _BACKSTOP_S = 10.0  # a rank whose parent is stuck exits on its own this long after the parent's deadline
 _REPORT_TAIL_CHARS = 4000  # of each rank's stack dump, quoted in an error
+# What torch 2.13 + gloo may print when it aborts a process at interpreter teardown, after all work is
+# done (module docstring): a test that runs a script in a process of its own accepts that exit.
+TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 @dataclasses.dataclass

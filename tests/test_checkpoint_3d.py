@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 import zeroshard
 from tests import mesh_models as mm
 from tests.harness import grid, run_distributed, subtests
-from tests.test_tensor_parallel import Mpu, dtensor_model, megatron_model
+from tests.tp_helpers import Mpu, dtensor_model, megatron_model
 from zeroshard.checkpoint import CheckpointError, consolidate, load_checkpoint, load_full_weights, save_checkpoint
 from zeroshard.checkpoint.contract import CheckpointableSharded
 from zeroshard.checkpoint.manifest import read_manifest

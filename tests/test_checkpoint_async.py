@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params, tiny_batches, train_micro_steps
+from tests.checkpoint_helpers import (
+    assert_equal_params,
+    build_engine,
+    checkpoint_states,
+    full_params,
+    state_difference,
+    tiny_batches,
+    train_micro_steps,
+)
 from tests.harness import run_distributed, subtests
-from tests.test_checkpoint_reshard import checkpoint_states, state_difference
 from zeroshard.checkpoint import CheckpointError, save as save_module
 
 

@@ -16,50 +16,23 @@ padding), stages 0-3 -> saved again there -> loaded at 4 ranks, stage 3. At ever
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.checkpoint_helpers import build_engine, full_params
+from tests.checkpoint_helpers import (
+    GLOBAL_BATCH,
+    OPTIMIZERS,
+    assert_close_run,
+    build_engine,
+    check_same_states,
+    train_global_steps,
+)
 from tests.harness import run_distributed, subtests
-from tests.reference import gpt_loss
-from zeroshard.checkpoint import open_checkpoint
-from zeroshard.checkpoint.reader import CheckpointReader
-from zeroshard.tools.models.gpt import tiny_gpt_config
 
-GLOBAL_BATCH = 12  # divisible by 2, 3 and 4 ranks
 BEFORE, AFTER = 2, 3  # steps before the save, steps after the load
-RTOL = 1e-6
 STAGES = [0, 1, 2, 3]
-OPTIMIZERS = {
-    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01),
-    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
-}
-CONTINUED = "sgd"
+CONTINUED = "sgd"  # the optimizer whose continued training is compared (module docstring)
 # Back at 4 ranks, parameters under 100 elements (biases, LayerNorms) form a unit of their own: the
 # checkpoint's groups and the engine's differ, and parameters are still found by name.
-PERSISTENCE = 100  # the optimizer whose continued training is compared (module docstring)
-
-
-def _rank_batch(step: int, rank: int, world: int):
-    """This rank's share of the step's global batch (the same samples at any world size)."""
-    config = tiny_gpt_config()
-    gen = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, config.vocab_size, (GLOBAL_BATCH, 1), generator=gen)
-    tokens = (start + torch.arange(config.block_size + 1)) % config.vocab_size  # (B, T + 1)
-    per = GLOBAL_BATCH // world
-    mine = tokens[rank * per : (rank + 1) * per]
-    return mine[:, :-1], mine[:, 1:]
-
-
-def _train(engine, first_step: int, steps: int) -> dict:
-    world, rank = engine.world_size, engine.global_rank
-    losses = []
-    for step in range(first_step, first_step + steps):
-        loss = gpt_loss(engine, *_rank_batch(step, rank, world))
-        engine.backward(loss)
-        engine.step()
-        every = engine.comm.all_gather_objects(loss.item(), "test: losses")
-        losses.append(sum(every) / world)  # the mean over the global batch
-    return {"losses": losses, "params": full_params(engine)}
+PERSISTENCE = 100
 
 
 def _engine(optimizer: str, stage: int, world: int, seed: int = 0, persistence: int = 0):
@@ -72,62 +45,6 @@ def _engine(optimizer: str, stage: int, world: int, seed: int = 0, persistence: 
     )
 
 
-def checkpoint_states(directory) -> dict:
-    """Everything a checkpoint says about the training state, by parameter name (read offline)."""
-    path, manifest = open_checkpoint(directory)
-    objects = torch.load(path / "objects.pt", weights_only=False)
-    out = {
-        "steps": (manifest["global_steps"], manifest["micro_steps"]),
-        "scheduler": objects["lr_scheduler"],
-        "param_groups": objects["optimizer"]["param_groups"],
-    }
-    with CheckpointReader(path, manifest) as reader:
-        for index, group in enumerate(manifest["groups"]):
-            for param in group["params"]:
-                entry = {}
-                for key, kind in group["state"] + [["master", "elementwise"]]:
-                    if kind == "scalar":
-                        entry[key] = objects["optimizer"]["scalars"][index][key][0]
-                        continue
-                    entry[key] = torch.empty(param["numel"])
-                    reader.read_param(param["name"], key, 0, param["numel"], entry[key])
-                out[param["name"]] = entry
-    return out
-
-
-def state_difference(a: dict, b: dict) -> str | None:
-    if a.keys() != b.keys():
-        return f"different entries: {sorted(a.keys() ^ b.keys())}"
-    for name in a:
-        if name in ("steps", "scheduler", "param_groups"):
-            if a[name] != b[name]:
-                return f"{name}: {a[name]} != {b[name]}"
-            continue
-        if a[name].keys() != b[name].keys():
-            return f"'{name}': states {sorted(a[name])} != {sorted(b[name])}"
-        for key in a[name]:
-            if not torch.equal(torch.as_tensor(a[name][key]), torch.as_tensor(b[name][key])):
-                return f"'{name}' {key} differs"
-    return None
-
-
-def _check_same_states(engine, saved: str, source: str, what: str) -> None:
-    """Rank 0 compares the files; every rank raises (so no rank runs on into a collective alone)."""
-    problem = None
-    if engine.global_rank == 0:
-        problem = state_difference(checkpoint_states(saved), checkpoint_states(source))
-    problem = engine.comm.all_gather_objects(problem, "test: state check")[0]
-    assert problem is None, f"{what}: {problem}"
-
-
-def assert_close_run(ours: dict, ref: dict, what: str) -> None:
-    for a, b in zip(ours["losses"], ref["losses"]):
-        assert abs(a - b) <= RTOL * abs(b), f"{what}: loss {a} vs {b}"
-    for name, b in ref["params"].items():
-        error = float((ours["params"][name] - b).norm() / b.norm())  # see tests/zs_common.assert_close
-        assert error <= RTOL, f"{what}: '{name}' relative error {error:.2e}"
-
-
 # ---------------------------------------------------------------- workers
 
 
@@ -136,10 +53,10 @@ def _reference_worker(rank: int, world: int, *, root: str) -> dict:
     result = None
     for optimizer in OPTIMIZERS:
         engine = _engine(optimizer, 3, world)
-        _train(engine, 0, BEFORE)
+        train_global_steps(engine, 0, BEFORE)
         engine.save_checkpoint(f"{root}/base-{optimizer}", tag="base")
         if optimizer == CONTINUED:
-            result = _train(engine, BEFORE, AFTER)
+            result = train_global_steps(engine, BEFORE, AFTER)
         engine.destroy()
     return result
 
@@ -151,8 +68,8 @@ def _from_four_worker(rank: int, world: int, *, root: str, reference: dict) -> l
         engine = _engine(optimizer, stage, world, seed=stage + 1)
         engine.load_checkpoint(f"{root}/base-{optimizer}")
         saved = engine.save_checkpoint(f"{root}/w{world}s{stage}-{optimizer}", tag="resharded")
-        _check_same_states(engine, saved, f"{root}/base-{optimizer}/base", f"4/3 -> {world}/{stage} {optimizer}")
-        result = _train(engine, BEFORE, AFTER) if optimizer == CONTINUED else None
+        check_same_states(engine, saved, f"{root}/base-{optimizer}/base", f"4/3 -> {world}/{stage} {optimizer}")
+        result = train_global_steps(engine, BEFORE, AFTER) if optimizer == CONTINUED else None
         engine.destroy()
         if result is not None:
             assert_close_run(result, reference, f"4 ranks stage 3 -> {world} ranks stage {stage}")
@@ -170,13 +87,13 @@ def _to_four_worker(rank: int, world: int, *, root: str, continued: dict) -> Non
         assert any(unit.name == "<persistent>" for unit in engine.units)
         engine.load_checkpoint(source)
         again = engine.save_checkpoint(f"{root}/back-w{source_world}s{source_stage}-{optimizer}", tag="back")
-        _check_same_states(engine, again, f"{source}/resharded", f"{source_world}/{source_stage} -> 4/3")
+        check_same_states(engine, again, f"{source}/resharded", f"{source_world}/{source_stage} -> 4/3")
         if optimizer == CONTINUED:
-            result = _train(engine, BEFORE, AFTER)
+            result = train_global_steps(engine, BEFORE, AFTER)
             what = f"{source_world} ranks stage {source_stage} -> 4 ranks stage 3"
             assert_close_run(result, continued[(source_world, source_stage)], what)
         else:  # each group steps its own counter, even where two groups took it from one saved group
-            _train(engine, BEFORE, 1)
+            train_global_steps(engine, BEFORE, 1)
             steps = [float(s["step"]) for s in engine.optimizer.optimizer.state.values()]
             assert steps == [BEFORE + 1] * len(engine.optimizer.groups), steps
         engine.destroy()

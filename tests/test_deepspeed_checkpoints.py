@@ -31,7 +31,6 @@ the frozen ones exactly.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import zipfile
@@ -41,15 +40,12 @@ import pytest
 import torch
 
 import zeroshard
+from tests.deepspeed_data import DATA, reference_weights, tm
 from tests.harness import run_distributed, subtests
 from zeroshard.checkpoint import CheckpointError, consolidate
 from zeroshard.checkpoint.deepspeed import DeepSpeedCheckpoint, find
 from zeroshard.checkpoint.deepspeed_convert import convert_deepspeed
 
-DATA = Path(__file__).parent / "data" / "deepspeed"
-_spec = importlib.util.spec_from_file_location("tiny_model", DATA / "tiny_model.py")
-tm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tm)
 EXPECTED = json.loads((DATA / "expected.json").read_text())
 EXPECTED_FROZEN = json.loads((DATA / "expected_frozen.json").read_text())
 CASES = list(tm.CASES)  # checkpoint names: stage<s>_<precision>[_<variant>]
@@ -80,13 +76,6 @@ def _train(engine, precision: str, first: int, steps: int) -> list[float]:
         every = engine.comm.all_gather_objects(loss.item(), "test: losses")
         losses.append(float(torch.tensor(every, dtype=torch.float32).sum() / world))
     return losses
-
-
-def _reference(source: str) -> dict:
-    """DeepSpeed's full fp32 weights at the save: its zero_to_fp32 output, or, for the checkpoint
-    zero_to_fp32 does not read (BF16_Optimizer), the masters its running engine held."""
-    file = DATA / source / "zero_to_fp32.pt"
-    return torch.load(file if file.is_file() else DATA / source / "masters.pt", weights_only=True)
 
 
 def _resume(source: str, stage: int, precision: str, converted: str | None = None) -> dict:
@@ -159,7 +148,7 @@ def _resave_with_frozen(save_dir: str) -> None:
     second.load_checkpoint(save_dir)
     with second.gathered_parameters(list(second.module.parameters())):
         params = {n: p.detach().clone() for n, p in second.module.named_parameters()}
-    reference = _reference("stage2_fp32_groups")
+    reference = reference_weights("stage2_fp32_groups")
     assert all(torch.equal(params[n], reference[n]) for n in params)
     second.destroy()
 
@@ -291,7 +280,7 @@ def _check(cases: list[dict], world: int, results: list[dict]) -> dict:
         after = expected["losses"][EXPECTED["steps_before_save"] :]
         what = f"{source} resumed at {world} ranks, stage {stage}{' (converted)' if case.get('converted') else ''}"
         assert result["loaded"]["global_steps"] == EXPECTED["steps_before_save"], what
-        reference = _reference(source)
+        reference = reference_weights(source)
         for name, value in result["params"].items():
             # The parameters zeroshard computes with are the masters rounded to the compute dtype.
             want = reference[name].to(tm.DTYPES[precision]).float()
@@ -355,7 +344,7 @@ def test_consolidate_equals_zero_to_fp32(tmp_path, source, via):
     from safetensors.torch import load_file
 
     ours = load_file(str(output))
-    reference = _reference(source)
+    reference = reference_weights(source)
     assert ours.keys() == reference.keys()
     for name in reference:
         assert ours[name].dtype == reference[name].dtype and torch.equal(ours[name], reference[name]), name
@@ -372,7 +361,7 @@ def test_consolidate_in_hugging_face_layout_equals_zero_to_fp32(tmp_path):
     source = CASES[0]
     consolidate(DATA / source, tmp_path / "hf", fmt="hf", max_shard_size="4KB", progress=False)
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
-    reference = _reference(source)
+    reference = reference_weights(source)
     assert index["weight_map"].keys() == reference.keys()
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and index["metadata"]["total_size"] == sum(

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import TEARDOWN_ABORT
+
 ROOT = Path(__file__).resolve().parent.parent
-TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
 
 
 @pytest.mark.slow

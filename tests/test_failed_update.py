@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import zeroshard
+from tests.failure_helpers import Injected, assert_same_state, training_state
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
-from tests.test_failures import Injected, _assert_same, _state
 from tests.zs_common import gpt_model_fn, make_config
 from zeroshard.core.optim.masked import SlotStates
 from zeroshard.core.optim.rollback import UpdateFailed
@@ -60,11 +60,11 @@ def _alike_case(stage: int, fused: bool) -> None:
     for mode in (None, "copy"):
         engine = _engine(stage, mode, fused)
         losses = [_micro(engine, step) for step in range(STEPS)]
-        runs[mode] = (losses, _state(engine), engine.optimizer.snapshot_peak_bytes)
+        runs[mode] = (losses, training_state(engine), engine.optimizer.snapshot_peak_bytes)
         masters = sum(g.master.numel() * 4 for g in engine.optimizer.groups)
         engine.destroy()
     assert runs["copy"][0] == runs[None][0], (runs["copy"][0], runs[None][0])
-    _assert_same(runs["copy"][1], runs[None][1], f"stage {stage}: 'copy' against the default")
+    assert_same_state(runs["copy"][1], runs[None][1], f"stage {stage}: 'copy' against the default")
     assert runs[None][2] == 0, f"the default copied {runs[None][2]} bytes"
     assert runs["copy"][2] >= 3 * masters, f"'copy' copied {runs['copy'][2]} bytes, masters are {masters}"
 
@@ -74,11 +74,11 @@ def _before_update_case(stage: int, mode: str | None) -> None:
     same step runs again after zero_grad()."""
     engine = _engine(stage, mode)
     _micro(engine, 0)
-    before = _state(engine)
+    before = training_state(engine)
     with mock.patch.object(SlotStates, "plan", side_effect=Injected("planning failed")):
         with pytest.raises(Injected):
             _micro(engine, 1)
-    _assert_same(_state(engine), before, f"stage {stage}: a step that failed before its update")
+    assert_same_state(training_state(engine), before, f"stage {stage}: a step that failed before its update")
     engine.zero_grad()
     _micro(engine, 1)
     engine.destroy()
@@ -89,7 +89,7 @@ def _during_update_case(stage: int, mode: str | None) -> None:
     call refuses, naming the groups that changed."""
     engine = _engine(stage, mode)
     _micro(engine, 0)
-    before = _state(engine)
+    before = training_state(engine)
     engine.optimizer.param_groups[-1]["lr"] = torch.tensor([1e-2, 1e-2])  # torch's __init__ refuses it
     expected = (RuntimeError, TypeError) if mode == "copy" else UpdateFailed  # torch raises either
     with pytest.raises(expected) as caught:
@@ -97,7 +97,7 @@ def _during_update_case(stage: int, mode: str | None) -> None:
     engine.optimizer.param_groups[-1]["lr"] = 1e-2
     if mode == "copy":
         assert not isinstance(caught.value, UpdateFailed), caught.value
-        _assert_same(_state(engine), before, f"stage {stage}: a step the last param group's lr failed")
+        assert_same_state(training_state(engine), before, f"stage {stage}: a step the last param group's lr failed")
         engine.zero_grad()
         _micro(engine, 1)
     else:

@@ -9,10 +9,13 @@ the run goes on exactly like a run that never had the failed micro steps. With t
 ("fail_stop") a step that fails during its update refuses every later call, naming what changed,
 until a checkpoint is loaded; from there the run goes on exactly like one that never failed
 ([Note: failed optimizer steps] in core/optim/rollback.py). Every stage, with and without offload and
-accumulation.
+accumulation, in the default config: at stages 1 and 2 step() leaves the all-gathers of the updated
+parameters in flight, to the next forward ([Note: deferred parameter gather] in core/param_gather.py).
 
 One rank raises: it gets its own error, every other rank a CollectiveError within a bounded time
-(comm_timeout_s), and later calls raise at once instead of waiting again.
+(comm_timeout_s), and later calls raise at once instead of waiting again. Where the failing call is
+a step, the healthy rank learns it in its own step if that waits for the all-gathers, and by default
+at its next forward, which does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 import torch
 
 import zeroshard
+from tests.failure_helpers import Injected, assert_same_state, training_state
 from tests.harness import outcome, run_at_once, run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import gpt_model_fn, make_config
@@ -34,10 +38,6 @@ STEPS = 3
 FAILING_STEP = 1
 COMM_TIMEOUT_S = 5
 BATCHES = gpt_batches(tiny_gpt_config(), batch_size=4)
-
-
-class Injected(RuntimeError):
-    """The failure a test injects."""
 
 
 class FlakyAdamW(torch.optim.AdamW):
@@ -95,36 +95,6 @@ def _arm(engine, kind: str, armed: list) -> None:
     engine.module.blocks[0].register_forward_hook(forward_hook)
 
 
-def _state(engine) -> dict:
-    """Everything a failed call must leave as it was (gradients aside)."""
-    with engine.gathered_parameters(list(engine.module.parameters())):
-        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    optimizer = [
-        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in engine.optimizer.group_state(g).items()}
-        for g in engine.optimizer.groups
-    ]
-    return {
-        "params": params,
-        "masters": [g.master.clone() for g in engine.groups],
-        "optimizer": optimizer,
-        "scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-        "counters": (engine.global_steps, engine.micro_steps),
-    }
-
-
-def _assert_same(a: dict, b: dict, what: str) -> None:
-    assert a["counters"] == b["counters"], (what, a["counters"], b["counters"])
-    assert a["scaler"] == b["scaler"], (what, a["scaler"], b["scaler"])
-    for name in a["params"]:
-        assert torch.equal(a["params"][name], b["params"][name]), f"{what}: parameter '{name}' changed"
-    for x, y in zip(a["masters"], b["masters"]):
-        assert torch.equal(x, y), f"{what}: a master shard changed"
-    for x, y in zip(a["optimizer"], b["optimizer"]):
-        assert x.keys() == y.keys(), (what, x.keys(), y.keys())
-        for key in x:
-            assert torch.equal(torch.as_tensor(x[key]), torch.as_tensor(y[key])), f"{what}: optimizer '{key}' changed"
-
-
 def _expect(kind: type, text: str, fn, *args) -> None:
     """fn(*args) raises `kind` with `text` in its message (an Exception, so that subtests reports it)."""
     try:
@@ -160,16 +130,16 @@ def _run(stage, offload, gas, nvme, kind, precision):
         if not failing:
             losses += done
             continue
-        before = _state(engine)
+        before = training_state(engine)
         armed[0], FlakyAdamW.armed = True, kind == "optimizer"
         _expect(Injected, "", _micro, engine, step, gas - 1, kind == "loss.backward()")
         armed[0], FlakyAdamW.armed = False, False
-        _assert_same(_state(engine), before, f"after a failed {kind}")
+        assert_same_state(training_state(engine), before, f"after a failed {kind}")
         if kind != "forward hook":
             _expect(RuntimeError, "call zero_grad() first", _micro, engine, step, gas - 1)
         engine.zero_grad()  # drops the window: the whole step again
         losses += [_micro(engine, step, micro) for micro in range(gas)]
-    final = _state(engine)
+    final = training_state(engine)
     engine.destroy()
     return losses, final
 
@@ -178,7 +148,7 @@ def _all_ranks_case(stage, offload, gas, nvme, kind, precision=None) -> None:
     clean_losses, clean = _run(stage, offload, gas, nvme, None, precision)
     losses, final = _run(stage, offload, gas, nvme, kind, precision)
     assert losses == clean_losses, (losses, clean_losses)
-    _assert_same(final, clean, f"{kind} then zero_grad()")
+    assert_same_state(final, clean, f"{kind} then zero_grad()")
 
 
 SETTINGS = [
@@ -223,10 +193,10 @@ def _fail_stop_case(stage, offload, gas, nvme, checkpoint) -> None:
             _expect(UpdateFailed, "step() refused", engine.optimizer.step)
             engine.load_checkpoint(checkpoint, tag="before")
         losses += [_micro(engine, step, micro) for micro in range(gas)]
-    final = _state(engine)
+    final = training_state(engine)
     engine.destroy()
     assert losses == clean_losses, (losses, clean_losses)
-    _assert_same(final, clean, "a failed update, then the checkpoint loaded")
+    assert_same_state(final, clean, "a failed update, then the checkpoint loaded")
 
 
 @pytest.mark.slow
@@ -239,7 +209,7 @@ def test_failed_calls_change_nothing_but_gradients(tmp_path):
 
 def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
     # A step that fails on one rank: the healthy rank learns it in its own step when that waits for
-    # the all-gathers; by default it learns it at its next forward (test_param_gather.py checks that).
+    # the all-gathers; by default it learns it at its next forward (_step_fails_on_one_rank_worker).
     # The failing rank goes on training: only the collective check (the debug mode) stops it from
     # pairing its next collective with another one of the healthy rank's, which gloo answers by
     # aborting the process.
@@ -272,8 +242,8 @@ ONE_RANK_CASES = [("backward", 3), ("optimizer", 2), ("forward hook", 3), ("back
 @pytest.fixture(scope="module")
 def one_rank_outcomes():
     """What both ranks returned in each one-rank-fails case (and in the one without the check, key
-    None), the cases run side by side on ranks of their own: most of each is the healthy rank
-    waiting for comm_timeout_s."""
+    None, and the failed step with the gathers in flight, key "step"), the cases run side by side on
+    ranks of their own: most of each is the healthy rank waiting for comm_timeout_s."""
     timeout = 10 * COMM_TIMEOUT_S
     calls = {
         (kind, stage): (
@@ -282,6 +252,7 @@ def one_rank_outcomes():
         for kind, stage in ONE_RANK_CASES
     }
     calls[None] = lambda: run_distributed(_one_rank_stops_worker, 2, timeout=timeout, fresh=True)
+    calls["step"] = lambda: run_distributed(_step_fails_on_one_rank_worker, 2, timeout=timeout, fresh=True)
     return run_at_once(calls)
 
 
@@ -322,3 +293,32 @@ def test_one_rank_failing_without_the_check_names_an_error_on_every_rank(one_ran
     assert failing["first"][0] == "Injected", failing
     assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
     assert healthy["elapsed"] < 3 * COMM_TIMEOUT_S, healthy
+
+
+def _step_fails_on_one_rank_worker(rank: int, world: int) -> dict:
+    """Rank 1's step raises: it issues no gathers. Rank 0's step returns with its gathers in flight;
+    its next forward waits for the first one and gets the CollectiveError, within comm_timeout_s."""
+    engine = _engine(2, None, 1, "", None, check_collectives=True)  # rank 1 goes on: the debug mode
+    _micro(engine, 0, 0)
+    FlakyAdamW.armed = rank == 1
+    results, started = [], time.monotonic()
+    for step in (1, 2, 3):
+        try:
+            _micro(engine, step, 0)
+            results.append(("no error", "", time.monotonic() - started))
+        except Exception as error:  # noqa: BLE001 - what each rank got is the result
+            results.append((type(error).__name__, str(error), time.monotonic() - started))
+        FlakyAdamW.armed = False
+        started = time.monotonic()
+    return {"results": results}
+
+
+@pytest.mark.slow
+def test_one_rank_failing_in_step_names_an_error_at_the_next_forward(one_rank_outcomes):
+    healthy, failing = outcome(one_rank_outcomes, "step")
+    assert failing["results"][0][0] == "Injected", failing
+    (first, _, _), (second, text, elapsed), (third, refused, third_elapsed) = healthy["results"]
+    assert first == "no error", healthy  # step() only issued the gathers
+    assert second == "CollectiveError" and "rank 0" in text and "updated parameters" in text, healthy
+    assert elapsed < 3 * COMM_TIMEOUT_S, healthy
+    assert third == "CollectiveError" and "refused" in refused and third_elapsed < COMM_TIMEOUT_S / 2, healthy

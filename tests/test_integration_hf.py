@@ -20,76 +20,13 @@ import torch
 
 import zeroshard
 from tests.harness import run_distributed, run_script, subtests, write_titled_blocks
+from tests.hf_models import ENV, SEQ, VOCAB, batches, causal_lm_loss, model_fn, prompt_and_length
 from tests.reference import train_ddp
 from tests.zs_common import adamw, assert_close, full_params, make_config
 from zeroshard.core.unit import UnitState
 
 ROOT = Path(__file__).resolve().parent.parent
-VOCAB, SEQ, BATCH, STEPS = 96, 16, 4, 4
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "TRANSFORMERS_VERBOSITY": "error",
-}
-
-
-def model_fn(kind: str, seed: int = 0):
-    def build():
-        import transformers
-
-        torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(hf_config(kind))
-
-    return build
-
-
-def hf_config(kind: str):
-    import transformers
-
-    special = dict(bos_token_id=0, eos_token_id=1, pad_token_id=1)
-    if kind == "gpt2":  # tied embedding and LM head
-        return transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_positions=2 * SEQ,
-            n_embd=32,
-            n_layer=2,
-            n_head=2,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            **special,
-        )
-    return transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * SEQ,
-        tie_word_embeddings=False,
-        **special,
-    )
-
-
-def batches(step: int, micro: int, rank: int):
-    """Rows that count up from a random start (mod vocab): learnable, so losses fall."""
-    gen = torch.Generator().manual_seed((step * 1009 + micro) * 1009 + rank)
-    start = torch.randint(2, VOCAB, (BATCH, 1), generator=gen)  # (B, 1)
-    tokens = (start + torch.arange(SEQ)) % VOCAB  # (B, T)
-    return tokens, tokens
-
-
-def causal_lm_loss(model, inputs, targets) -> torch.Tensor:
-    out = model(input_ids=inputs, labels=targets)  # keywords only; a ModelOutput comes back
-    return out.loss
-
-
-def prompt_and_length(rank: int) -> tuple[torch.Tensor, int]:
-    """Per-rank prompts and lengths: rank 1 finishes generating first, rank 0 runs on alone."""
-    gen = torch.Generator().manual_seed(100 + rank)
-    return torch.randint(2, VOCAB, (2, 5), generator=gen), 8 - 3 * rank
+STEPS = 4
 
 
 # -- models as they are, against DDP -------------------------------------------------------------------

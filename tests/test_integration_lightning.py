@@ -20,13 +20,12 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import zeroshard  # noqa: E402
-from tests.harness import run_distributed, subtests  # noqa: E402
+from tests.harness import TEARDOWN_ABORT, run_distributed, subtests  # noqa: E402
 from tests.reference import gpt_batches  # noqa: E402
 from tests.zs_common import adamw, full_params, gpt_model_fn, make_config  # noqa: E402
 from zeroshard.tools.models.gpt import tiny_gpt_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-TEARDOWN_ABORT = "terminate called without an active exception"  # torch 2.13 + gloo, after the work
 MICRO = 2
 ROWS = 32  # 8 micro batches per rank
 

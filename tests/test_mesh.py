@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import zeroshard
 from tests import mesh_models as mm
 from tests.harness import grid, run_distributed, subtests
+from tests.pp_helpers import check as check_pipeline, train as train_pipeline
 from tests.reference import gpt_batches, gpt_loss, train_ddp
-from tests.test_pipeline import check as check_pipeline, train as train_pipeline
-from tests.test_tensor_parallel import Mpu, dtensor_full, dtensor_model, megatron_full, megatron_model
+from tests.tp_helpers import Mpu, dtensor_full, dtensor_model, megatron_full, megatron_model
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config
 from zeroshard.core.mesh import ModelParallel, NormScope, from_device_mesh, from_mpu
 from zeroshard.tools import estimator as est

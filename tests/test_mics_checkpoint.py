@@ -4,7 +4,7 @@ core/unit.py). Its checkpoint is a plain zeroshard checkpoint at k ranks, writte
 group ([Note: checkpoints of replicated shards] in checkpoint/save.py).
 
 4 ranks, k = 2, the tiny GPT in fp32, the same global batch of 12 samples however many ranks share
-it (tests/test_checkpoint_reshard.py's data): trained 2 steps, saved, trained 3 more (the
+it (tests/checkpoint_helpers.py's global batch): trained 2 steps, saved, trained 3 more (the
 continuous run). Then
   * a fresh MiCS engine that loads it trains on bit for bit as the continuous run (AdamW and SGD
     with momentum; also from the middle of gradient accumulation, whose gradients plain stage 3
@@ -34,17 +34,19 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params
-from tests.harness import run_distributed, subtests
-from tests.reference import gpt_loss
-from tests.test_checkpoint_reshard import (
+from tests.checkpoint_helpers import (
     GLOBAL_BATCH,
     OPTIMIZERS,
-    _check_same_states,
-    _rank_batch,
-    _train,
     assert_close_run,
+    assert_equal_params,
+    build_engine,
+    check_same_states,
+    full_params,
+    rank_batch,
+    train_global_steps,
 )
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_loss
 from zeroshard.checkpoint import CheckpointError, consolidate, full_state_dict, save as save_module
 
 BEFORE, AFTER = 2, 3
@@ -75,9 +77,9 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
     for optimizer in OPTIMIZERS:
         for name, mics, runs in (("mics", K, continuous), ("plain", None, plain_continuous)):
             engine = _engine(optimizer, world, mics=mics)
-            _train(engine, 0, BEFORE)
+            train_global_steps(engine, 0, BEFORE)
             engine.save_checkpoint(f"{root}/{name}-{optimizer}", tag="base")
-            runs[optimizer] = _train(engine, BEFORE, AFTER)
+            runs[optimizer] = train_global_steps(engine, BEFORE, AFTER)
             engine.destroy()
 
     def files():
@@ -94,8 +96,8 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
         engine = _engine(optimizer, world, mics=K, seed=5)
         engine.load_checkpoint(f"{root}/mics-{optimizer}")
         again = engine.save_checkpoint(f"{root}/mics-again-{optimizer}", tag="again")
-        _check_same_states(engine, again, f"{root}/mics-{optimizer}/base", "MiCS -> MiCS")
-        _exactly(_train(engine, BEFORE, AFTER), continuous[optimizer], f"MiCS resume ({optimizer})")
+        check_same_states(engine, again, f"{root}/mics-{optimizer}/base", "MiCS -> MiCS")
+        _exactly(train_global_steps(engine, BEFORE, AFTER), continuous[optimizer], f"MiCS resume ({optimizer})")
         engine.destroy()
 
     def across(optimizer, source, mics, seed, what, reference):
@@ -104,9 +106,9 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
         engine = _engine(optimizer, world, mics=mics, seed=seed)
         engine.load_checkpoint(f"{root}/{source}-{optimizer}")
         again = engine.save_checkpoint(f"{root}/{source}-across-{optimizer}", tag="again")
-        _check_same_states(engine, again, f"{root}/{source}-{optimizer}/base", what)
+        check_same_states(engine, again, f"{root}/{source}-{optimizer}/base", what)
         if optimizer == "sgd":
-            assert_close_run(_train(engine, BEFORE, AFTER), reference[optimizer], what)
+            assert_close_run(train_global_steps(engine, BEFORE, AFTER), reference[optimizer], what)
         engine.destroy()
 
     def mics_into_plain(optimizer):
@@ -133,7 +135,7 @@ def _four_worker(rank: int, world: int, *, root: str) -> dict:
         def micro_steps(engine, first, count):
             losses = []
             for index in range(first, first + count):
-                loss = gpt_loss(engine, *_rank_batch(index, engine.global_rank, world))
+                loss = gpt_loss(engine, *rank_batch(index, engine.global_rank, world))
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
@@ -213,8 +215,8 @@ def _two_worker(rank: int, world: int, *, root: str, continuous: dict) -> None:
         engine.load_checkpoint(f"{root}/mics-{optimizer}")
         again = engine.save_checkpoint(f"{root}/w2-{mics}-{stage}-{optimizer}", tag="again")
         what = f"MiCS at 4 ranks -> {'MiCS k=2' if mics else f'stage {stage}'} at 2 ranks ({optimizer})"
-        _check_same_states(engine, again, f"{root}/mics-{optimizer}/base", what)
-        result = _train(engine, BEFORE, AFTER)
+        check_same_states(engine, again, f"{root}/mics-{optimizer}/base", what)
+        result = train_global_steps(engine, BEFORE, AFTER)
         engine.destroy()
         if optimizer == "sgd":
             assert_close_run(result, continuous[optimizer], what)

@@ -599,7 +599,7 @@ def _load_and_save(rank: int, world: int, root: str, source: str, stages: list[i
 def test_muon_checkpoints_reshard_bit_for_bit_across_world_sizes_and_stages(tmp_path):
     """Saved at 2 ranks (stage 2), loaded and saved again at 4 ranks (stages 1 and 3), then back at 2
     (stage 3): every checkpoint holds the same masters, Muon momenta and AdamW moments by name."""
-    from tests.test_checkpoint_reshard import checkpoint_states, state_difference
+    from tests.checkpoint_helpers import checkpoint_states, state_difference
 
     root = str(tmp_path)
     run_distributed(_save_after_training, 2, timeout=300, root=root)

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import zeroshard
 from tests import mesh_models as mm
 from tests.harness import run_distributed
-from tests.test_tensor_parallel import dtensor_model
+from tests.tp_helpers import dtensor_model
 from zeroshard.offload import NVMeStore
 
 SRC = str(Path(zeroshard.__file__).resolve().parent.parent)

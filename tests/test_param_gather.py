@@ -4,20 +4,18 @@ step overlaps the next forward ([Note: deferred parameter gather] in core/param_
 Against DDP, bit for bit at 2 ranks (stages 1/2, with and without accumulation, gradient clipping,
 the parameters read between step and forward through every reader that must wait first, and the
 script's own reads after `wait_parameters()`, [Note: reads before the next forward]); the gathers
-really are left in flight by step(); failures as in test_failures.py, where a rank that fails alone
-names the error at the healthy rank's next forward, where it waits for its gather.
+really are left in flight by step(). Failed calls with the gathers in flight, and a step that fails
+on one rank named at the healthy rank's next forward, are tests/test_failures.py's cases: its
+engines run the default config.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
-import tests.test_failures as failures
 import zeroshard
-from tests.harness import outcome, run_at_once, run_distributed, subtests
+from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, train_ddp
 from tests.zs_common import adamw, assert_close, full_params, gpt_model_fn, make_config, train_engine
 from zeroshard.tools.models.gpt import tiny_gpt_config
@@ -164,80 +162,3 @@ def _parity_worker(rank: int, world: int) -> None:
 
 def test_overlapped_gather_matches_ddp_bit_for_bit():
     run_distributed(_parity_worker, 2, timeout=600)
-
-
-def _overlap_config(*args, **kwargs):
-    config = make_config(*args, **kwargs)
-    config["zeroshard"]["overlap_param_gather"] = True
-    return config
-
-
-def _failed_calls_worker(rank: int, world: int) -> None:
-    failures.make_config = _overlap_config  # test_failures' engines, with the option on
-    cases = [
-        dict(stage=s, offload=None, gas=g, nvme="", kind=k) for s in (1, 2) for g in (1, 2) for k in failures.KINDS
-    ]
-    cases += [dict(stage=2, offload="cpu", gas=1, nvme="", kind=k) for k in failures.KINDS]
-    subtests(cases, failures._all_ranks_case)
-
-
-def test_failed_calls_change_nothing_with_gathers_in_flight():
-    run_distributed(_failed_calls_worker, 2, timeout=900)
-
-
-def _one_rank_worker(rank: int, world: int, *, kind: str, stage: int) -> dict:
-    failures.make_config = _overlap_config
-    return failures._one_rank_worker(rank, world, kind=kind, stage=stage)
-
-
-@pytest.fixture(scope="module")
-def one_rank_outcomes():
-    """Both failure cases below, side by side on ranks of their own (each mostly waits for
-    comm_timeout_s): {"backward" | "step": both ranks' results, or the exception}."""
-    timeout = 10 * failures.COMM_TIMEOUT_S
-    return run_at_once(
-        {
-            "backward": lambda: run_distributed(
-                _one_rank_worker, 2, timeout=timeout, fresh=True, kind="backward", stage=1
-            ),
-            "step": lambda: run_distributed(_optimizer_fails_on_one_rank, 2, timeout=timeout, fresh=True),
-        }
-    )
-
-
-@pytest.mark.slow
-def test_one_rank_failing_in_backward_names_an_error_on_every_rank(one_rank_outcomes):
-    healthy, failing = outcome(one_rank_outcomes, "backward")
-    assert failing["first"][0] == "Injected", failing
-    assert healthy["first"][0] == "CollectiveError" and "rank 0" in healthy["first"][1], healthy
-    assert healthy["second"][0] == "CollectiveError" and "refused" in healthy["second"][1], healthy
-
-
-def _optimizer_fails_on_one_rank(rank: int, world: int) -> dict:
-    """Rank 1's step raises: it issues no gathers. Rank 0's step returns with its gathers in flight;
-    its next forward waits for the first one and gets the CollectiveError, within comm_timeout_s."""
-    failures.make_config = _overlap_config
-    engine = failures._engine(2, None, 1, "", None, check_collectives=True)  # rank 1 goes on: the debug mode
-    failures._micro(engine, 0, 0)
-    failures.FlakyAdamW.armed = rank == 1
-    results, started = [], time.monotonic()
-    for step in (1, 2, 3):
-        try:
-            failures._micro(engine, step, 0)
-            results.append(("no error", "", time.monotonic() - started))
-        except Exception as error:  # noqa: BLE001 - what each rank got is the result
-            results.append((type(error).__name__, str(error), time.monotonic() - started))
-        failures.FlakyAdamW.armed = False
-        started = time.monotonic()
-    return {"results": results}
-
-
-@pytest.mark.slow
-def test_one_rank_failing_in_step_names_an_error_at_the_next_forward(one_rank_outcomes):
-    healthy, failing = outcome(one_rank_outcomes, "step")
-    assert failing["results"][0][0] == "Injected", failing
-    (first, _, _), (second, text, elapsed), (third, refused, third_elapsed) = healthy["results"]
-    assert first == "no error", healthy  # step() only issued the gathers
-    assert second == "CollectiveError" and "rank 0" in text and "updated parameters" in text, healthy
-    assert elapsed < 3 * failures.COMM_TIMEOUT_S, healthy
-    assert third == "CollectiveError" and "refused" in refused and third_elapsed < failures.COMM_TIMEOUT_S / 2, healthy

@@ -21,41 +21,13 @@ import torch
 
 import zeroshard
 from tests.harness import run_distributed, subtests
+from tests.hf_models import ENV, batches, causal_lm_loss, model_fn, peft_fn
 from tests.reference import train_ddp
-from tests.test_integration_hf import ENV, batches, causal_lm_loss, model_fn
 from tests.zs_common import adamw, assert_close, full_params, make_config
 from zeroshard.core.unit import UnitState
 
 STEPS = 3
-TARGETS = {"gpt2": ["c_attn", "c_proj"], "llama": ["q_proj", "v_proj", "down_proj"]}
 BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}
-
-
-def peft_fn(kind: str, layers: list[int] | None = None, checkpointing: str | None = None, modules_to_save=None):
-    """The base model of `model_fn(kind)` with LoRA adapters (random B, so they change the output from
-    the first step); `layers`: adapt only these blocks; `checkpointing`: "reentrant" or "non-reentrant";
-    `modules_to_save`: modules trained whole beside the adapters (PEFT keeps a trainable copy)."""
-
-    def build():
-        import peft
-
-        model = model_fn(kind)()
-        if checkpointing is not None:
-            model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
-            model.enable_input_require_grads()  # as PEFT's prepare_model_for_kbit_training does
-        config = peft.LoraConfig(
-            r=4,
-            lora_alpha=8,
-            target_modules=TARGETS[kind],
-            lora_dropout=0.0,
-            init_lora_weights="gaussian",
-            layers_to_transform=layers,
-            modules_to_save=modules_to_save,
-        )
-        torch.manual_seed(1)
-        return peft.get_peft_model(model, config)
-
-    return build
 
 
 def _train(engine, steps: range, gas: int = 1) -> list[list[float]]:

@@ -28,8 +28,9 @@ pytest.importorskip("transformers", reason="needs the hf extra: pip install 'zer
 
 import torch
 
-from tests.harness import grid, run_distributed, subtests
-from tests.test_inference import ENV, TEARDOWN_ABORT, _capped, capped_model, hf_config
+from tests.harness import TEARDOWN_ABORT, grid, run_distributed, subtests
+from tests.hf_models import ENV
+from tests.inference_helpers import capped_model, hf_config, run_capped
 from zeroshard.core import int4_kernel
 from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize, unpack_codes
 from zeroshard.offload import CPUStore, quantized
@@ -444,7 +445,7 @@ def test_capped_process_loads_and_generates_from_int4_weights_in_memory(tmp_path
     # test): the int4 blobs take 0.16 of them, the dequantizing thread and two gathered layers in fp32
     # about 0.2 more, and no file holds them.
     headroom = weights // 2
-    ours = _capped("int4", tmp_path / "m", tmp_path / "swap", headroom)
+    ours = run_capped("int4", tmp_path / "m", tmp_path / "swap", headroom)
     assert ours.returncode == 0 or TEARDOWN_ABORT in ours.stderr, ours.stdout + ours.stderr[-3000:]
     report = json.loads(ours.stdout.strip().splitlines()[-1])
     assert report["tokens"] == expected.tolist(), report

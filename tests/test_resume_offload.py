@@ -24,9 +24,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoint_helpers import build_engine, full_params, tiny_batches, train_micro_steps
+from tests.checkpoint_helpers import (
+    build_engine,
+    checkpoint_states,
+    full_params,
+    state_difference,
+    tiny_batches,
+    train_micro_steps,
+)
 from tests.harness import run_distributed, subtests
-from tests.test_checkpoint_reshard import checkpoint_states, state_difference
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.files import hash_file
 

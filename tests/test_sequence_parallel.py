@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import zeroshard
 from tests.harness import run_distributed, run_script, subtests
-from tests.test_integration_hf import ENV
+from tests.hf_models import ENV
 from zeroshard.core.sequence import shard_batch
 
 VOCAB, LENGTH, ROWS, STEPS, LR = 64, 13, 2, 3, 1e-3  # 13: padded to 14 at sp = 2

@@ -18,9 +18,8 @@ from torch import nn
 
 import zeroshard
 from tests.harness import run_distributed, subtests
+from tests.hf_models import ENV, VOCAB, batches, causal_lm_loss, peft_fn, prompt_and_length
 from tests.reference import train_ddp
-from tests.test_integration_hf import ENV, VOCAB, batches, causal_lm_loss, prompt_and_length
-from tests.test_peft import peft_fn
 from tests.zs_common import adamw, assert_close, full_params, make_config
 from zeroshard.core.unit import UnitState
 

@@ -24,7 +24,7 @@ import torch
 
 from tests import trl_helpers as H
 from tests.harness import run_distributed, run_script, subtests, write_titled_blocks
-from tests.test_integration_hf import ENV
+from tests.hf_models import ENV
 
 CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 TRAINERS = {  # name: (trainer, its config class, the dataset it reads)
