@@ -125,6 +125,41 @@ def _dropout_replayed() -> None:
         assert torch.equal(ckpt["params"][name], value), name
 
 
+def _transformers_layers_routed() -> None:
+    """`cpu_checkpointing` routes a transformers model's own checkpointed layers through zeroshard's
+    `checkpoint` ([Note: transformers' checkpointed layers in host memory]); on a CPU it has nothing to
+    move, and training is bit for bit that of transformers' own checkpointing."""
+    from zeroshard.tools.models import words
+
+    def lm_loss(engine, inputs, targets):
+        return engine(input_ids=inputs, labels=targets).loss
+
+    def model_fn():
+        model = words.llama(vocab=43, hidden=32, layers=2)
+        model.activation_checkpointing_enable()
+        return model
+
+    def batches(step, micro, rank):
+        ids = torch.randint(0, 43, (4, 12), generator=torch.Generator().manual_seed(100 * step + 10 * rank + micro))
+        return ids, ids
+
+    routed = make_config(3)
+    routed["activation_checkpointing"] = {"cpu_checkpointing": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigKeyNotActedOnWarning)  # "no GPU in this run"
+        model = model_fn()
+        engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=routed)
+        layers = engine.module.model.layers
+        assert all(
+            m.gradient_checkpointing and m._gradient_checkpointing_func is checkpointing.checkpoint for m in layers
+        )
+        engine.destroy()
+        ours = train_engine(model_fn, batches, config=routed, steps=STEPS, loss_fn=lm_loss, record_params=True)
+    theirs = train_engine(model_fn, batches, config=make_config(3), steps=STEPS, loss_fn=lm_loss, record_params=True)
+    assert_close(ours, theirs, exact=True, what="transformers' layers checkpointed by zeroshard")
+    checkpointing.reset()
+
+
 def _worker(rank: int, world: int) -> None:
     subtests([dict(stage=s, api=a) for s in (0, 1, 2, 3) for a in ("units", "function")], _against_oracle)
     subtests([{}], _stage3_recomputation)
@@ -134,6 +169,15 @@ def _worker(rank: int, world: int) -> None:
 @pytest.mark.slow
 def test_activation_checkpointing_matches_oracle_and_frees_units():
     run_distributed(_worker, 2, timeout=300)
+
+
+def _transformers_worker(rank: int, world: int) -> None:
+    subtests([{}], _transformers_layers_routed)
+
+
+def test_cpu_checkpointing_routes_transformers_layers():
+    pytest.importorskip("transformers", reason="the [hf] extra installs transformers")
+    run_distributed(_transformers_worker, 2, timeout=180)
 
 
 def test_options_without_effect_are_reported_once_by_name():

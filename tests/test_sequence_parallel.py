@@ -12,6 +12,7 @@ padding before real tokens.
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
@@ -310,6 +311,65 @@ def _trainer(root: str) -> None:
     engine.destroy()
 
 
+def _sft_trainer(root: str) -> None:
+    """TRL's SFTTrainer composed with zeroshard at `sequence_parallel_size: 2` (2 ranks, dp = 1),
+    2 accumulation steps, sequential sampling: the steps take the dataset's rows in order, 2 a batch;
+    the same as one process training the whole sequences with TRL's loss (the tokens' summed loss
+    over the step's tokens). A DPO trainer, whose loss is per sequence, is refused."""
+    import trl
+
+    from tests import trl_helpers as H
+    from zeroshard.integrations.hf import zeroshard_trainer
+
+    def model():
+        lm = H.llama()
+        lm.config._attn_implementation = "sdpa"
+        return lm
+
+    common = H.common_args(
+        os.path.join(root, "sft-sp"), max_steps=3, gradient_accumulation_steps=2, lr_scheduler_type="constant",
+        train_sampling_strategy="sequential",
+    )  # fmt: skip
+    config = {"sequence_parallel_size": 2, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    trainer = zeroshard_trainer(trl.SFTTrainer)(
+        model=model(), args=trl.SFTConfig(**common), train_dataset=H.dataset("sft"), processing_class=H.tokenizer(),
+        zeroshard_config=config,
+    )  # fmt: skip
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    reference = model()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=common["learning_rate"], weight_decay=0.0)
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    expected = []
+    for step in range(3):
+        micro = [trainer.data_collator(rows[4 * step + 2 * m : 4 * step + 2 * m + 2]) for m in range(2)]
+        tokens = sum((batch["labels"][:, 1:] != -100).sum() for batch in micro)
+        total = 0.0
+        for batch in micro:
+            logits = reference(input_ids=batch["input_ids"]).logits
+            summed = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100, reduction="sum"
+            )
+            (summed / tokens).backward()
+            total += (summed / tokens).item()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(total)
+    assert torch.allclose(torch.tensor(losses), torch.tensor(expected), rtol=0, atol=1e-5), (losses, expected)
+    engine = trainer.engine
+    with engine.gathered_parameters(list(engine.module.parameters())):
+        for (name, ours), theirs in zip(engine.module.named_parameters(), reference.parameters()):
+            assert (ours - theirs).abs().max().item() <= 1e-5, f"SFTTrainer with sp: '{name}' differs"
+    engine.destroy()
+    dpo = zeroshard_trainer(trl.DPOTrainer)(
+        model=model(), ref_model=model(), args=trl.DPOConfig(**H.common_args(os.path.join(root, "dpo-sp"))),
+        train_dataset=H.dataset("preference"), processing_class=H.tokenizer(), zeroshard_config=config,
+    )  # fmt: skip
+    with pytest.raises(zeroshard.config.ConfigError, match="sequence_parallel_size 2 with ZeroShardDPOTrainer"):
+        dpo.train()
+
+
 def _refusals() -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -358,6 +418,7 @@ def _worker(rank: int, world_size: int, root: str) -> None:
     if world_size == 2:  # gloo: the all_gather's backward fails on an sp group without rank 0 (torch)
         subtests([dict(how="model"), dict(how="config")], lambda how: _alst_script(how, root))
         _trainer(root)
+        _sft_trainer(root)
     _refusals()
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "is_configured",
     "non_reentrant_checkpoint",
     "reset",
+    "route_transformers_checkpoints",
 ]
 
 # Why each option changes nothing here (DeepSpeed's activation_checkpointing keys).
@@ -164,12 +165,35 @@ def _checkpoint_inputs_on_cpu(function, args, kwargs):
 
 def configure_engine(engine) -> None:
     """The engine's part: its config's `activation_checkpointing` section configures the checkpointing
-    policy (reporting the options that are no-ops here), and `zeroshard.activation_checkpointing_units`
+    policy (reporting the options that are no-ops here), `cpu_checkpointing` routes a transformers
+    model's own checkpointed layers through `checkpoint`, and `zeroshard.activation_checkpointing_units`
     checkpoints every unit."""
     if engine.config.activation_checkpointing.model_fields_set:
         configure(deepspeed_config=engine.config)
+    if engine.config.activation_checkpointing.cpu_checkpointing:
+        route_transformers_checkpoints(engine.module)
     if engine.config.zeroshard.activation_checkpointing_units:
         apply_to_units(engine)
+
+
+def route_transformers_checkpoints(model: nn.Module) -> list[str]:
+    """[Note: transformers' checkpointed layers in host memory]
+    A transformers model checkpoints its layers itself (`activation_checkpointing_enable()`): each
+    layer calls the function kept in its `_gradient_checkpointing_func` with the layer's hidden states
+    as input, the one activation per layer a long sequence keeps. With `cpu_checkpointing` (DeepSpeed's
+    key), every such layer calls `checkpoint` instead, which keeps those inputs in host memory when
+    they are on a GPU (what DeepSpeed ALST does to checkpointed hidden states) and is torch's
+    non-reentrant checkpoint otherwise, so results do not change. transformers' own
+    `activation_checkpointing_enable(offload=True)` parks every tensor the checkpoint saves, by torch's
+    `save_on_cpu`: either works. The attribute is the hook transformers sets itself; torch and the
+    model's code are untouched, and layers whose checkpointing is enabled after the engine is built
+    keep transformers' function. Returns the modules routed."""
+    routed = []
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is True and hasattr(module, "_gradient_checkpointing_func"):
+            module._gradient_checkpointing_func = checkpoint
+            routed.append(name)
+    return routed
 
 
 # -- applying it to units --------------------------------------------------------------------------------

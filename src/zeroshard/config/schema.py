@@ -475,7 +475,8 @@ class ActivationCheckpointingConfig(Section):
     partition_activations: bool = False
     """Shard checkpointed activations across data-parallel ranks."""
     cpu_checkpointing: bool = False
-    """Keep checkpointed activations in CPU memory."""
+    """Keep checkpointed activations in CPU memory (GPU runs): the inputs of `checkpoint()` calls and of a
+    transformers model's checkpointed layers."""
     contiguous_memory_optimization: bool = False
     """Copy checkpointed activations into one contiguous buffer."""
     number_checkpoints: PosInt | None = None

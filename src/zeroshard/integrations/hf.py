@@ -124,6 +124,14 @@ class ZeroShardTrainer(transformers.Trainer):
                 "is not); see docs/integrations.md, 'ZeRO-3 with transformers'"
             )
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator, told to sync on every batch: the engine accumulates gradients
+        itself (its `gradient_accumulation_steps`, stepping at the boundary), so the Trainer's
+        `no_sync` around the other micro-batches, which a stage-2/3 engine refuses as DeepSpeed's does,
+        must not reach it (the Trainer skips it for DeepSpeed's engine the same way)."""
+        super().create_accelerator_and_postprocess()
+        self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+
     # -- building the engine: replaces the Trainer's accelerator.prepare(model, optimizer) ---------
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         gas = self.args.gradient_accumulation_steps
@@ -165,11 +173,13 @@ class ZeroShardTrainer(transformers.Trainer):
         assert self.model is not None  # Trainer requires a model (or model_init) before train()
         sp = self.get_sp_size()
         if sp > 1 and type(self).compute_loss is not ZeroShardTrainer.compute_loss:
-            raise ConfigError(
-                f"sequence_parallel_size {sp} with {type(self).__name__}, whose compute_loss is its own: "
-                "ZeroShardTrainer computes the loss of a sequence's shards itself; sequence parallelism "
-                "is supported with ZeroShardTrainer alone"
-            )
+            refusal = _token_sum_loss_refusal(self)
+            if refusal:
+                raise ConfigError(
+                    f"sequence_parallel_size {sp} with {type(self).__name__}, whose compute_loss is its own: "
+                    f"{refusal}. Sequence parallelism is supported with ZeroShardTrainer and with TRL's "
+                    "SFTTrainer's token loss ([Note: a trainer's own loss under sequence parallelism])"
+                )
         config = trainer_config(self.zeroshard_config, self.args, max_steps, self.args.world_size // sp)
         config = _fit_model(config, self.model)
         if "scheduler" in config and self.lr_scheduler is not None:
@@ -253,6 +263,17 @@ class ZeroShardTrainer(transformers.Trainer):
         loss = sequence.whole_loss(summed, (labels != -100).sum())
         return (loss, outputs) if return_outputs else loss
 
+    def _get_num_items_in_batch(self, batch_samples: list, device):
+        """Under sequence parallelism, for a trainer with its own token loss: the real tokens of the
+        adapter's batches, counted from their `shift_labels` (the labels shifted over the whole
+        sequence, then cut) on every rank, so each shard once ([Note: a trainer's own loss under
+        sequence parallelism]). Otherwise the Trainer's count."""
+        own_loss = type(self).compute_loss is not ZeroShardTrainer.compute_loss
+        if not (own_loss and self.get_sp_size() > 1 and batch_samples and "shift_labels" in batch_samples[0]):
+            return super()._get_num_items_in_batch(batch_samples, device)
+        count = sum((batch["shift_labels"] != -100).sum() for batch in batch_samples)
+        return self.accelerator.gather(count.to(device)).sum()
+
     def evaluate(self, *args, **kwargs):
         if self.get_sp_size() > 1:
             raise ConfigError(
@@ -323,6 +344,38 @@ class ZeroShardTrainer(transformers.Trainer):
 
     def _load_best_model(self) -> None:
         self.engine.load_checkpoint(self.state.best_model_checkpoint, load_module_only=True)
+
+
+def _token_sum_loss_refusal(trainer) -> str:
+    """[Note: a trainer's own loss under sequence parallelism]
+    Each rank holds a shard of every sequence, so a loss is right under sequence parallelism only if
+    it is a sum over the shard's tokens divided by a count of the whole sequences' tokens: the sum of
+    the ranks' terms is then the whole sequences' loss. TRL's SFTTrainer computes exactly that with its
+    default NLL loss: the summed token losses of its fused head (which reads the adapter's
+    `shift_labels`) over `num_items_in_batch`, times the number of processes when the Trainer averages
+    tokens across devices (its default), since gradients are averaged over every rank. The count is the
+    Trainer's own, taken from the adapter's `shift_labels` on every rank (`_get_num_items_in_batch`).
+    Losses over whole sequences (DPO's, KTO's, GRPO's per-sequence log-probabilities), label smoothing,
+    DFT, a `compute_loss_func` and MoE auxiliary losses are per shard there, so they are refused.
+    Returns why this trainer's loss is refused, or "" when it is supported."""
+    try:
+        from trl import SFTTrainer
+    except ImportError:
+        SFTTrainer = None
+    if SFTTrainer is None or not isinstance(trainer, SFTTrainer):
+        return "ZeroShardTrainer computes the loss of a sequence's shards itself"
+    args = trainer.args
+    if getattr(args, "loss_type", "nll") != "nll":
+        return f"SFTConfig(loss_type={args.loss_type!r}) weighs each token by the shard's own probabilities"
+    if trainer.compute_loss_func is not None or args.label_smoothing_factor > 0:
+        return "a compute_loss_func or label smoothing needs the whole sequence's logits"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "a router's auxiliary loss is a mean over the shard's tokens"
+    if not args.average_tokens_across_devices:
+        return "average_tokens_across_devices=False divides each shard by its own tokens"
+    if not trainer.model_accepts_loss_kwargs:
+        return "the model takes no loss kwargs, so the Trainer divides each shard's loss by its own tokens"
+    return ""
 
 
 def zeroshard_trainer(trainer_class: type) -> type:
