@@ -148,12 +148,12 @@ class CountingDataset(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def _trainer(output_dir: str):
+def _trainer(output_dir: str, **overrides):
     import transformers
 
     from zeroshard.integrations.hf import ZeroShardTrainer
 
-    args = transformers.TrainingArguments(
+    settings = dict(
         output_dir=output_dir,
         per_device_train_batch_size=2,
         max_steps=4,
@@ -167,6 +167,7 @@ def _trainer(output_dir: str):
         disable_tqdm=True,
         seed=0,
     )
+    args = transformers.TrainingArguments(**{**settings, **overrides})
     config = {
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "train_micro_batch_size_per_gpu": "auto",
@@ -219,6 +220,27 @@ def _trainer_worker(rank: int, world_size: int, out: str) -> None:
     for name, value in full_params(resumed.engine).items():
         assert torch.equal(value, expected_params[name]), f"resumed run differs at '{name}'"
     resumed.engine.destroy()
+    _accumulation(os.path.join(out, "accumulation"))
+
+
+def _accumulation(out: str) -> None:
+    """Gradient accumulation at stage 3: 2 micro-batches of 1 row train as 1 batch of 2 does (the
+    same 4 rows a step over both ranks; the engine accumulates, the Trainer's no_sync stays out)."""
+    trained = {}
+    for gas in (1, 2):
+        trainer = _trainer(
+            os.path.join(out, f"gas{gas}"), per_device_train_batch_size=2 // gas, gradient_accumulation_steps=gas,
+            max_steps=2, save_strategy="no",
+        )  # fmt: skip
+        trainer.train()
+        assert trainer.engine.global_steps == 2
+        trained[gas] = (_losses(trainer), full_params(trainer.engine))
+        trainer.engine.destroy()
+    (losses, params), (accumulated_losses, accumulated) = trained[1], trained[2]
+    for step, loss in losses.items():
+        assert abs(accumulated_losses[step] - loss) <= 1e-5, (accumulated_losses, losses)
+    for name, value in params.items():
+        assert (accumulated[name] - value).abs().max().item() <= 1e-5, f"accumulated run differs at '{name}'"
 
 
 def test_trainer_saves_loadable_model_and_resumes(tmp_path):
