@@ -307,7 +307,7 @@ class Communicator:
         slice of `out` itself. `counts`: each rank's shard size where they differ ([Note: uneven
         slices] in flat.py); then `out` holds the shards back to back, sum(counts) elements."""
         counts = self._uneven(counts, out.numel(), shard.numel())
-        stage = Staging(self)
+        stage = Staging(self.device, self.counter)
         staged_out, staged_shard = stage(out, read=False, written=True), stage(shard)
 
         def launch() -> Any:
@@ -360,7 +360,7 @@ class Communicator:
         `out` may be that slice of `full` itself. `counts`: each rank's slice size where they differ
         ([Note: uneven slices] in flat.py); then the slices lie back to back in `full`."""
         counts = self._uneven(counts, full.numel(), out.numel())
-        stage = Staging(self)
+        stage = Staging(self.device, self.counter)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
 
         def launch() -> Any:
@@ -377,7 +377,7 @@ class Communicator:
     def all_to_all(self, out: torch.Tensor, full: torch.Tensor, what: str, async_op: bool = False):
         """out (1-D) <- chunk r of every rank's `full`, in rank order (r: this rank); equal chunks."""
         assert out.numel() == full.numel() and full.numel() % self.world_size == 0, (out.numel(), full.numel())
-        stage = Staging(self)
+        stage = Staging(self.device, self.counter)
         staged_out, staged_full = stage(out, read=False, written=True), stage(full)
         return self._run(
             "all_to_all",
@@ -395,7 +395,7 @@ class Communicator:
         if op not in _OPS:
             raise ValueError(f"all_reduce op {op!r} is not one of {sorted(_OPS)}")
         reduce_op = _OPS[op]
-        stage = Staging(self)
+        stage = Staging(self.device, self.counter)
         staged = stage(tensor, written=True)
         return self._run(
             kind,
@@ -409,7 +409,7 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int, what: str):
         """`src`: a rank of this communicator's group (torch wants the global rank)."""
         global_src = dist.get_global_rank(self.group, src)
-        stage = Staging(self)
+        stage = Staging(self.device, self.counter)
         staged = stage(tensor, read=self.rank == src, written=self.rank != src)
         return self._run(
             "broadcast",

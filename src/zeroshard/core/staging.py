@@ -13,30 +13,28 @@ this. Callers never think about devices.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from zeroshard.core.comm import Communicator
+from zeroshard.core.comm_bytes import ByteCounter
 
 
 class Staging:
-    """The temporaries of one collective on the communicator's device ([Note: staging host tensors])."""
+    """The temporaries of one collective on the communicator's `device`, the bytes copied counted in
+    its `counter` ([Note: staging host tensors])."""
 
-    def __init__(self, comm: Communicator):
-        self.comm = comm
+    def __init__(self, device: torch.device, counter: ByteCounter):
+        self.device, self.counter = device, counter
         self.kept: list[torch.Tensor] = []  # alive until the collective completes
         self.copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (caller's tensor, temporary)
 
     def __call__(self, tensor: torch.Tensor, read: bool = True, written: bool = False) -> torch.Tensor:
         """The tensor the collective runs on: `tensor` itself, or a temporary on the right device."""
-        if tensor.device == self.comm.device:
+        if tensor.device == self.device:
             return tensor
-        temp = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.comm.device)
+        temp = torch.empty(tensor.shape, dtype=tensor.dtype, device=self.device)
         if read:
             temp.copy_(tensor)
-            self.comm.counter.staged += tensor.numel() * tensor.element_size()
+            self.counter.staged += tensor.numel() * tensor.element_size()
         self.kept.append(temp)
         if written:
             self.copy_back.append((tensor, temp))
@@ -45,6 +43,6 @@ class Staging:
     def finish(self) -> None:
         for tensor, temp in self.copy_back:
             tensor.copy_(temp)
-            self.comm.counter.staged += tensor.numel() * tensor.element_size()
+            self.counter.staged += tensor.numel() * tensor.element_size()
         self.copy_back.clear()
         self.kept.clear()
