@@ -15,7 +15,7 @@ result with `dcp.load` and `set_state_dict` at any world size.
 
 `load_dcp` reads such a checkpoint group by group: a `dcp.load` of one group's tensors at their full
 shapes (DCP assembles them from whatever chunks were saved), of which each rank keeps its slices. As
-with zeroshard's own checkpoints ([Note: a failed load changes nothing] in load.py), everything is
+with zeroshard's own checkpoints ([Note: a failed load changes nothing] in apply.py), everything is
 read into new tensors first and applied only once every rank has read all it needs.
 The top-level keys are FSDP2's tutorial's ("model", "optim"); torchtitan's layouts name others:
 `model_key` and `optim_key` say which.
@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
+from zeroshard.checkpoint.apply import Loaded, apply_loaded, restore_param_groups
 from zeroshard.checkpoint.common import agree, attempt, optimizer_states
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.full import gathered
 from zeroshard.checkpoint.layout import layout_of
-from zeroshard.checkpoint.load import _apply, _Loaded, _restore_param_groups
 from zeroshard.checkpoint.manifest import is_elementwise, model_aliases, persistent_buffers
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ def load_dcp(
     entries = metadata.state_dict_metadata
     problems = _missing(engine, entries, model_key, optim_key, load_optimizer_states)
     agree(comm, "; ".join(problems) if problems else None, what)
-    loaded = _Loaded()
+    loaded = Loaded()
     failed = None
     for group in engine.groups:
         if failed is None:
@@ -143,7 +143,7 @@ def load_dcp(
                 _read_group, engine, group, directory, entries, model_key, optim_key, load_optimizer_states, loaded
             )
         else:  # every rank runs every group's dcp.load (collective), also after a failure
-            _read_group(engine, group, directory, entries, model_key, optim_key, False, _Loaded())
+            _read_group(engine, group, directory, entries, model_key, optim_key, False, Loaded())
     agree(comm, failed, what)
     buffers = {n: b for n, b in persistent_buffers(engine.module).items() if f"{model_key}.{n}" in entries}
     if buffers:
@@ -154,11 +154,11 @@ def load_dcp(
     if load_optimizer_states:
         groups, error = attempt(_read_param_groups, engine, directory, entries, optim_key)
         agree(comm, error, what)
-    _, error = attempt(_apply, engine, loaded)
+    _, error = attempt(apply_loaded, engine, loaded)
     agree(comm, error, f"{what}: applying what was read")
     engine.refresh_parameters()
     if groups is not None:
-        _restore_param_groups(engine, groups)
+        restore_param_groups(engine, groups)
     log.info("zeroshard: loaded DCP checkpoint %s", directory)
     return str(directory)
 
@@ -189,7 +189,7 @@ def _state_keys(entries, optim_key: str, name: str) -> list[str]:
     return [key[len(prefix) :] for key in entries if key.startswith(prefix) and "." not in key[len(prefix) :]]
 
 
-def _read_group(engine, group, directory, entries, model_key, optim_key, with_optimizer: bool, loaded: _Loaded):
+def _read_group(engine, group, directory, entries, model_key, optim_key, with_optimizer: bool, loaded: Loaded):
     """One group's tensors at full shape through dcp.load; this rank's slices into `loaded`."""
     slots = group.layout.slots
     state_keys = sorted(_state_keys(entries, optim_key, slots[0].name)) if with_optimizer and group.trainable else []

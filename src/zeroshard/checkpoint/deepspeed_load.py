@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.checkpoint.apply import Loaded, apply_loaded
 from zeroshard.checkpoint.common import agree, attempt
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import FP32, DeepSpeedCheckpoint
 from zeroshard.checkpoint.files import CheckpointError
-from zeroshard.checkpoint.load import _apply as apply_loaded, _Loaded as Loaded  # the same two-phase load
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def load_deepspeed_checkpoint(
     restore_optimizer = load_optimizer_states and not load_module_only
     loaded, error = attempt(_read, engine, checkpoint, restore_optimizer, load_module_strict)
     agree(comm, error, what)
-    # [Note: a failed load changes nothing] (load.py): applied only once every rank has read all
+    # [Note: a failed load changes nothing] (apply.py): applied only once every rank has read all
     _, error = attempt(apply_loaded, engine, loaded)
     agree(comm, error, f"{what}: applying what was read")
     engine.refresh_parameters()

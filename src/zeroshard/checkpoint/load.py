@@ -9,21 +9,22 @@ Order of work, each phase ending with every rank agreeing it succeeded (see `agr
   4. gather the unsharded parameters from the loaded masters, restore counters, scheduler and loss
      scaler.
 A damaged or incompatible checkpoint, or a failure while reading, is reported in phase 1-3 before
-anything is changed ([Note: a failed load changes nothing]).
+anything is changed ([Note: a failed load changes nothing] in apply.py).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from zeroshard.checkpoint.apply import Loaded, apply_loaded, restore_param_groups
 from zeroshard.checkpoint.common import agree, attempt, partition_of
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.deepspeed import find as find_deepspeed
+from zeroshard.checkpoint.deepspeed_load import load_deepspeed_checkpoint
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.layout import Layout, check_same_model_parallel, layout_of
 from zeroshard.checkpoint.manifest import (
@@ -85,8 +86,6 @@ def load_checkpoint(
                 "parallelism is not supported; consolidate it (`zeroshard consolidate`) and load "
                 "the full weights (zeroshard.checkpoint.load_full_weights)"
             )
-        from zeroshard.checkpoint.deepspeed_load import load_deepspeed_checkpoint  # it uses _apply below
-
         return load_deepspeed_checkpoint(
             engine, deepspeed_dir, load_optimizer_states, load_lr_scheduler_states, load_module_only, load_module_strict
         )
@@ -107,13 +106,13 @@ def load_checkpoint(
     restore_optimizer = load_optimizer_states and not load_module_only
     read, error = attempt(_read_shards, engine, path, manifest, restore_optimizer, load_module_strict, load_module_only)
     agree(grid, error, what)
-    # [Note: a failed load changes nothing]: every rank has read all it needs; only now is it applied
+    # [Note: a failed load changes nothing] (apply.py): every rank has read all it needs; only now is it applied
     objects, loaded = read
-    _, error = attempt(_apply, engine, loaded)
+    _, error = attempt(apply_loaded, engine, loaded)
     agree(grid, error, f"{what}: applying what was read")
     engine.refresh_parameters()
     if restore_optimizer:
-        _restore_param_groups(engine, objects["optimizer"]["param_groups"])
+        restore_param_groups(engine, objects["optimizer"]["param_groups"])
     if not load_module_only:
         _restore_counters(engine, manifest)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and objects["lr_scheduler"] is not None:
@@ -179,24 +178,10 @@ def engine_param_shapes(engine) -> dict[str, list[int]]:
     return {s.name: list(s.shape) for g in engine.groups for s in g.layout.slots}
 
 
-# [Note: a failed load changes nothing]
-# Reading can fail half-way on any rank (a file deleted or damaged after verification, an I/O
-# error, verify=False). So `_read_shards` reads into new tensors only, and the engine's masters,
-# optimizer state, accumulated gradients and buffers are replaced (`_apply`, no I/O from the
-# checkpoint) only after every rank has agreed that all of its reads succeeded. The price: while
-# loading, a rank holds the loaded states beside its current ones (for Adam, 12 bytes per element
-# of its shard more, transiently).
-@dataclass
-class _Loaded:
-    copies: list = field(default_factory=list)  # (destination, loaded value): masters, grads, buffers
-    states: list = field(default_factory=list)  # (group, optimizer state to load_group_state)
-    grads: list = field(default_factory=list)  # groups whose accumulated gradients were read
-
-
 @torch.no_grad()
 def _read_shards(
     engine, path: Path, manifest: dict, restore_optimizer: bool, strict: bool, module_only: bool
-) -> tuple[dict, _Loaded]:
+) -> tuple[dict, Loaded]:
     check_compatible(path, manifest, engine_param_shapes(engine), strict)
     objects = _read_objects(path)
     optimizer = engine.optimizer
@@ -205,7 +190,7 @@ def _read_shards(
     with_grads = manifest["mid_accumulation"] and not module_only
     if with_grads:
         _check_same_partition(path, manifest, engine)
-    loaded = _Loaded()
+    loaded = Loaded()
     with CheckpointReader(path, manifest) as reader:
         if restore_optimizer:
             _check_state_complete(reader, engine)
@@ -228,16 +213,6 @@ def _read_shards(
                 loaded.grads += [group] if copies else []
         loaded.copies += _load_buffers(engine.module, reader.buffers(), path, strict)
     return objects, loaded
-
-
-@torch.no_grad()
-def _apply(engine, loaded: _Loaded) -> None:
-    for destination, value in loaded.copies:
-        destination.copy_(value)
-    for group in loaded.grads:  # which parameters had a gradient ([Note: parameters without a gradient])
-        group.note_loaded_grads()
-    for group, state in loaded.states:
-        engine.optimizer.load_group_state(group, state)
 
 
 _OBJECT_KEYS = {"client_state", "optimizer", "lr_scheduler", "loss_scaler"}
@@ -299,7 +274,7 @@ def _ranks(shards: int, replicas: int) -> str:
 
 def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimizer) -> dict | None:
     """One group's optimizer state read from the checkpoint, for ZeroOptimizer.load_group_state
-    (applied by `_apply`); None: the checkpoint has none of its parameters here. Elementwise
+    (applied by `apply_loaded`); None: the checkpoint has none of its parameters here. Elementwise
     state re-sliced; scalar state (Adam's `step`) from the saved group(s) holding this
     group's parameters -- one value when they agree, else one per parameter ([Note: parameters
     without a gradient] in core/optim/masked.py: step counts differ where some had no gradient)."""
@@ -420,12 +395,6 @@ def _load_buffers(module, saved: dict[str, torch.Tensor], path: Path, strict: bo
             f"missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     return [(buffers[name], value) for name, value in saved.items() if name in buffers]
-
-
-def _restore_param_groups(engine, saved: list[dict]) -> None:
-    """Hyper-parameters (lr, betas, weight decay, ...), as torch's Optimizer.load_state_dict does."""
-    for group, values in zip(engine.optimizer.param_groups, saved):
-        group.update({k: v for k, v in values.items() if k != "params"})
 
 
 def _restore_counters(engine, manifest: dict) -> None:
