@@ -30,6 +30,7 @@ from torch import nn
 from zeroshard.compat import policies
 from zeroshard.compat.engine_base import EngineBase
 from zeroshard.compat.packed_matmul import PackedMatmuls
+from zeroshard.compat.speculative_in_step import generate_in_step
 from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
@@ -142,14 +143,12 @@ class InferenceEngine(EngineBase):
     def generate(self, *args, **kwargs):
         """As `EngineBase.generate`; with an `assistant_model` (speculative decoding, which may be a
         `resident_draft` engine) on several stage-3 ranks, the ranks keep in step themselves ([Note:
-        speculative decoding on several ranks] in compat/speculative.py). Nothing stays gathered
+        speculative decoding on several ranks] in compat/speculative_in_step.py). Nothing stays gathered
         afterwards, even on error."""
         if isinstance(kwargs.get("assistant_model"), InferenceEngine):  # a resident draft (compat/speculative.py)
             kwargs["assistant_model"] = kwargs["assistant_model"].module
         if kwargs.get("assistant_model") is None or not (self.policy.shard_parameters and self.world_size > 1):
             return super().generate(*args, **kwargs)
-        from zeroshard.compat.speculative import generate_in_step
-
         try:
             with torch.no_grad():
                 return generate_in_step(self, *args, **kwargs)
