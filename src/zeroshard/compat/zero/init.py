@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from zeroshard.compat.comm import init_distributed
 from zeroshard.compat.zero import partition as part
 from zeroshard.config import ConfigKeyNotActedOnWarning, load_config
 
@@ -203,8 +204,6 @@ class Init:
             zero_quantized_weights=zero_quantized_weights or None,
             zero_quantized_nontrainable_weights=zero_quantized_nontrainable_weights or None,
         )
-        from zeroshard.compat.api import init_distributed  # api imports the engine, which imports this package
-
         init_distributed()
         if data_parallel_group not in (None, dist.group.WORLD):
             raise ValueError("zero.Init(data_parallel_group=...): zeroshard partitions over all ranks; pass None")
