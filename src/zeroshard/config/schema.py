@@ -390,8 +390,8 @@ class ZeroConfig(Section):
     """0 = plain data parallel, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
     overlap_comm: bool = True
     """Overlap gradient reduction with backward (and, at stage 3, prefetch the next unit). True at every
-    stage, where DeepSpeed's default is true at stage 3 only: off costs stages 0-2 8-17% of a step
-    (docs/performance.md), and overlapping adds no memory at stages 0/1 (their full gradient buffers
+    stage, where DeepSpeed's default is true at stage 3 only: off, stages 0-2 wait for each reduction
+    inside backward (measured: docs/performance.md), and overlapping adds no memory at stages 0/1 (their full gradient buffers
     live across steps) and one unit's full gradient more at stages 2/3, the one whose reduction is in
     flight ([Note: one reduction in flight], lifecycle.py)."""
     contiguous_gradients: bool = True

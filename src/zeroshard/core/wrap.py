@@ -8,8 +8,8 @@ classes instead (like FSDP's `ModuleWrapPolicy`), and then only those become uni
 [Note: the head is a unit]
 A unit's gradients are reduced once all of them are ready. Left in the root, an untied LM head (in a
 GPT with a large vocabulary, half a block or more) has its gradient first in backward but waits
-until the embedding's, the very last, so its reduction cannot overlap any compute: 58 ms of waiting
-at the end of backward on the 33.7M GPT of docs/performance.md. DDP starts it at once, since its
+until the embedding's, the very last, so its reduction cannot overlap any compute and backward ends
+waiting for it (measured: docs/performance.md). DDP starts it at once, since its
 buckets follow parameter registration order backwards; torchtitan wraps the output layer apart from
 the root for the same reason. So a module registered after the blocks, outside them, holding
 parameters of its own and at least half a block's worth of them, is a unit of its own. At stage 3

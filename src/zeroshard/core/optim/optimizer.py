@@ -162,8 +162,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         parameters without a gradient] in masked.py), both in one all-reduce: the fp64 sum of
         squares of this rank's part, and one fp64 count per parameter tensor. Stages 1-3 count their
         shard. At stage 0 every rank holds the same reduced gradient, so each counts its 1/N of every
-        piece: the squares are read once over the ranks instead of N times (16 -> 9 ms a step at 2
-        ranks on the 33.7M GPT, docs/performance.md); only the fp64 summation order changes. Under
+        piece: the squares are read once over the ranks instead of N times (measured:
+        docs/performance.md); only the fp64 summation order changes. Under
         tensor/pipeline parallelism the norm (not the flags, which are this dp group's) is then
         summed over the model-parallel groups, tp-replicated parameters counted once. Without
         `squares` the flags only (the norm is 0.0)."""
