@@ -358,15 +358,17 @@ def _token_sum_loss_refusal(trainer) -> str:
     Losses over whole sequences (DPO's, KTO's, GRPO's per-sequence log-probabilities), label smoothing,
     DFT, a `compute_loss_func` and MoE auxiliary losses are per shard there, so they are refused.
     Returns why this trainer's loss is refused, or "" when it is supported."""
+    own = "ZeroShardTrainer computes the loss of a sequence's shards itself"
     try:
-        from trl import SFTTrainer
+        import trl
     except ImportError:
-        SFTTrainer = None
-    if SFTTrainer is None or not isinstance(trainer, SFTTrainer):
-        return "ZeroShardTrainer computes the loss of a sequence's shards itself"
+        return own
+    if not isinstance(trainer, trl.SFTTrainer):
+        return own
     args = trainer.args
-    if getattr(args, "loss_type", "nll") != "nll":
-        return f"SFTConfig(loss_type={args.loss_type!r}) weighs each token by the shard's own probabilities"
+    loss_type = getattr(args, "loss_type", "nll")
+    if loss_type != "nll":
+        return f"SFTConfig(loss_type={loss_type!r}) weighs each token by the shard's own probabilities"
     if trainer.compute_loss_func is not None or args.label_smoothing_factor > 0:
         return "a compute_loss_func or label smoothing needs the whole sequence's logits"
     if getattr(trainer, "aux_loss_enabled", False):
