@@ -28,7 +28,6 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from zeroshard.checkpoint.apply import Loaded, apply_loaded, restore_param_groups
 from zeroshard.checkpoint.common import agree, attempt, optimizer_states
@@ -40,6 +39,14 @@ from zeroshard.checkpoint.manifest import is_elementwise, model_aliases, persist
 log = logging.getLogger(__name__)
 
 SCALAR_STATES = ("step",)  # per-parameter scalars in torch's optimizers; an expanded one is read back as one
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported on first use: importing it takes most of a second
+    (its planners and storage layers), which every `import zeroshard` would otherwise pay."""
+    import torch.distributed.checkpoint
+
+    return torch.distributed.checkpoint
 
 
 def _check_layout(engine, what: str) -> None:
@@ -103,7 +110,7 @@ def save_dcp(engine, directory, model_key: str = "model", optim_key: str = "opti
     state_dict = {model_key: model_sd, optim_key: {"state": optim_state, "param_groups": param_groups}}
     error = None
     try:
-        dcp.save(state_dict, checkpoint_id=str(directory), process_group=comm.group)
+        _dcp().save(state_dict, checkpoint_id=str(directory), process_group=comm.group)
     except Exception as caught:  # noqa: BLE001 - DCP's own errors, every rank told by agree()
         error = f"{type(caught).__name__}: {caught}"
     agree(comm, error, what)
@@ -148,7 +155,7 @@ def load_dcp(
     buffers = {n: b for n, b in persistent_buffers(engine.module).items() if f"{model_key}.{n}" in entries}
     if buffers:
         state = {model_key: {n: torch.empty_like(b, device="cpu") for n, b in buffers.items()}}
-        dcp.load(state, checkpoint_id=str(directory), process_group=comm.group)
+        _dcp().load(state, checkpoint_id=str(directory), process_group=comm.group)
         loaded.copies += [(b, state[model_key][n]) for n, b in buffers.items()]
     groups = None
     if load_optimizer_states:
@@ -166,7 +173,7 @@ def load_dcp(
 def _metadata(directory: Path):
     if not (directory / ".metadata").is_file():
         raise CheckpointError(f"{directory}: not a DCP checkpoint (no .metadata file)")
-    return dcp.FileSystemReader(str(directory)).read_metadata()
+    return _dcp().FileSystemReader(str(directory)).read_metadata()
 
 
 def _missing(engine, entries, model_key: str, optim_key: str, with_optimizer: bool) -> list[str]:
@@ -201,7 +208,7 @@ def _read_group(engine, group, directory, entries, model_key, optim_key, with_op
                 for s in slots
             }
         }
-    dcp.load(request, checkpoint_id=str(directory), process_group=engine.comm.group)
+    _dcp().load(request, checkpoint_id=str(directory), process_group=engine.comm.group)
     start, end = group.opt_range
     device = group.master.device
     full = group.layout.flatten([request[model_key][s.name] for s in slots], torch.float32)
@@ -232,5 +239,5 @@ def _read_param_groups(engine, directory, entries, optim_key: str) -> list[dict]
             raise CheckpointError(f"no '{prefix}*' entries: the checkpoint's optimizer has fewer param groups")
         groups.append({k: io.BytesIO() for k in keys if k != "params"})
     request = {optim_key: {"param_groups": groups}}
-    dcp.load(request, checkpoint_id=str(directory), process_group=engine.comm.group)
+    _dcp().load(request, checkpoint_id=str(directory), process_group=engine.comm.group)
     return request[optim_key]["param_groups"]
