@@ -3,7 +3,7 @@
 [Note: atomic publication]
 Nothing is written under a name a reader looks for until the whole checkpoint exists:
   0. rank 0 serialises objects.pt (and proves it loads back; [Note: objects.pt holds data, not
-     code] in files.py): an unloadable client state fails the save before anything is written;
+     code] in objects.py): an unloadable client state fails the save before anything is written;
   1. every rank writes `save_dir/.tmp-<tag>-<nonce>/rank_<r>.safetensors` (fsynced, hashed while
      written) and reports its checksum; ranks agree that all succeeded;
   2. rank 0 writes objects.pt, buffers.safetensors and, last, manifest.json into the same directory;

@@ -1,8 +1,7 @@
 """DeepSpeed's lr schedules (``deepspeed/runtime/lr_schedules.py``) with the same formulas: the warmup
 schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR), OneCycle and LRRangeTest.
 
-They drive any object with a ``param_groups`` list of dicts (our ZeRO optimizer wrapper is not a
-``torch.optim.Optimizer`` subclass).
+They drive any object with a ``param_groups`` list of dicts, not only a ``torch.optim.Optimizer``.
 
 [Note: which step an lr applies to]
 As in DeepSpeed, the constructor (with ``last_batch_iteration == -1``) already writes the lr of

@@ -1,8 +1,9 @@
 """The config layer: a DeepSpeed JSON config parsed once, at the edge, into typed sections.
 
-`read_config(config, world_size)` is the one entry every reader uses (the engine, the integrations,
-the CLI); `schema` holds the sections, `not_acted_on` the one table of keys accepted but not acted
-on. Nothing here imports another zeroshard layer.
+`read_config(config)` is the one entry every reader uses (the engine, the integrations, the CLI),
+and `load_config(config, world_size)` validates what it read; `schema` holds the sections,
+`not_acted_on` the one table of keys accepted but not acted on. Nothing here imports another
+zeroshard layer.
 """
 
 from zeroshard.config.parse import (

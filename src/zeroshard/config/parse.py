@@ -11,7 +11,7 @@ Nothing is silently ignored:
 - a key DeepSpeed knows but zeroshard does not act on is accepted with one
   ``ConfigKeyNotActedOnWarning`` naming it; all such keys are in one table, ``not_acted_on.TABLE``;
 - ``"auto"`` (written by the Hugging Face Trainer) means "not given" for the keys listed in
-  [Note: "auto" values] in ``config_schema``.
+  [Note: "auto" values] in ``base``.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ default (``deepspeed/runtime/zero/config.py``, ``zero/offload_config.py``, ``fp1
 ``lr_schedules.py``). Parsing (unknown keys, ``"auto"``, warnings, error messages) lives in
 ``zeroshard.config``; this module only describes what a valid section is.
 
-The shared base and number types are in ``config_base``, the offload and ``aio`` sections in
-``config_offload``; both are re-exported here.
+The shared base and number types are in ``base``, the offload and ``aio`` sections in
+``offload``; both are re-exported here.
 """
 
 from __future__ import annotations

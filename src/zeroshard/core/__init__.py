@@ -1,8 +1,9 @@
 """The core runtime of ZeRO: stages as policies, flat shards, units and their lifecycle, the
 communicator, precision, the sharded optimizer, and `shard()`, the composable entry point.
 
-It imports no other zeroshard layer (tests/test_layers.py checks this from the source): it knows
-nothing of configs, DeepSpeed names or files. docs/architecture.md walks through it.
+It imports no other zeroshard layer (tests/test_layers.py checks that it imports nothing above it;
+the config layer below it it does not use either): it knows nothing of configs, DeepSpeed names or
+files. docs/architecture.md walks through it.
 """
 
 from zeroshard.core.comm import CollectiveError, Communicator

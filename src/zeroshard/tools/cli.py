@@ -1,6 +1,6 @@
 """`zeroshard` command line: a thin dispatcher over the command modules in `COMMAND_MODULES`.
 
-To add a subcommand, write `zeroshard/commands/<name>.py` with `register(subparsers)` and `run(args)`
+To add a subcommand, write `zeroshard/tools/commands/<name>.py` with `register(subparsers)` and `run(args)`
 (see `zeroshard.tools.commands`) and append its module name here. Modules not present are skipped, so the
 list may name commands that are still being written.
 """
