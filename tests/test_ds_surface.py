@@ -451,7 +451,9 @@ def test_deepspeed_surface(tmp_path):
 def test_hf_deepspeed_config_is_refused_with_the_way_out():
     """transformers' HfDeepSpeedConfig (ZeRO-3) would have from_pretrained partition the model with the
     deepspeed package; initialize says so, and what to do, before touching the process group."""
-    hf = pytest.importorskip("transformers.integrations.deepspeed")
+    hf = pytest.importorskip(
+        "transformers.integrations.deepspeed", reason="the [hf] extra installs it; `make test` does"
+    )
 
     class Zero3Config:  # what HfDeepSpeedConfig answers (it cannot be built without deepspeed installed)
         def is_zero3(self) -> bool:
@@ -472,7 +474,7 @@ def test_hf_deepspeed_config_is_refused_with_the_way_out():
 def test_hf_deepspeed_config_stand_in_answers_like_transformers_and_leaves_it_plain(tmp_path):
     """zeroshard.integrations.hf.HfDeepSpeedConfig, the one-line replacement of transformers' own:
     the same queries on a copy of the config; transformers itself does not see ZeRO-3."""
-    hf = pytest.importorskip("zeroshard.integrations.hf")
+    hf = pytest.importorskip("zeroshard.integrations.hf", reason="the [hf] extra installs it; `make test` does")
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled as transformers_zero3
 
     config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True}}

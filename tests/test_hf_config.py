@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")  # the hf extra, which `make test` installs
+pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
 
 from zeroshard.config import ConfigError
 from zeroshard.integrations.hf_config import trainer_config
@@ -102,7 +102,7 @@ def test_every_difference_is_named_in_one_error():
 
 
 def test_trl_generation_gathering_maps_to_generate_gather():
-    trl = pytest.importorskip("trl")  # the hf extra, which `make test` installs
+    trl = pytest.importorskip("trl", reason="the [hf] extra installs it; `make test` does")
 
     def grpo(gather: bool):
         return trl.GRPOConfig(

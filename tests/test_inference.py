@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
 
 import torch
 

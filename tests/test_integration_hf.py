@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
 
 import torch
 
@@ -244,7 +244,7 @@ def _accumulation(out: str) -> None:
 
 
 def test_trainer_saves_loadable_model_and_resumes(tmp_path):
-    pytest.importorskip("accelerate")  # transformers.Trainer needs it
+    pytest.importorskip("accelerate", reason="the [hf] extra installs it; `make test` does")
     run_distributed(_trainer_worker, 2, timeout=300, env=ENV, out=str(tmp_path))
 
 
@@ -256,7 +256,7 @@ def test_trainer_saves_loadable_model_and_resumes(tmp_path):
 def test_documented_example_runs_on_two_ranks(script, tmp_path):
     """As `torchrun --nproc_per_node 2 SCRIPT` starts it (tests.harness.run_script); the scripts end by
     destroying their process group, which retires the ranks."""
-    pytest.importorskip("accelerate")
+    pytest.importorskip("accelerate", reason="the [hf] extra installs it; `make test` does")
     write_titled_blocks(ROOT / "docs" / "integrations.md", tmp_path)
     stdout = "\n".join(run_script(tmp_path / script, world_size=2, cwd=tmp_path, env=ENV, timeout=300))
     if script == "hf_train.py":  # the reloaded model generates what the engine generated on rank 0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-L = pytest.importorskip("lightning.pytorch")
+L = pytest.importorskip("lightning.pytorch", reason="the [lightning] extra installs it; `make test` does")
 
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402

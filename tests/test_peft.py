@@ -14,8 +14,8 @@ import os
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
+pytest.importorskip("peft", reason="the [dev] extra installs it; `make test` does")
 
 import torch
 

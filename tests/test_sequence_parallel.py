@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-pytest.importorskip("transformers")  # the hf extra, which `make test` installs
+pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
 
 import torch
 import torch.nn.functional as F

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")  # the hf extra, which `make test` installs
-pytest.importorskip("peft")  # the dev extra, which `make test` installs
+pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
+pytest.importorskip("peft", reason="the [dev] extra installs it; `make test` does")
 
 import torch
 from torch import nn

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("trl")  # the hf extra, which `make test` installs
+pytest.importorskip("trl", reason="the [hf] extra installs it; `make test` does")
 
 import torch
 
