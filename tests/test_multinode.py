@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -404,14 +405,24 @@ def _start_up_problems(run: _StartUpKill, result) -> list[str]:
     errors = {r: json.loads(path.read_text()) for r, path in reports.items() if path.exists()}
     if len(errors) != 2:  # node 0's ranks, and only they
         return [f"{run.point}: error reports from ranks {sorted(errors)}\n{tail}"]
-    lost = ", ".join(str(r) for r in range(4) if r not in errors)  # the rendezvous chose node 1's
+    lost = [r for r in range(4) if r not in errors]  # the rendezvous chose node 1's
     return [
         f"{run.point}: rank {rank} after {error['at'] - run.killed_at:.1f} s: {error['type']}: {error['message']}"
         for rank, error in errors.items()
         if error["type"] != "CollectiveError"
-        or f"ranks {lost} " not in error["message"]
+        or not _names_lost_ranks(error["message"], lost)
         or error["at"] - run.killed_at >= bound
     ]
+
+
+def _names_lost_ranks(message: str, lost: list[int]) -> bool:
+    """The error names every lost rank: together ("ranks 2, 3 gone") or one by one when their
+    probes found them differently ("rank 2 gone (...); rank 3 unreachable (...)"), which depends on
+    how far the killed machine's teardown got when the survivor asked."""
+    if f"ranks {', '.join(map(str, lost))} " in message:
+        return True
+    missing = message.split("missing ranks:", 1)
+    return len(missing) == 2 and all(re.search(rf"\brank {r}\b", missing[1]) for r in lost)
 
 
 # -- elastic: torchrun --nnodes 1:2 --max-restarts 3 ----------------------------------------------------
