@@ -109,7 +109,7 @@ def _zeroshard(lm, sp: int, tiled: bool):
         torch.optim.AdamW(model.parameters(), lr=1e-5),
         stage=3,
         mesh=mesh,
-        gathering=zeroshard.GatherPolicy(persistence_threshold=0),
+        gathering=zeroshard.GatheringPolicy(persistence_threshold=0),
     )
     sequence = sharded.sequence_parallel
     if sequence is not None:

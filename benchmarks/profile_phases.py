@@ -262,7 +262,7 @@ def _system(kind: str, args, make_model, make_optimizer):
         config["zeroshard"] = {"check_collectives": True}
     engine, *_ = zeroshard.initialize(model=model, optimizer=make_optimizer(model.parameters()), config=config)
     if variant == "2-in-flight":  # a what-if, not a config key (as benchmarks/stage3_memory.py)
-        engine.sharded.lifecycle.max_inflight = 2
+        engine.lifecycle.max_inflight = 2
     del torch
     return (lambda x, y: engine(x, y)[1], engine.backward, engine.step, lambda: None)
 

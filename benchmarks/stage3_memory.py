@@ -82,8 +82,8 @@ def _zeroshard(args: dict, model, optimizer, zero: dict, extras: dict, inflight:
     }
     engine, *_ = zeroshard.initialize(model=model, optimizer=optimizer, config=config)
     if inflight is not None:
-        engine.sharded.lifecycle.max_inflight = inflight
-    groups = engine.sharded.groups
+        engine.lifecycle.max_inflight = inflight
+    groups = engine.groups
 
     def grads() -> int:
         return _grad_bytes([t for g in groups for t in (g.grad_shard, g.full_grad)])
@@ -94,7 +94,7 @@ def _zeroshard(args: dict, model, optimizer, zero: dict, extras: dict, inflight:
         engine.step,
         grads,
         lambda: getattr(engine.optimizer, "snapshot_peak_bytes", None),
-        engine.sharded.lifecycle.live,
+        engine.lifecycle.live,
         lambda: engine.memory_report()["total"],
     )
 

@@ -39,7 +39,11 @@ def build_stage(mesh, stage: int, *, blocks: int = 2, tensor_parallel=None):
     if tensor_parallel is not None:
         part = tensor_parallel(part)
     sharded = zeroshard.shard(
-        part, mm.adamw(part.parameters()), stage=stage, mesh=mesh, comm=zeroshard.CommPolicy(timeout_s=120)
+        part,
+        mm.adamw(part.parameters()),
+        stage=stage,
+        mesh=mesh,
+        communication=zeroshard.CommunicationPolicy(timeout_s=120),
     )
     sharded.set_gradient_clipping(CLIP)
     pipe = PipelineStage(
@@ -75,7 +79,7 @@ def train(mesh, stage: int, schedule_name: str, *, blocks: int = 2, tensor_paral
         out["params"] = {n: p.detach().clone() for n, p in module.named_parameters()}
     out["memory"] = sharded.memory_report()
     out["comm"] = sharded.comm_report()
-    out["local_params"], out["groups"] = sharded.num_parameters(), len(sharded.groups)
+    out["local_params"], out["groups"] = sharded.num_parameters(), len(sharded._groups)
     sharded.destroy()
     return out
 

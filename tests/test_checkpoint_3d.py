@@ -108,7 +108,11 @@ def _pp_stage(mesh, stage: int):
     pp_rank, stages = mesh.get_local_rank("pp"), mesh["pp"].size()
     part = mm.Part(mm.model_fn()(), pp_rank, stages)
     sharded = zeroshard.shard(
-        part, mm.adamw(part.parameters()), stage=stage, mesh=mesh, comm=zeroshard.CommPolicy(timeout_s=120)
+        part,
+        mm.adamw(part.parameters()),
+        stage=stage,
+        mesh=mesh,
+        communication=zeroshard.CommunicationPolicy(timeout_s=120),
     )
     pipe = PipelineStage(
         part, pp_rank, stages, torch.device("cpu"), group=mesh.get_group("pp"), input_args=torch.empty(mm.BATCH, mm.D)
@@ -183,7 +187,7 @@ def _save_untrained(root: str, style: str) -> None:
         mm.adamw(model.parameters()),
         stage=2,
         mesh=from_mpu(Mpu(mesh), model),
-        comm=zeroshard.CommPolicy(timeout_s=120),
+        communication=zeroshard.CommunicationPolicy(timeout_s=120),
     )
     save_checkpoint(CheckpointableSharded(sharded), f"{root}/untrained_{style}", tag="t")
     sharded.destroy()

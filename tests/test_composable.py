@@ -2,11 +2,15 @@
 
 The same oracle as tests/test_parity.py: bit-for-bit at 2 ranks in fp32, for every stage, with
 gradient accumulation and clipping, through `backward(loss, boundary=...)` and through a plain
-`loss.backward()` with `set_requires_gradient_sync`; plus the shard-local `state_dict()` round trip.
+`loss.backward()` with `set_requires_gradient_sync`, with the offload policies (`CPUOffload`,
+`NVMeOffload`), which work out their stores from the rank alone; plus the shard-local `state_dict()`
+round trip, and the policies' checks.
 The README's example runs as written in tests/test_doc_blocks.py.
 """
 
 from __future__ import annotations
+
+import tempfile
 
 import pytest
 
@@ -26,15 +30,24 @@ def _gathered(sharded) -> dict:
 
 
 def train_sharded(
-    model_fn, batches, *, stage: int, gas: int, clip: float, steps: int, torch_backward: bool = False
+    model_fn,
+    batches,
+    *,
+    stage: int,
+    gas: int,
+    clip: float,
+    steps: int,
+    torch_backward: bool = False,
+    offload=None,
 ) -> dict:
     model = model_fn()
     sharded = zeroshard.shard(
         model,
         adamw(model.parameters()),
         stage=stage,
-        gathering=zeroshard.GatherPolicy(persistence_threshold=0),
-        comm=zeroshard.CommPolicy(timeout_s=60),
+        offload=offload,
+        gathering=zeroshard.GatheringPolicy(persistence_threshold=0),
+        communication=zeroshard.CommunicationPolicy(timeout_s=60),
     )
     sharded.set_gradient_clipping(clip)
     rank = sharded.comm.rank
@@ -57,7 +70,7 @@ def train_sharded(
     return out
 
 
-def _parity_case(stage: int, gas: int, clip: float, torch_backward: bool = False) -> dict:
+def _parity_case(stage: int, gas: int, clip: float, torch_backward: bool = False, offload: str = "") -> dict:
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
     ref = train_ddp(
         gpt_model_fn(),
@@ -69,10 +82,23 @@ def _parity_case(stage: int, gas: int, clip: float, torch_backward: bool = False
         reduce_every_micro_step=stage >= 2,
         record_params=True,
     )
-    ours = train_sharded(
-        gpt_model_fn(), batches, stage=stage, gas=gas, clip=clip, steps=STEPS, torch_backward=torch_backward
-    )
-    what = f"shard() stage {stage} gas {gas} clip {clip}{' loss.backward()' * torch_backward}"
+    with tempfile.TemporaryDirectory() as nvme:
+        policy = {
+            "": None,
+            "cpu": zeroshard.CPUOffload(params=stage == 3),
+            "nvme": zeroshard.NVMeOffload(nvme, params=stage == 3),
+        }[offload]
+        ours = train_sharded(
+            gpt_model_fn(),
+            batches,
+            stage=stage,
+            gas=gas,
+            clip=clip,
+            steps=STEPS,
+            torch_backward=torch_backward,
+            offload=policy,
+        )
+    what = f"shard() stage {stage} gas {gas} clip {clip}{' loss.backward()' * torch_backward} offload {policy}"
     assert_close(ours, ref, exact=True, what=what)
     return {"stage": stage, "final_loss": ours["losses"][-1][-1]}
 
@@ -84,7 +110,7 @@ def _state_round_trip(stage: int) -> dict:
     def build():
         model = gpt_model_fn()()
         return zeroshard.shard(
-            model, adamw(model.parameters()), stage=stage, gathering=zeroshard.GatherPolicy(persistence_threshold=0)
+            model, adamw(model.parameters()), stage=stage, gathering=zeroshard.GatheringPolicy(persistence_threshold=0)
         )
 
     def run(sharded, steps):
@@ -114,6 +140,7 @@ def _state_round_trip(stage: int) -> dict:
 def _worker(rank: int, world: int) -> dict:
     cases = [dict(stage=s, gas=g, clip=c) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
     cases += [dict(stage=s, gas=2, clip=0.05, torch_backward=True) for s in range(4)]
+    cases += [dict(stage=s, gas=2, clip=0.05, offload=o) for s in (2, 3) for o in ("cpu", "nvme")]
     return {
         "parity": subtests(cases, _parity_case),
         "state": subtests([dict(stage=s) for s in range(4)], _state_round_trip),
@@ -122,3 +149,34 @@ def _worker(rank: int, world: int) -> dict:
 
 def test_shard_matches_ddp_and_round_trips_its_state():
     run_distributed(_worker, 2, timeout=600)
+
+
+def test_policies_are_checked_when_made_and_passed():
+    """Each policy names its field, the value and what is allowed; shard() names the keyword a value
+    of the wrong kind was passed to, before it touches the model or the process group."""
+    with pytest.raises(ValueError, match=r"NVMeOffload.path=''"):
+        zeroshard.NVMeOffload("")
+    with pytest.raises(ValueError, match="offloads nothing"):
+        zeroshard.NVMeOffload("/tmp", optimizer=False, params=False)
+    with pytest.raises(ValueError, match=r"CPUOffload.params='yes': True or False"):
+        zeroshard.CPUOffload(params="yes")
+    with pytest.raises(ValueError, match=r"NVMeOffload.threads=0: an int >= 1"):
+        zeroshard.NVMeOffload("/tmp", threads=0)
+    with pytest.raises(ValueError, match=r"CommunicationPolicy.timeout_s=0"):
+        zeroshard.CommunicationPolicy(timeout_s=0)
+    model = gpt_model_fn()()
+    with pytest.raises(TypeError, match=r"shard\(offload='cpu'\): zeroshard.CPUOffload\(\)"):
+        zeroshard.shard(model, offload="cpu")
+    with pytest.raises(TypeError, match=r"shard\(gathering=.*a zeroshard.GatheringPolicy"):
+        zeroshard.shard(model, gathering=zeroshard.CommunicationPolicy())
+
+
+def test_offload_policy_refuses_parameters_below_stage_3():
+    """CPUOffload(params=True) at stage 2 would place parameter shards that do not exist."""
+    from zeroshard.core.placement import OffloadContext
+
+    context = OffloadContext(rank=0, world_size=2, model_numel=10, optimizer=None, shards_parameters=False)
+    with pytest.raises(ValueError, match=r"CPUOffload\(params=True\) places stage 3's parameter shards"):
+        zeroshard.CPUOffload(params=True).build(context)
+    placement = zeroshard.CPUOffload().build(context)  # inference: no optimizer, nothing to place
+    assert placement.optimizer_store is None and placement.param_store is None

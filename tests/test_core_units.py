@@ -12,8 +12,7 @@ from zeroshard.core.comm import ByteCounter
 from zeroshard.core.flat import FlatLayout
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.placement import Placement, Store
-from zeroshard.core.policy import STAGES, Reduction, StagePolicy, stage_policy
-from zeroshard.core.precision import PrecisionPolicy
+from zeroshard.core.policy import STAGES, PrecisionPolicy, Reduction, StagePolicy, stage_policy
 from zeroshard.offload import CPUStore, NVMeStore
 
 

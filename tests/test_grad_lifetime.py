@@ -48,7 +48,7 @@ def _case(stage: int, gas: int, offload: bool) -> dict:
     )
     model = gpt_model_fn()()
     engine, *_ = initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage, gas, **zero))
-    groups = [g for g in engine.sharded.groups if g.trainable]
+    groups = [g for g in engine.groups if g.trainable]
     seen: list[int] = []  # bytes held at each pre-forward of the current micro step
     hooks = [m.register_forward_pre_hook(lambda *_: seen.append(_held_grad_bytes(groups))) for m in model.modules()]
     ours = {"losses": [], "params_per_step": []}
@@ -114,7 +114,7 @@ def _reuse_case(stage: int, gas: int) -> dict:
     )
     model = gpt_model_fn(n_layer=4)()
     engine, *_ = initialize(model=model, optimizer=adamw(model.parameters()), config=make_config(stage, gas))
-    spent = engine.sharded.lifecycle.spent
+    spent = engine.lifecycle.spent
     real_take, given = spent.take, set()
     real_give = spent.give
     taken = []  # per full gradient made: was it a buffer a completed reduction gave back?

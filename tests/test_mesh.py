@@ -145,17 +145,17 @@ def _engine_case(mesh, ref, layout: str, stage: int) -> dict:
     mm.assert_rel_close(full, ref["params"], what=what)
     with pytest.raises(ValueError, match="save_16bit_model under tensor/pipeline parallelism"):
         engine.save_16bit_model("/nonexistent")  # checkpoints work (tests/test_checkpoint_3d.py); one file would not
-    mp_bytes = sum(c.counter.data_bytes() for c in engine.sharded.norm_comms)
+    mp_bytes = sum(c.counter.data_bytes() for c in engine.model_parallel_comms)
     sharded = engine.sharded
     report = _memory_against_estimator(
         sharded.memory_report()["total"],
         sharded.num_parameters(),
-        len(sharded.groups),
+        len(sharded._groups),
         est.Layout(dp=2, tp=2),
         stage,
         replicated=_replicated_numel(mm.TinyNet()),
     )
-    padded = sum(g.layout.padded_numel for g in sharded.groups)
+    padded = sum(g.layout.padded_numel for g in sharded._groups)
     engine.destroy()
     return {**report, "padded": padded, "dp_zero_bytes_per_step": dp_bytes, "tp_data_bytes": mp_bytes}
 

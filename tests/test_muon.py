@@ -535,7 +535,7 @@ def _composable_case() -> None:
     ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=_OneAfterTheOther, steps=3, reduce_every_micro_step=True)
     model = gpt_model_fn()()
     sharded = zeroshard.shard(
-        model, muon_and_adamw(model.parameters()), stage=3, gathering=zeroshard.GatherPolicy(persistence_threshold=0)
+        model, muon_and_adamw(model.parameters()), stage=3, gathering=zeroshard.GatheringPolicy(persistence_threshold=0)
     )
     for step in range(3):
         gpt_loss(sharded, *batches(step, 0, dist.get_rank())).backward()

@@ -69,7 +69,7 @@ def _readers_case(stage: int) -> None:
             engine.backward(gpt_loss(engine, *BATCHES(step, 0, engine.global_rank)))
             engine.step()
             if overlap:
-                assert engine.sharded.deferred_gather.pending, "step() waited for the gathers"
+                assert engine.sharded._deferred_gather.pending, "step() waited for the gathers"
             reader = step % 3
             if reader == 0:
                 seen.append({k: v.clone() for k, v in engine.module.state_dict().items()})
@@ -78,7 +78,7 @@ def _readers_case(stage: int) -> None:
             else:
                 seen.append([m.clone() for m in engine.sharded.state_dict()["masters"]])
                 seen.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
-            assert not (overlap and engine.sharded.deferred_gather.pending), f"reader {reader} did not wait"
+            assert not (overlap and engine.sharded._deferred_gather.pending), f"reader {reader} did not wait"
         runs[overlap] = seen
         engine.destroy()
     for a, b in zip(runs[False], runs[True]):
@@ -139,7 +139,7 @@ def _script_reads_case(stage: int) -> None:
         for step, (what, waits, read) in enumerate(SCRIPT_READS):
             engine.backward(gpt_loss(engine, *BATCHES(step, 0, engine.global_rank)))
             engine.step()
-            gather = engine.sharded.deferred_gather
+            gather = engine.sharded._deferred_gather
             assert not overlap or gather.pending, f"step() waited for the gathers: {what}"
             if waits:
                 engine.wait_parameters()

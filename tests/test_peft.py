@@ -95,7 +95,7 @@ def _frozen_layer_freed_in_backward(kind: str) -> None:
     seen = []  # block 1's state when block 0's adapter gets its gradient
     adapter = next(p for n, p in first.module.named_parameters() if "lora_A" in n)
     handle = adapter.register_hook(lambda grad: seen.append(second.state))
-    live = engine.sharded.lifecycle.live
+    live = engine.lifecycle.live
     _train(engine, range(1))
     live.reset_peak()
     _train(engine, range(1, 2))

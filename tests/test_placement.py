@@ -22,7 +22,7 @@ from tests.harness import grid, run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss
 from tests.zs_common import adamw, gpt_model_fn
 from zeroshard.core.placement import Placement
-from zeroshard.core.precision import PrecisionPolicy
+from zeroshard.core.policy import PrecisionPolicy
 from zeroshard.offload import CPUStore, NVMeStore
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
@@ -59,7 +59,7 @@ def _train(stage: int, dtype: str, placement: Placement | None):
         stage=stage,
         precision=precision,
         offload=placement,
-        comm=zeroshard.CommPolicy(timeout_s=60),
+        communication=zeroshard.CommunicationPolicy(timeout_s=60),
     )
     losses = []
     for step in range(STEPS):
@@ -76,7 +76,7 @@ def _placement_case(stage: int, dtype: str, kind: str, foreign: bool, rank: int,
     store = _store(kind, foreign, rank, tmp)
     sharded, losses, params = _train(stage, dtype, Placement(optimizer_store=store))
     what = f"stage {stage} {dtype} {kind} {'seen from a GPU' if foreign else 'on CPU'}"
-    groups = [g for g in sharded.groups if g.trainable]
+    groups = [g for g in sharded._groups if g.trainable]
     separate = foreign or dtype != "fp32"  # [Note: master placement]
     for group in groups:
         assert store.holds(group.master) == separate, f"{what}: master held by the store? {not separate}"
@@ -143,7 +143,7 @@ def _param_store_worker(rank: int, world: int, tmp: str) -> None:
         params_home = CPUStore()
         placement = Placement(optimizer_store=HostSeenFromGPU(), param_store=params_home)
         sharded, _, _ = _train(3, dtype, placement)
-        for group in sharded.groups:
+        for group in sharded._groups:
             assert params_home.holds(group.master) and group.compute_shard is None, dtype
             assert group.gather_input().dtype == DTYPES[dtype]
         sharded.destroy()

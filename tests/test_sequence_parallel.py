@@ -127,12 +127,12 @@ def _sequence_parallel(build, stage: int, gas: int, checkpointing: bool, tiled: 
         torch.optim.AdamW(trained.parameters(), lr=LR),
         stage=stage,
         mesh=mesh,
-        gathering=zeroshard.GatherPolicy(persistence_threshold=0),
+        gathering=zeroshard.GatheringPolicy(persistence_threshold=0),
     )
     sequence = sharded.sequence_parallel
     assert sequence.size == 2 and sharded.comm.world_size == world  # ZeRO over dp x sp
-    head_unit = any(u.name.endswith("lm_head") for u in sharded.units)
-    assert head_unit == (model.config.vocab_size >= 512), [u.name for u in sharded.units]
+    head_unit = any(u.name.endswith("lm_head") for u in sharded._units)
+    assert head_unit == (model.config.vocab_size >= 512), [u.name for u in sharded._units]
     attach(model, sequence)
     dp = mesh.get_local_rank("dp")
     losses = []

@@ -55,7 +55,7 @@ def _engine(width: int, head: int = 0, gas: int = 1, **zero):
 def _counted_case(head: int, zero: dict, inference: bool) -> dict:
     width = 32
     engine = _engine(width, head, **zero)
-    live = engine.sharded.lifecycle.live
+    live = engine.lifecycle.live
     gathers = engine.comm.counter.calls
     x = torch.randn(2, width, generator=torch.Generator().manual_seed(1))
     losses = []

@@ -28,7 +28,11 @@ def train(mesh, layout: str, stage: int) -> dict:
     if layout == "dtensor":
         model = dtensor_model(mesh)
         sharded = zeroshard.shard(
-            model, mm.adamw(model.parameters()), stage=stage, mesh=mesh, comm=zeroshard.CommPolicy(timeout_s=120)
+            model,
+            mm.adamw(model.parameters()),
+            stage=stage,
+            mesh=mesh,
+            communication=zeroshard.CommunicationPolicy(timeout_s=120),
         )
     else:
         model = megatron_model(mesh)
@@ -37,7 +41,7 @@ def train(mesh, layout: str, stage: int) -> dict:
             mm.adamw(model.parameters()),
             stage=stage,
             mesh=from_mpu(Mpu(mesh), model),
-            comm=zeroshard.CommPolicy(timeout_s=120),
+            communication=zeroshard.CommunicationPolicy(timeout_s=120),
         )
     sharded.set_gradient_clipping(CLIP)
     dp_rank = mesh.get_local_rank("dp")

@@ -62,7 +62,7 @@ def train_engine(
     out["num_parameters"] = engine.num_parameters()
     out["groups"] = len(engine.groups)
     out["units"] = [unit.name for unit in engine.units]
-    plan = engine.sharded.owner_plan
+    plan = engine.sharded._owner_plan
     out["whole_padding"] = plan.padding if plan is not None else None
     engine.destroy()
     return out

@@ -2,23 +2,28 @@
 
 Two ways in:
   * `zeroshard.shard(model, optimizer, stage=...)` — the composable core (zeroshard/core/), no config,
-    configured by policy objects (PrecisionPolicy, Placement, GatherPolicy, CommPolicy);
+    configured by the policies of core/policy.py (`PrecisionPolicy`, `CPUOffload` / `NVMeOffload`,
+    `GatheringPolicy`, `CommunicationPolicy`), one per keyword;
   * `zeroshard.initialize(model=..., config=...)` — DeepSpeed's call shape (zeroshard/compat/):
     `import zeroshard as deepspeed` runs a DeepSpeed ZeRO training script; see README.md.
 The layers are drawn in docs/architecture.md.
+
+`import zeroshard` imports the core and the offload policies only. The DeepSpeed surface, the config
+layer and DeepSpeed's module paths (`zeroshard.zero`, `zeroshard.runtime...`) are imported on first
+use ([Note: DeepSpeed's paths on first use] in compat/paths.py).
 """
 
+from __future__ import annotations
+
+import importlib
+
 from zeroshard.compat import paths as _paths
-from zeroshard.compat.accelerator import get_accelerator
-from zeroshard.compat.api import add_config_arguments, init_distributed, initialize
-from zeroshard.compat.engine import ZeroEngine
-from zeroshard.config import ConfigError, load_config
 from zeroshard.core import (
     STAGES,
     CollectiveError,
-    CommPolicy,
+    CommunicationPolicy,
     DynamicLossScaler,
-    GatherPolicy,
+    GatheringPolicy,
     Placement,
     PrecisionPolicy,
     Sharded,
@@ -26,19 +31,50 @@ from zeroshard.core import (
     shard,
     stage_policy,
 )
-from zeroshard.core.optim.declared import register_whole_parameter_optimizer
-from zeroshard.core.optim.muon import MuonWithAdamW
+from zeroshard.offload.policy import CPUOffload, NVMeOffload
 from zeroshard.version import __version__
 
-_paths.install(__name__)  # zeroshard.zero, zeroshard.checkpointing, ... (DeepSpeed's module paths)
+# name -> the module that defines it, imported when the name is first read.
+_ON_FIRST_USE = {
+    "ConfigError": "zeroshard.config",
+    "load_config": "zeroshard.config",
+    "MuonWithAdamW": "zeroshard.core.optim.muon",
+    "register_whole_parameter_optimizer": "zeroshard.core.optim.declared",
+    "ZeroEngine": "zeroshard.compat.engine",
+    "add_config_arguments": "zeroshard.compat.api",
+    "init_distributed": "zeroshard.compat.api",
+    "initialize": "zeroshard.compat.api",
+    "get_accelerator": "zeroshard.compat.accelerator",
+}
+
+_paths.install_on_first_use(__name__)  # import statements of zeroshard.zero, zeroshard.runtime...
+
+
+def __getattr__(name: str):
+    if name in _ON_FIRST_USE:
+        value = getattr(importlib.import_module(_ON_FIRST_USE[name]), name)
+    elif name in _paths.ROOTS:
+        _paths.install(__name__)  # sets every root as an attribute of this module
+        value = globals()[name]
+    else:
+        raise AttributeError(f"module 'zeroshard' has no attribute '{name}'")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
+    "CPUOffload",
     "CollectiveError",
-    "CommPolicy",
+    "CommunicationPolicy",
     "ConfigError",
     "DynamicLossScaler",
-    "GatherPolicy",
+    "GatheringPolicy",
     "MuonWithAdamW",
+    "NVMeOffload",
     "Placement",
     "PrecisionPolicy",
     "STAGES",

@@ -71,28 +71,31 @@ class CheckpointableSharded:
         self.global_steps = global_steps
         self.lr_scheduler = lr_scheduler
 
+    # Checkpointable's names -> the Sharded attributes holding them (its parts are private to it).
+    _FROM_SHARDED = {
+        "comm": "comm",
+        "partition": "_partition",
+        "groups": "_groups",
+        "units": "_units",
+        "module": "module",
+        "policy": "policy",
+        "optimizer": "optimizer",
+        "loss_scaler": "loss_scaler",
+        "model_parallel": "model_parallel",
+    }
+
     def __getattr__(self, name: str):
-        if name in (
-            "comm",
-            "partition",
-            "groups",
-            "units",
-            "module",
-            "policy",
-            "optimizer",
-            "loss_scaler",
-            "model_parallel",
-        ):
-            return getattr(self.sharded, name)
+        if name in CheckpointableSharded._FROM_SHARDED:
+            return getattr(self.sharded, CheckpointableSharded._FROM_SHARDED[name])
         raise AttributeError(name)
 
     @property
     def replica(self):
-        return self.sharded.links.replica
+        return self.sharded._links.replica
 
     @property
     def model_parallel_comms(self) -> list:
-        return self.sharded.norm_comms
+        return self.sharded._norm_comms
 
     def counters(self) -> Counters:
         return Counters(self.global_steps, self.global_steps, 1, self.sharded.optimizer.skipped_steps)

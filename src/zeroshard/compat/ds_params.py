@@ -152,7 +152,7 @@ def register(sharded) -> None:
         return
     ref = weakref.ref(sharded)
     ds_id = 0  # the parameter's position in the engine's order, as DeepSpeed numbers them
-    for unit in sharded.units:
+    for unit in sharded._units:
         for group in unit.groups:
             for index, param in enumerate(group.params):
                 _PLACES[param] = (ref, unit, group, index, ds_id)

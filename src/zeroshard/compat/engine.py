@@ -60,7 +60,7 @@ class ZeroEngine(EngineBase):
         super().__init__(model, config)
         zero = config.zero_optimization
         extras = config.zeroshard
-        comm_policy = policies.comm_policy(zero, extras)
+        comm_policy = policies.communication_policy(zero, extras)
         comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives, group=group)
         if zero.stage < 3 and zero.offload_param is not None:  # DeepSpeed ignores it below stage 3
             zero = zero.model_copy(update={"offload_param": None})
@@ -85,7 +85,7 @@ class ZeroEngine(EngineBase):
                 policies.precision_policy(config),
                 placement,
                 gathering=policies.gather_policy(zero, extras),
-                comm_policy=comm_policy,
+                communication=comm_policy,
                 model_parallel=model_parallel,
                 sequence_parallel=(
                     None
@@ -256,17 +256,17 @@ class ZeroEngine(EngineBase):
     @property
     def model_parallel_comms(self) -> list:
         """Communicators over the model-parallel groups of size > 1 (tp, then pp)."""
-        return self.sharded.norm_comms
+        return self.sharded._norm_comms
 
     @property
     def partition(self):
         """The communicator the flat groups are sliced over: a MiCS partition group, else `comm`."""
-        return self.sharded.partition
+        return self.sharded._partition
 
     @property
     def replica(self):
         """MiCS: the ranks holding this rank's shards in the other partition groups; else None."""
-        return self.sharded.links.replica
+        return self.sharded._links.replica
 
     def save_checkpoint(
         self, save_dir, tag=None, client_state=None, save_latest: bool = True, async_save: bool | None = None

@@ -25,8 +25,11 @@ if TYPE_CHECKING:
     from zeroshard.core.sharded import Sharded
 
 
-def _core(name: str) -> property:
-    return property(lambda self: getattr(self.sharded, name), doc=f"The core's `{name}` (read-only).")
+def _core(name: str, attribute: str | None = None) -> property:
+    """The core's `attribute` (default `name`) as a read-only property: the engine shows the parts
+    of `Sharded` that are private to it, for the checkpoint package and for DeepSpeed's accessors."""
+    attribute = attribute or name
+    return property(lambda self: getattr(self.sharded, attribute), doc=f"The core's `{name}` (read-only).")
 
 
 class EngineBase(nn.Module):
@@ -46,10 +49,10 @@ class EngineBase(nn.Module):
     comm = _core("comm")
     policy = _core("policy")
     precision = _core("precision")
-    units = _core("units")
-    groups = _core("groups")
-    lifecycle = _core("lifecycle")
-    placement = _core("placement")
+    units = _core("units", "_units")
+    groups = _core("groups", "_groups")
+    lifecycle = _core("lifecycle", "_lifecycle")
+    placement = _core("placement", "_placement")
 
     @property
     def optimizer(self) -> ZeroOptimizer | None:

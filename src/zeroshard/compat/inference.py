@@ -76,7 +76,7 @@ class InferenceEngine(EngineBase):
                 "(inference), so there are no optimizer states to offload"
             )
         # qwZ and MiCS act on the gathers; hpZ and qgZ need a backward
-        comm_policy = policies.comm_policy(zero, extras)
+        comm_policy = policies.communication_policy(zero, extras)
         comm = Communicator(comm_policy.timeout_s, comm_policy.check_collectives, group=group)
         numel = sum(p.numel() for p in model.parameters())
         placement = build_placement(
@@ -95,11 +95,11 @@ class InferenceEngine(EngineBase):
                 policies.precision_policy(config),
                 placement,
                 gathering=gathering,
-                comm_policy=comm_policy,
+                communication=comm_policy,
                 whole_parameters=quantized,
             )
         self._packed = (
-            PackedMatmuls(model, self.sharded.groups, placement.param_store) if extras.packed_matmul else None
+            PackedMatmuls(model, self.sharded._groups, placement.param_store) if extras.packed_matmul else None
         )
         model.eval()
         self._freeze(True)
@@ -123,7 +123,7 @@ class InferenceEngine(EngineBase):
     # tensor lies] in offload/swapfile.py). The engine's own writers (loading weights, a checkpoint,
     # GatheredParameters with a modifier) unfreeze them for the duration.
     def _freeze(self, frozen: bool) -> None:
-        for group in self.sharded.groups:
+        for group in self.sharded._groups:
             if group.master_store is not None:
                 group.master_store.freeze([group.master], frozen)
 

@@ -9,25 +9,24 @@ import re
 import torch
 
 from zeroshard.config.schema import ZeroConfig
-from zeroshard.core.gathered import GatherPolicy
-from zeroshard.core.policy import CommPolicy
-from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy
+from zeroshard.core.policy import CommunicationPolicy, GatheringPolicy, PrecisionPolicy
+from zeroshard.core.precision import DynamicLossScaler
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # The core's names of policy fields, as the config spells them (in_config_terms).
 CONFIG_NAMES = {
-    "CommPolicy.shard_size": "zero_optimization.mics_shard_size",
-    "CommPolicy.secondary_size": "zero_optimization.zero_hpz_partition_size",
-    "CommPolicy.quantize_weights": "zero_optimization.zero_quantized_weights",
-    "CommPolicy.quantize_gradients": "zero_optimization.zero_quantized_gradients",
-    "GatherPolicy.wrap": "zeroshard.wrap_modules",
-    "GatherPolicy.persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
-    "GatherPolicy.prefetch_numel": "zero_optimization.stage3_prefetch_bucket_size",
-    "GatherPolicy.max_live_numel": "zero_optimization.stage3_max_live_parameters",
-    "GatherPolicy.reuse_distance": "zero_optimization.stage3_max_reuse_distance",
+    "CommunicationPolicy.shard_size": "zero_optimization.mics_shard_size",
+    "CommunicationPolicy.secondary_size": "zero_optimization.zero_hpz_partition_size",
+    "CommunicationPolicy.quantize_weights": "zero_optimization.zero_quantized_weights",
+    "CommunicationPolicy.quantize_gradients": "zero_optimization.zero_quantized_gradients",
+    "GatheringPolicy.wrap": "zeroshard.wrap_modules",
+    "GatheringPolicy.persistence_threshold": "zero_optimization.stage3_param_persistence_threshold",
+    "GatheringPolicy.prefetch_numel": "zero_optimization.stage3_prefetch_bucket_size",
+    "GatheringPolicy.max_live_numel": "zero_optimization.stage3_max_live_parameters",
+    "GatheringPolicy.reuse_distance": "zero_optimization.stage3_max_reuse_distance",
     'on_failed_update="copy"': 'zeroshard.transactional_step: "copy"',
-    "CommPolicy(check_collectives=True)": "zeroshard.check_collectives: true",
+    "CommunicationPolicy(check_collectives=True)": "zeroshard.check_collectives: true",
 }
 _NAMES = re.compile("|".join(re.escape(name) for name in sorted(CONFIG_NAMES, key=len, reverse=True)))
 
@@ -54,9 +53,9 @@ def loss_scaler(config) -> DynamicLossScaler | None:
     )
 
 
-def gather_policy(zero: ZeroConfig, extras) -> GatherPolicy:
+def gather_policy(zero: ZeroConfig, extras) -> GatheringPolicy:
     live = zero.stage3_max_live_parameters
-    return GatherPolicy(
+    return GatheringPolicy(
         wrap=tuple(extras.wrap_modules) if extras.wrap_modules else None,
         persistence_threshold=int(zero.stage3_param_persistence_threshold),
         prefetch_numel=int(zero.stage3_prefetch_bucket_size),
@@ -65,7 +64,7 @@ def gather_policy(zero: ZeroConfig, extras) -> GatherPolicy:
     )
 
 
-def comm_policy(zero: ZeroConfig, extras) -> CommPolicy:
+def communication_policy(zero: ZeroConfig, extras) -> CommunicationPolicy:
     """Timeouts, overlap and the debug check; ZeRO++ and MiCS at stage 3 (below it they are reported
     as not acted on, as DeepSpeed ignores them). hpZ sizes 0 and 1 mean off, as in DeepSpeed."""
     common = {
@@ -75,8 +74,8 @@ def comm_policy(zero: ZeroConfig, extras) -> CommPolicy:
         "overlap_param_gather": extras.overlap_param_gather,
     }
     if zero.stage < 3:
-        return CommPolicy(**common)
-    return CommPolicy(
+        return CommunicationPolicy(**common)
+    return CommunicationPolicy(
         **common,
         shard_size=zero.mics_shard_size if zero.mics_shard_size > 0 else None,
         secondary_size=zero.zero_hpz_partition_size if zero.zero_hpz_partition_size > 1 else None,

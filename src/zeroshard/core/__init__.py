@@ -7,19 +7,29 @@ files. docs/architecture.md walks through it.
 """
 
 from zeroshard.core.comm import CollectiveError, Communicator
-from zeroshard.core.gathered import GatherPolicy
 from zeroshard.core.mesh import ZeroGroups, from_mpu
-from zeroshard.core.placement import Placement, Store
-from zeroshard.core.policy import STAGES, CommPolicy, Reduction, StagePolicy, stage_policy
-from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy
+from zeroshard.core.placement import OffloadContext, Placement, Store
+from zeroshard.core.policy import (
+    STAGES,
+    CommunicationPolicy,
+    GatheringPolicy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    Reduction,
+    StagePolicy,
+    stage_policy,
+)
+from zeroshard.core.precision import DynamicLossScaler
 from zeroshard.core.sharded import Sharded, shard
 
 __all__ = [
     "CollectiveError",
-    "CommPolicy",
+    "CommunicationPolicy",
     "Communicator",
     "DynamicLossScaler",
-    "GatherPolicy",
+    "GatheringPolicy",
+    "OffloadContext",
+    "OffloadPolicy",
     "Placement",
     "PrecisionPolicy",
     "Reduction",

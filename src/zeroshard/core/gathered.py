@@ -1,5 +1,5 @@
-"""Which modules are gathered together, and how much of the model is gathered at stage 3: the
-policy a user sets, and the count it bounds.
+"""How much of the model is gathered at stage 3: the count that `GatheringPolicy` (core/policy.py)
+bounds, and what a unit kept for reuse saves.
 
 [Note: bounded gathering]
 `live` elements are those of resharding units that are GATHERING or UNSHARDED ([Note: unit states]):
@@ -25,7 +25,7 @@ persistent unit of small parameters) are model states, not counted. Three bounds
     after the root's: the root encloses it, so is not counted as used in between (`reuse_offsets`).
     Reuse inside one forward or one backward is not looked for.
 
-zeroshard's defaults (`GatherPolicy()`): the next unit prefetched, no element bound beyond it, reuse
+zeroshard's defaults (`GatheringPolicy()`, core/policy.py): the next unit prefetched, no element bound beyond it, reuse
 distance 1; so at most the enclosing units + the current unit + the next one are live, FSDP2's
 shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse) apply when a config gives them
 (compat/policies.py), and then a small model may be gathered whole.
@@ -33,43 +33,7 @@ shape. DeepSpeed's defaults (5e7 prefetch, 1e9 live, 1e9 reuse) apply when a con
 
 from __future__ import annotations
 
-import dataclasses
-
 from zeroshard.core.wrap import is_inside
-
-
-@dataclasses.dataclass(frozen=True)
-class GatherPolicy:
-    """Which modules become units (gathered, freed and reduced together) and the bounds above.
-
-    `wrap`: class names of the modules that become units; None = the blocks of the model's largest
-    ModuleList (wrap.py). Every other parameter belongs to the root unit.
-    `persistence_threshold`: at stage 3, a parameter with fewer elements than this stays whole on
-    every rank (norms, biases), saving collectives on small tensors for a little memory.
-    `prefetch_numel`, `max_live_numel`, `reuse_distance`: [Note: bounded gathering]."""
-
-    wrap: tuple[str, ...] | None = None
-    persistence_threshold: int = 0
-    prefetch_numel: int = 1  # below one unit's size: "the next unit only"
-    max_live_numel: int | None = None
-    reuse_distance: int = 1  # only a unit used again at once (the root) stays gathered
-
-    def __post_init__(self):
-        if self.wrap is not None:
-            if isinstance(self.wrap, str) or not all(isinstance(name, str) for name in self.wrap):
-                raise ValueError(f"GatherPolicy.wrap={self.wrap!r}: module class names (a list of str), or None")
-            object.__setattr__(self, "wrap", tuple(self.wrap))
-        for name in ("persistence_threshold", "prefetch_numel", "max_live_numel", "reuse_distance"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise ValueError(
-                    f"GatherPolicy.{name} must be an integer >= 0 (elements)"
-                    f"{', or None' * (name == 'max_live_numel')}, got {value!r}"
-                )
-
-    def live_allows(self, live: int, numel: int) -> bool:
-        """May `numel` more elements be gathered (or kept) beside `live`?"""
-        return self.max_live_numel is None or live + numel <= self.max_live_numel
 
 
 class LiveCount:

@@ -47,8 +47,7 @@ from torch import nn
 
 from zeroshard.core.flat import FlatLayout
 from zeroshard.core.mesh import TensorParallelSpec, local_tensor
-from zeroshard.core.policy import StagePolicy
-from zeroshard.core.precision import PrecisionPolicy
+from zeroshard.core.policy import PrecisionPolicy, StagePolicy
 
 
 # [Note: spent full gradients reused]

@@ -56,9 +56,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from zeroshard.core.comm import CollectiveError
-from zeroshard.core.gathered import GatherPolicy, LiveCount, reuse_offsets
+from zeroshard.core.gathered import LiveCount, reuse_offsets
 from zeroshard.core.group import SpentGradients
-from zeroshard.core.policy import StagePolicy
+from zeroshard.core.policy import GatheringPolicy, StagePolicy
 from zeroshard.core.unit import InflightReductions, Unit, UnitState
 from zeroshard.core.wrap import entry_modules, is_inside
 
@@ -93,7 +93,7 @@ class Lifecycle:
         rank: int,
         world_size: int,
         *,
-        limits: GatherPolicy,
+        limits: GatheringPolicy,
         overlap_comm: bool,
         max_inflight_reductions: int = 1,
     ):

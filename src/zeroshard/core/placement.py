@@ -2,7 +2,9 @@
 
 The core never asks *what kind* of store it has (STYLE.md, habit 4): it holds objects that satisfy
 `Store` and calls the same methods on all of them. `zeroshard.offload` provides the two kinds users
-configure (CPU memory, NVMe files); a test can pass any object with these methods.
+configure (CPU memory, NVMe files) and the policies that build them for a rank (`CPUOffload`,
+`NVMeOffload`: offload/policy.py) from an `OffloadContext`; a test can pass any object with these
+methods in a `Placement` of its own.
 """
 
 from __future__ import annotations
@@ -79,6 +81,23 @@ class Store(Protocol):
         """Free everything the store holds."""
 
 
+@dataclass(frozen=True)
+class OffloadContext:
+    """What an offload policy needs to build one rank's stores (core/policy.py `OffloadPolicy`)."""
+
+    rank: int  # in the data-parallel group: store directories are named by it
+    world_size: int  # of the data-parallel group: a rank holds about 1/world_size of the states
+    model_numel: int  # elements of the model's parameters
+    optimizer: torch.optim.Optimizer | None  # None: inference, no optimizer states to place
+    shards_parameters: bool  # stage 3: parameter shards exist to be placed
+    coordinate: dict | None = None  # this rank's tp/pp ranks under model parallelism, also in names
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of one rank's flat shards, with room for the padding of a few groups."""
+        return -(-self.model_numel // self.world_size) + 1024
+
+
 @dataclass
 class Placement:
     """Where offloaded states go; None = they stay where they are computed.
@@ -92,6 +111,10 @@ class Placement:
     optimizer_store: Store | None = None
     param_store: Store | None = None
     sub_group_size: int = 1_000_000_000
+
+    def build(self, context: OffloadContext) -> Placement:
+        """A Placement is the offload policy of stores built by the caller: it is its own result."""
+        return self
 
     def stores(self) -> list[Store]:
         return list({id(s): s for s in (self.optimizer_store, self.param_store) if s is not None}.values())

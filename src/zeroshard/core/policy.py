@@ -1,13 +1,24 @@
-"""ZeRO stages as data (ZeRO, arXiv 1910.02054, §5.1–5.3).
+"""The policies a user sets, one per keyword of `zeroshard.shard`: `stage` (StagePolicy),
+`precision` (PrecisionPolicy), `offload` (an OffloadPolicy: `zeroshard.CPUOffload()`,
+`zeroshard.NVMeOffload(path)` from offload/policy.py, or a `Placement` of stores), `gathering`
+(GatheringPolicy) and `communication` (CommunicationPolicy). Each is a frozen value checked when it is
+made; the core reads them and nothing else of the user's intent.
 
-A stage differs from another only in *what* is partitioned across the data-parallel ranks. One code
-path reads these flags; there is no class per stage.
+ZeRO stages are data (ZeRO, arXiv 1910.02054, §5.1–5.3): a stage differs from another only in *what*
+is partitioned across the data-parallel ranks. One code path reads these flags; there is no class
+per stage.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from zeroshard.core.placement import OffloadContext, Placement
 
 
 class Reduction(enum.Enum):
@@ -59,7 +70,62 @@ def stage_policy(stage: int) -> StagePolicy:
 
 
 @dataclass(frozen=True)
-class CommPolicy:
+class PrecisionPolicy:
+    """`param_dtype`: what parameters compute in; `reduce_dtype`: what gradients are accumulated and
+    reduced in. Master weights and optimizer states are fp32 whatever these are."""
+
+    param_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+
+
+@runtime_checkable
+class OffloadPolicy(Protocol):
+    """Where the states that need not stay in compute memory live (`shard(offload=...)`).
+
+    `zeroshard.CPUOffload()` and `zeroshard.NVMeOffload(path)` (offload/policy.py) work out this
+    rank's store directories and sizes themselves; a `Placement` (core/placement.py) hands over
+    stores built by the caller. The core asks for the stores and never for the kind of policy."""
+
+    def build(self, context: OffloadContext) -> Placement:
+        """The stores for this rank's states."""
+
+
+@dataclass(frozen=True)
+class GatheringPolicy:
+    """Which modules become units (gathered, freed and reduced together) and the bounds above.
+
+    `wrap`: class names of the modules that become units; None = the blocks of the model's largest
+    ModuleList (wrap.py). Every other parameter belongs to the root unit.
+    `persistence_threshold`: at stage 3, a parameter with fewer elements than this stays whole on
+    every rank (norms, biases), saving collectives on small tensors for a little memory.
+    `prefetch_numel`, `max_live_numel`, `reuse_distance`: [Note: bounded gathering] in gathered.py."""
+
+    wrap: tuple[str, ...] | None = None
+    persistence_threshold: int = 0
+    prefetch_numel: int = 1  # below one unit's size: "the next unit only"
+    max_live_numel: int | None = None
+    reuse_distance: int = 1  # only a unit used again at once (the root) stays gathered
+
+    def __post_init__(self):
+        if self.wrap is not None:
+            if isinstance(self.wrap, str) or not all(isinstance(name, str) for name in self.wrap):
+                raise ValueError(f"GatheringPolicy.wrap={self.wrap!r}: module class names (a list of str), or None")
+            object.__setattr__(self, "wrap", tuple(self.wrap))
+        for name in ("persistence_threshold", "prefetch_numel", "max_live_numel", "reuse_distance"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(
+                    f"GatheringPolicy.{name} must be an integer >= 0 (elements)"
+                    f"{', or None' * (name == 'max_live_numel')}, got {value!r}"
+                )
+
+    def live_allows(self, live: int, numel: int) -> bool:
+        """May `numel` more elements be gathered (or kept) beside `live`?"""
+        return self.max_live_numel is None or live + numel <= self.max_live_numel
+
+
+@dataclass(frozen=True)
+class CommunicationPolicy:
     """How the ranks communicate.
 
     `timeout_s`: seconds a collective may take before it is reported as a hang (a CollectiveError
@@ -96,13 +162,13 @@ class CommPolicy:
 
     def __post_init__(self) -> None:
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or self.timeout_s <= 0:
-            raise ValueError(f"CommPolicy.timeout_s={self.timeout_s!r}: seconds, > 0")
+            raise ValueError(f"CommunicationPolicy.timeout_s={self.timeout_s!r}: seconds, > 0")
         for name in ("shard_size", "secondary_size", "ranks_per_node"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"CommPolicy.{name}={value!r}: an int >= 1, or None")
+                raise ValueError(f"CommunicationPolicy.{name}={value!r}: an int >= 1, or None")
         if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
-            raise ValueError(f"CommPolicy.block={self.block!r}: an int >= 1")
+            raise ValueError(f"CommunicationPolicy.block={self.block!r}: an int >= 1")
 
     @property
     def plain(self) -> bool:
@@ -117,16 +183,16 @@ class CommPolicy:
     def check(self, stage: StagePolicy, world_size: int) -> None:
         if not self.plain and not stage.shard_parameters:
             raise ValueError(
-                "CommPolicy.shard_size / secondary_size / quantize_weights / quantize_gradients act "
+                "CommunicationPolicy.shard_size / secondary_size / quantize_weights / quantize_gradients act "
                 f"at ZeRO stage 3 only (got stage {stage.stage})"
             )
         shard = self.shard_size or world_size
         if world_size % shard:
             raise ValueError(
-                f"CommPolicy.shard_size={self.shard_size} must divide the data-parallel world size {world_size}"
+                f"CommunicationPolicy.shard_size={self.shard_size} must divide the data-parallel world size {world_size}"
             )
         if self.secondary_size is not None and shard % self.secondary_size:
             raise ValueError(
-                f"CommPolicy.secondary_size={self.secondary_size} must divide the partition group "
-                f"size {shard} (CommPolicy.shard_size, or the data-parallel world size)"
+                f"CommunicationPolicy.secondary_size={self.secondary_size} must divide the partition group "
+                f"size {shard} (CommunicationPolicy.shard_size, or the data-parallel world size)"
             )

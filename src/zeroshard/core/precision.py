@@ -10,20 +10,10 @@ by default the compute dtype as in DeepSpeed, so that the bytes held and moved a
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class PrecisionPolicy:
-    """`param_dtype`: what parameters compute in; `reduce_dtype`: what gradients are accumulated and
-    reduced in. Master weights and optimizer states are fp32 whatever these are."""
-
-    param_dtype: torch.dtype = torch.float32
-    reduce_dtype: torch.dtype = torch.float32
 
 
 class DynamicLossScaler:

@@ -56,7 +56,7 @@ def take_values(params: list, comm: Communicator) -> None:
 
 def register_engine(engine) -> None:
     ref = weakref.ref(engine)
-    for group in engine.groups:
+    for group in engine._groups:
         for param in group.params:
             _ENGINES[param] = ref
 

@@ -17,8 +17,7 @@ from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import local_tensor
 from zeroshard.core.owners import OwnerPlan
 from zeroshard.core.placement import Placement
-from zeroshard.core.policy import StagePolicy
-from zeroshard.core.precision import PrecisionPolicy
+from zeroshard.core.policy import PrecisionPolicy, StagePolicy
 from zeroshard.core.unit import Links, Unit
 from zeroshard.core.wrap import assign_owners, unit_modules
 

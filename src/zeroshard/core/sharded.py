@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from zeroshard.core.comm import CollectiveError, Communicator
-from zeroshard.core.gathered import GatherPolicy
 from zeroshard.core.lifecycle import Lifecycle, Phase, tensors_in
 from zeroshard.core.mesh import ModelParallel, NormScope, zero_groups
 from zeroshard.core.optim.groups import optimizer_group_index, repoint_optimizer
@@ -40,9 +39,16 @@ from zeroshard.core.optim.streamed import StreamedStep, split
 from zeroshard.core.optim.whole import whole_param_groups
 from zeroshard.core.owners import OwnerPlan
 from zeroshard.core.param_gather import DeferredGather, refresh_parameters
-from zeroshard.core.placement import Placement
-from zeroshard.core.policy import CommPolicy, StagePolicy, stage_policy
-from zeroshard.core.precision import DynamicLossScaler, PrecisionPolicy, check_supported
+from zeroshard.core.placement import OffloadContext, Placement
+from zeroshard.core.policy import (
+    CommunicationPolicy,
+    GatheringPolicy,
+    OffloadPolicy,
+    PrecisionPolicy,
+    StagePolicy,
+    stage_policy,
+)
+from zeroshard.core.precision import DynamicLossScaler, check_supported
 from zeroshard.core.registry import register_engine
 from zeroshard.core.sequence import SequenceParallel
 from zeroshard.core.shard import shard_module
@@ -58,9 +64,9 @@ def shard(
     stage: int | StagePolicy = 3,
     mesh=None,
     precision: PrecisionPolicy | None = None,
-    offload: Placement | None = None,
-    gathering: GatherPolicy | None = None,
-    comm: CommPolicy | None = None,
+    offload: OffloadPolicy | None = None,
+    gathering: GatheringPolicy | None = None,
+    communication: CommunicationPolicy | None = None,
 ) -> Sharded:
     """Shard `model`'s states, and `optimizer`'s, over the data-parallel ranks at `stage` (0-3).
 
@@ -76,35 +82,76 @@ def shard(
     over the data-parallel dimension] in core/mesh.py; or 'dp' and 'sp' (sequence parallelism: ZeRO
     shards over dp x sp, `Sharded.sequence_parallel` is the sp group, [Note: Ulysses sequence
     parallelism] in core/sequence.py).
-    `precision`: compute and reduce dtypes (masters are fp32). `offload`: where optimizer states and
-    stage-3 parameter shards live (a Placement of stores). `gathering`: which modules become units
-    and how much stage 3 gathers ahead ([Note: bounded gathering] in core/gathered.py). `comm`:
-    timeouts, overlap, the debug check, ZeRO++ and MiCS (CommPolicy).
+    The policies (core/policy.py; None: their defaults): `precision`, the compute and reduce dtypes
+    (masters are fp32); `offload`, where optimizer states and stage-3 parameter shards live
+    (`zeroshard.CPUOffload()`, `zeroshard.NVMeOffload(path)`, or a `Placement` of stores);
+    `gathering`, which modules become units and how much stage 3 gathers ahead ([Note: bounded
+    gathering] in core/gathered.py); `communication`, timeouts, overlap, the debug check, ZeRO++ and
+    MiCS.
     Rank 0's parameter values are broadcast first, as DDP does.
     """
+    for name, value, kind in (
+        ("precision", precision, PrecisionPolicy),
+        ("gathering", gathering, GatheringPolicy),
+        ("communication", communication, CommunicationPolicy),
+    ):
+        if value is not None and not isinstance(value, kind):
+            raise TypeError(f"shard({name}={value!r}): a zeroshard.{kind.__name__}, or None for its defaults")
+    if offload is not None and not isinstance(offload, OffloadPolicy):
+        raise TypeError(
+            f"shard(offload={offload!r}): zeroshard.CPUOffload(), zeroshard.NVMeOffload(path), a "
+            "zeroshard.Placement of stores, or None (nothing offloaded)"
+        )
     groups = zero_groups(mesh, model)
-    comm = comm or CommPolicy()
-    communicator = Communicator(comm.timeout_s, comm.check_collectives, group=groups.dp)
+    communication = communication or CommunicationPolicy()
+    communicator = Communicator(communication.timeout_s, communication.check_collectives, group=groups.dp)
     policy = stage if isinstance(stage, StagePolicy) else stage_policy(stage)
     sequence = None
     if groups.sp is not None:
-        sequence = SequenceParallel(Communicator(comm.timeout_s, comm.check_collectives, group=groups.sp))
+        sp = Communicator(communication.timeout_s, communication.check_collectives, group=groups.sp)
+        sequence = SequenceParallel(sp)
+    one_optimizer = as_one_optimizer(optimizer)
+    placement = Placement()
+    if offload is not None:
+        context = OffloadContext(
+            rank=communicator.rank,
+            world_size=communicator.world_size,
+            model_numel=sum(p.numel() for p in model.parameters()),
+            optimizer=one_optimizer,
+            shards_parameters=policy.shard_parameters,
+            coordinate=groups.model_parallel.coordinate if groups.model_parallel is not None else None,
+        )
+        placement = offload.build(context)
     return Sharded(
         model,
-        as_one_optimizer(optimizer),
+        one_optimizer,
         communicator,
         policy,
         precision or PrecisionPolicy(),
-        offload or Placement(),
-        gathering=gathering or GatherPolicy(),
-        comm_policy=comm,
+        placement,
+        gathering=gathering or GatheringPolicy(),
+        communication=communication,
         model_parallel=groups.model_parallel,
         sequence_parallel=sequence,
     )
 
 
 class Sharded:
-    """A model and its optimizer under ZeRO; build it with `shard()`."""
+    """A model and its optimizer under ZeRO; build it with `shard()`.
+
+    Its public surface, kept stable: calling it (the model's forward), `backward`, `step`,
+    `zero_grad`, `backward_by_caller`; the runtime knobs `set_gradient_clipping`, `set_loss_scaler`,
+    `set_requires_gradient_sync`, `set_gradient_scale`, `set_on_failed_update`; `gathered_parameters`,
+    `gathered_model`, `wait_parameters`, `refresh_parameters`, `owns`; `state_dict` /
+    `load_state_dict` (this rank's shards); `num_parameters`, `memory_report`, `comm_report`,
+    `communicators`; `destroy`. Attributes, to read: `module` (the model), `optimizer` (the sharded
+    optimizer; None for inference), `comm` (the data-parallel Communicator: `rank`, `world_size`),
+    `policy` (the StagePolicy), `precision` (the PrecisionPolicy), `loss_scaler`, `model_parallel`
+    (the tp/pp grid, or None), `sequence_parallel` (the sp group, or None) and `completed_backwards`
+    (backwards that ended, by `backward()` or `loss.backward()`). Its parts (units,
+    flat groups, lifecycle, links, stores, the policies it was given) are private to zeroshard: the
+    DeepSpeed engine and the checkpoint package read them; a user's code does not.
+    """
 
     def __init__(
         self,
@@ -115,8 +162,8 @@ class Sharded:
         precision: PrecisionPolicy,
         placement: Placement,
         *,
-        gathering: GatherPolicy,
-        comm_policy: CommPolicy,
+        gathering: GatheringPolicy,
+        communication: CommunicationPolicy,
         model_parallel: ModelParallel | None = None,
         whole_parameters: bool = False,
         sequence_parallel: SequenceParallel | None = None,
@@ -131,14 +178,14 @@ class Sharded:
         self.comm = comm
         self.policy = policy
         self.precision = precision
-        self.placement = placement
-        self.gathering = gathering
-        self.comm_policy = comm_policy
+        self._placement = placement
+        self._gathering = gathering
+        self._communication = communication
         device = next(model.parameters(), torch.empty(0)).device
         check_supported(precision.param_dtype, comm.device if device.type == "meta" else device)
         _cast_buffers(model, precision.param_dtype)
         optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
-        self.partition, self.links = build_links(comm, policy, comm_policy)
+        self._partition, self._links = build_links(comm, policy, communication)
         whole = whole_param_groups(optimizer)
         stores = [s for s in (placement.optimizer_store, placement.param_store) if s is not None]
         if whole and not all(s.in_memory for s in stores):
@@ -149,13 +196,13 @@ class Sharded:
         # [Note: whole-parameter ownership] in core/owners.py
         # Stage 3 without qwZ, qgZ and hpZ (which cut slices into equal blocks or rows): uneven slices.
         uneven = policy.shard_parameters and not (
-            self.links.quantize_weights or self.links.quantize_gradients or self.links.secondary is not None
+            self._links.quantize_weights or self._links.quantize_gradients or self._links.secondary is not None
         )
         whole_groups: frozenset[int | None] = frozenset(whole)
         if whole_parameters:
             whole_groups |= {None}  # the frozen parameters' groups
-        self.owner_plan = OwnerPlan(self.partition.world_size, whole_groups, uneven=uneven) if whole_groups else None
-        self.units = shard_module(
+        self._owner_plan = OwnerPlan(self._partition.world_size, whole_groups, uneven=uneven) if whole_groups else None
+        self._units = shard_module(
             model,
             policy,
             comm,
@@ -164,37 +211,37 @@ class Sharded:
             placement=placement,
             persistence_threshold=gathering.persistence_threshold,
             wrap_modules=list(gathering.wrap) if gathering.wrap else None,
-            partition=self.partition,
-            links=self.links,
-            owner_plan=self.owner_plan,
+            partition=self._partition,
+            links=self._links,
+            owner_plan=self._owner_plan,
         )
-        self.groups = [g for unit in self.units for g in unit.groups]
-        self._param_groups = {id(p): (u, g) for u in self.units for g in u.groups for p in g.params}
+        self._groups = [g for unit in self._units for g in unit.groups]
+        self._param_groups = {id(p): (u, g) for u in self._units for g in u.groups for p in g.params}
         register_engine(self)  # for zero.GatheredParameters, which gets parameters and nothing else
         self.loss_scaler: DynamicLossScaler | None = None
         self.optimizer: ZeroOptimizer | None = None
-        self.norm_comms = self._norm_comms(comm)
+        self._norm_comms = self._model_parallel_comms(comm)
         if optimizer is not None:
-            matrices = repoint_optimizer(optimizer, self.groups)
-            norm = NormScope.build(model_parallel, self.groups, self.norm_comms)
+            matrices = repoint_optimizer(optimizer, self._groups)
+            norm = NormScope.build(model_parallel, self._groups, self._norm_comms)
             self.optimizer = ZeroOptimizer(
                 optimizer,
-                self.groups,
-                self.partition,
+                self._groups,
+                self._partition,
                 policy,
                 0.0,
                 None,
                 self._streamed_step(optimizer),
                 norm=norm,
-                replica=self.links.replica,
+                replica=self._links.replica,
                 matrices=matrices,
             )
         # overlap_comm: off, each unit's reduction is waited for before backward goes on (none in
         # flight); on, one is in flight while the next unit's backward computes ([Note: one
         # reduction in flight] in lifecycle.py).
-        overlap = comm_policy.overlap_comm
-        self.lifecycle = Lifecycle(
-            self.units,
+        overlap = communication.overlap_comm
+        self._lifecycle = Lifecycle(
+            self._units,
             policy,
             comm.rank,
             comm.world_size,
@@ -202,14 +249,14 @@ class Sharded:
             overlap_comm=overlap,
             max_inflight_reductions=1 if overlap else 0,
         )
-        self.lifecycle.register()
-        self.deferred_gather = DeferredGather.attach(
-            self.units, model, self.optimizer, policy, comm_policy.overlap_param_gather
+        self._lifecycle.register()
+        self._deferred_gather = DeferredGather.attach(
+            self._units, model, self.optimizer, policy, communication.overlap_param_gather
         )
         self._grads_lost: str | None = None  # [Note: failed steps]
         self._broken: str | None = None
-        self.requires_gradient_sync = True  # set_requires_gradient_sync
-        self.gradient_scale = 1.0  # set_gradient_scale
+        self._requires_gradient_sync = True  # set_requires_gradient_sync
+        self._gradient_scale = 1.0  # set_gradient_scale
         self.completed_backwards = 0  # backwards that ended, by backward() or loss.backward()
 
     # -- runtime knobs ---------------------------------------------------------------------------------
@@ -226,7 +273,7 @@ class Sharded:
         """fp16's dynamic loss scaling: `backward(loss)` scales the loss, and a step whose gradients
         overflowed on any rank is skipped on every rank."""
         self._require_optimizer("set_loss_scaler")
-        if scaler is not None and self.norm_comms:  # its overflow vote runs over dp only: stages would disagree
+        if scaler is not None and self._norm_comms:  # its overflow vote runs over dp only: stages would disagree
             raise ValueError(
                 "fp16 dynamic loss scaling is not supported with tensor or pipeline parallelism: "
                 "use bf16 (no loss scaling) or fp32"
@@ -246,14 +293,14 @@ class Sharded:
     def set_requires_gradient_sync(self, sync: bool) -> None:
         """Whether the next backward reduces gradients (True) or, at stages 0/1, only accumulates
         them on this rank for a later backward to reduce (DDP's no_sync). Stages 2/3 always reduce."""
-        self.requires_gradient_sync = bool(sync)
+        self._requires_gradient_sync = bool(sync)
 
     def set_gradient_scale(self, factor: float) -> None:
         """A `loss.backward()` multiplies each gradient by `factor` as it is taken (1 / the
         accumulation steps, when the loss is not divided by them)."""
-        self.gradient_scale = float(factor)
+        self._gradient_scale = float(factor)
 
-    def _norm_comms(self, comm: Communicator) -> list[Communicator]:
+    def _model_parallel_comms(self, comm: Communicator) -> list[Communicator]:
         if self.model_parallel is None or not self.model_parallel.norm_groups:
             return []
         return [Communicator(comm.timeout_s, comm.check_collectives, group=g) for g in self.model_parallel.norm_groups]
@@ -261,17 +308,17 @@ class Sharded:
     def _streamed_step(self, optimizer) -> StreamedStep | None:
         """The offloaded step of the elementwise groups (whole-parameter groups step in memory, next
         to their CPU-store states: ZeroOptimizer._apply)."""
-        if self.placement.optimizer_store is None:
+        if self._placement.optimizer_store is None:
             return None
         whole = whole_param_groups(optimizer)
-        elementwise = [g for g in self.groups if g.trainable and g.optimizer_group not in whole]
+        elementwise = [g for g in self._groups if g.trainable and g.optimizer_group not in whole]
         if not elementwise:
             return None
-        subs = split(elementwise, self.placement.sub_group_size)
+        subs = split(elementwise, self._placement.sub_group_size)
         for index, param_group in enumerate(optimizer.param_groups):
             if index not in whole:  # those keep the views of their matrices (repoint_optimizer)
                 param_group["params"] = [s.param for s in subs if s.group.optimizer_group == index]
-        return StreamedStep(optimizer, subs, self.placement.optimizer_store)
+        return StreamedStep(optimizer, subs, self._placement.optimizer_store)
 
     # -- one training step ---------------------------------------------------------------------------
     # [Note: failed steps]
@@ -289,13 +336,13 @@ class Sharded:
     # first failure, instead of pairing collectives wrongly or waiting again.
     def __call__(self, *args, **kwargs):
         self._check_usable("forward")
-        self.lifecycle.begin_forward()
+        self._lifecycle.begin_forward()
         try:
             out = self.module(*args, **kwargs)
         except BaseException as error:
             self._abort(error)
             raise
-        self.lifecycle.end_forward()
+        self._lifecycle.end_forward()
         if torch.is_grad_enabled() and self.optimizer is not None:
             self._hook_outputs(out)
         return out
@@ -306,10 +353,10 @@ class Sharded:
         None: as `set_requires_gradient_sync` says; stages 2/3 always reduce."""
         self._require_optimizer("backward")
         self._check_usable("backward")
-        self.lifecycle.begin_backward(self.requires_gradient_sync if boundary is None else boundary)
+        self._lifecycle.begin_backward(self._requires_gradient_sync if boundary is None else boundary)
         try:
             loss.backward(retain_graph=retain_graph)
-            self.lifecycle.end_backward()
+            self._lifecycle.end_backward()
         except BaseException as error:
             self._grads_lost = f"backward raised {type(error).__name__}: {error}"
             self._abort(error)
@@ -327,10 +374,10 @@ class Sharded:
     def _hook_outputs(self, output) -> None:
         hooked = [t.register_hook(self._output_grad) for t in tensors_in(output) if t.requires_grad]
         if hooked:
-            self.lifecycle.backward_opener = self._open_torch_backward
+            self._lifecycle.backward_opener = self._open_torch_backward
 
     def _output_grad(self, grad: torch.Tensor) -> None:
-        if self.lifecycle.phase is not Phase.BACKWARD:
+        if self._lifecycle.phase is not Phase.BACKWARD:
             self._open_torch_backward()
 
     def _open_torch_backward(self) -> None:
@@ -340,13 +387,13 @@ class Sharded:
                 "call backward(loss) instead"
             )
         self._check_usable("backward")
-        self.lifecycle.begin_backward(self.requires_gradient_sync)
-        self.lifecycle.grad_factor = self.gradient_scale
+        self._lifecycle.begin_backward(self._requires_gradient_sync)
+        self._lifecycle.grad_factor = self._gradient_scale
         torch.autograd.Variable._execution_engine.queue_callback(self._end_torch_backward)
 
     def _end_torch_backward(self) -> None:
-        self.lifecycle.grad_factor = 1.0
-        self.lifecycle.end_backward()
+        self._lifecycle.grad_factor = 1.0
+        self._lifecycle.end_backward()
         self.completed_backwards += 1
 
     @contextlib.contextmanager
@@ -365,24 +412,24 @@ class Sharded:
         later block. At stage 3 a unit, once gathered, stays gathered until the block ends: the
         schedule interleaves micro-batches' forwards and backwards, and the activations saved in
         forward view the parameters (peak parameter memory inside the block is stage 2's)."""
-        self.lifecycle.begin_backward(False)  # stages 2/3 force per-micro-batch reduction themselves
-        self.lifecycle.hold_gathered = True
+        self._lifecycle.begin_backward(False)  # stages 2/3 force per-micro-batch reduction themselves
+        self._lifecycle.hold_gathered = True
         try:
             yield
         except BaseException:
-            self.lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
+            self._lifecycle.phase = Phase.IDLE  # no collectives here: peers will time out, not hang
             raise
         finally:
-            self.lifecycle.hold_gathered = False
-        self.lifecycle.boundary = boundary or self.policy.shard_gradients
-        self.lifecycle.end_backward()  # stages 0/1: every unit reduces its accumulated gradient now
+            self._lifecycle.hold_gathered = False
+        self._lifecycle.boundary = boundary or self.policy.shard_gradients
+        self._lifecycle.end_backward()  # stages 0/1: every unit reduces its accumulated gradient now
         self.completed_backwards += 1
 
     def step(self) -> bool:
         """Optimizer step on this rank's shards; False when an fp16 overflow skipped it."""
         self._require_optimizer("step")
         self._check_usable("step")
-        self.lifecycle.release_retained()  # the shards change under them
+        self._lifecycle.release_retained()  # the shards change under them
         assert self.optimizer is not None  # _require_optimizer raised otherwise
         try:
             return self.optimizer.step()
@@ -411,12 +458,12 @@ class Sharded:
         """See [Note: failed steps]."""
         if isinstance(error, CollectiveError):
             self._broken = str(error)
-        links = [c for u in self.units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
-        for comm in {id(c): c for c in [self.comm, *self.norm_comms, *links]}.values():
+        links = [c for u in self._units for c in (u.comm, u.links.replica, u.links.secondary) if c is not None]
+        for comm in {id(c): c for c in [self.comm, *self._norm_comms, *links]}.values():
             comm.verify_before_launch = True  # peers may still be in this pass: see its comment in comm.py
-        parts: list[Lifecycle | DeferredGather] = [self.lifecycle]
-        if self.deferred_gather is not None:
-            parts.append(self.deferred_gather)
+        parts: list[Lifecycle | DeferredGather] = [self._lifecycle]
+        if self._deferred_gather is not None:
+            parts.append(self._deferred_gather)
         for part in parts:
             try:
                 part.abort(wait=self._broken is None)
@@ -432,7 +479,7 @@ class Sharded:
         """A backward the engine did not call (loss.backward() on its outputs, compat/engine.py)
         that raised leaves the phase at BACKWARD, since autograd runs no callback after an error:
         the next call cleans up as after a failed backward() ([Note: failed steps])."""
-        if self.lifecycle.phase is Phase.BACKWARD:
+        if self._lifecycle.phase is Phase.BACKWARD:
             self._grads_lost = "loss.backward() raised"
             self._abort(None)
 
@@ -463,7 +510,7 @@ class Sharded:
             raise ValueError(f"{len(unknown)} tensor(s) passed to gathered_parameters are not parameters of this model")
         self.wait_parameters()
         wanted = {id(self._param_groups[id(p)][0]) for p in params}
-        units = [u for u in self.units if id(u) in wanted]  # unit order: the same on every rank
+        units = [u for u in self._units if id(u) in wanted]  # unit order: the same on every rank
         for unit in units:
             unit.unshard("gathered parameters")
             unit.wait_unshard()
@@ -476,7 +523,7 @@ class Sharded:
                         assert group.full is not None  # gathered above
                         self.comm.broadcast(group.full, modifier_rank, f"modified parameters of '{unit.name}'")
                         group.copy_full_into_master()
-            if self.lifecycle.phase is Phase.IDLE:
+            if self._lifecycle.phase is Phase.IDLE:
                 for unit in units:
                     unit.reshard(release=True)  # what the block took from them stays valid
 
@@ -486,21 +533,21 @@ class Sharded:
         autograd, then freed: generation's many short forwards cost one all-gather of the model instead
         of one per unit per token, and no collective per token (TRL's `ds3_gather_for_generation`). The
         whole model is on every rank inside the block."""
-        if self.lifecycle.phase is not Phase.IDLE:
+        if self._lifecycle.phase is not Phase.IDLE:
             raise RuntimeError("gathered_model() inside a forward or backward: use it between steps")
         self._check_usable("forward")
         self.wait_parameters()
-        self.lifecycle.release_retained()
-        for unit in self.units:  # issued together, then waited for
+        self._lifecycle.release_retained()
+        for unit in self._units:  # issued together, then waited for
             unit.unshard("gathered parameters")
         try:
-            for unit in self.units:
+            for unit in self._units:
                 unit.wait_unshard()
-            self.lifecycle.keep_gathered = True
+            self._lifecycle.keep_gathered = True
             yield
         finally:
-            self.lifecycle.keep_gathered = False
-            for unit in self.units:
+            self._lifecycle.keep_gathered = False
+            for unit in self._units:
                 unit.reshard()
 
     def wait_parameters(self) -> None:
@@ -508,7 +555,7 @@ class Sharded:
         before a script reads parameter values between step() and the next forward ([Note: reads
         before the next forward] in param_gather.py); zeroshard's own readers do. A failure is a failed collective ([Note: failed
         steps] in sharded.py): every later call refuses."""
-        gather = self.deferred_gather
+        gather = self._deferred_gather
         if gather is None or not gather.pending:
             return
         if self._broken is not None:  # the gathers may never complete: drop them, refuse
@@ -532,7 +579,7 @@ class Sharded:
         by parameter."""
         self.wait_parameters()
         return {
-            "masters": [group.master.detach().clone() for group in self.groups],
+            "masters": [group.master.detach().clone() for group in self._groups],
             "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer is not None else None,
             "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
@@ -541,12 +588,12 @@ class Sharded:
     def load_state_dict(self, state: dict) -> None:
         self.wait_parameters()
         masters = state["masters"]
-        if [m.numel() for m in masters] != [g.master.numel() for g in self.groups]:
+        if [m.numel() for m in masters] != [g.master.numel() for g in self._groups]:
             raise ValueError(
                 "state_dict() of another layout (world size, stage or model): "
                 "load it through zeroshard's checkpoints, which re-slice by parameter"
             )
-        for group, master in zip(self.groups, masters):
+        for group, master in zip(self._groups, masters):
             group.master.copy_(master)
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -560,20 +607,20 @@ class Sharded:
         if self.optimizer is not None:
             self.optimizer.reloaded()
         self.wait_parameters()
-        self.lifecycle.release_retained()  # gathered from the old shards
-        refresh_parameters(self.groups, self.partition)
+        self._lifecycle.release_retained()  # gathered from the old shards
+        refresh_parameters(self._groups, self._partition)
 
     # -- reports -------------------------------------------------------------------------------------
     def num_parameters(self) -> int:
-        return sum(slot.numel for g in self.groups for slot in g.layout.slots)
+        return sum(slot.numel for g in self._groups for slot in g.layout.slots)
 
     def memory_report(self) -> dict[str, int]:
         """Bytes of model states this rank holds in memory (counted from its tensors), by kind."""
         report = {"params": 0, "master": 0, "grads": 0}
-        for group in self.groups:
+        for group in self._groups:
             for key, value in group.state_bytes().items():
                 report[key] += value
-        stores = self.placement.stores()
+        stores = self._placement.stores()
         report["optimizer"] = self.optimizer.state_bytes(stores) if self.optimizer is not None else 0
         report["total"] = sum(report.values())
         report["offloaded_nvme"] = sum(s.offloaded_bytes for s in stores)
@@ -583,9 +630,9 @@ class Sharded:
         """The communicators the model states move over, by role ([Note: ZeRO++ and MiCS] in unit.py)."""
         named = {
             "world": self.comm,
-            "partition": self.partition,
-            "replica": self.links.replica,
-            "secondary": self.links.secondary,
+            "partition": self._partition,
+            "replica": self._links.replica,
+            "secondary": self._links.secondary,
         }
         out, seen = {}, set()
         for name, comm in named.items():
@@ -612,18 +659,18 @@ class Sharded:
 
     def destroy(self) -> None:
         """Remove every hook and free every buffer; the module's parameters are released too."""
-        self.lifecycle.remove_hooks()
-        if self.deferred_gather is not None:
-            self.deferred_gather.close(wait=self._broken is None)
-        for unit in self.units:
+        self._lifecycle.remove_hooks()
+        if self._deferred_gather is not None:
+            self._deferred_gather.close(wait=self._broken is None)
+        for unit in self._units:
             unit.destroy()
         if self.optimizer is not None:
             self.optimizer.optimizer.state.clear()
             for param_group in self.optimizer.param_groups:
                 param_group["params"] = []
-        self.units, self.groups, self._param_groups = [], [], {}
-        self.placement.destroy()
-        for comm in [*self.norm_comms, *reversed(self.communicators().values())]:
+        self._units, self._groups, self._param_groups = [], [], {}
+        self._placement.destroy()
+        for comm in [*self._norm_comms, *reversed(self.communicators().values())]:
             comm.destroy()
 
 

@@ -21,15 +21,15 @@ gathered parameters (GatheredParameters) keep the values they were gathered with
 units (qwZ quantizes what it gathers, hpZ keeps secondary copies: `gather_must_copy`).
 
 [Note: ZeRO++ and MiCS]
-Communication policies of the same stage 3 (core/policy.py `CommPolicy`); `Links` carries the
+Communication policies of the same stage 3 (core/policy.py `CommunicationPolicy`); `Links` carries the
 communicators they need, built by sharded.py from core/mesh.py's rank groups.
-  * MiCS (`CommPolicy.shard_size` k): a unit's `comm` is its *partition group*, k consecutive ranks: flat
+  * MiCS (`CommunicationPolicy.shard_size` k): a unit's `comm` is its *partition group*, k consecutive ranks: flat
     layouts are padded and sliced over k, parameters all-gathered and gradients reduce-scattered
     inside it; then each reduced shard is all-reduced over the *replica group* (the ranks holding
     the same shard in the other partition groups), the hierarchical reduction of MiCS §3.3.
     Per rank: model states / k. Sums run in another order than one all-reduce: at 4 ranks, k = 2,
     results match plain stage 3 to rounding, not bit for bit (at k = world it *is* plain stage 3).
-  * hpZ (`CommPolicy.secondary_size` h): a primary gather (forward, or any gather that is not for
+  * hpZ (`CommunicationPolicy.secondary_size` h): a primary gather (forward, or any gather that is not for
     backward) leaves every rank a *secondary copy*, its 1/h piece of the gathered parameters
     (FlatGroup.keep_secondary), over the h consecutive ranks of its node; the backward gather of
     the unit (and an activation-checkpointing recomputation inside backward) then runs inside that
@@ -43,13 +43,13 @@ communicators they need, built by sharded.py from core/mesh.py's rank groups.
     piece as N/h node all-gathers, the m-th of shards mh .. mh + h - 1, each into its contiguous
     slice of the gathered buffer. Cost: padded numel x (1/h - 1/N) per unit between forward and
     step, half of a contiguous piece's 1/h at two nodes.
-  * qwZ (`CommPolicy.quantize_weights`): primary gathers send int8 blocks and scales
+  * qwZ (`CommunicationPolicy.quantize_weights`): primary gathers send int8 blocks and scales
     (`quantize.all_gather`), dequantized into the gathered buffer; masters stay exact
     fp32, so the quantization error does not accumulate across steps (ZeRO++ §3.1). The backward
     sees exactly the forward's weights: it dequantizes the same shard again, or, with hpZ, the
     secondary copy, which is then kept as received (int8 blocks and scales, ~1 byte per element
     instead of 4; FlatGroup.keep_secondary_encoded) and gathered inside the node as such.
-  * qgZ (`CommPolicy.quantize_gradients`): the gradient reduce-scatter is an all-to-all of int8 blocks,
+  * qgZ (`CommunicationPolicy.quantize_gradients`): the gradient reduce-scatter is an all-to-all of int8 blocks,
     summed locally in fp32 (`quantize.reduce_scatter`); the MiCS replica all-reduce
     after it stays exact.
 Parameters below the persistence threshold are never gathered and are reduced like the others.
@@ -69,7 +69,7 @@ from zeroshard.core.comm import Communicator, Handle
 from zeroshard.core.gathered import LiveCount
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import consecutive_groups, strided_groups
-from zeroshard.core.policy import CommPolicy, Reduction, StagePolicy
+from zeroshard.core.policy import CommunicationPolicy, Reduction, StagePolicy
 
 
 class UnitState(enum.Enum):
@@ -89,27 +89,29 @@ class Links:
     block: int = 256  # elements per quantization block
 
 
-def build_links(comm: Communicator, policy: StagePolicy, comm_policy: CommPolicy) -> tuple[Communicator, Links]:
-    """(partition communicator, Links) of `comm_policy` over `comm`'s ranks ([Note: ZeRO++ and MiCS]
+def build_links(
+    comm: Communicator, policy: StagePolicy, communication: CommunicationPolicy
+) -> tuple[Communicator, Links]:
+    """(partition communicator, Links) of `communication` over `comm`'s ranks ([Note: ZeRO++ and MiCS]
     in core/unit.py). Every rank builds every group, in the same order."""
-    comm_policy.check(policy, comm.world_size)
-    if comm_policy.ranks_per_node is not None:
-        comm.place_on_nodes(comm_policy.ranks_per_node)
-    world, shard = comm.world_size, comm_policy.shard_size or comm.world_size
+    communication.check(policy, comm.world_size)
+    if communication.ranks_per_node is not None:
+        comm.place_on_nodes(communication.ranks_per_node)
+    world, shard = comm.world_size, communication.shard_size or comm.world_size
     partition, replica = comm, None
     if shard < world:
         partition = comm.split(consecutive_groups(world, shard))
         replica = comm.split(strided_groups(world, shard))
     secondary = None
-    if comm_policy.secondary_size is not None:
-        size = comm_policy.secondary_size
+    if communication.secondary_size is not None:
+        size = communication.secondary_size
         secondary = partition if size == shard else comm.split(consecutive_groups(world, size))
     return partition, Links(
         replica=replica,
         secondary=secondary,
-        quantize_weights=comm_policy.quantize_weights,
-        quantize_gradients=comm_policy.quantize_gradients,
-        block=comm_policy.block,
+        quantize_weights=communication.quantize_weights,
+        quantize_gradients=communication.quantize_gradients,
+        block=communication.block,
     )
 
 

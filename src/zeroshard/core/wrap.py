@@ -48,7 +48,7 @@ def unit_modules(model: nn.Module, wrap_modules: list[str] | None = None) -> lis
         missing = wanted - known
         if missing:
             raise ValueError(
-                f"GatherPolicy.wrap names {sorted(missing)}, which the model does not "
+                f"GatheringPolicy.wrap names {sorted(missing)}, which the model does not "
                 f"contain; module classes in the model: {sorted(known)}"
             )
     else:

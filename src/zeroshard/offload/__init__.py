@@ -5,22 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.core.placement import Placement
+from zeroshard.core.placement import OffloadContext, Placement
 from zeroshard.offload.blockio import IOPool
+from zeroshard.offload.policy import CPUOffload, NVMeOffload, optimizer_shard_bytes, param_shard_bytes
 from zeroshard.offload.split import ResidentFirstStore
 from zeroshard.offload.store import CPUStore, NVMeStore, StoreError
 
-__all__ = ["CPUStore", "NVMeStore", "ResidentFirstStore", "StoreError", "build_placement"]
-
-
-def _state_bytes_per_element(optimizer: torch.optim.Optimizer) -> int:
-    """Upper bound on per-element optimizer state bytes, for the free-space check."""
-    name = type(optimizer).__name__
-    if name in ("SGD",):
-        return 4
-    if any(g.get("amsgrad") for g in optimizer.param_groups):
-        return 12
-    return 8
+__all__ = ["CPUOffload", "CPUStore", "NVMeOffload", "NVMeStore", "ResidentFirstStore", "StoreError", "build_placement"]
 
 
 def _store(section, rank: int, bytes_needed: int, aio, coordinate: dict | None = None, nvme_io: str = "mapped"):
@@ -49,11 +40,11 @@ def build_placement(
     `world_size`: of the data-parallel group; `coordinate`: this rank's tp/pp ranks under model
     parallelism, which NVMe swap directories name (offload/store.py `store_stem`); `nvme_io`: the
     `zeroshard.nvme_io` setting (offload/blockio.py)."""
-    shard = -(-model_numel // world_size) + 1024  # padding of a few groups
-    param_bytes = shard * 4
+    context = OffloadContext(rank, world_size, model_numel, optimizer, zero.stage == 3, coordinate)
+    param_bytes = param_shard_bytes(context)
     plan = Placement(sub_group_size=int(zero.sub_group_size))
     if optimizer is not None:
-        optimizer_bytes = shard * (_state_bytes_per_element(optimizer) + 4 + 4)  # states + master + grads
+        optimizer_bytes = optimizer_shard_bytes(context)
         plan.optimizer_store = _store(zero.offload_optimizer, rank, optimizer_bytes, aio, coordinate, nvme_io)
     same = (
         zero.offload_param is not None

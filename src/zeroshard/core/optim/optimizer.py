@@ -183,7 +183,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 f"rank {self.comm.rank}: the gradient norm's all-reduce found that ranks diverged before this step: "
                 "they did not run the same collectives "
                 "(kind, size, description) since the start; every rank must run the same units in the same order "
-                "and call backward()/step() alike. CommPolicy(check_collectives=True) names the first one "
+                "and call backward()/step() alike. CommunicationPolicy(check_collectives=True) names the first one "
                 "([Note: collective fingerprint] in core/consistency.py)"
             )
         everywhere = (total[1:-2] > 0).tolist()
