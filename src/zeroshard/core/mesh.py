@@ -57,7 +57,7 @@ def is_dtensor(tensor: object) -> TypeGuard[DTensor]:
     """Whether `tensor` is a DTensor, without importing torch.distributed.tensor.
 
     [Note: DTensor imported on demand] torch.distributed.tensor pulls in sympy and the op registry,
-    0.6 s of every process's start-up; a program that never imported it holds no DTensor, so the
+    a large part of a process's start-up (docs/bench/import_time.txt); a program that never imported it holds no DTensor, so the
     check only looks at it when something else has loaded it."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)

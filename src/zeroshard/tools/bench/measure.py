@@ -4,7 +4,7 @@
 in its heap. So memory is measured in launches that set `MALLOC_MMAP_THRESHOLD_=65536`: every tensor
 larger than 64 kB is its own mapping, returned to the kernel when freed, and we call `malloc_trim(0)`
 between configurations. That setting also maps every large tensor afresh at each allocation, which
-made every system's step 19-34% slower in `zeroshard bench --size 8` (DDP 0.80 s against 0.64 s), so
+slows every system's step by a different amount (docs/bench/peers.txt records both kinds of launch), so
 `zeroshard bench` times each configuration in launches of its own with glibc's defaults, as a user's
 script runs, and measures its memory in another launch with the setting (bench/separate.py; `--sweep`
 and `--max-model` measure memory only). The peak of a step is the kernel's high-water mark (VmHWM in
