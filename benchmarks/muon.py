@@ -17,7 +17,7 @@ zeroshard's config keeps, is 1.0, and DDP clips nothing).
     parameter (AdamW's values above), the yardstick for Muon's bytes and memory at that stage;
   * `dsN`: DeepSpeed 0.19.8 stage N with `"optimizer": {"type": "Muon"}` and the same values (its own
     Newton-Schulz, `ns_method` "gram" by default); run with `--ds-python`, a venv where DeepSpeed is
-    installed (../shared/peers/setup_venv.sh), zeroshard's src/ on PYTHONPATH for the meters only;
+    installed (docs/benchmarks.md, "DeepSpeed's rows"), zeroshard's src/ on PYTHONPATH for the meters only;
     at stage 3 with `reduce_scatter: false`, which DeepSpeed requires for Muon there.
 
 Figures, per mode: the median over the timed steps of the slowest rank's step time (forward, backward,

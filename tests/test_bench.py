@@ -4,6 +4,7 @@ failures under RLIMIT_DATA, a real 2-rank search) and `bench --sweep`; the advis
 paper's example, help and errors."""
 
 import json
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ import pytest
 from zeroshard.tools import cli, estimator as est
 from zeroshard.tools.bench import advisor as advise, family, maxmodel
 from zeroshard.tools.bench.launch import Outcome
-from zeroshard.tools.commands import CommandError
+from zeroshard.tools.commands import CommandError, bench as bench_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -198,6 +199,84 @@ def test_bench_points_to_the_tried_largest_model(bench):
     out, document = bench
     assert all("largest" not in row for row in document["rows"])  # no extrapolated column any more
     assert "zeroshard bench --max-model" in (out / "bench.txt").read_text()
+
+
+# ---- the peers side by side, like for like ----
+
+_PEER_ARGV = ["bench", "--stages", "0,3", "--deepspeed-gathering", "--peers", "ddp,fsdp2", "--clip", "0"]
+
+
+def _like_for_like_worker(rank, world_size, *, runs):
+    """Every system as `zeroshard bench` builds it (worker.build_subject: one seed, one optimizer, one
+    config), three steps on the same batches; rank r's losses."""
+    import torch
+
+    from zeroshard.tools.bench.worker import build_subject
+
+    argv = [*_PEER_ARGV, "--size", "1", "--seq-len", "16", "--batch", "2", "--vocab", "200", "--untied"]
+    args = cli.build_parser().parse_args(argv)
+    bench_command.check_mode(args)
+    spec = bench_command.bench_spec(args, runs)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, 200, (args.batch, 17), generator=generator) for _ in range(3)]
+    losses = {}
+    for run in runs:
+        subject = build_subject(spec, run, vocab=0, device=torch.device("cpu"))
+        losses[run["name"]] = [subject.step(batch[:, :-1], batch[:, 1:]) for batch in batches]
+        subject.close()
+    return losses
+
+
+def test_peers_compute_ddps_losses_bit_for_bit():
+    """The README's peers table in miniature: zeroshard's stages with its own gathering and with
+    DeepSpeed's, and FSDP2, handed the same AdamW without clipping, follow DDP's losses bit for bit at
+    2 ranks in fp32 (a + b is exact in either order)."""
+    from tests.harness import run_distributed
+
+    args = cli.build_parser().parse_args(_PEER_ARGV)
+    runs = bench_command.runs_for(args)
+    assert [run["name"] for run in runs] == [
+        "stage 0",
+        "stage 3",
+        "stage 3, DeepSpeed's gathering",
+        "torch DDP",
+        "torch FSDP2",
+    ]
+    for per_rank in run_distributed(_like_for_like_worker, 2, runs=runs):
+        ddp = per_rank.pop("torch DDP")
+        assert ddp[-1] < ddp[0]
+        assert per_rank == {name: ddp for name in per_rank}
+
+
+def test_peer_configs_and_optimizer():
+    from zeroshard.tools.bench import peers, worker
+
+    argv = ["bench", "--stages", "3", "--deepspeed-gathering", "--peers", "--adamw", "default", "--clip", "0"]
+    args = cli.build_parser().parse_args(argv)
+    bench_command.check_mode(args)
+    runs = {run["name"]: run for run in bench_command.runs_for(args)}
+    assert [run["kind"] for run in runs.values()] == ["zeroshard", "zeroshard", *peers.KINDS]
+    spec = bench_command.bench_spec(args, list(runs.values()))
+    own, theirs, deepspeed = (
+        worker.ds_config(spec, runs[name])["zero_optimization"]
+        for name in ("stage 3", "stage 3, DeepSpeed's gathering", "DeepSpeed stage 3")
+    )
+    assert own == {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 0}
+    assert theirs == deepspeed
+    assert theirs == {
+        "stage": 3,
+        "overlap_comm": True,
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_param_persistence_threshold": 100_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+    }
+    assert worker.bench_optimizer(spec).keywords == {"lr": 1e-3, "weight_decay": 0.0, "fused": None}
+    assert worker.bench_optimizer({**spec, "adamw": "fused"}).keywords["fused"] is True
+    # The recorded command line gives the same run back.
+    again = cli.build_parser().parse_args(shlex.split(bench_command.command_line(args))[1:])
+    bench_command.check_mode(again)
+    assert vars(again) == vars(args)
 
 
 # ---- bench --max-model ----
@@ -440,6 +519,13 @@ def test_help_has_examples(capsys, command):
         (["bench", "--max-model", "--max-layers", "0"], "--max-layers"),
         (["bench", "--max-model", "--steps", "1"], "--steps"),
         (["bench", "--max-model", "--peers"], "--peers"),
+        (["bench", "--peers", "ddp,mpi"], "--peers"),
+        (["bench", "--adamw", "sgd"], "--adamw"),
+        (["bench", "--vocab", "0"], "--vocab"),
+        (["bench", "--vocab", "64"], "--vocab"),  # fewer than the data's characters
+        (["bench", "--stages", "0,1", "--deepspeed-gathering"], "--deepspeed-gathering"),
+        (["bench", "--sweep", "--untied"], "--untied"),
+        (["bench", "--max-model", "--adamw", "default"], "--adamw"),
         (["bench", "--max-model", "--nvme-path", "/nonexistent/dir"], "--nvme-path"),
         (["bench", "--max-model", "--sweep"], "--sweep"),
         (["bench", "--sweep", "--sizes", "0"], "--sizes"),

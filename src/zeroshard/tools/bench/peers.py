@@ -1,13 +1,14 @@
 """torch's own data-parallel implementations (and DeepSpeed when installed), as bench `Subject`s.
 
-  * `ddp`: `DistributedDataParallel` + AdamW, ZeRO stage 0's reference;
+  * `ddp`: `DistributedDataParallel` with torch's defaults + AdamW, ZeRO stage 0's reference;
   * `torch-zero`: DDP + `torch.distributed.optim.ZeroRedundancyOptimizer`, torch's ZeRO stage 1
     (it all-reduces gradients and broadcasts updated parameters: 2Ψ + Ψ in the paper's convention);
   * `fsdp2`: `torch.distributed.fsdp.fully_shard` on every block and the root, torch's ZeRO stage 3
     (the root stays gathered between forward and backward, so it moves a little under 3Ψ);
-  * `deepspeed` (one run per stage): `deepspeed.initialize` with the bench's own config; never a
-    dependency, skipped with a note when it is not installed. Not exercised by our tests (DeepSpeed is not
-    installed here); its gradient buffers are not counted in its model states.
+  * `deepspeed` (one run per stage): `deepspeed.initialize` with the bench's own config, stage-3 gathering
+    at DeepSpeed's defaults (worker.DEEPSPEED_GATHERING); never a dependency, skipped with a note when
+    it is not installed. Not exercised by our tests (DeepSpeed is not installed here); its gradient
+    buffers are not counted in its model states.
 
 This module calls torch.distributed directly: these are torch's implementations, not zeroshard's, and
 their communication is counted by `measure.C10dByteCounter` from the outside.
@@ -116,7 +117,7 @@ def build(run: dict, model: torch.nn.Module, device: torch.device, config: dict,
         return _torch_subject(model, make_optimizer(model.parameters()), device, params, bf16, clip)
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    ddp = DistributedDataParallel(model)  # torch's defaults, as a user's script writes it
     if kind == "ddp":
         return _torch_subject(ddp, make_optimizer(ddp.parameters()), device, params, bf16, clip)
     if kind == "torch-zero":
@@ -133,7 +134,7 @@ def _deepspeed_subject(model, device, config: dict, params: int, make_optimizer)
     import deepspeed
 
     config = {k: v for k, v in config.items() if k != "zeroshard"}
-    config["zero_allow_untested_optimizer"] = True  # the client optimizer is torch's fused AdamW
+    config["zero_allow_untested_optimizer"] = True  # the client optimizer is torch's AdamW
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, optimizer=make_optimizer(model.parameters()), config=config
     )

@@ -57,7 +57,9 @@ def _row(run: dict, spec: dict, ranks: int, host_is_device: bool) -> dict:
         "tokens_per_s": run["tokens_per_s"],
         "loss_first": run["losses"][0],
         "loss_last": run["losses"][-1],
+        "losses": run["losses"],  # rank 0's, every step of the first timing launch
         "peak_memory": max(r["peak_memory"] for r in per_rank),
+        "peak_memory_per_rank": [r["peak_memory"] for r in per_rank],
         "baseline_memory": max(r["baseline_memory"] for r in per_rank),
         # what the configuration added to its process: the peak less the memory before the model was built
         "peak_above_baseline": max(r["peak_memory"] - r["baseline_memory"] for r in per_rank),
@@ -128,6 +130,38 @@ def table_rows(rows: list[dict]) -> list[list[str]]:
     return lines
 
 
+def _against_ddp(rows: list[dict]) -> list[str]:
+    """The side-by-side columns against torch DDP: step time and its ratio, every rank's peak, and how
+    closely the losses follow DDP's (the same model, data and update: bitwise at 2 ranks in fp32)."""
+    ran = [row for row in rows if "skipped" not in row]
+    ddp = next((row for row in ran if row["kind"] == "ddp"), None)
+    if ddp is None:
+        return []
+    cells = [["config", "s/step (x DDP)", "peak MiB/rank", "losses against DDP's"]]
+    for row in ran:
+        median = row["step_time"]["median_s"]
+        cells.append(
+            [
+                row["name"],
+                f"{median:.3f}" + ("" if row is ddp else f" ({median / ddp['step_time']['median_s']:.2f}x)"),
+                "/".join(f"{peak / 2**20:.0f}" for peak in row["peak_memory_per_rank"]),
+                "-" if row is ddp else _loss_agreement(row["losses"], ddp["losses"]),
+            ]
+        )
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
+    lines = [
+        "  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+        for line in cells
+    ]
+    return ["", "against torch DDP:", *(line.rstrip() for line in lines)]
+
+
+def _loss_agreement(losses: list[float], reference: list[float]) -> str:
+    steps = min(len(losses), len(reference))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:steps], reference[:steps]))
+    return f"equal, bit for bit, {steps} steps" if worst == 0 else f"{worst:.1e} apart at most, {steps} steps"
+
+
 def _clipping(spec: dict) -> str:
     clip = spec.get("clip", 1.0)
     return f"gradient clipping at {clip:g}" if clip > 0 else "no gradient clipping"
@@ -137,18 +171,21 @@ def format_table(result: dict, rows: list[dict]) -> str:
     spec = result["spec"]
     shape = spec["shape"]
     params = next((r["params"] for r in rows if "params" in r), 0)
+    adamw = "fused=True" if spec.get("adamw", "fused") == "fused" else ""
+    tied = "tied" if shape.get("tie_weights", True) else "untied"
     out = [
         f"zeroshard bench: GPT k={spec['size']} ({shape['n_layer']} layers, width {shape['n_embd']}, "
-        f"{est.format_count(params)} parameters), {result['world_size']} ranks on {result['device']}, "
-        f"{spec['precision']}, every system given the same torch.optim.AdamW(fused={spec.get('fused_adam', True)}) "
-        f"and {_clipping(spec)}, micro batch {spec['batch']} x {shape['block_size']} tokens, "
-        f"{spec['steps']} timed steps after {spec['warmup']} warm-up"
+        f"vocabulary {result['vocab']} {tied}, {est.format_count(params)} parameters), "
+        f"{result['world_size']} ranks on {result['device']}, {spec['precision']}, every system given the same "
+        f"torch.optim.AdamW({adamw}) and {_clipping(spec)}, micro batch {spec['batch']} x {shape['block_size']} "
+        f"tokens, {spec['steps']} timed steps after {spec['warmup']} warm-up"
     ]
     cells = table_rows(rows)
     widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     out.append("")
     for line in cells:
         out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))))
+    out += _against_ddp(rows)
     out.append("")
     skipped: dict[str, list[str]] = {}
     for row in rows:
@@ -173,6 +210,12 @@ def format_table(result: dict, rows: list[dict]) -> str:
     else:
         out.append("step ms: per step the slowest rank; median, min and max over the timed steps.")
         out.append(f"peak mem/rank: {result['memory_method']}; the largest over the ranks.")
+    if any(r.get("kind") == "ddp" and "skipped" not in r for r in rows):
+        out.append(
+            "against torch DDP: the median step time and its ratio to DDP's, each rank's peak in MiB (2^20 "
+            "bytes), and the largest relative difference of rank 0's losses from DDP's over the first timing "
+            "launch's steps."
+        )
     out.append(
         "model states: bytes of params + grads + optimizer (incl. fp32 master) this rank holds, "
         "counted from its tensors, vs the paper's §5 formula."

@@ -18,18 +18,37 @@ import torch
 from zeroshard.tools.bench import measure, peers
 from zeroshard.tools.bench.rank import RankContext, run_rank
 from zeroshard.tools.bench.subject import Subject, zeroshard_subject
+from zeroshard.tools.deepspeed_defaults import DEFAULTS as DS_DEFAULTS
 from zeroshard.tools.demo.corpus import Batches, CharTokenizer, load_corpus
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 log = logging.getLogger(__name__)
 
 
+# DeepSpeed's stage-3 gathering values (its defaults, as recorded in tools/deepspeed_defaults.py): what
+# DeepSpeed's own rows run with, and a row of zeroshard given them (run["gathering"] == "deepspeed").
+DEEPSPEED_GATHERING = {
+    key: DS_DEFAULTS[f"zero_optimization.{key}"]
+    for key in (
+        "stage3_prefetch_bucket_size",
+        "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+    )
+}
+
+
 def ds_config(spec: dict, run: dict) -> dict:
     zero = {
         "stage": run["stage"],
-        # 0: every parameter is sharded, so the measured volume is exactly the paper's 3Ψ at stage 3.
-        "stage3_param_persistence_threshold": 0,
+        # zeroshard's default at every stage, DeepSpeed's at stage 3 only: on for both, so that every
+        # system reduces gradients under the backward, as DDP and FSDP2 do.
+        "overlap_comm": True,
     }
+    if run["kind"] == "deepspeed" or run.get("gathering") == "deepspeed":
+        zero.update(DEEPSPEED_GATHERING)
+    else:  # zeroshard's own gathering (GatheringPolicy()): every parameter sharded, exactly 3Ψ at stage 3
+        zero["stage3_param_persistence_threshold"] = 0
     if run.get("offload_optimizer"):
         zero["offload_optimizer"] = {"device": run["offload_optimizer"]}
     if run.get("offload_param"):
@@ -47,10 +66,23 @@ def ds_config(spec: dict, run: dict) -> dict:
 
 
 def bench_optimizer(spec: dict) -> functools.partial:
-    """The one optimizer implementation every system gets: torch's AdamW with the fused kernel
-    (what zeroshard's config-built AdamW uses, and DeepSpeed's FusedAdam counterpart). A partial,
-    so that ZeroRedundancyOptimizer can take its class and keywords."""
-    return functools.partial(torch.optim.AdamW, lr=spec["lr"], weight_decay=0.0, fused=spec.get("fused_adam", True))
+    """The one optimizer object every system gets: torch's AdamW, with the fused kernel (what zeroshard's
+    config-built AdamW uses, and DeepSpeed's FusedAdam counterpart) or, with `spec["adamw"] ==
+    "default"`, the kernel torch picks when none is named. A partial, so that ZeroRedundancyOptimizer
+    can take its class and keywords."""
+    fused = True if spec.get("adamw", "fused") == "fused" else None
+    return functools.partial(torch.optim.AdamW, lr=spec["lr"], weight_decay=0.0, fused=fused)
+
+
+def build_subject(spec: dict, run: dict, vocab: int, device: torch.device) -> Subject:
+    """The system `run` names, over the spec's GPT built from its seed (vocabulary `spec["vocab"]`, else
+    `vocab`), handed the bench's optimizer and config."""
+    torch.manual_seed(spec["seed"])
+    model = GPT(GPTConfig(**{**spec["shape"], "vocab_size": spec.get("vocab") or vocab}))
+    make_optimizer = bench_optimizer(spec)
+    if run["kind"] == "zeroshard":
+        return zeroshard_subject(model, ds_config(spec, run), device, make_optimizer)
+    return peers.build(run, model, device, ds_config(spec, run), make_optimizer)
 
 
 class Bench:
@@ -65,14 +97,7 @@ class Bench:
             spec = {**spec, "shape": run["shape"]}
         measure.trim()
         baseline = self.meter.current()
-        torch.manual_seed(spec["seed"])
-        model = GPT(GPTConfig(**{**spec["shape"], "vocab_size": self.vocab}))
-        make_optimizer = bench_optimizer(spec)
-        if run["kind"] == "zeroshard":
-            subject = zeroshard_subject(model, ds_config(spec, run), self.ctx.device, make_optimizer)
-        else:
-            subject = peers.build(run, model, self.ctx.device, ds_config(spec, run), make_optimizer)
-        del model  # the subject holds what it needs
+        subject = build_subject(spec, run, self.vocab, self.ctx.device)
         self.ctx.progress(event="start", run=run["name"], total=spec["warmup"] + spec["steps"])
         figures = self._measure(spec, subject, run["name"])
         per_rank = subject.gather(
@@ -155,7 +180,7 @@ def work(ctx: RankContext) -> dict:
         "spec": spec,
         "world_size": ctx.world_size,
         "device": str(ctx.device),
-        "vocab": tokenizer.vocab_size,
+        "vocab": spec.get("vocab") or tokenizer.vocab_size,
         "memory_method": bench.meter.method,
         "torch": torch.__version__,
         "runs": results,

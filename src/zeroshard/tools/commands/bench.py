@@ -28,6 +28,11 @@ per step against 2Ψ/3Ψ. Writes a table (bench.txt), the full data
 (bench.json) and a chart in the style of the ZeRO paper's Figure 1 (bench.png) to --out. Ranks are local
 processes (gloo on CPU, NCCL on GPUs).
 
+--peers: torch's DDP, ZeroRedundancyOptimizer and FSDP2, and DeepSpeed where it imports, in the same
+invocation, every system handed the same torch.optim.AdamW (--adamw) and clipping (--clip); with DDP
+among them, a second table gives each system's step time against DDP's, every rank's peak and how
+closely its losses follow DDP's.
+
 --sweep: live peak memory per rank against parameters for family members --sizes, one line per stage
 beside the estimator's formula (sweep.txt, sweep.json, sweep.png).
 --max-model: the largest GPT (width --width, L layers) that trains two optimizer steps at stages 0-3 and
@@ -37,6 +42,8 @@ RLIMIT_DATA: an allocation beyond it fails), next to the estimator's prediction 
 EXAMPLES = [
     "zeroshard bench                                  # stages 0-3, 2 ranks, GPT k=4, results in bench_out/",
     "zeroshard bench --peers                          # + torch DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed",
+    "zeroshard bench --size 8 --vocab 8192 --untied --batch 4 --clip 0 --peers ddp,fsdp2 --deepspeed-gathering"
+    "  # the README's peers table, 33.7M GPT (docs/benchmarks.md)",
     "zeroshard bench --size 1 --steps 3 --warmup 1    # a quick look",
     "zeroshard bench --stages 0,3 --out /tmp/b",
     "zeroshard bench --offload --precision bf16",
@@ -100,6 +107,16 @@ def _sizes(text: str) -> list[int]:
     if not sizes or sizes[0] < 1:
         raise argparse.ArgumentTypeError(f"sizes must be whole numbers >= 1, got {text!r}")
     return sizes
+
+
+def _peers(text: str) -> list[str]:
+    from zeroshard.tools.bench.peers import KINDS
+
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in kinds if k not in KINDS]
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(f"unknown peer {', '.join(unknown) or repr(text)}; allowed: {','.join(KINDS)}")
+    return list(dict.fromkeys(kinds))
 
 
 def _configs(text: str) -> list[str]:
@@ -180,14 +197,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "the config default; 0: none)",
     )
     parser.add_argument(
+        "--adamw",
+        choices=("fused", "default"),
+        default="fused",
+        help="the torch.optim.AdamW every system gets: fused=True, or the kernel torch picks by default (default: fused)",
+    )
+    parser.add_argument(
+        "--vocab",
+        type=_positive,
+        metavar="V",
+        help="the GPT's vocabulary (default: the data's characters); a larger one grows the embedding and "
+        "the head, the tokens stay the data's",
+    )
+    parser.add_argument("--untied", action="store_true", help="an LM head of its own, not tied to the embedding")
+    parser.add_argument(
         "--offload",
         action="store_true",
         help="also run optimizer offload to CPU (stages 1-3) and parameter offload (stage 3)",
     )
     parser.add_argument(
-        "--peers",
+        "--deepspeed-gathering",
         action="store_true",
-        help="also run torch DDP, ZeroRedundancyOptimizer, FSDP2 fully_shard, DeepSpeed if installed",
+        help="also run stage 3 with DeepSpeed's gathering values (stage3_prefetch_bucket_size, "
+        "stage3_param_persistence_threshold, stage3_max_live_parameters, stage3_max_reuse_distance at "
+        "DeepSpeed's defaults), a row beside stage 3 with zeroshard's own",
+    )
+    from zeroshard.tools.bench.peers import KINDS
+
+    parser.add_argument(
+        "--peers",
+        nargs="?",
+        const=list(KINDS),
+        type=_peers,
+        metavar="LIST",
+        help=f"also run torch's own implementations and DeepSpeed (if installed): the bare flag all of "
+        f"them, or a list among {','.join(KINDS)}",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sweep", action="store_true", help="peak memory per rank against parameters, per stage")
@@ -267,6 +311,10 @@ def check_mode(args: argparse.Namespace) -> None:
     owners = {
         "--peers": ("bench", args.peers),
         "--offload": ("bench", args.offload),
+        "--deepspeed-gathering": ("bench", args.deepspeed_gathering),
+        "--vocab": ("bench", args.vocab is not None),
+        "--untied": ("bench", args.untied),
+        "--adamw": ("bench", args.adamw != "fused"),
         "--sizes": ("sweep", args.sizes is not None),
         "--memory": ("max-model", args.memory is not None),
         "--configs": ("max-model", args.configs is not None),
@@ -284,10 +332,27 @@ def check_mode(args: argparse.Namespace) -> None:
         )
     if args.nvme_path is not None and not args.nvme_path.is_dir():
         raise CommandError(f"--nvme-path {str(args.nvme_path)!r} is not a directory")
+    if args.deepspeed_gathering and 3 not in args.stages:
+        raise CommandError(
+            f"--deepspeed-gathering adds a stage-3 row: --stages must include 3, got {','.join(map(str, args.stages))}"
+        )
+    if args.vocab is not None:
+        from zeroshard.tools.demo.corpus import CharTokenizer, load_corpus
+
+        characters = CharTokenizer(load_corpus().text).vocab_size
+        if args.vocab < characters:
+            raise CommandError(
+                f"--vocab {args.vocab} is smaller than the bench data's {characters} distinct characters; "
+                f"allowed: {characters} or more"
+            )
 
 
 def runs_for(args: argparse.Namespace) -> list[dict]:
     runs = [{"name": f"stage {s}", "kind": "zeroshard", "stage": s} for s in args.stages]
+    if args.deepspeed_gathering:
+        runs.append(
+            {"name": "stage 3, DeepSpeed's gathering", "kind": "zeroshard", "stage": 3, "gathering": "deepspeed"}
+        )
     if args.offload:
         runs += [
             {"name": f"stage {s} +opt->cpu", "kind": "zeroshard", "stage": s, "offload_optimizer": "cpu"}
@@ -304,12 +369,10 @@ def runs_for(args: argparse.Namespace) -> list[dict]:
                     "offload_param": "cpu",
                 }
             )
-    if args.peers:
-        runs += [
-            {"name": "torch DDP", "kind": "ddp", "stage": None},
-            {"name": "torch ZeroRedundancyOpt", "kind": "torch-zero", "stage": None},
-            {"name": "torch FSDP2", "kind": "fsdp2", "stage": None},
-        ]
+    peers = args.peers or []
+    names = {"ddp": "torch DDP", "torch-zero": "torch ZeroRedundancyOpt", "fsdp2": "torch FSDP2"}
+    runs += [{"name": names[kind], "kind": kind, "stage": None} for kind in names if kind in peers]
+    if "deepspeed" in peers:
         runs += [{"name": f"DeepSpeed stage {s}", "kind": "deepspeed", "stage": s} for s in args.stages]
     return runs
 
@@ -317,11 +380,14 @@ def runs_for(args: argparse.Namespace) -> list[dict]:
 def bench_spec(args: argparse.Namespace, runs: list[dict]) -> dict:
     from zeroshard.tools.bench import family
 
+    shape = family.gpt_shape(args.size, 0, args.seq_len)
     return {
         "size": args.size,
-        "shape": family.gpt_shape(args.size, 0, args.seq_len),
+        "shape": {**shape, "tie_weights": False} if args.untied else shape,
+        "vocab": args.vocab,  # None: the data's characters
         "batch": args.batch,
         "lr": args.lr,
+        "adamw": args.adamw,
         "clip": args.clip,
         "seed": args.seed,
         "precision": args.precision,
@@ -359,9 +425,14 @@ def command_line(args: argparse.Namespace) -> str:
         args.lr,
         "--clip",
         args.clip,
+        "--adamw",
+        args.adamw,
     ]
+    parts += (["--vocab", args.vocab] if args.vocab else []) + ["--untied"] * args.untied
     parts += ["--threads", args.threads] if args.threads else []
-    parts += ["--offload"] * args.offload + ["--peers"] * args.peers + ["--out", args.out]
+    parts += ["--offload"] * args.offload + ["--deepspeed-gathering"] * args.deepspeed_gathering
+    parts += ["--peers", ",".join(args.peers)] if args.peers else []
+    parts += ["--out", args.out]
     return shlex.join(str(p) for p in parts)
 
 

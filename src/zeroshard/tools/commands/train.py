@@ -183,7 +183,11 @@ def stage_table(args: argparse.Namespace) -> str:
             "steps": args.table_steps,
             "warmup": 2,
             "offload": False,
-            "peers": False,
+            "peers": None,
+            "deepspeed_gathering": False,
+            "vocab": None,
+            "untied": False,
+            "adamw": "fused",
             "lr": 1e-3,
             "clip": 1.0,
             # The training run just kept the machine busy: the bench's warm-up launch would add nothing.
