@@ -169,12 +169,12 @@ def reference_tokens(args, mode: str | None = None) -> dict[int, list]:
         torch.set_num_threads(args.threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
         if mode == "int4-packed":
-            from zeroshard.compat.packed_matmul import PackedMatmuls
-            from zeroshard.core.weight_quant import QuantSpec
+            from zeroshard.inference.packed import PackedMatmuls
+            from zeroshard.inference.quantization import QuantSpec
 
             PackedMatmuls.of_model(model, QuantSpec(4, 64))
         elif mode:
-            from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
+            from zeroshard.inference.quantization import QuantSpec, dequantize, quantize
 
             with torch.no_grad():
                 for param in model.parameters():

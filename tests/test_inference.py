@@ -243,8 +243,8 @@ def test_generate_command(mode, tmp_path):
     prompt = torch.tensor([[5, 6, 7, 8]])
     extra = []
     if mode == "int4+draft":  # int4 weights streamed and multiplied packed, its own 4-bit copy as draft
-        from zeroshard.compat.packed_matmul import PackedMatmuls
-        from zeroshard.core.weight_quant import QuantSpec
+        from zeroshard.inference.packed import PackedMatmuls
+        from zeroshard.inference.quantization import QuantSpec
 
         PackedMatmuls.of_model(model, QuantSpec(4, 32))  # the model the engine computes as
         extra = ["--quant-bits", "4", "--group-size", "32", "--packed-matmul", "--draft", "self"]

@@ -29,16 +29,16 @@ from torch import nn
 
 from zeroshard.compat import policies
 from zeroshard.compat.engine_base import EngineBase
-from zeroshard.compat.packed_matmul import PackedMatmuls
-from zeroshard.compat.speculative_in_step import generate_in_step
 from zeroshard.compat.throughput import ThroughputTimer
 from zeroshard.core.comm import Communicator
 from zeroshard.core.policy import stage_policy
 from zeroshard.core.sharded import Sharded
 from zeroshard.core.unit import UnitState
-from zeroshard.core.weight_quant import QuantSpec
+from zeroshard.inference.packed import PackedMatmuls
+from zeroshard.inference.quantization import QuantSpec
+from zeroshard.inference.speculative_in_step import generate_in_step
+from zeroshard.inference.store import QuantizedStore
 from zeroshard.offload import CPUStore, build_placement
-from zeroshard.offload.quantized import QuantizedStore
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ class InferenceEngine(EngineBase):
     def generate(self, *args, **kwargs):
         """As `EngineBase.generate`; with an `assistant_model` (speculative decoding, which may be a
         `resident_draft` engine) on several stage-3 ranks, the ranks keep in step themselves ([Note:
-        speculative decoding on several ranks] in compat/speculative_in_step.py). Nothing stays gathered
+        speculative decoding on several ranks] in inference/speculative_in_step.py). Nothing stays gathered
         afterwards, even on error."""
         if isinstance(kwargs.get("assistant_model"), InferenceEngine):  # a resident draft (compat/speculative.py)
             kwargs["assistant_model"] = kwargs["assistant_model"].module
@@ -151,7 +151,7 @@ class InferenceEngine(EngineBase):
             return super().generate(*args, **kwargs)
         try:
             with torch.no_grad():
-                return generate_in_step(self, *args, **kwargs)
+                return generate_in_step(self.sharded, *args, **kwargs)
         finally:
             self.reshard()
 
@@ -213,8 +213,8 @@ class InferenceEngine(EngineBase):
 def quantized_store(config, placement, world_size: int) -> bool:
     """With `weight_quantization.quantized_initialization`, the parameter store becomes a
     QuantizedStore over the configured one (host memory when none is): [Note: quantized weight
-    store] in offload/quantized.py; with `zeroshard.packed_matmul`, one that lays 4-bit Linear
-    weights out for torch's int4 kernel ([Note: packed matmuls] in compat/packed_matmul.py).
+    store] in inference/store.py; with `zeroshard.packed_matmul`, one that lays 4-bit Linear
+    weights out for torch's int4 kernel ([Note: packed matmuls] in inference/packed.py).
     Returns whether it did."""
     section = config.weight_quantization.quantized_initialization
     packed = config.zeroshard.packed_matmul

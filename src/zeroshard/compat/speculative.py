@@ -19,7 +19,7 @@ norm(max(0, p - q)), which leaves the output distributed exactly as the target's
 the draft changes how many passes the weights are read in, never what comes out.
 
 The draft here is the same checkpoint quantized group-wise ([Note: quantized weight store] in
-offload/quantized.py), held whole by every rank in memory (int4 with groups of 64: 0.16 of the fp32
+inference/store.py), held whole by every rank in memory (int4 with groups of 64: 0.16 of the fp32
 bytes) and run by an inference engine over this rank alone: the ranks' drafts propose different
 numbers of tokens, so a draft must never take part in a collective. Assisted generation takes one
 sequence at a time (transformers refuses batches): it is the batch-1 mode. On several stage-3 ranks
@@ -52,7 +52,7 @@ def resident_draft(
     dequantized one at a time (`zeroshard.wrap_modules`; default: each decoder layer, and the rest
     together), which bounds the draft's fp32 memory. `packed_matmul` (default: with 4 bits): its
     Linear layers multiply by the 4-bit weights as stored ([Note: packed matmuls] in
-    compat/packed_matmul.py), which changes only which tokens it proposes, never the output.
+    inference/packed.py), which changes only which tokens it proposes, never the output.
     Collective: every rank calls it."""
     source = weights_source(path)
     init_one_rank()

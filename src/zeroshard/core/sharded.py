@@ -123,7 +123,7 @@ class Sharded:
     ):
         """`whole_parameters`: the frozen parameters' resharding groups too are laid out whole, with
         uneven slices (the quantized weight store packs whole rows: [Note: quantized weight store]
-        in offload/quantized.py)."""
+        in inference/store.py)."""
         self.module = model
         self.model_parallel = model_parallel
         # The sp group inside `comm`'s ranks: [Note: Ulysses sequence parallelism] in core/sequence.py
