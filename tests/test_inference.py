@@ -61,7 +61,7 @@ def prompts(rank: int) -> tuple[torch.Tensor, int]:
 
 # -- token equality at 1 and 2 ranks ---------------------------------------------------------------------
 def _engine(source: str, kind: str, store: str, checkpoints: str, swap: str, in_cpu: int = 0):
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
 
     config = inference_config(store, swap, in_cpu)
     if source == "pretrained":
@@ -202,7 +202,7 @@ def test_generate_matches_unsharded_model(world_size, tmp_path):
 # -- one process: what an inference engine refuses, and bad checkpoints ----------------------------------
 def _misuse_worker(rank: int, world_size: int, tmp: str) -> None:
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
 
     engine, *_ = zeroshard.initialize(model=build_model("gpt2"), config=inference_config("cpu", ""))
     with pytest.raises(RuntimeError, match="without an optimizer"):
@@ -387,7 +387,7 @@ def _meta_engine(kind: str, config: dict) -> InferenceEngine:
     import transformers
 
     from zeroshard.checkpoint.manifest import persistent_buffers
-    from zeroshard.compat.pretrained import materialize_buffers
+    from zeroshard.inference.pretrained import materialize_buffers
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))

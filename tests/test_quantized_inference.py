@@ -1,6 +1,6 @@
 """ZeRO-Inference with quantized weights in the store ([Note: quantized weight store] in
 inference/store.py) and speculative decoding with a resident draft ([Note: exact speculative
-decoding] in compat/speculative.py), against the unsharded model on gloo at 1 and 2 ranks:
+decoding] in inference/speculative.py), against the unsharded model on gloo at 1 and 2 ranks:
   * a store's packing of whole parameters and raw pieces dequantizes to what `quantize` then
     `dequantize` give, at 8 and 4 bits, both forms, odd and even group sizes;
   * an engine loaded from a sharded safetensors checkpoint into an int8 / int4 store (CPU and NVMe)
@@ -243,7 +243,7 @@ def test_packed_matmul_that_packs_nothing_says_so(caplog):
 
 # -- engines at 1 and 2 ranks ---------------------------------------------------------------------------
 def _quantized_case(store: str, bits: int, checkpoint: str, swap: str) -> None:
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
 
     rank = torch.distributed.get_rank()
     spec = QuantSpec(bits, 32 if bits == 4 else 64, 1, bits == 8)  # int8 symmetric, int4 with minimums
@@ -279,8 +279,8 @@ def _quantized_case(store: str, bits: int, checkpoint: str, swap: str) -> None:
 
 
 def _speculative_case(store: str, draft: str, checkpoint: str, swap: str) -> None:
-    from zeroshard.compat.pretrained import from_pretrained
-    from zeroshard.compat.speculative import PassCounter, resident_draft
+    from zeroshard.compat.inference import from_pretrained
+    from zeroshard.inference import PassCounter, resident_draft
 
     rank = torch.distributed.get_rank()
     model = _model(seed=3)
@@ -288,7 +288,7 @@ def _speculative_case(store: str, draft: str, checkpoint: str, swap: str) -> Non
     assistant = resident_draft(checkpoint, num_bits=4, group_size=32) if draft == "self" else _model(seed=5, layers=1)
     if draft == "self":
         assert assistant.world_size == 1 and isinstance(assistant.placement.param_store, QuantizedStore)
-        assert BLOCK is None or assistant._packed.layers, "a resident 4-bit draft multiplies packed by default"
+        assert BLOCK is None or assistant.packed.layers, "a resident 4-bit draft multiplies packed by default"
     new = 12 - 4 * rank  # rank 0 runs on alone at the end (synced_gpus)
     prompt = torch.randint(2, VOCAB, (1, 4), generator=torch.Generator().manual_seed(20 + rank))
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
@@ -306,7 +306,7 @@ def _packed_case(store: str, checkpoint: str, swap: str) -> None:
     """One rank: layers multiplying by the packed weights compute the unsharded model's logits when it
     computes the same way (`PackedMatmuls.of_model`), bit for bit. With the NVMe store every Linear
     and the embedding are units of their own, read packed whole: their masters get no fp32 storage."""
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
     from zeroshard.inference.packed import _WEIGHTS, PackedMatmuls
 
     spec = QuantSpec(4, 32)
@@ -318,10 +318,10 @@ def _packed_case(store: str, checkpoint: str, swap: str) -> None:
     if alone:
         config["zeroshard"]["wrap_modules"] = ["LlamaDecoderLayer", "Embedding", "Linear"]
     engine = from_pretrained(checkpoint, config)
-    assert engine._packed is not None
+    assert engine.inference.packed is not None
     seen: list[int] = []
     engine.module.lm_head.register_forward_pre_hook(lambda m, a: seen.append(m.weight.untyped_storage().nbytes()))
-    packed = sorted(type(m).__name__ for m, _ in engine._packed.layers)
+    packed = sorted(type(m).__name__ for m, _ in engine.inference.packed.layers)
     assert packed == sorted(type(m).__name__ for m, _ in expected.layers), packed
     assert "PackedEmbedding" in packed and "PackedLinear" in packed
     # The embedding and 15 Linears; the 4 k/v projections have 32 rows, whole kernel blocks where the
@@ -356,7 +356,7 @@ def _worker(rank: int, world_size: int, checkpoint: str, swap: str, packed_check
         config = _config("cpu", swap, QuantSpec(4, 32))
         config["zeroshard"]["packed_matmul"] = True
         with pytest.raises(ValueError, match="packed_matmul: true works on one rank"):
-            from zeroshard.compat.pretrained import from_pretrained
+            from zeroshard.compat.inference import from_pretrained
 
             from_pretrained(checkpoint, config)
     subtests(
@@ -401,7 +401,8 @@ def test_speculative_sampling_keeps_the_targets_distribution(tmp_path):
 
 
 def _sample_pairs(tmp_path) -> None:
-    from zeroshard.compat.pretrained import from_pretrained, init_one_rank
+    from zeroshard.compat.inference import from_pretrained
+    from zeroshard.inference.pretrained import init_one_rank
 
     init_one_rank()
     vocab = 6
@@ -473,7 +474,7 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
     oracle.load_state_dict(trained, strict=False)
     oracle = _fake_quantized(oracle, QuantSpec(8, 64))
     from zeroshard.checkpoint.manifest import persistent_buffers
-    from zeroshard.compat.pretrained import materialize_buffers
+    from zeroshard.inference.pretrained import materialize_buffers
 
     with torch.device("meta"):
         empty = _model(seed=4)

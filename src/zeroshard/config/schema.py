@@ -580,4 +580,4 @@ class ZeroShardExtConfig(Section):
     through torch's int4 CPU kernel, and each ``nn.Embedding`` dequantizes only the rows it looks
     up, instead of dequantizing the whole matrix to fp32 first. Activations go through bf16 in those
     matmuls, so tokens are close to, not equal to, the dequantized model's ([Note: packed matmuls]
-    in inference/packed.py). A 4-bit resident draft (compat/speculative.py) does this by default."""
+    in inference/packed.py). A 4-bit resident draft (inference/speculative.py) does this by default."""

@@ -29,7 +29,7 @@ The arithmetic differs from the dequantized model's: activations enter the matmu
 result returns through bf16 (the kernel's only fast path), and the scales and zeros are bf16. Tokens
 are therefore close to, not equal to, those of the model dequantized to fp32; the perplexity this
 costs is measured in docs/bench/quantized_quality.txt. It is opt-in for the model a user generates
-with, and the default for a resident draft (compat/speculative.py), whose proposals are checked by
+with, and the default for a resident draft (inference/speculative.py), whose proposals are checked by
 the target model and so never change the output.
 """
 
