@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zeroshard.core.comm import Communicator
@@ -132,9 +133,10 @@ def shard(
         raise ValueError(
             f"shard(generate_gather={generate_gather!r}): allowed {', '.join(map(repr, generation.GATHER))}"
         )
+    # Checked before the Communicator, whose process group a refusal would leave behind.
+    _check_quantized(quantize, packed_matmul, stage, dist.get_world_size(group) if dist.is_initialized() else 1)
     comm = comm or CommPolicy()
     communicator = Communicator(comm.timeout_s, comm.check_collectives, group=group)
-    _check_quantized(quantize, packed_matmul, stage, communicator.world_size)
     placement = Placement()
     if offload is not None:
         offload = Offload(offload) if isinstance(offload, str) else offload
