@@ -2,8 +2,10 @@
 sharded safetensors checkpoint straight into the CPU or NVMe store, generate exactly the tokens of the
 unsharded model (greedy, and sampling with a fixed seed) with HF's KV cache, at 1 and 2 ranks (each
 rank its own prompts), gathering one unit at a time with the next prefetched, and holding no gradient
-or optimizer memory. A process capped (RLIMIT_DATA) below what the unsharded model needs still
-generates with the NVMe store. Models are built from configs with random weights; nothing is downloaded.
+or optimizer memory. The config-free entry point (`zeroshard.inference.shard`, `from_pretrained` with
+plain arguments) computes what the DeepSpeed-config path computes, bit for bit. A process capped
+(RLIMIT_DATA) below what the unsharded model needs still generates with the NVMe store. Models are
+built from configs with random weights; nothing is downloaded.
 """
 
 from __future__ import annotations
