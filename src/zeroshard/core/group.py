@@ -23,7 +23,7 @@ device, which is what its all-gathers read.
 
 [Note: deferred values]
 Parameters on the meta device have shapes and no values: a model built under `torch.device("meta")`
-so that it is never materialised in full (ZeRO-Inference loading, compat/inference.py). Their group
+so that it is never materialised in full (ZeRO-Inference loading, inference/pretrained.py). Their group
 allocates its buffers on the compute device (`device`) zero filled, each parameter becomes (in place,
 `torch.utils.swap_tensors`, so modules and ties keep the same objects) an empty tensor of that device
 whose `.data` the group re-points as for any other parameter, and whoever built the model writes
