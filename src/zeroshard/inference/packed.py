@@ -1,22 +1,22 @@
-"""Linear layers of an inference engine that multiply by their 4-bit weights as stored, packed
+"""Linear layers of an inference model that multiply by their 4-bit weights as stored, packed
 (and embeddings that look their rows up in them).
 
 [Note: packed matmuls]
 With 4-bit weights in the store, a ZeRO-Inference token on 2 cores spent more time dequantizing
-every matrix into fp32 (0.23 s for a 2.1 GB model, docs/bench/dequantize.txt) than its forward
-took, on the same cores. `zeroshard.packed_matmul` removes that step: the store lays each eligible
-Linear weight out in the form torch's int4 CPU kernel reads ([Note: the int4 kernel's layout] in
-inference/int4.py), and the layer computes x @ W^T from those bytes in the store's blob; an
-embedding dequantizes only the rows it looks up (the values the whole matrix dequantized would
-have). Eligible: an `nn.Linear`, or an `nn.Embedding` without max_norm (exactly those classes; a
-subclass may compute otherwise), whose weight belongs to no other module (a tied LM head shares
-the embedding's) and sits in a group that gathers
-in place (one rank, frozen, fp32 on the CPU: [Note: gathering in place at one rank] in
-core/unit.py); at N ranks other ranks' weights arrive as fp32 over the all-gather.
+every matrix into fp32 (0.23 s for a 2.1 GB model, docs/bench/dequantize.txt) than its forward took,
+on the same cores. `shard(packed_matmul=True)` (a config's `zeroshard.packed_matmul`) removes that
+step: the store lays each eligible Linear weight out in the form torch's int4 CPU kernel reads
+([Note: the int4 kernel's layout] in inference/int4.py), and the layer computes x @ W^T from those
+bytes in the store's blob; an embedding dequantizes only the rows it looks up (the values the whole
+matrix dequantized would have). Eligible: an `nn.Linear`, or an `nn.Embedding` without max_norm
+(exactly those classes; a subclass may compute otherwise), whose weight belongs to no other module
+(a tied LM head shares the embedding's) and sits in a group that gathers in place (one rank, frozen,
+fp32 on the CPU: [Note: gathering in place at one rank] in core/unit.py); at N ranks other ranks'
+weights arrive as fp32 over the all-gather.
 
 Each such layer's class becomes a subclass of its own (`isinstance(layer, nn.Linear)` holds; its
 hooks and attributes stay), whose forward asks this module's registry for the layer's
-`PackedWeight` (inference/store.py); the engine's `destroy` gives every layer its class back.
+`PackedWeight` (inference/store.py); the model's `destroy` gives every layer its class back.
 The forward gather of a unit (`prefetch_for_compute`) skips dequantizing those weights, so their
 parameter views hold stale values during the forward, and a unit whose every weight is read this way
 gets no fp32 storage at all (its parameters keep their shapes over a single zero: FlatGroup.
@@ -117,7 +117,7 @@ class _InMemory:
 
 
 class PackedMatmuls:
-    """The layers of one engine that multiply packed ([Note: packed matmuls])."""
+    """The layers of one inference model that multiply packed ([Note: packed matmuls])."""
 
     def __init__(self, model: nn.Module, groups, store):
         self.layers: list[tuple[nn.Module, type]] = []
@@ -156,7 +156,7 @@ class PackedMatmuls:
 
     @classmethod
     def of_model(cls, model: nn.Module, spec: QuantSpec) -> PackedMatmuls:
-        """An ordinary model in memory made to compute as an engine with `packed_matmul` and `spec`
+        """An ordinary model in memory made to compute as an inference model with `packed_matmul` and `spec`
         does (the oracle of the tests and benchmarks): the same layers read their weights quantized
         into the kernel's form, and every other parameter of two or more dimensions is replaced by
         its quantized-then-dequantized values, as the store keeps it."""

@@ -20,7 +20,7 @@ the draft changes how many passes the weights are read in, never what comes out.
 
 The draft here is the same checkpoint quantized group-wise ([Note: quantized weight store] in
 inference/store.py), held whole by every rank in memory (int4 with groups of 64: 0.16 of the fp32
-bytes) and run by an inference engine over this rank alone: the ranks' drafts propose different
+bytes) and run by an inference model over this rank alone: the ranks' drafts propose different
 numbers of tokens, so a draft must never take part in a collective. Assisted generation takes one
 sequence at a time (transformers refuses batches): it is the batch-1 mode. On several stage-3 ranks
 the target keeps the ranks' passes in step (speculative_in_step.py).

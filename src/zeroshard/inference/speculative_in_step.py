@@ -2,7 +2,7 @@
 while each one's draft proposes its own number of tokens.
 
 [Note: speculative decoding on several ranks]
-Every forward of a stage-3 engine is a collective, so all ranks must run the same number of target
+Every forward of a stage-3 model is a collective, so all ranks must run the same number of target
 passes, and with a draft each rank needs its own number. transformers' `synced_gpus` keeps a
 finished rank running passes, but its assisted loop then asks the draft for a negative number of
 tokens once that rank's sequence is full, and raises. So the ranks agree themselves: a stopping

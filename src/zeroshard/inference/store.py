@@ -2,7 +2,7 @@
 per group, in the CPU or NVMe store underneath (DeepSpeed's `weight_quantization.quantized_initialization`).
 
 [Note: quantized weight store]
-The engine's fp32 shard of a flat group (`master`) keeps its shape and dtype, so every consumer
+The fp32 shard of a flat group (`master`) keeps its shape and dtype, so every consumer
 (the gather in place at one rank, the all-gather at N, the loaders) works as with any store; only
 its storage comes and goes. Between uses the store holds one uint8 tensor per shard in the inner
 store (`blob`): each whole parameter of two or more dimensions quantized group-wise ([Note:
@@ -13,13 +13,13 @@ ratio) and, on this store's own thread, grow the master's storage and dequantize
 dequantization of the next unit overlaps the current unit's compute; `ready` waits for it; `release`
 quantizes a written (unfrozen) master back into the blob, releases the blob and frees the master's
 storage (resized to zero bytes, as a gathered buffer is). Quantizing needs whole rows of whole
-parameters: the engine lays these groups out with whole-parameter ownership ([Note: whole-parameter
+parameters: `shard()` lays these groups out with whole-parameter ownership ([Note: whole-parameter
 ownership] in core/owners.py), and a piece of a parameter cut by the layout is stored raw. A fresh
 blob is all zeros, which is a valid packed form of zeros (codes, scales and minimums 0), so
 creating a store tensor touches nothing.
-With `kernel` (`zeroshard.packed_matmul`), each 4-bit matrix torch's int4 CPU kernel can take is
+With `kernel` (`shard(packed_matmul=True)`), each 4-bit matrix torch's int4 CPU kernel can take is
 laid out in the kernel's form instead (codes interleaved by blocks of rows, bf16 scales and zeros:
-[Note: the int4 kernel's layout] in inference/int4.py); the engine marks the ones its layers
+[Note: the int4 kernel's layout] in inference/int4.py); the model marks the ones its layers
 multiply by as `direct`, and a forward's open (`prefetch_for_compute`) leaves those out of the
 dequantization ([Note: packed matmuls] in inference/packed.py).
 
