@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.core.weight_quant import QuantSpec
-from zeroshard.offload.quantized import Scratch, pack, plan, unpack
+from zeroshard.inference.quantization import QuantSpec
+from zeroshard.inference.store import Scratch, pack, plan, unpack
 
 
 def matrices(layers: int, hidden: int, mlp: int, vocab: int) -> list[tuple[int, int]]:

@@ -67,8 +67,8 @@ def main() -> None:
     args = parser.parse_args()
     import transformers
 
-    from zeroshard.compat.pretrained import from_pretrained
-    from zeroshard.compat.speculative import PassCounter, resident_draft, speculation_report
+    from zeroshard.compat.inference import from_pretrained
+    from zeroshard.inference import PassCounter, resident_draft, speculation_report
 
     torch.manual_seed(0)
     target_dir, draft_dir = args.model / "target", args.model / "draft"
@@ -95,7 +95,7 @@ def main() -> None:
                 "perplexity": ppl,
                 "delta": ppl / fp32 - 1 if fp32 else 0.0,
                 "store_bytes": getattr(store, "packed_bytes", sum(g.master.numel() * 4 for g in engine.groups)),
-                "packed_layers": len(engine._packed.layers) if engine._packed is not None else 0,
+                "packed_layers": len(engine.inference.packed.layers) if engine.inference.packed is not None else 0,
             }
         )
         engine.destroy()

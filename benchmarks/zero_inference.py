@@ -169,12 +169,12 @@ def reference_tokens(args, mode: str | None = None) -> dict[int, list]:
         torch.set_num_threads(args.threads)
         model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
         if mode == "int4-packed":
-            from zeroshard.compat.packed_matmul import PackedMatmuls
-            from zeroshard.core.weight_quant import QuantSpec
+            from zeroshard.inference.packed import PackedMatmuls
+            from zeroshard.inference.quantization import QuantSpec
 
             PackedMatmuls.of_model(model, QuantSpec(4, 64))
         elif mode:
-            from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
+            from zeroshard.inference.quantization import QuantSpec, dequantize, quantize
 
             with torch.no_grad():
                 for param in model.parameters():
@@ -236,7 +236,7 @@ def load(system: str, args):
     import transformers
 
     if system.startswith("zeroshard"):
-        from zeroshard.compat.pretrained import from_pretrained
+        from zeroshard.compat.inference import from_pretrained
 
         # Units: every decoder layer, and inside it every Linear, and the embedding: so the LM head and
         # the embedding (131 MB each here) are gathered only while they compute, not for the whole pass.
@@ -295,7 +295,7 @@ def _store_io(store) -> dict:
 def draft_of(system: str, args):
     """The draft a speculative system keeps in memory; None for the others."""
     if system == "zeroshard-speculative":
-        from zeroshard.compat.speculative import resident_draft
+        from zeroshard.inference import resident_draft
 
         # Every Linear and the embedding a unit of its own: the draft's fp32 copy of its LM head (131 MB
         # here) exists only while the head computes.
@@ -313,7 +313,7 @@ def child(system: str, args) -> None:
     """Runs under the cap (set by the parent before exec); one JSON line per batch size on stdout."""
     import torch
 
-    from zeroshard.compat.speculative import PassCounter
+    from zeroshard.inference import PassCounter
 
     torch.set_num_threads(args.threads)
     model, store = load(system, args)

@@ -46,7 +46,7 @@ def hf_config(kind: str, layers: int = 3, width: int = 32, vocab: int = VOCAB, s
 
 CAPPED = textwrap.dedent("""
     import json, resource, sys, torch, torch.distributed as dist, transformers
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
     mode, path, swap, headroom = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dist.new_group(backend="gloo")  # the engine's group: its threads exist before the cap, like the imports

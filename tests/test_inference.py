@@ -2,8 +2,10 @@
 sharded safetensors checkpoint straight into the CPU or NVMe store, generate exactly the tokens of the
 unsharded model (greedy, and sampling with a fixed seed) with HF's KV cache, at 1 and 2 ranks (each
 rank its own prompts), gathering one unit at a time with the next prefetched, and holding no gradient
-or optimizer memory. A process capped (RLIMIT_DATA) below what the unsharded model needs still
-generates with the NVMe store. Models are built from configs with random weights; nothing is downloaded.
+or optimizer memory. The config-free entry point (`zeroshard.inference.shard`, `from_pretrained` with
+plain arguments) computes what the DeepSpeed-config path computes, bit for bit. A process capped
+(RLIMIT_DATA) below what the unsharded model needs still generates with the NVMe store. Models are
+built from configs with random weights; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def prompts(rank: int) -> tuple[torch.Tensor, int]:
 
 # -- token equality at 1 and 2 ranks ---------------------------------------------------------------------
 def _engine(source: str, kind: str, store: str, checkpoints: str, swap: str, in_cpu: int = 0):
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
 
     config = inference_config(store, swap, in_cpu)
     if source == "pretrained":
@@ -199,10 +201,117 @@ def test_generate_matches_unsharded_model(world_size, tmp_path):
     )
 
 
+# -- zeroshard.inference.shard, config-free, against the DeepSpeed-shaped path --------------------------
+BITS = {"fp32": None, "int8": 8, "int4": 4, "int4-packed": 4}
+
+
+def _plain_options(store: str, swap: str, weights: str) -> dict:
+    """zeroshard.inference.shard's arguments for what `_deepspeed_config` says."""
+    import zeroshard.inference as zi
+
+    bits = BITS[weights]
+    return {
+        "offload": zeroshard.CPUOffload(params=True) if store == "cpu" else zeroshard.NVMeOffload(swap),
+        "quantize": None if bits is None else zi.QuantSpec(bits, 32),
+        "packed_matmul": weights == "int4-packed",
+    }
+
+
+def _deepspeed_config(store: str, swap: str, weights: str) -> dict:
+    config = inference_config(store, swap)
+    if BITS[weights] is not None:
+        config["weight_quantization"] = {"quantized_initialization": {"num_bits": BITS[weights], "group_size": 32}}
+    config["zeroshard"]["packed_matmul"] = weights == "int4-packed"
+    return config
+
+
+def _entry_point_case(source: str, store: str, weights: str, checkpoint: str, swap: str) -> None:
+    """The same model through zeroshard.inference (plain arguments) and through initialize or compat's
+    from_pretrained (a DeepSpeed config): the same units and bytes, the same logits and tokens, bit for bit."""
+    import zeroshard.inference as zi
+    from zeroshard.compat.inference import from_pretrained
+
+    rank = torch.distributed.get_rank()
+    where = f"{swap}/{source}-{store}-{weights}"
+    if source == "model":
+        plain = zi.shard(build_model("llama", seed=3), **_plain_options(store, f"{where}/plain", weights))
+        engine, *_ = zeroshard.initialize(
+            model=build_model("llama", seed=3), config=_deepspeed_config(store, f"{where}/ds", weights)
+        )
+    else:
+        plain = zi.from_pretrained(checkpoint, **_plain_options(store, f"{where}/plain", weights))
+        engine = from_pretrained(checkpoint, _deepspeed_config(store, f"{where}/ds", weights))
+    assert isinstance(plain, zi.InferenceModel) and isinstance(engine, InferenceEngine)
+    assert [u.name for u in plain.units] == [u.name for u in engine.units]
+    assert plain.memory_report() == engine.memory_report(), (plain.memory_report(), engine.memory_report())
+    assert type(plain.placement.param_store) is type(engine.placement.param_store)
+    assert (plain.packed is None) == (engine.inference.packed is None) == (weights != "int4-packed")
+    prompt, _ = prompts(rank)
+    logits = plain(prompt).logits
+    assert torch.equal(logits, engine(prompt).logits), f"rank {rank}: logits differ"
+    if weights == "fp32":
+        assert torch.equal(logits, build_model("llama", seed=3)(prompt).logits), "logits differ from the model's"
+    kwargs = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(plain.generate(prompt, **kwargs), engine.generate(prompt, **kwargs)), f"rank {rank}: tokens"
+    assert plain.gathered_units() == [] and engine.gathered_units() == []
+    plain.destroy()
+    engine.destroy()
+
+
+def _refusals_case() -> None:
+    """Each path refuses in its own terms: plain arguments, or the config's keys."""
+    import zeroshard.inference as zi
+
+    with pytest.raises(ValueError, match=r"shard\(quantize=...\) .* needs shard\(stage=3\) \(got stage 0\)"):
+        zi.shard(build_model("llama"), quantize=zi.QuantSpec(8), stage=0)
+    config = _deepspeed_config("cpu", "", "int8")
+    config["zero_optimization"]["stage"] = 0
+    with pytest.raises(ValueError, match=r"^weight_quantization.quantized_initialization .* zero_optimization.stage 3"):
+        zeroshard.initialize(model=build_model("llama"), config=config)
+    if torch.distributed.get_world_size() > 1:
+        with pytest.raises(ValueError, match=r"shard\(packed_matmul=True\) works on one rank"):
+            zi.shard(build_model("llama"), quantize=zi.QuantSpec(4, 32), packed_matmul=True)
+        with pytest.raises(ValueError, match="^zeroshard.packed_matmul: true works on one rank"):
+            zeroshard.initialize(model=build_model("llama"), config=_deepspeed_config("cpu", "", "int4-packed"))
+    with pytest.raises(ValueError, match=r"places optimizer states, and inference has none: CPUOffload\(params=True\)"):
+        zi.shard(build_model("llama"), offload=zeroshard.CPUOffload())
+    with pytest.raises(TypeError, match=r"shard\(offload='cpu'\): zeroshard.CPUOffload\(params=True\)"):
+        zi.shard(build_model("llama"), offload="cpu")
+
+
+def _entry_point_worker(rank: int, world_size: int, checkpoint: str, swap: str) -> None:
+    cases = grid(source=["model", "pretrained"], store=["cpu", "nvme"], weights=["fp32"])
+    cases += [
+        {"source": "model", "store": "cpu", "weights": "int8"},
+        {"source": "model", "store": "cpu", "weights": "int4"},
+        {"source": "pretrained", "store": "nvme", "weights": "int4"},
+    ]
+    if world_size == 1:
+        cases.append({"source": "model", "store": "cpu", "weights": "int4-packed"})
+    subtests(cases, lambda **case: _entry_point_case(checkpoint=checkpoint, swap=swap, **case))
+    _refusals_case()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_config_free_entry_point_matches_the_deepspeed_path(world_size, tmp_path):
+    """zeroshard.inference.shard / from_pretrained with plain arguments, and initialize / compat's
+    from_pretrained with the DeepSpeed config that says the same: CPU and NVMe stores, fp32, int8,
+    int4 and (one rank) int4 multiplied packed, at 1 and 2 ranks."""
+    build_model("llama", seed=3).save_pretrained(tmp_path / "llama", max_shard_size="20KB")
+    run_distributed(
+        _entry_point_worker,
+        world_size,
+        timeout=300,
+        env=ENV,
+        checkpoint=str(tmp_path / "llama"),
+        swap=str(tmp_path / "swap"),
+    )
+
+
 # -- one process: what an inference engine refuses, and bad checkpoints ----------------------------------
 def _misuse_worker(rank: int, world_size: int, tmp: str) -> None:
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
 
     engine, *_ = zeroshard.initialize(model=build_model("gpt2"), config=inference_config("cpu", ""))
     with pytest.raises(RuntimeError, match="without an optimizer"):
@@ -243,8 +352,8 @@ def test_generate_command(mode, tmp_path):
     prompt = torch.tensor([[5, 6, 7, 8]])
     extra = []
     if mode == "int4+draft":  # int4 weights streamed and multiplied packed, its own 4-bit copy as draft
-        from zeroshard.compat.packed_matmul import PackedMatmuls
-        from zeroshard.core.weight_quant import QuantSpec
+        from zeroshard.inference.packed import PackedMatmuls
+        from zeroshard.inference.quantization import QuantSpec
 
         PackedMatmuls.of_model(model, QuantSpec(4, 32))  # the model the engine computes as
         extra = ["--quant-bits", "4", "--group-size", "32", "--packed-matmul", "--draft", "self"]
@@ -387,7 +496,7 @@ def _meta_engine(kind: str, config: dict) -> InferenceEngine:
     import transformers
 
     from zeroshard.checkpoint.manifest import persistent_buffers
-    from zeroshard.compat.pretrained import materialize_buffers
+    from zeroshard.inference.pretrained import materialize_buffers
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config(kind))

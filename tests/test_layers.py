@@ -1,8 +1,8 @@
 """The layers of the package, read from the source (docs/architecture.md, "Layers").
 
-Imports run one way: tools and integrations -> compat -> checkpoint / offload -> core -> config. A
-module may import its own layer and the layers strictly below it; nothing imports the facade
-(`zeroshard/__init__.py`). Inside a layer too, no module reaches itself through imports. Lazy
+Imports run one way: tools and integrations -> compat -> inference -> checkpoint / offload -> core ->
+config. A module may import its own layer and the layers strictly below it; nothing imports the
+facade (`zeroshard/__init__.py`). Inside a layer too, no module reaches itself through imports. Lazy
 imports inside functions, and type-only ones, count as much as top-level ones.
 
 Notes hold: a note is defined by its heading, such as `[Note: unit states]`, at the start of a line of
@@ -19,7 +19,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "src" / "zeroshard"
 
-RANK = {"version": 0, "config": 0, "core": 1, "offload": 2, "checkpoint": 2, "compat": 3, "integrations": 4, "tools": 4}
+RANK = {
+    "version": 0,
+    "config": 0,
+    "core": 1,
+    "offload": 2,
+    "checkpoint": 2,
+    "inference": 3,
+    "compat": 4,
+    "integrations": 5,
+    "tools": 5,
+}
 
 
 def _layer(module: str) -> str | None:

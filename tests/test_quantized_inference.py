@@ -1,6 +1,6 @@
 """ZeRO-Inference with quantized weights in the store ([Note: quantized weight store] in
-offload/quantized.py) and speculative decoding with a resident draft ([Note: exact speculative
-decoding] in compat/speculative.py), against the unsharded model on gloo at 1 and 2 ranks:
+inference/store.py) and speculative decoding with a resident draft ([Note: exact speculative
+decoding] in inference/speculative.py), against the unsharded model on gloo at 1 and 2 ranks:
   * a store's packing of whole parameters and raw pieces dequantizes to what `quantize` then
     `dequantize` give, at 8 and 4 bits, both forms, odd and even group sizes;
   * an engine loaded from a sharded safetensors checkpoint into an int8 / int4 store (CPU and NVMe)
@@ -10,7 +10,7 @@ decoding] in compat/speculative.py), against the unsharded model on gloo at 1 an
     gives) produces the unsharded model's greedy tokens; sampled tokens follow the target's
     distribution (a chi-square test);
   * a process capped below the fp32 weights loads and generates from int4 weights in memory;
-  * packed matmuls ([Note: packed matmuls] in compat/packed_matmul.py): the int4 kernel's form
+  * packed matmuls ([Note: packed matmuls] in inference/packed.py): the int4 kernel's form
     matches torch's own converter and its dequantization; an engine whose layers multiply packed
     computes the logits and tokens of the unsharded model made to compute the same way, bit for
     bit, and every reader outside the forward sees the dequantized weights.
@@ -31,12 +31,12 @@ import torch
 from tests.harness import TEARDOWN_ABORT, grid, run_distributed, subtests
 from tests.hf_models import ENV
 from tests.inference_helpers import capped_model, hf_config, run_capped
-from zeroshard.core import int4_kernel
-from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize, unpack_codes
-from zeroshard.offload import CPUStore, quantized
-from zeroshard.offload.quantized import QuantizedStore
+from zeroshard.inference import int4, store as quantized
+from zeroshard.inference.quantization import QuantSpec, dequantize, quantize, unpack_codes
+from zeroshard.inference.store import QuantizedStore
+from zeroshard.offload import CPUStore
 
-BLOCK = int4_kernel.kernel_block()
+BLOCK = int4.kernel_block()
 needs_kernel = pytest.mark.skipif(
     BLOCK is None, reason="torch's int4 CPU kernel uses a layout zeroshard does not know on this CPU"
 )
@@ -138,13 +138,13 @@ def test_store_packs_whole_parameters_and_keeps_the_rest_raw(spec, monkeypatch):
 def _kernel_form(q, n: int, k: int, group: int):
     codes = torch.empty(n, k // 2, dtype=torch.uint8)
     scales = torch.empty(k // group, n, 2, dtype=torch.bfloat16)
-    int4_kernel.to_kernel(q, BLOCK, codes, scales)
+    int4.to_kernel(q, BLOCK, codes, scales)
     return codes, scales
 
 
 @needs_kernel
 @pytest.mark.parametrize("spec", [QuantSpec(4, 32), QuantSpec(4, 64, symmetric=True)])
-def test_int4_kernel_form_matches_torchs_converter_and_our_dequantization(spec):
+def test_int4_form_matches_torchs_converter_and_our_dequantization(spec):
     assert BLOCK is not None
     gen = torch.Generator().manual_seed(1)
     n, k = 2 * BLOCK, 4 * spec.group_size
@@ -154,16 +154,16 @@ def test_int4_kernel_form_matches_torchs_converter_and_our_dequantization(spec):
     plain = unpack_codes(q.packed, 4, n * k).view(n, k).to(torch.int32)
     assert torch.equal(codes, torch._convert_weight_to_int4pack_for_cpu(plain, 1))
     values = torch.empty(n, k)
-    int4_kernel.dequantize_kernel(codes, scales, spec.group_size, BLOCK, values)
+    int4.dequantize_kernel(codes, scales, spec.group_size, BLOCK, values)
     # Ours up to the bf16 rounding of the scale and of the zero (m + 8 s): 2^-9 of each, |q - 8| <= 8.
     scale = q.scale.repeat_interleave(spec.group_size, dim=1)
     zero = torch.zeros_like(scale) if q.minimum is None else q.minimum.repeat_interleave(spec.group_size, dim=1)
     bound = (8 * scale + (zero + 8 * scale).abs()) * 2**-8
     assert ((values - dequantize(q)).abs() <= bound).all()
     rows = torch.tensor([[0, BLOCK - 1], [BLOCK // 2, n - 1]])
-    assert torch.equal(int4_kernel.rows(codes, scales, spec.group_size, BLOCK, rows), values[rows])
+    assert torch.equal(int4.rows(codes, scales, spec.group_size, BLOCK, rows), values[rows])
     x = torch.randn(2, 3, k, generator=gen)
-    out = int4_kernel.linear(x, codes, scales, spec.group_size, torch.ones(n))
+    out = int4.linear(x, codes, scales, spec.group_size, torch.ones(n))
     reference = x.to(torch.bfloat16).float() @ values.t() + 1
     assert out.shape == (2, 3, n) and out.dtype == torch.float32
     assert (out - reference).abs().max() <= 2**-7 * reference.abs().max(), "the kernel disagrees with its form"
@@ -190,7 +190,7 @@ def test_store_reads_kernel_pieces_packed_for_compute_and_dequantized_otherwise(
     first = full[: shapes[0].numel()].view(shapes[0])
     codes, scales = _kernel_form(quantize(first, spec), *shapes[0], spec.group_size)
     expected = torch.empty(shapes[0])
-    int4_kernel.dequantize_kernel(codes, scales, spec.group_size, BLOCK, expected)
+    int4.dequantize_kernel(codes, scales, spec.group_size, BLOCK, expected)
     assert torch.equal(dequantized[: shapes[0].numel()].view(shapes[0]), expected)
     rest = full[shapes[0].numel() : shapes[0].numel() + shapes[1].numel()].view(shapes[1])
     assert torch.equal(dequantized[shapes[0].numel() : -8], dequantize(quantize(rest, spec)).reshape(-1))
@@ -218,7 +218,7 @@ def test_tied_embedding_and_head_are_not_packed():
     """A tied weight is read by the embedding by row and by the head as a matrix: left dequantized."""
     import transformers
 
-    from zeroshard.compat.packed_matmul import PackedMatmuls
+    from zeroshard.inference.packed import PackedMatmuls
 
     config = hf_config("llama", 1, 64, 64)
     config.tie_word_embeddings = True
@@ -232,10 +232,10 @@ def test_tied_embedding_and_head_are_not_packed():
 @needs_kernel
 def test_packed_matmul_that_packs_nothing_says_so(caplog):
     """No group gathers in place (bf16 compute, N ranks, another device): the option warns, not silent."""
-    from zeroshard.compat.packed_matmul import PackedMatmuls
+    from zeroshard.inference.packed import PackedMatmuls
 
     store = QuantizedStore(CPUStore(), QuantSpec(4, 32), kernel=True)
-    with caplog.at_level("WARNING", logger="zeroshard.compat.packed_matmul"):
+    with caplog.at_level("WARNING", logger="zeroshard.inference.packed"):
         assert PackedMatmuls(_model(seed=3), [], store).layers == []
     assert "no layer reads its weights packed" in caplog.text
     store.destroy()
@@ -243,7 +243,7 @@ def test_packed_matmul_that_packs_nothing_says_so(caplog):
 
 # -- engines at 1 and 2 ranks ---------------------------------------------------------------------------
 def _quantized_case(store: str, bits: int, checkpoint: str, swap: str) -> None:
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
 
     rank = torch.distributed.get_rank()
     spec = QuantSpec(bits, 32 if bits == 4 else 64, 1, bits == 8)  # int8 symmetric, int4 with minimums
@@ -279,8 +279,8 @@ def _quantized_case(store: str, bits: int, checkpoint: str, swap: str) -> None:
 
 
 def _speculative_case(store: str, draft: str, checkpoint: str, swap: str) -> None:
-    from zeroshard.compat.pretrained import from_pretrained
-    from zeroshard.compat.speculative import PassCounter, resident_draft
+    from zeroshard.compat.inference import from_pretrained
+    from zeroshard.inference import PassCounter, resident_draft
 
     rank = torch.distributed.get_rank()
     model = _model(seed=3)
@@ -288,7 +288,7 @@ def _speculative_case(store: str, draft: str, checkpoint: str, swap: str) -> Non
     assistant = resident_draft(checkpoint, num_bits=4, group_size=32) if draft == "self" else _model(seed=5, layers=1)
     if draft == "self":
         assert assistant.world_size == 1 and isinstance(assistant.placement.param_store, QuantizedStore)
-        assert BLOCK is None or assistant._packed.layers, "a resident 4-bit draft multiplies packed by default"
+        assert BLOCK is None or assistant.packed.layers, "a resident 4-bit draft multiplies packed by default"
     new = 12 - 4 * rank  # rank 0 runs on alone at the end (synced_gpus)
     prompt = torch.randint(2, VOCAB, (1, 4), generator=torch.Generator().manual_seed(20 + rank))
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
@@ -306,22 +306,22 @@ def _packed_case(store: str, checkpoint: str, swap: str) -> None:
     """One rank: layers multiplying by the packed weights compute the unsharded model's logits when it
     computes the same way (`PackedMatmuls.of_model`), bit for bit. With the NVMe store every Linear
     and the embedding are units of their own, read packed whole: their masters get no fp32 storage."""
-    from zeroshard.compat import packed_matmul
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
+    from zeroshard.inference.packed import _WEIGHTS, PackedMatmuls
 
     spec = QuantSpec(4, 32)
     oracle = _model(seed=3, vocab=64)
-    expected = packed_matmul.PackedMatmuls.of_model(oracle, spec)
+    expected = PackedMatmuls.of_model(oracle, spec)
     config = _config(store, f"{swap}/p-{store}", spec)
     config["zeroshard"]["packed_matmul"] = True
     alone = store == "nvme"
     if alone:
         config["zeroshard"]["wrap_modules"] = ["LlamaDecoderLayer", "Embedding", "Linear"]
     engine = from_pretrained(checkpoint, config)
-    assert engine._packed is not None
+    assert engine.inference.packed is not None
     seen: list[int] = []
     engine.module.lm_head.register_forward_pre_hook(lambda m, a: seen.append(m.weight.untyped_storage().nbytes()))
-    packed = sorted(type(m).__name__ for m, _ in engine._packed.layers)
+    packed = sorted(type(m).__name__ for m, _ in engine.inference.packed.layers)
     assert packed == sorted(type(m).__name__ for m, _ in expected.layers), packed
     assert "PackedEmbedding" in packed and "PackedLinear" in packed
     # The embedding and 15 Linears; the 4 k/v projections have 32 rows, whole kernel blocks where the
@@ -336,9 +336,9 @@ def _packed_case(store: str, checkpoint: str, swap: str) -> None:
     layer = engine.module.model.layers[1].mlp.down_proj
     with engine.gathered_parameters([layer.weight]):
         got = layer.weight.detach().clone()
-    codes, scales = packed_matmul._WEIGHTS[oracle.model.layers[1].mlp.down_proj].views()
+    codes, scales = _WEIGHTS[oracle.model.layers[1].mlp.down_proj].views()
     want = torch.empty(got.shape)
-    int4_kernel.dequantize_kernel(codes, scales, spec.group_size, BLOCK, want)
+    int4.dequantize_kernel(codes, scales, spec.group_size, BLOCK, want)
     assert torch.equal(got, want)
     engine.destroy()
     assert not [m for m in engine.module.modules() if type(m).__name__.startswith("Packed")]
@@ -356,7 +356,7 @@ def _worker(rank: int, world_size: int, checkpoint: str, swap: str, packed_check
         config = _config("cpu", swap, QuantSpec(4, 32))
         config["zeroshard"]["packed_matmul"] = True
         with pytest.raises(ValueError, match="packed_matmul: true works on one rank"):
-            from zeroshard.compat.pretrained import from_pretrained
+            from zeroshard.compat.inference import from_pretrained
 
             from_pretrained(checkpoint, config)
     subtests(
@@ -401,7 +401,8 @@ def test_speculative_sampling_keeps_the_targets_distribution(tmp_path):
 
 
 def _sample_pairs(tmp_path) -> None:
-    from zeroshard.compat.pretrained import from_pretrained, init_one_rank
+    from zeroshard.compat.inference import from_pretrained
+    from zeroshard.inference.pretrained import init_one_rank
 
     init_one_rank()
     vocab = 6
@@ -473,7 +474,7 @@ def _checkpoint_worker(rank: int, world_size: int, root: str) -> None:
     oracle.load_state_dict(trained, strict=False)
     oracle = _fake_quantized(oracle, QuantSpec(8, 64))
     from zeroshard.checkpoint.manifest import persistent_buffers
-    from zeroshard.compat.pretrained import materialize_buffers
+    from zeroshard.inference.pretrained import materialize_buffers
 
     with torch.device("meta"):
         empty = _model(seed=4)

@@ -1,4 +1,4 @@
-"""[Note: group-wise weight quantization] (zeroshard/core/weight_quant.py): packing round trips at 8 and 4
+"""[Note: group-wise weight quantization] (zeroshard/inference/quantization.py): packing round trips at 8 and 4
 bits, odd sizes and every group size; dequantized values within the rounding bound; the spec's keys
 validated by name."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zeroshard.core.weight_quant import QuantSpec, _pack, dequantize, error_bound, quantize, unpack_codes
+from zeroshard.inference.quantization import QuantSpec, _pack, dequantize, error_bound, quantize, unpack_codes
 
 
 @pytest.mark.parametrize("bits", [8, 4])

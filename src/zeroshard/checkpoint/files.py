@@ -231,7 +231,7 @@ class SafetensorsReader:
         if not 0 <= lo <= hi <= math.prod(shape):
             raise IndexError(f"{self.path}: elements [{lo}, {hi}) outside tensor '{name}' {list(shape)}")
         # The tensor's memory through ctypes, not numpy: numpy() would mark its storage not resizable
-        # for good, and the quantized store frees a master's storage between uses (offload/quantized.py).
+        # for good, and the quantized store frees a master's storage between uses (inference/store.py).
         nbytes = out.numel() * out.element_size()
         buffer = (
             memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B") if nbytes else memoryview(b"")

@@ -1,5 +1,5 @@
 """The module weights of a training checkpoint (zeroshard's, or one DeepSpeed wrote) into an engine
-that has no optimizer (ZeRO-Inference: `InferenceEngine.load_checkpoint`), streamed group by group.
+that has no optimizer (ZeRO-Inference: `InferenceModel.load_checkpoint`), streamed group by group.
 
 `load_checkpoint` (load.py) reads every state of a rank into new tensors before it changes anything
 ([Note: a failed load changes nothing]): a copy of this rank's shards beside the engine's, which an

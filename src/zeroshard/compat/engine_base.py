@@ -18,6 +18,7 @@ from torch import nn
 
 from zeroshard.checkpoint.manifest import MANIFEST, rank_file
 from zeroshard.compat.accelerator import get_accelerator
+from zeroshard.inference import generate as generation
 
 if TYPE_CHECKING:
     from zeroshard.core.optim.optimizer import ZeroOptimizer
@@ -103,23 +104,10 @@ class EngineBase(nn.Module):
 
     # -- generation -------------------------------------------------------------------------------------
     def generate(self, *args, **kwargs):
-        """`engine.module.generate(...)` under `torch.no_grad()`, safe on a stage-3 model of several ranks.
-        The config's `zeroshard.generate_gather` says how stage 3 gathers: "units", each unit for each
-        forward (then `synced_gpus` defaults to True on several ranks, so that a rank whose sequences
-        end first keeps running the forwards, collectives, the others need: transformers turns it on
-        only for DeepSpeed and FSDP), or "whole", the whole model once for the call
-        (`Sharded.gathered_model`), which needs no collective per token. Nothing stays gathered
-        afterwards, even on error. The train/eval mode is left as it is."""
-        sharded = self.sharded
-        whole = self.policy.shard_parameters and self.config.zeroshard.generate_gather == "whole"
-        if self.policy.shard_parameters and self.world_size > 1 and not whole:
-            kwargs.setdefault("synced_gpus", True)
-        try:
-            with torch.no_grad(), sharded.gathered_model() if whole else contextlib.nullcontext():
-                return self.module.generate(*args, **kwargs)
-        finally:
-            for unit in self.units:  # a forward that raised may have left its unit gathered
-                unit.reshard()
+        """`engine.module.generate(...)` under `torch.no_grad()`, safe on a stage-3 model of several ranks,
+        gathering as the config's `zeroshard.generate_gather` says (`zeroshard.inference.generate`).
+        Nothing stays gathered afterwards, even on error. The train/eval mode is left as it is."""
+        return generation.generate(self.sharded, *args, gather=self.config.zeroshard.generate_gather, **kwargs)
 
     # -- batch sizes, the optimizer -------------------------------------------------------------------
     def gradient_accumulation_steps(self) -> int:

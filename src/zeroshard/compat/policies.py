@@ -27,6 +27,10 @@ CONFIG_NAMES = {
     "GatheringPolicy.reuse_distance": "zero_optimization.stage3_max_reuse_distance",
     'on_failed_update="copy"': 'zeroshard.transactional_step: "copy"',
     "CommunicationPolicy(check_collectives=True)": "zeroshard.check_collectives: true",
+    # zeroshard.inference.shard's arguments (compat/inference.py)
+    "shard(packed_matmul=True)": "zeroshard.packed_matmul: true",
+    "shard(quantize=...)": "weight_quantization.quantized_initialization",
+    "shard(stage=3)": "zero_optimization.stage 3",
 }
 _NAMES = re.compile("|".join(re.escape(name) for name in sorted(CONFIG_NAMES, key=len, reverse=True)))
 

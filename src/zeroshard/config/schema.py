@@ -490,7 +490,7 @@ class ActivationCheckpointingConfig(Section):
 class QuantizedInitConfig(Section):
     """``weight_quantization.quantized_initialization``: ZeRO-Inference's weights quantized while
     they are loaded and kept packed in the parameter store ([Note: quantized weight store] in
-    offload/quantized.py). Every parameter of two or more dimensions (the weights of Linear and
+    inference/store.py). Every parameter of two or more dimensions (the weights of Linear and
     Embedding layers) is quantized group-wise; vectors (norms, biases) stay fp32. Every parameter
     lives in the store then (``stage3_param_persistence_threshold`` is not acted on)."""
 
@@ -580,4 +580,4 @@ class ZeroShardExtConfig(Section):
     through torch's int4 CPU kernel, and each ``nn.Embedding`` dequantizes only the rows it looks
     up, instead of dequantizing the whole matrix to fp32 first. Activations go through bf16 in those
     matmuls, so tokens are close to, not equal to, the dequantized model's ([Note: packed matmuls]
-    in compat/packed_matmul.py). A 4-bit resident draft (compat/speculative.py) does this by default."""
+    in inference/packed.py). A 4-bit resident draft (inference/speculative.py) does this by default."""

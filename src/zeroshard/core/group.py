@@ -23,7 +23,7 @@ device, which is what its all-gathers read.
 
 [Note: deferred values]
 Parameters on the meta device have shapes and no values: a model built under `torch.device("meta")`
-so that it is never materialised in full (ZeRO-Inference loading, compat/inference.py). Their group
+so that it is never materialised in full (ZeRO-Inference loading, inference/pretrained.py). Their group
 allocates its buffers on the compute device (`device`) zero filled, each parameter becomes (in place,
 `torch.utils.swap_tensors`, so modules and ties keep the same objects) an empty tensor of that device
 whose `.data` the group re-points as for any other parameter, and whoever built the model writes
@@ -126,7 +126,7 @@ class FlatGroup:
         # copies): then it never gathers in place ([Note: gathering in place at one rank] in unit.py).
         self.gather_must_copy = False
         # Set by an inference engine whose Linear layers read some of this group's weights packed from
-        # a quantized store ([Note: packed matmuls] in compat/packed_matmul.py).
+        # a quantized store ([Note: packed matmuls] in inference/packed.py).
         self.packed_reads = False
         if deferred:
             for param in params:
@@ -222,7 +222,7 @@ class FlatGroup:
         assert full is not None  # gathered, or given
         if self.packed_reads and full.numel() and not full.untyped_storage().nbytes():
             # Every weight here is read packed from the store, which gave the master no fp32 storage:
-            # the parameters keep their shapes over one zero ([Note: packed matmuls] in compat/packed_matmul.py).
+            # the parameters keep their shapes over one zero ([Note: packed matmuls] in inference/packed.py).
             zero = torch.zeros(1, dtype=full.dtype, device=full.device)
             views = [zero.expand(slot.shape) for slot in self.layout.slots]
         else:
@@ -280,7 +280,7 @@ class FlatGroup:
         """The unshard of a group that gathers in place: ask the store for the master's pages (the
         read runs ahead of use, while earlier units compute) and use the master as the buffer.
         `for_compute`: for a forward, which may read packed weights in place of some of the values
-        (`packed_reads`: [Note: packed matmuls] in compat/packed_matmul.py)."""
+        (`packed_reads`: [Note: packed matmuls] in inference/packed.py)."""
         if self.master_store is not None and for_compute and self.packed_reads:
             self.master_store.prefetch_for_compute([self.master])
         elif self.master_store is not None:
@@ -311,7 +311,7 @@ class FlatGroup:
 
     def open_master(self) -> None:
         """Before writing the master outside a step: a store that frees a released tensor's storage
-        (the quantized store, offload/quantized.py) brings its values back."""
+        (the quantized store, inference/store.py) brings its values back."""
         if self.master_store is not None and self.master.numel() and not self.master.untyped_storage().nbytes():
             self.master_store.stage([self.master])
             self.master_store.ready([self.master])

@@ -32,7 +32,7 @@ class Store(Protocol):
 
     def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
         """A new zero-filled 1-D tensor that lives in this store. `pieces`: (offset, shape) of the
-        whole parameters laid out in it, for a store that packs them by shape (offload/quantized.py);
+        whole parameters laid out in it, for a store that packs them by shape (inference/store.py);
         others ignore it. A store may free a released tensor's storage (that one does): a writer
         outside a step calls `stage` and `ready` first."""
 
@@ -50,7 +50,7 @@ class Store(Protocol):
 
     def held_bytes(self, tensor: torch.Tensor) -> int:
         """Bytes of this process's memory `tensor` takes at rest: its size, 0 for a tensor whose
-        bytes live in a file, its packed size for a store that packs (offload/quantized.py). Used
+        bytes live in a file, its packed size for a store that packs (inference/store.py). Used
         by the memory report."""
 
     def prefetch(self, tensors) -> None:

@@ -15,7 +15,7 @@ Runtime knobs are methods: `set_gradient_clipping`, `set_loss_scaler` (fp16),
 `set_requires_gradient_sync` (accumulate without reducing at stages 0/1, as DDP's no_sync) and
 `set_gradient_scale`. The DeepSpeed engine (compat/engine.py) is this object plus a config,
 accessors, gradient accumulation counters and checkpoints. With `optimizer=None` (ZeRO-Inference,
-compat/inference.py) nothing is trainable: no gradient buffers, no optimizer state, and at stage 3
+inference/sharded.py) nothing is trainable: no gradient buffers, no optimizer state, and at stage 3
 the parameter shards are the only copy of the weights.
 """
 
@@ -170,7 +170,7 @@ class Sharded:
     ):
         """`whole_parameters`: the frozen parameters' resharding groups too are laid out whole, with
         uneven slices (the quantized weight store packs whole rows: [Note: quantized weight store]
-        in offload/quantized.py)."""
+        in inference/store.py)."""
         self.module = model
         self.model_parallel = model_parallel
         # The sp group inside `comm`'s ranks: [Note: Ulysses sequence parallelism] in core/sequence.py

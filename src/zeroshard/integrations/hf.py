@@ -22,11 +22,12 @@ from transformers.trainer import SCHEDULER_NAME
 
 from zeroshard.checkpoint import full_state_dict
 from zeroshard.compat.api import initialize
-from zeroshard.compat.pretrained import from_pretrained, meta_model
+from zeroshard.compat.inference import from_pretrained
 from zeroshard.compat.ulysses_sp import UlyssesSPDataLoaderAdapter
 from zeroshard.config import ConfigError, read_config
 from zeroshard.core.unit import UnitState
 from zeroshard.core.wrap import block_classes
+from zeroshard.inference.pretrained import meta_model
 from zeroshard.integrations.hf_config import trainer_config
 from zeroshard.integrations.hf_deepspeed import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
@@ -424,7 +425,7 @@ def _reference_from_directory(trainer_class: type, config, kwargs: dict):
     """The frozen stage-3 engine of a reference model that `trainer_class` (a trainer taking
     `ref_model`: TRL's DPO, KTO) would load whole with `from_pretrained` (no `ref_model` given, no
     PEFT, no precomputed reference log-probabilities), built straight from the policy's local
-    directory with each rank reading only its shards (compat/pretrained.py); None where that does
+    directory with each rank reading only its shards (inference/pretrained.py); None where that does
     not apply (then `_shard_frozen_models` shards what the trainer loaded)."""
     model, args = kwargs.get("model"), kwargs.get("args")
     if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model) or args is None:

@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass
 
 from zeroshard.core.placement import OffloadContext, Placement
+from zeroshard.offload.blockio import MODES, IOPool
+from zeroshard.offload.split import ResidentFirstStore
 from zeroshard.offload.store import CPUStore, NVMeStore
 
 
@@ -82,25 +84,40 @@ class CPUOffload:
 class NVMeOffload:
     """States in memory-mapped files under `path`, one directory per rank: the optimizer's
     (`optimizer=True`: states, fp32 masters, fp32 gradient shards) and stage 3's parameter shards
-    (`params=True`). What is not offloaded stays where it is computed.
+    (`params=True`; ZeRO-Inference's weights). What is not offloaded stays where it is computed.
 
-    `threads`: threads writing released tensors back (DeepSpeed's `aio.thread_count`).
-    `sub_group_size`: elements per optimizer sub-step ([Note: streamed step] in core/optim/streamed.py).
-    Before any file is made, the free space under `path` is checked against the rank's share."""
+    `max_in_cpu`: the first parameter shards, in module order, up to that many elements stay in host
+    memory (page-locked with `pin_memory` where a GPU exists) and the rest stream from the files
+    (offload/split.py). `io`: how the files are read, "direct", "buffered" or "mapped"
+    (offload/blockio.py); None: "direct" for inference (no optimizer), which reads every weight once
+    per forward, "mapped" for training. `threads`: threads writing released tensors back
+    (DeepSpeed's `aio.thread_count`). `sub_group_size`: elements per optimizer sub-step ([Note:
+    streamed step] in core/optim/streamed.py). Before any file is made, the free space under `path`
+    is checked against the rank's share."""
 
     path: str | os.PathLike
     optimizer: bool = True
     params: bool = True
+    max_in_cpu: int | None = None
+    pin_memory: bool = True
+    io: str | None = None
     threads: int = 1
     sub_group_size: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
             raise ValueError(f"NVMeOffload.path={self.path!r}: a directory (str or path)")
-        _check_bool("NVMeOffload", "optimizer", self.optimizer)
-        _check_bool("NVMeOffload", "params", self.params)
+        for name in ("optimizer", "params", "pin_memory"):
+            _check_bool("NVMeOffload", name, getattr(self, name))
         if not (self.optimizer or self.params):
             raise ValueError("NVMeOffload(optimizer=False, params=False) offloads nothing: set one, or pass no offload")
+        if self.max_in_cpu is not None:
+            if isinstance(self.max_in_cpu, bool) or not isinstance(self.max_in_cpu, int) or self.max_in_cpu < 0:
+                raise ValueError(f"NVMeOffload.max_in_cpu={self.max_in_cpu!r}: elements, an int >= 0, or None")
+            if not self.params:
+                raise ValueError("NVMeOffload.max_in_cpu keeps parameter shards in memory: it needs params=True")
+        if self.io is not None and self.io not in MODES:
+            raise ValueError(f"NVMeOffload.io={self.io!r}: one of {', '.join(map(repr, MODES))}, or None")
         _check_positive_int("NVMeOffload", "threads", self.threads)
         _check_positive_int("NVMeOffload", "sub_group_size", self.sub_group_size)
 
@@ -115,10 +132,16 @@ class NVMeOffload:
         needed = (optimizer_shard_bytes(context) if offload_optimizer else 0) + (
             param_shard_bytes(context) if self.params else 0
         )
+        io = self.io or ("mapped" if context.optimizer is not None else "direct")
         # One store (one directory) for everything this rank offloads, as when a config names the
         # same nvme_path for both sections.
-        store = NVMeStore(self.path, context.rank, needed, threads=self.threads, coordinate=context.coordinate)
+        store = NVMeStore(
+            self.path, context.rank, needed, threads=self.threads, coordinate=context.coordinate, io=IOPool(mode=io)
+        )
         plan = Placement(sub_group_size=self.sub_group_size)
         plan.optimizer_store = store if offload_optimizer else None
         plan.param_store = store if self.params else None
+        if self.params and self.max_in_cpu is not None:
+            cpu = CPUStore(pin_memory=self.pin_memory)
+            plan.param_store = ResidentFirstStore(cpu, store, self.max_in_cpu, owns_nvme=not offload_optimizer)
         return plan

@@ -157,7 +157,7 @@ def _draft(args: argparse.Namespace):
         return None
     if args.batch_size != 1:
         raise CommandError(f"--draft decodes one sequence at a time: --batch-size must be 1, got {args.batch_size}")
-    from zeroshard.compat.speculative import resident_draft
+    from zeroshard.inference import resident_draft
 
     if args.draft == "self":
         return resident_draft(args.model, num_bits=4, group_size=args.group_size)
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from zeroshard.checkpoint import CheckpointError
-    from zeroshard.compat.pretrained import from_pretrained
+    from zeroshard.compat.inference import from_pretrained
 
     config = build_config(args)
     prompt, tokenizer = _prompt_ids(args)
@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"prompt ids must lie in [0, {vocab}) for this model, got {prompt[0].tolist()}")
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, attention_mask=torch.ones_like(prompt))
     kwargs.update({k: v for k, v in (("temperature", args.temperature), ("top_k", args.top_k)) if v is not None})
-    from zeroshard.compat.speculative import PassCounter, speculation_report
+    from zeroshard.inference import PassCounter, speculation_report
 
     draft = _draft(args)
     passes = PassCounter(engine.module)
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         "ranks": engine.world_size,
         "store": config["zero_optimization"]["offload_param"]["device"],
         "quant_bits": args.quant_bits,
-        "packed_layers": len(engine._packed.layers) if engine._packed is not None else 0,
+        "packed_layers": len(engine.inference.packed.layers) if engine.inference.packed is not None else 0,
     }
     if proposals is not None:
         report["speculation"] = speculation_report(new, passes.passes, proposals.passes)

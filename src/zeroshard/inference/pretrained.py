@@ -1,8 +1,7 @@
 """A Hugging Face checkpoint straight into the ZeRO-Inference store, never materialising the model.
 
-    engine = zeroshard.compat.pretrained.from_pretrained("path/to/model", config={"zero_optimization": {
-        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/local_nvme"}}})
-    tokens = engine.module.generate(input_ids, max_new_tokens=32)
+    model = zeroshard.inference.from_pretrained("path/to/model", offload=zeroshard.NVMeOffload("/local_nvme"))
+    tokens = model.generate(input_ids, max_new_tokens=32)
 
 The model is built on the meta device (shapes, no storage), so its parameters have no values
 ([Note: deferred values] in core/group.py): each flat group allocates only this rank's shard, in
@@ -17,6 +16,7 @@ by the model's own initialisation, persistent ones are read from the checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -26,9 +26,7 @@ from torch import nn
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import persistent_buffers
 from zeroshard.checkpoint.weights import INDEX
-from zeroshard.compat.comm import init_distributed
-from zeroshard.compat.inference import InferenceEngine
-from zeroshard.config import load_config
+from zeroshard.inference.sharded import InferenceModel, shard
 
 log = logging.getLogger(__name__)
 
@@ -98,42 +96,34 @@ def materialize_buffers(model: nn.Module, persistent: dict[str, torch.Tensor]) -
 
 
 def init_one_rank() -> None:
-    """torch.distributed as torchrun set it up, or else one rank of gloo in this process (the common
-    case of inference: `python script.py` / `zeroshard generate` without a launcher)."""
+    """One rank of gloo in this process when torch.distributed is not initialised (the common case of
+    inference: `python script.py` without a launcher). Under a launcher (torchrun sets RANK and
+    WORLD_SIZE) the process group is the launcher's: initialise it first, with
+    `zeroshard.init_distributed()` or `torch.distributed.init_process_group()`."""
     if dist.is_initialized():
         return
-    import os
-
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
-        init_distributed()
-        return
+        raise RuntimeError(
+            "RANK / WORLD_SIZE are set (a launcher such as torchrun started this process) but torch.distributed "
+            "is not initialised: call zeroshard.init_distributed() or torch.distributed.init_process_group() first"
+        )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def from_pretrained(path, config=None, *, model_class=None, strict: bool = True) -> InferenceEngine:
-    """An InferenceEngine over the Hugging Face checkpoint directory `path`, its weights loaded
-    straight into the store of `config` (a DeepSpeed config: dict or JSON path; default stage 3,
-    weights in CPU memory). `model_class` defaults to AutoModelForCausalLM. Collective: every rank
-    calls it; each reads only its own shards."""
+def from_pretrained(path, *, model_class=None, strict: bool = True, **options) -> InferenceModel:
+    """The Hugging Face checkpoint directory `path` as an `InferenceModel`, its weights loaded straight
+    into the store: `options` are `shard()`'s (`offload`, `quantize`, `packed_matmul`, `precision`,
+    ...; by default the shards stay in compute memory). `model_class` defaults to
+    AutoModelForCausalLM. Collective: every rank calls it; each reads only its own shards."""
     source = weights_source(path)
     init_one_rank()
-    cfg = load_config(
-        config if config is not None else {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
-        dist.get_world_size(),
-    )
-    if cfg.optimizer is not None or cfg.scheduler is not None:
-        raise ValueError(
-            "from_pretrained builds an inference engine: remove the config's 'optimizer' and "
-            "'scheduler' sections (train with zeroshard.initialize(..., optimizer=...))"
-        )
-    model = meta_model(path, model_class)
-    engine = InferenceEngine(model, cfg)
-    engine.load_weights(source, strict=strict)
+    model = shard(meta_model(path, model_class), **options)
+    model.load_weights(source, strict=strict)
     log.info(
         "loaded %s into the %s store: %.1f MB of shards on rank %d",
         source,
-        getattr(engine.placement.param_store, "kind", "compute-memory"),
-        sum(g.master.numel() * 4 for g in engine.groups) / 1e6,
-        engine.global_rank,
+        getattr(model.placement.param_store, "kind", "compute-memory"),
+        sum(g.master.numel() * 4 for g in model.groups) / 1e6,
+        model.rank,
     )
-    return engine
+    return model

@@ -1,22 +1,22 @@
-"""Linear layers of an inference engine that multiply by their 4-bit weights as stored, packed
+"""Linear layers of an inference model that multiply by their 4-bit weights as stored, packed
 (and embeddings that look their rows up in them).
 
 [Note: packed matmuls]
 With 4-bit weights in the store, a ZeRO-Inference token on 2 cores spent more time dequantizing
-every matrix into fp32 (0.23 s for a 2.1 GB model, docs/bench/dequantize.txt) than its forward
-took, on the same cores. `zeroshard.packed_matmul` removes that step: the store lays each eligible
-Linear weight out in the form torch's int4 CPU kernel reads ([Note: the int4 kernel's layout] in
-core/int4_kernel.py), and the layer computes x @ W^T from those bytes in the store's blob; an
-embedding dequantizes only the rows it looks up (the values the whole matrix dequantized would
-have). Eligible: an `nn.Linear`, or an `nn.Embedding` without max_norm (exactly those classes; a
-subclass may compute otherwise), whose weight belongs to no other module (a tied LM head shares
-the embedding's) and sits in a group that gathers
-in place (one rank, frozen, fp32 on the CPU: [Note: gathering in place at one rank] in
-core/unit.py); at N ranks other ranks' weights arrive as fp32 over the all-gather.
+every matrix into fp32 (0.23 s for a 2.1 GB model, docs/bench/dequantize.txt) than its forward took,
+on the same cores. `shard(packed_matmul=True)` (a config's `zeroshard.packed_matmul`) removes that
+step: the store lays each eligible Linear weight out in the form torch's int4 CPU kernel reads
+([Note: the int4 kernel's layout] in inference/int4.py), and the layer computes x @ W^T from those
+bytes in the store's blob; an embedding dequantizes only the rows it looks up (the values the whole
+matrix dequantized would have). Eligible: an `nn.Linear`, or an `nn.Embedding` without max_norm
+(exactly those classes; a subclass may compute otherwise), whose weight belongs to no other module
+(a tied LM head shares the embedding's) and sits in a group that gathers in place (one rank, frozen,
+fp32 on the CPU: [Note: gathering in place at one rank] in core/unit.py); at N ranks other ranks'
+weights arrive as fp32 over the all-gather.
 
 Each such layer's class becomes a subclass of its own (`isinstance(layer, nn.Linear)` holds; its
 hooks and attributes stay), whose forward asks this module's registry for the layer's
-`PackedWeight` (offload/quantized.py); the engine's `destroy` gives every layer its class back.
+`PackedWeight` (inference/store.py); the model's `destroy` gives every layer its class back.
 The forward gather of a unit (`prefetch_for_compute`) skips dequantizing those weights, so their
 parameter views hold stale values during the forward, and a unit whose every weight is read this way
 gets no fp32 storage at all (its parameters keep their shapes over a single zero: FlatGroup.
@@ -29,7 +29,7 @@ The arithmetic differs from the dequantized model's: activations enter the matmu
 result returns through bf16 (the kernel's only fast path), and the scales and zeros are bf16. Tokens
 are therefore close to, not equal to, those of the model dequantized to fp32; the perplexity this
 costs is measured in docs/bench/quantized_quality.txt. It is opt-in for the model a user generates
-with, and the default for a resident draft (compat/speculative.py), whose proposals are checked by
+with, and the default for a resident draft (inference/speculative.py), whose proposals are checked by
 the target model and so never change the output.
 """
 
@@ -43,14 +43,14 @@ import torch
 from torch import nn
 
 from zeroshard.checkpoint.manifest import model_aliases
-from zeroshard.core import int4_kernel
-from zeroshard.core.weight_quant import QuantSpec, dequantize, quantize
+from zeroshard.inference import int4
+from zeroshard.inference.quantization import QuantSpec, dequantize, quantize
 
 log = logging.getLogger(__name__)
 
 
 class Packed(Protocol):
-    """A weight in the kernel's form: `PackedWeight` (offload/quantized.py) or `_InMemory`."""
+    """A weight in the kernel's form: `PackedWeight` (inference/store.py) or `_InMemory`."""
 
     group_size: int
     block: int | None
@@ -68,7 +68,7 @@ class _PackedLinear:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         weight = _WEIGHTS[self]  # type: ignore[index]
         codes, scales = weight.views()
-        return int4_kernel.linear(input, codes, scales, weight.group_size, self.bias)  # type: ignore[attr-defined]
+        return int4.linear(input, codes, scales, weight.group_size, self.bias)  # type: ignore[attr-defined]
 
 
 class _PackedEmbedding:
@@ -78,7 +78,7 @@ class _PackedEmbedding:
         weight = _WEIGHTS[self]  # type: ignore[index]
         codes, scales = weight.views()
         assert weight.block is not None  # only weights in the kernel's layout are packed
-        return int4_kernel.rows(codes, scales, weight.group_size, weight.block, input)
+        return int4.rows(codes, scales, weight.group_size, weight.block, input)
 
 
 def _packed_class(cls: type) -> type:
@@ -109,7 +109,7 @@ class _InMemory:
         self.block: int | None = block
         self.codes = torch.empty(n, k // 2, dtype=torch.uint8)
         self.scales = torch.empty(k // spec.group_size, n, 2, dtype=torch.bfloat16)
-        int4_kernel.to_kernel(quantize(weight.detach().float(), spec), block, self.codes, self.scales)
+        int4.to_kernel(quantize(weight.detach().float(), spec), block, self.codes, self.scales)
         self.group_size = spec.group_size
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +117,7 @@ class _InMemory:
 
 
 class PackedMatmuls:
-    """The layers of one engine that multiply packed ([Note: packed matmuls])."""
+    """The layers of one inference model that multiply packed ([Note: packed matmuls])."""
 
     def __init__(self, model: nn.Module, groups, store):
         self.layers: list[tuple[nn.Module, type]] = []
@@ -156,18 +156,18 @@ class PackedMatmuls:
 
     @classmethod
     def of_model(cls, model: nn.Module, spec: QuantSpec) -> PackedMatmuls:
-        """An ordinary model in memory made to compute as an engine with `packed_matmul` and `spec`
+        """An ordinary model in memory made to compute as an inference model with `packed_matmul` and `spec`
         does (the oracle of the tests and benchmarks): the same layers read their weights quantized
         into the kernel's form, and every other parameter of two or more dimensions is replaced by
         its quantized-then-dequantized values, as the store keeps it."""
         self = cls.__new__(cls)
         self.layers = []
-        block = int4_kernel.kernel_block()
+        block = int4.kernel_block()
         tied = _tied(model)
         packed: set[int] = set()
         for module in list(model.modules()):
             weight = module._parameters.get("weight") if _eligible(module) else None
-            if weight is not None and id(weight) not in tied and int4_kernel.eligible(weight.shape, spec, block):
+            if weight is not None and id(weight) not in tied and int4.eligible(weight.shape, spec, block):
                 assert block is not None
                 self._swap(module, _InMemory(weight, spec, block))
                 packed.add(id(weight))

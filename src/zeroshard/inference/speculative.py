@@ -1,9 +1,9 @@
 """Speculative decoding for ZeRO-Inference: a draft kept in memory proposes tokens, the streamed
 model checks them all in one pass over its weights.
 
-    engine = from_pretrained("path/to/model", config)            # weights streamed from NVMe
+    model = from_pretrained("path/to/model", offload=zeroshard.NVMeOffload("/local_nvme"))   # weights streamed
     draft = resident_draft("path/to/model", num_bits=4)          # its own 4-bit copy, in memory
-    tokens = engine.generate(input_ids, assistant_model=draft, max_new_tokens=64)
+    tokens = model.generate(input_ids, assistant_model=draft, max_new_tokens=64)
 
 or any small model of the same vocabulary as `assistant_model` (transformers' own argument).
 
@@ -19,11 +19,11 @@ norm(max(0, p - q)), which leaves the output distributed exactly as the target's
 the draft changes how many passes the weights are read in, never what comes out.
 
 The draft here is the same checkpoint quantized group-wise ([Note: quantized weight store] in
-offload/quantized.py), held whole by every rank in memory (int4 with groups of 64: 0.16 of the fp32
-bytes) and run by an inference engine over this rank alone: the ranks' drafts propose different
+inference/store.py), held whole by every rank in memory (int4 with groups of 64: 0.16 of the fp32
+bytes) and run by an inference model over this rank alone: the ranks' drafts propose different
 numbers of tokens, so a draft must never take part in a collective. Assisted generation takes one
 sequence at a time (transformers refuses batches): it is the batch-1 mode. On several stage-3 ranks
-the engine keeps the ranks' target passes in step (speculative_in_step.py).
+the target keeps the ranks' passes in step (speculative_in_step.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from zeroshard.compat.inference import InferenceEngine
-from zeroshard.compat.pretrained import init_one_rank, meta_model, weights_source
-from zeroshard.config import load_config
+from zeroshard.core.policy import GatheringPolicy
+from zeroshard.inference.pretrained import from_pretrained, init_one_rank, weights_source
+from zeroshard.inference.quantization import QuantSpec
+from zeroshard.inference.sharded import InferenceModel
 
 
 def resident_draft(
@@ -44,39 +45,32 @@ def resident_draft(
     model_class=None,
     wrap_modules: list[str] | None = None,
     packed_matmul: bool | None = None,
-) -> InferenceEngine:
+) -> InferenceModel:
     """The checkpoint at `path` (a save_pretrained() directory) as a draft for speculative decoding:
     every weight matrix quantized to `num_bits` (8 or 4) in groups of `group_size`, the whole model
     kept in this rank's memory and run on this rank alone ([Note: exact speculative decoding]).
-    Pass it as `engine.generate(..., assistant_model=draft)`. `wrap_modules`: the module classes
-    dequantized one at a time (`zeroshard.wrap_modules`; default: each decoder layer, and the rest
+    Pass it as `model.generate(..., assistant_model=draft)`. `wrap_modules`: the module classes
+    dequantized one at a time (`GatheringPolicy.wrap`; default: each decoder layer, and the rest
     together), which bounds the draft's fp32 memory. `packed_matmul` (default: with 4 bits): its
     Linear layers multiply by the 4-bit weights as stored ([Note: packed matmuls] in
-    compat/packed_matmul.py), which changes only which tokens it proposes, never the output.
+    inference/packed.py), which changes only which tokens it proposes, never the output.
     Collective: every rank calls it."""
-    source = weights_source(path)
+    weights_source(path)  # a wrong path fails before the collective that makes this rank's group
     init_one_rank()
-    own = _own_rank_group()
-    config = load_config(
-        {
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
-            "weight_quantization": {"quantized_initialization": {"num_bits": num_bits, "group_size": group_size}},
-            "zeroshard": {
-                "wrap_modules": wrap_modules,
-                "packed_matmul": num_bits == 4 if packed_matmul is None else packed_matmul,
-            },
-        },
-        1,
+    return from_pretrained(
+        path,
+        model_class=model_class,
+        quantize=QuantSpec(num_bits, group_size),
+        packed_matmul=num_bits == 4 if packed_matmul is None else packed_matmul,
+        gathering=GatheringPolicy(wrap=tuple(wrap_modules) if wrap_modules else None),
+        group=_own_rank_group(),
     )
-    draft = InferenceEngine(meta_model(path, model_class), config, group=own)
-    draft.load_weights(source)
-    return draft
 
 
 def _own_rank_group():
     """A process group of this rank alone (made on every rank: new groups are collective)."""
     if dist.get_world_size() == 1:
-        return None  # the engine's own group over the world is this rank alone
+        return None  # the model's own group, the world, is this rank alone
     group, _ = dist.new_subgroups(group_size=1)
     return group
 

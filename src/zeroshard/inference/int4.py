@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from zeroshard.core.weight_quant import Quantized, QuantSpec
+from zeroshard.inference.quantization import Quantized, QuantSpec
 
 KERNEL_GROUPS = (32, 64, 128, 256)  # group sizes the kernel takes
 _BLOCKS = (64, 32)  # block sizes of the layouts we know (AVX-512, AVX2)

@@ -2,26 +2,26 @@
 per group, in the CPU or NVMe store underneath (DeepSpeed's `weight_quantization.quantized_initialization`).
 
 [Note: quantized weight store]
-The engine's fp32 shard of a flat group (`master`) keeps its shape and dtype, so every consumer
+The fp32 shard of a flat group (`master`) keeps its shape and dtype, so every consumer
 (the gather in place at one rank, the all-gather at N, the loaders) works as with any store; only
 its storage comes and goes. Between uses the store holds one uint8 tensor per shard in the inner
 store (`blob`): each whole parameter of two or more dimensions quantized group-wise ([Note:
-group-wise weight quantization] in core/weight_quant.py: codes, then the fp32 scales, then the
+group-wise weight quantization] in inference/quantization.py: codes, then the fp32 scales, then the
 minimums), everything else (vectors: norms and biases; padding) as raw fp32 bytes, each piece 16-byte
 aligned. `prefetch`/`stage` start reading the blob (from NVMe: fewer bytes by the compression
 ratio) and, on this store's own thread, grow the master's storage and dequantize into it, so the
 dequantization of the next unit overlaps the current unit's compute; `ready` waits for it; `release`
 quantizes a written (unfrozen) master back into the blob, releases the blob and frees the master's
 storage (resized to zero bytes, as a gathered buffer is). Quantizing needs whole rows of whole
-parameters: the engine lays these groups out with whole-parameter ownership ([Note: whole-parameter
+parameters: `shard()` lays these groups out with whole-parameter ownership ([Note: whole-parameter
 ownership] in core/owners.py), and a piece of a parameter cut by the layout is stored raw. A fresh
 blob is all zeros, which is a valid packed form of zeros (codes, scales and minimums 0), so
 creating a store tensor touches nothing.
-With `kernel` (`zeroshard.packed_matmul`), each 4-bit matrix torch's int4 CPU kernel can take is
+With `kernel` (`shard(packed_matmul=True)`), each 4-bit matrix torch's int4 CPU kernel can take is
 laid out in the kernel's form instead (codes interleaved by blocks of rows, bf16 scales and zeros:
-[Note: the int4 kernel's layout] in core/int4_kernel.py); the engine marks the ones its layers
+[Note: the int4 kernel's layout] in inference/int4.py); the model marks the ones its layers
 multiply by as `direct`, and a forward's open (`prefetch_for_compute`) leaves those out of the
-dequantization ([Note: packed matmuls] in compat/packed_matmul.py).
+dequantization ([Note: packed matmuls] in inference/packed.py).
 
 [Note: reused master buffers]
 A master's fp32 storage grown for each use is fresh pages, and the first write to each page faults:
@@ -42,8 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.core import int4_kernel
-from zeroshard.core.weight_quant import Quantized, QuantSpec, dequantize, quantize, unpack_codes
+from zeroshard.inference import int4
+from zeroshard.inference.quantization import Quantized, QuantSpec, dequantize, quantize, unpack_codes
 
 ALIGN = 16  # bytes: every piece of a blob starts on this, so fp32 views of it are aligned
 KEEP_BYTES = 64 * 2**20  # freed master buffers kept for reuse: [Note: reused master buffers]
@@ -97,7 +97,7 @@ def plan(numel: int, pieces, spec: QuantSpec, block: int | None = None) -> tuple
         length = shape[spec.group_dim]
         rows = count // length
         groups = (rows, -(-length // spec.group_size))
-        kernel = int4_kernel.eligible(shape, spec, block)
+        kernel = int4.eligible(shape, spec, block)
         piece = _Piece(offset, count, shape, at, -(-count * spec.num_bits // 8), groups, not spec.symmetric, kernel)
         out.append(piece)
         at += piece.nbytes
@@ -197,7 +197,7 @@ class QuantizedStore:
         ([Note: the int4 kernel's layout]; only where this CPU's layout is known: `self.block`)."""
         self.inner = inner
         self.spec = spec
-        self.block = int4_kernel.kernel_block() if kernel else None
+        self.block = int4.kernel_block() if kernel else None
         self._buffers = _Buffers(keep_bytes)
         self._scratch = Scratch()  # the dequantizing thread's own
         self.kind = f"{inner.kind}, int{spec.num_bits}"
@@ -432,7 +432,7 @@ def _pack_rows(values, spec: QuantSpec, codes, scale, minimum, kernel: bool, blo
     q = quantize(values, spec)
     if kernel:
         assert block is not None
-        int4_kernel.to_kernel(q, block, codes, scale)
+        int4.to_kernel(q, block, codes, scale)
         return
     codes.copy_(q.packed)
     scale.copy_(q.scale.view(scale.shape))
@@ -463,7 +463,7 @@ def unpack(
         codes, scale, minimum = _views(blob, piece)
         if piece.kernel:
             assert block is not None
-            int4_kernel.dequantize_kernel(codes, scale, spec.group_size, block, out.view(piece.shape))
+            int4.dequantize_kernel(codes, scale, spec.group_size, block, out.view(piece.shape))
             continue
         length = piece.shape[spec.group_dim]
         if spec.group_dim == len(piece.shape) - 1 and length % spec.group_size == 0:
