@@ -258,20 +258,22 @@ class InferenceModel:
     def load_weights(self, source, strict: bool = True) -> None:
         """Full weights into the shards, each rank reading only its own element ranges: a safetensors
         file, a directory of them (a sharded Hugging Face checkpoint), a state dict. Collective."""
+        from zeroshard.checkpoint.contract import CheckpointableSharded
         from zeroshard.checkpoint.weights import load_full_weights
 
         with self._writable():
-            load_full_weights(self.sharded, source, strict=strict)
+            load_full_weights(CheckpointableSharded(self.sharded), source, strict=strict)
 
     def load_checkpoint(self, load_dir, tag=None, *, strict: bool = True, verify: bool = True) -> str:
         """The module weights of a training checkpoint (zeroshard's or DeepSpeed's, any world size
         and stage) into the store, group by group, never the whole model in memory
         (checkpoint/module_weights.py). `tag`: default the one `latest` names, or `load_dir` itself
         when it is one checkpoint. Returns the checkpoint directory read. Collective."""
+        from zeroshard.checkpoint.contract import CheckpointableSharded
         from zeroshard.checkpoint.module_weights import load_module_weights
 
         with self._writable():
-            return load_module_weights(self.sharded, load_dir, tag, strict=strict, verify=verify)
+            return load_module_weights(CheckpointableSharded(self.sharded), load_dir, tag, strict=strict, verify=verify)
 
     def refresh_parameters(self) -> None:
         self.sharded.refresh_parameters()
