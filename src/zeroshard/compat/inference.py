@@ -51,7 +51,8 @@ def inference_options(config) -> dict:
         )
     section = config.weight_quantization.quantized_initialization
     return {
-        "offload": _offload(zero.offload_param, config.aio, extras.nvme_io),
+        # DeepSpeed ignores offload_param below stage 3, as the training engine does (compat/engine.py)
+        "offload": _offload(zero.offload_param, config.aio, extras.nvme_io) if zero.stage == 3 else None,
         "quantize": None
         if section is None
         else QuantSpec(section.num_bits, section.group_size, section.group_dim, section.symmetric),
