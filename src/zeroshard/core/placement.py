@@ -98,6 +98,23 @@ class OffloadContext:
         return -(-self.model_numel // self.world_size) + 1024
 
 
+def place(
+    offload,
+    model: torch.nn.Module,
+    rank: int,
+    world_size: int,
+    optimizer: torch.optim.Optimizer | None,
+    shards_parameters: bool,
+    coordinate: dict | None = None,
+) -> Placement:
+    """The stores `offload` (an OffloadPolicy, core/policy.py; None: nothing offloaded) builds for
+    this rank's share of `model`: what training's and inference's `shard()` both ask."""
+    if offload is None:
+        return Placement()
+    model_numel = sum(p.numel() for p in model.parameters())
+    return offload.build(OffloadContext(rank, world_size, model_numel, optimizer, shards_parameters, coordinate))
+
+
 @dataclass
 class Placement:
     """Where offloaded states go; None = they stay where they are computed.

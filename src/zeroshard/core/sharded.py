@@ -39,7 +39,7 @@ from zeroshard.core.optim.streamed import StreamedStep, split
 from zeroshard.core.optim.whole import whole_param_groups
 from zeroshard.core.owners import OwnerPlan
 from zeroshard.core.param_gather import DeferredGather, refresh_parameters
-from zeroshard.core.placement import OffloadContext, Placement
+from zeroshard.core.placement import Placement, place
 from zeroshard.core.policy import (
     CommunicationPolicy,
     GatheringPolicy,
@@ -111,17 +111,10 @@ def shard(
         sp = Communicator(communication.timeout_s, communication.check_collectives, group=groups.sp)
         sequence = SequenceParallel(sp)
     one_optimizer = as_one_optimizer(optimizer)
-    placement = Placement()
-    if offload is not None:
-        context = OffloadContext(
-            rank=communicator.rank,
-            world_size=communicator.world_size,
-            model_numel=sum(p.numel() for p in model.parameters()),
-            optimizer=one_optimizer,
-            shards_parameters=policy.shard_parameters,
-            coordinate=groups.model_parallel.coordinate if groups.model_parallel is not None else None,
-        )
-        placement = offload.build(context)
+    coordinate = groups.model_parallel.coordinate if groups.model_parallel is not None else None
+    placement = place(
+        offload, model, communicator.rank, communicator.world_size, one_optimizer, policy.shard_parameters, coordinate
+    )
     return Sharded(
         model,
         one_optimizer,

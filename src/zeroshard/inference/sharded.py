@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zeroshard.core.comm import Communicator
-from zeroshard.core.placement import OffloadContext, Placement
+from zeroshard.core.placement import Placement, place
 from zeroshard.core.policy import (
     CommunicationPolicy,
     GatheringPolicy,
@@ -104,23 +104,14 @@ def shard(
         )
     communication = communication or CommunicationPolicy()
     communicator = Communicator(communication.timeout_s, communication.check_collectives, group=group)
-    placement = Placement()
-    if offload is not None:
-        context = OffloadContext(
-            rank=communicator.rank,
-            world_size=communicator.world_size,
-            model_numel=sum(p.numel() for p in model.parameters()),
-            optimizer=None,
-            shards_parameters=stage == 3,
+    placement = place(offload, model, communicator.rank, communicator.world_size, None, stage == 3)
+    if offload is not None and placement.param_store is None:
+        placement.destroy()
+        communicator.destroy()
+        raise ValueError(
+            f"shard(offload={offload!r}) places optimizer states, and inference has none: "
+            "CPUOffload(params=True) keeps the weights in host memory"
         )
-        placement = offload.build(context)
-        if placement.param_store is None:
-            placement.destroy()
-            communicator.destroy()
-            raise ValueError(
-                f"shard(offload={offload!r}) places optimizer states, and inference has none: "
-                "CPUOffload(params=True) keeps the weights in host memory"
-            )
     gathering = gathering or GatheringPolicy()
     if quantize is not None:  # every matrix is quantized, so every parameter lives in the (quantized) store
         placement.param_store = QuantizedStore(placement.param_store or CPUStore(), quantize, kernel=packed_matmul)
