@@ -16,11 +16,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[dev,plot,hf,lightning,docs]'
 	touch $(STAMP)
 
+# The suite on TEST_WORKERS pytest processes (pytest-xdist; a module's tests stay on one worker, so
+# that its module-scoped fixtures run once), then the tests marked `serial` alone: their bounds in
+# wall-clock seconds must not count another worker's load.
+TEST_WORKERS ?= 2
+
 test: venv
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 # The suite under coverage.py ([tool.coverage] in pyproject.toml); the report lists src/ by file.
 coverage: venv

@@ -26,19 +26,50 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def _launch_in_kept_ranks(module, spec, ranks, *, on_progress=None, fixed_mmap_threshold=True, **_):
+    """What bench/launch.launch returns, with the worker run in the suite's kept ranks instead of a
+    torchrun launch of its own: the bench's launches themselves run for real in the sweep, max-model,
+    advise and `zeroshard train` tests, and their order in test_each_configuration_is_timed_... ."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.harness import run_distributed
+
+    assert module == "zeroshard.tools.bench.worker", module
+    with tempfile.TemporaryDirectory(prefix="zeroshard-run-") as run_dir:
+        (Path(run_dir) / "spec.json").write_text(json.dumps(spec))
+        return run_distributed(_bench_worker, ranks, timeout=300, run_dir=run_dir)[0]
+
+
+def _bench_worker(rank, world_size, *, run_dir):
+    from pathlib import Path
+
+    from zeroshard.tools.bench.rank import RankContext
+    from zeroshard.tools.bench.worker import work
+
+    ctx = RankContext(Path(run_dir))
+    try:
+        return work(ctx)
+    finally:
+        ctx.close()
+
+
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
-    """One real bench of stage 3 and the peers on 2 ranks, one timed step each, as `zeroshard bench`
-    runs it but for the machine's warm-up launch (its timings are not checked here): 8 launches,
-    ~55 s on 2 cores. The launch order and the two timing passes are checked with canned launches
-    below; every stage's bytes against the paper's formulas, by tests/test_parity.py."""
+    """One bench of stage 3 and the peers on 2 ranks, one timed step each, as `zeroshard bench` runs it
+    but for the machine's warm-up launch (its timings are not checked here), each launch's worker run
+    in kept test ranks (_launch_in_kept_ranks). The launch order and the two timing passes are checked
+    with canned launches below; every stage's bytes against the paper's formulas, by tests/test_parity.py."""
+    from zeroshard.tools.bench import separate
     from zeroshard.tools.commands import bench as bench_command
 
     out = tmp_path_factory.mktemp("bench")
     argv = ["bench", "--size", "1", "--seq-len", "32", "--batch", "4", "--stages", "3", "--steps", "1"]
     args = cli.build_parser().parse_args([*argv, "--warmup", "1", "--peers", "--out", str(out)])
     args.machine_warm_up = False
-    assert bench_command.run(args) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(separate, "launch", _launch_in_kept_ranks)
+        assert bench_command.run(args) == 0
     return out, json.loads((out / "bench.json").read_text())
 
 

@@ -26,6 +26,7 @@ STAGES = (0, 1, 2, 3)
 RUN_TIMEOUT_S = 240.0  # one launch: imports and rendezvous of 4 ranks on a loaded 2-core box
 COMM_TIMEOUT_S = 8.0  # zeroshard.comm_timeout_s in the fault cases (start-up gets RUN_TIMEOUT_S)
 EXIT_SLACK_S = 20.0  # after the error: the job writes its report, torchrun notices and stops its workers
+FROZEN_SLACK_S = 12.0  # after comm_timeout_s, until a frozen peer's survivors raise: a loaded machine's delay
 
 
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: netcluster and its netns
@@ -248,24 +249,19 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
 
 
 @pytest.mark.slow
-def test_node_killed_mid_step_then_resume_on_fresh_nodes(cluster_env):
+def test_node_killed_mid_step_then_resume_elsewhere(cluster_env):
     """SIGKILL a whole node mid-run, node 0, which also hosts the rendezvous store: the other node's
     ranks raise CollectiveError (at once: the kernel resets the dead node's connections) and its
-    torchrun exits; the checkpoint saved before the kill resumes on a fresh pair of nodes and
-    continues with the losses the killed run had."""
+    torchrun exits; the checkpoint saved before the kill resumes on 4 other ranks (one machine, the
+    host's) and continues with the losses the killed run had."""
     stage, save_at = 3, 2
     before, exit_s, errors = _fault_run(cluster_env, "kill_node", 0, stage, save_at)
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
     assert all(e["since_last_step_s"] < COMM_TIMEOUT_S for e in errors), errors
-    with netcluster.NetCluster(2, rate_bps=10**9) as fresh:
-        fresh.launch(
-            _job(cluster_env / "resumed", "--stages", stage, "--steps", 3, "--resume", "--ckpt", cluster_env / "ckpt"),
-            2,
-            module=True,
-            cwd=REPO,
-        )
-        _assert_ok(fresh.wait(RUN_TIMEOUT_S))
-    for old, new in zip(before, _reports(cluster_env / "resumed", 4)):
+    resumed = _standalone(
+        cluster_env / "resumed", "--stages", stage, "--steps", 3, "--resume", "--ckpt", cluster_env / "ckpt"
+    )
+    for old, new in zip(before, resumed):
         resumed = new["stages"][str(stage)]
         assert resumed["first_step"] == save_at and len(resumed["losses"]) == 3
         assert resumed["losses"] == old["stages"][str(stage)]["losses"][save_at : save_at + 3], old["rank"]
@@ -274,10 +270,11 @@ def test_node_killed_mid_step_then_resume_on_fresh_nodes(cluster_env):
 @pytest.mark.slow
 def test_frozen_node_times_out_within_comm_timeout(cluster_env):
     """A node that hangs (node 1, SIGSTOP: connections stay open, nothing arrives): node 0's ranks
-    raise CollectiveError when comm_timeout_s runs out, not after torch's 30 minutes."""
+    raise CollectiveError when comm_timeout_s runs out, not after torch's 30 minutes. Not before it,
+    and at most FROZEN_SLACK_S after it: room for another test's load on the machine."""
     _, exit_s, errors = _fault_run(cluster_env, "freeze_node", 1, stage=1, save_at=1)
     assert all("timeout" in e["message"].lower() or "timed out" in e["message"].lower() for e in errors)
-    assert all(COMM_TIMEOUT_S - 1 <= e["since_last_step_s"] <= COMM_TIMEOUT_S + 5 for e in errors), errors
+    assert all(COMM_TIMEOUT_S - 1 <= e["since_last_step_s"] <= COMM_TIMEOUT_S + FROZEN_SLACK_S for e in errors), errors
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
 
 
@@ -370,6 +367,7 @@ class _StartUpKill:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_machine_killed_during_start_up_survivors_exit_within_the_timeout(cluster_env):
     """Node 1 SIGKILLed during torchrun's rendezvous, init_process_group, initialize's first collectives
     and training (four clusters, two at a time: each second one starts once the first has killed its
@@ -451,6 +449,7 @@ def _wait_for_checkpoint(ckpt: Path, step: int, cluster, timeout_s: float = RUN_
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_losing_a_machine_keeps_training_at_the_smaller_world_size(cluster_env):
     """Two machines of 2 ranks under torchrun's elastic mode; machine 1 is killed once the step-3
     checkpoint exists. Machine 0's agent restarts its workers at 2 ranks; the job's own

@@ -548,10 +548,14 @@ def _composable_case() -> None:
 
 
 def _worker(rank: int, world: int, directory: str) -> dict:
-    cases = [dict(stage=s, gas=g, clip=c, world=world) for s in range(4) for g, c in ((1, 0.0), (2, 0.05))]
+    # At 4 ranks (owners of whole matrices spread over more ranks, sums in another order) the harder
+    # half of each grid: accumulation with clipping, and offload; 2 ranks run all of it, bit for bit.
+    schedules = ((1, 0.0), (2, 0.05)) if world == 2 else ((2, 0.05),)
+    cases = [dict(stage=s, gas=g, clip=c, world=world) for s in range(4) for g, c in schedules]
     out = {"parity": subtests(cases, _parity_case)}
     out["bytes"] = subtests([dict(stage=s) for s in range(1, 4)], _bytes_case)
-    subtests([dict(stage=s, world=world, offload=o) for s in range(1, 4) for o in (False, True)], _declared_case)
+    offloads = (False, True) if world == 2 else (True,)
+    subtests([dict(stage=s, world=world, offload=o) for s in range(1, 4) for o in offloads], _declared_case)
     if world == 4:
         subtests([dict(zero={"mics_shard_size": 2}), dict(zero={"zero_hpz_partition_size": 2})], _partition_case)
     if world == 2:

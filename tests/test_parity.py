@@ -87,8 +87,11 @@ def _accounting_case(stage: int, world: int) -> dict:
 
 def _parity_worker(rank: int, world: int) -> dict:
     accounting = subtests([dict(stage=s, world=world) for s in range(4)], _accounting_case)
+    # At 4 ranks the head unit at stage 3 only, where it is gathered apart from the root: its
+    # reduction at stages 0-2 is the same code at any world size, and 2 ranks check it bit for bit.
+    head_cases = HEAD_CASES if world == 2 else [case for case in HEAD_CASES if case["stage"] == 3]
     return {
-        "parity": subtests([dict(case, world=world) for case in CASES + HEAD_CASES], _parity_case),
+        "parity": subtests([dict(case, world=world) for case in CASES + head_cases], _parity_case),
         "accounting": accounting,
     }
 

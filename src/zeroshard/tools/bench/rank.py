@@ -48,6 +48,12 @@ class RankContext:
             self._progress.write(json.dumps({"time": time.time(), **fields}) + "\n")
             self._progress.flush()
 
+    def close(self) -> None:
+        """Close the progress file, for a process that goes on after this work (a test's kept rank)."""
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+
     def write_result(self, result: dict) -> None:
         if self.rank != 0:
             return
