@@ -20,10 +20,11 @@ $(STAMP): pyproject.toml
 # that its module-scoped fixtures run once), then the tests marked `serial` alone: their bounds in
 # wall-clock seconds must not count another worker's load.
 TEST_WORKERS ?= 2
+SERIAL_TESTS := tests/test_multinode.py  # the modules holding tests marked `serial` (tests/test_harness.py checks)
 
 test: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	$(BIN)/python -m pytest -q -m serial $(SERIAL_TESTS)
 
 test-fast: venv
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not slow"

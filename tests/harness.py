@@ -48,7 +48,7 @@ import threading
 import time
 import traceback
 import warnings
-from multiprocessing import connection, get_context
+from multiprocessing import connection, forkserver, get_context
 from pathlib import Path
 
 import psutil
@@ -302,13 +302,18 @@ class _RankGroup:
 # once, in a server process that runs nothing else (no threads, no OpenMP pool, no process group), and
 # forks each rank from it. What a process reads only at its start (glibc's MALLOC_*, the OpenMP
 # runtime's OMP_* / KMP_* / GOMP_*) would then be the server's, so a group whose `env` sets such a
-# variable (the memory tests) is spawned. The rest of the environment is the rank's own, set first
+# variable is spawned, except for the two the memory tests set: MALLOC_MMAP_THRESHOLD_, which a
+# forked rank sets itself with glibc's mallopt (the same setting, dynamic threshold off included),
+# and OMP_NUM_THREADS=1, every rank's value. The rest of the environment is the rank's own, set first
 # thing in the child (_child_main). ZS_TEST_SPAWN_RANKS=1 spawns every rank.
 # The server also imports what nearly every worker would import on its first call: torch._dynamo,
 # which the first torch.optim.Optimizer() of a process imports (~1 s of a core, sympy included), and
 # the test helpers workers live in. transformers is left out: few workers use it, and every forked
 # rank's memory would count its pages.
 _READ_AT_START = ("MALLOC_", "OMP_", "KMP_", "GOMP_")
+_MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # a forked rank sets it with mallopt (_set_mmap_threshold)
+_FORKABLE = {("OMP_NUM_THREADS", "1")}  # what every rank has
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -326,10 +331,18 @@ _PRELOAD = [
 
 
 def _context(env: dict | None):
-    if os.environ.get("ZS_TEST_SPAWN_RANKS") == "1" or any(k.startswith(_READ_AT_START) for k in env or {}):
+    set_at_start = [
+        k
+        for k, v in (env or {}).items()
+        if k.startswith(_READ_AT_START) and k != _MMAP_THRESHOLD and (k, str(v)) not in _FORKABLE
+    ]
+    if os.environ.get("ZS_TEST_SPAWN_RANKS") == "1" or set_at_start:
         return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    # Started here, in the suite's own environment: started by a group's first rank, the server would
+    # read that group's MALLOC_* at its start and hand it to every rank forked after.
+    forkserver.ensure_running()
     return ctx
 
 
@@ -441,10 +454,22 @@ def send_note(text: str) -> None:
         _channel.send_bytes(pickle.dumps(("note", text)))
 
 
+def _set_mmap_threshold(value: str | None) -> None:
+    """MALLOC_MMAP_THRESHOLD_ as glibc would have read it at the start of a spawned process (a no-op
+    there): a forked rank's allocator was set up by the fork server."""
+    if value is None:
+        return
+    import ctypes
+
+    if ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, int(value)) != 1:
+        raise OSError(f"mallopt(M_MMAP_THRESHOLD, {value}) failed")
+
+
 def _child_main(rank, world_size, port, pg_timeout, stack_file, conn, one_call, environ) -> None:
     global _channel
     os.environ.clear()  # a forked rank starts with the fork server's (note above)
     os.environ.update(environ)
+    _set_mmap_threshold(environ.get(_MMAP_THRESHOLD))
     _channel = conn
     stacks = _arm_guards(stack_file)
     sys.path.insert(0, _REPO_ROOT)  # harmless when already there

@@ -213,3 +213,44 @@ def test_subtests_in_one_process():
     assert subtests([{"a": 1}, {"a": 2}], lambda a: a * 10) == [10, 20]
     with pytest.raises(AssertionError, match=r"sub-case \{'a': 2\} failed on ranks \[0\]"):
         subtests([{"a": 1}, {"a": 2}], lambda a: 1 / (a - 2))
+
+
+def _malloc_worker(rank, world_size):
+    """How many of 64 mallocs of 96 KiB are served by mmap (glibc's chunk header: IS_MMAPPED, 0x2;
+    malloc maps only what the heap's top cannot give), and whether this rank was forked from the
+    fork server rather than spawned."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    pointers = [libc.malloc(96 * 1024) for _ in range(64)]
+    size_t = ctypes.sizeof(ctypes.c_size_t)
+    mapped = sum(bool(ctypes.c_size_t.from_address(p - size_t).value & 0x2) for p in pointers)
+    for pointer in pointers:
+        libc.free(ctypes.c_void_p(pointer))
+    return {"mapped": mapped, "forked": "spawn_main" not in " ".join(psutil.Process().cmdline())}
+
+
+def test_a_forked_rank_takes_the_mmap_threshold_of_its_env():
+    """MALLOC_MMAP_THRESHOLD_ is read at a process's start; a forked rank sets it with mallopt, so the
+    memory tests' groups need no spawned ranks. glibc's default threshold is 128 KiB."""
+    fixed = run_distributed(_malloc_worker, 2, env={"MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert all(r["forked"] and r["mapped"] >= 32 for r in fixed), fixed  # some come from free heap space
+    default = run_distributed(_malloc_worker, 2)
+    assert all(r["forked"] and r["mapped"] == 0 for r in default), default
+
+
+def test_every_serial_test_is_in_a_module_make_test_runs_alone():
+    """`make test` runs the tests marked `serial` from the modules its SERIAL_TESTS names (collecting
+    only those is 10 s less on the critical path): a serial test elsewhere would run in no phase."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    (listed,) = re.findall(r"^SERIAL_TESTS := (.+?)(?:\s+#.*)?$", (root / "Makefile").read_text(), re.M)
+    holding = {
+        f"tests/{path.name}"
+        for path in (root / "tests").glob("test_*.py")
+        if re.search(r"^@pytest\.mark\.serial$", path.read_text(), re.M)
+    }
+    assert holding == set(listed.split()), (holding, listed)
