@@ -7,10 +7,13 @@ import json
 import shlex
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
+from tests.harness import run_distributed
 from zeroshard.tools import cli, estimator as est
 from zeroshard.tools.bench import advisor as advise, family, maxmodel
 from zeroshard.tools.bench.capped import ALLOCATION_MARKERS
@@ -26,15 +29,10 @@ def run(capsys, *argv):
     return code, out, err
 
 
-def _launch_in_kept_ranks(module, spec, ranks, *, on_progress=None, fixed_mmap_threshold=True, **_):
+def _launch_in_kept_ranks(module, spec, ranks, **_):
     """What bench/launch.launch returns, with the worker run in the suite's kept ranks instead of a
     torchrun launch of its own: the bench's launches themselves run for real in the sweep, max-model,
     advise and `zeroshard train` tests, and their order in test_each_configuration_is_timed_... ."""
-    import tempfile
-    from pathlib import Path
-
-    from tests.harness import run_distributed
-
     assert module == "zeroshard.tools.bench.worker", module
     with tempfile.TemporaryDirectory(prefix="zeroshard-run-") as run_dir:
         (Path(run_dir) / "spec.json").write_text(json.dumps(spec))
@@ -42,8 +40,6 @@ def _launch_in_kept_ranks(module, spec, ranks, *, on_progress=None, fixed_mmap_t
 
 
 def _bench_worker(rank, world_size, *, run_dir):
-    from pathlib import Path
-
     from zeroshard.tools.bench.rank import RankContext
     from zeroshard.tools.bench.worker import work
 
@@ -263,8 +259,6 @@ def test_peers_compute_ddps_losses_bit_for_bit():
     """The README's peers table in miniature: zeroshard's stages with its own gathering and with
     DeepSpeed's, and FSDP2, handed the same AdamW without clipping, follow DDP's losses bit for bit at
     2 ranks in fp32 (a + b is exact in either order)."""
-    from tests.harness import run_distributed
-
     args = cli.build_parser().parse_args(_PEER_ARGV)
     runs = bench_command.runs_for(args)
     assert [run["name"] for run in runs] == [
