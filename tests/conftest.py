@@ -11,3 +11,15 @@ def pytest_unconfigure(config):
     from tests.harness import close_kept_groups
 
     close_kept_groups()
+
+
+# The modules that take longest (a minute or more of a worker, docs/bench/test_suite.txt), handed out
+# first: pytest-xdist's loadfile gives modules to workers in collection order, and one of these
+# collected last (alphabetically, test_trl.py is) left a worker idle for a minute at the end.
+LONGEST_FIRST = ("test_bench.py", "test_trl.py", "test_multinode.py", "test_train.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Move the LONGEST_FIRST modules to the front, each module's tests in their own order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -26,7 +26,6 @@ STAGES = (0, 1, 2, 3)
 RUN_TIMEOUT_S = 240.0  # one launch: imports and rendezvous of 4 ranks on a loaded 2-core box
 COMM_TIMEOUT_S = 8.0  # zeroshard.comm_timeout_s in the fault cases (start-up gets RUN_TIMEOUT_S)
 EXIT_SLACK_S = 20.0  # after the error: the job writes its report, torchrun notices and stops its workers
-FROZEN_SLACK_S = 12.0  # after comm_timeout_s, until a frozen peer's survivors raise: a loaded machine's delay
 
 
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/ is not a package: netcluster and its netns
@@ -268,13 +267,13 @@ def test_node_killed_mid_step_then_resume_elsewhere(cluster_env):
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_frozen_node_times_out_within_comm_timeout(cluster_env):
     """A node that hangs (node 1, SIGSTOP: connections stay open, nothing arrives): node 0's ranks
-    raise CollectiveError when comm_timeout_s runs out, not after torch's 30 minutes. Not before it,
-    and at most FROZEN_SLACK_S after it: room for another test's load on the machine."""
+    raise CollectiveError when comm_timeout_s runs out, not after torch's 30 minutes."""
     _, exit_s, errors = _fault_run(cluster_env, "freeze_node", 1, stage=1, save_at=1)
     assert all("timeout" in e["message"].lower() or "timed out" in e["message"].lower() for e in errors)
-    assert all(COMM_TIMEOUT_S - 1 <= e["since_last_step_s"] <= COMM_TIMEOUT_S + FROZEN_SLACK_S for e in errors), errors
+    assert all(COMM_TIMEOUT_S - 1 <= e["since_last_step_s"] <= COMM_TIMEOUT_S + 5 for e in errors), errors
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
 
 
