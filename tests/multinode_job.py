@@ -3,6 +3,7 @@
     torchrun ... -m tests.multinode_job --out DIR --stages 0,1,2,3 --steps 3
     torchrun ... -m tests.multinode_job --out DIR --stages 1 --steps 500 --save-at 2 --ckpt CK --progress
     torchrun ... -m tests.multinode_job --out DIR --stages 1 --steps 3 --resume CK
+    torchrun ... -m tests.multinode_job --out DIR --first-stages 0,1,2 --stages 3 --steps 500 --save-at 2 ...
 
 Each rank writes DIR/rank<R>.json: {"rank", "world", "node", "stages": {"<stage>": {"losses": [...],
 "params_sha256": ...}}}, and on failure DIR/rank<R>.error.json: {"type", "message", "since_last_step_s"}
@@ -67,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, required=True, help="directory for rank<R>.json")
     parser.add_argument("--stages", type=_stages, default=[0, 1, 2, 3])
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per stage")
+    parser.add_argument(
+        "--first-stages", type=_stages, default=[], help="stages trained for FIRST_STEPS steps each before --stages"
+    )
+    parser.add_argument("--first-steps", type=int, default=3, help="optimizer steps per --first-stages stage")
     parser.add_argument("--comm-timeout-s", type=float, default=60.0, help="zeroshard.comm_timeout_s")
     parser.add_argument(
         "--init-timeout-s", type=float, default=None, help="init_process_group's timeout (default: --comm-timeout-s)"
@@ -80,8 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hold-at", choices=POINTS, default=None, help="with --hold-node: where its ranks stop")
     parser.add_argument("--hold-node", type=int, default=None, help="this node's ranks sleep at --hold-at")
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: at least 1")
+    if args.steps < 1 or args.first_steps < 1:
+        parser.error(f"--steps {args.steps}, --first-steps {args.first_steps}: at least 1")
+    if set(args.first_stages) & set(args.stages):
+        parser.error(f"--first-stages {args.first_stages} and --stages {args.stages} share a stage")
     if (args.save_at is not None or args.resume) and (args.ckpt is None or len(args.stages) != 1):
         parser.error("--save-at / --resume need --ckpt and exactly one stage in --stages")
     return args
@@ -127,19 +134,22 @@ class Reporter:
         )
 
 
-def train_stage(stage: int, args, report: Reporter, deadline: float) -> None:
+def train_stage(stage: int, args, report: Reporter, deadline: float, *, first: bool = False) -> None:
+    """Train `stage` for --steps steps (--first-steps for one of --first-stages, which neither save nor
+    resume)."""
+    steps = args.first_steps if first else args.steps
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
     config = make_config(stage)
     config["zeroshard"] = {"comm_timeout_s": args.comm_timeout_s}
     model = gpt_model_fn()()
     reach("initialize", args)
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
-    first = 0
-    if args.resume:
+    start = 0
+    if args.resume and not first:
         _, client_state = engine.load_checkpoint(args.ckpt)
-        first = client_state["step"]
-    record = report.body["stages"].setdefault(str(stage), {"first_step": first, "losses": []})
-    for step in range(first, first + args.steps):
+        start = client_state["step"]
+    record = report.body["stages"].setdefault(str(stage), {"first_step": start, "losses": []})
+    for step in range(start, start + steps):
         if time.monotonic() > deadline:
             break
         inputs, targets = batches(step, 0, engine.global_rank)
@@ -148,9 +158,9 @@ def train_stage(stage: int, args, report: Reporter, deadline: float) -> None:
         engine.step()
         record["losses"].append(loss.item())
         report.last_step = time.monotonic()
-        if step == first:
+        if step == start:
             reach("training", args)
-        if args.save_at is not None and step + 1 == args.save_at:
+        if args.save_at is not None and step + 1 == args.save_at and not first:
             engine.save_checkpoint(args.ckpt, client_state={"step": step + 1})
             record["saved_at"] = step + 1
         if args.progress:
@@ -187,6 +197,8 @@ def main(argv=None, *, leave: bool = True) -> None:
         # Nothing may wait longer than that; the fault runs give start-up (4 ranks importing torch) more.
         zeroshard.init_distributed(timeout_s=args.init_timeout_s or args.comm_timeout_s)
         deadline = time.monotonic() + args.max_seconds
+        for stage in args.first_stages:
+            train_stage(stage, args, report, deadline, first=True)
         for stage in args.stages:
             train_stage(stage, args, report, deadline)
     except Exception as exc:  # reported, then re-raised or left without gloo's teardown

@@ -22,7 +22,6 @@ import pytest
 from tests.harness import run_distributed
 
 REPO = Path(__file__).resolve().parent.parent
-STAGES = (0, 1, 2, 3)
 RUN_TIMEOUT_S = 240.0  # one launch: imports and rendezvous of 4 ranks on a loaded 2-core box
 COMM_TIMEOUT_S = 8.0  # zeroshard.comm_timeout_s in the fault cases (start-up gets RUN_TIMEOUT_S)
 EXIT_SLACK_S = 20.0  # after the error: the job writes its report, torchrun notices and stops its workers
@@ -86,34 +85,6 @@ def _wait_for_steps(out: Path, stage: int, steps: int, world: int, proc_alive, t
         assert proc_alive(), f"the job ended before every rank reached step {steps}: {done}"
         time.sleep(0.2)
     raise AssertionError(f"ranks did not reach step {steps} within {timeout_s:g} s")
-
-
-@pytest.mark.slow
-def test_two_nodes_match_one_node_at_every_stage(cluster_env):
-    """2 nodes x 2 ranks over a 1 Gbit/s link == 1 node x 4 ranks, bit for bit, stages 0-3.
-
-    Exact because the collective algorithms are the same: gloo runs the same ring over ranks 0-3
-    whichever machine a rank is on, so every sum is added in the same order."""
-    args = ("--stages", ",".join(map(str, STAGES)), "--steps", 3)
-    with netcluster.NetCluster(2, rate_bps=10**9) as cluster:
-        assert "tbf" in cluster.qdiscs(0) and "rate 1Gbit" in cluster.qdiscs(1), cluster.qdiscs(0)
-        for node in (0, 1):  # gloo's ranks on one node talk over loopback: it must be up
-            lo = subprocess.run(
-                ["ip", "-n", cluster.namespace(node), "link", "show", "lo"], capture_output=True, text=True, timeout=20
-            ).stdout
-            assert ",UP," in lo or "<LOOPBACK,UP" in lo, lo
-        cluster.launch(_job(cluster_env / "two", *args), 2, module=True, cwd=REPO)
-        results = cluster.wait(RUN_TIMEOUT_S)
-        crossed = cluster.link_bytes(0)
-    _assert_ok(results)
-    ours, ref = _reports(cluster_env / "two", 4), _standalone(cluster_env / "one", *args)
-    assert sorted(r["node"] for r in ours) == [0, 0, 1, 1], "2 ranks on each node"
-    assert min(crossed.values()) > 100_000, f"gradients did not cross the veth link: {crossed}"
-    for mine, theirs in zip(ours, ref):
-        for stage in map(str, STAGES):
-            a, b = mine["stages"][stage], theirs["stages"][stage]
-            assert a["losses"] == b["losses"], (mine["rank"], stage, a["losses"], b["losses"])
-            assert a["params_sha256"] == b["params_sha256"], f"rank {mine['rank']} stage {stage} params"
 
 
 def test_link_rate_and_bridge(cluster_env):
@@ -199,10 +170,11 @@ def _wait_for_workers(prefix: str, proc, timeout_s: float = 120.0) -> list[int]:
     raise AssertionError(f"the cluster's workers did not start (exit {proc.poll()})")
 
 
-def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
-    """Train on 2 x 2 ranks, saving a checkpoint after `save_at` steps; a few steps later apply `fault`
-    ("kill_node" or "freeze_node") to node `victim`. Returns (the reports, seconds until the other
-    node's torchrun exited, the errors its ranks reported)."""
+def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int, first_stages: tuple[int, ...] = ()):
+    """Train on 2 x 2 ranks over a 1 Gbit/s link (after `first_stages`, 3 steps each), saving a
+    checkpoint after `save_at` steps of `stage`; a few steps later apply `fault` ("kill_node" or
+    "freeze_node") to node `victim`. Returns (the reports, seconds until the other node's torchrun
+    exited, the errors its ranks reported, the bytes that crossed node 0's link before the fault)."""
     survivor = 1 - victim
     out = tmp / "faulted"
     job = _job(
@@ -223,11 +195,20 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
         "--max-seconds",
         180,
     )
+    if first_stages:
+        job += ["--first-stages", ",".join(map(str, first_stages))]
     with netcluster.NetCluster(2, rate_bps=10**9) as cluster:
+        assert "tbf" in cluster.qdiscs(0) and "rate 1Gbit" in cluster.qdiscs(1), cluster.qdiscs(0)
+        for node in (0, 1):  # gloo's ranks on one node talk over loopback: it must be up
+            lo = subprocess.run(
+                ["ip", "-n", cluster.namespace(node), "link", "show", "lo"], capture_output=True, text=True, timeout=20
+            ).stdout
+            assert ",UP," in lo or "<LOOPBACK,UP" in lo, lo
         # Monitor every 1 s: torchrun stops a node's other workers once one fails; give each the time
         # to report its own error first.
         cluster.launch(job, 2, module=True, cwd=REPO, monitor_interval_s=1.0)
         _wait_for_steps(out, stage, save_at + 3, 4, lambda: len(cluster.running()) == 2, RUN_TIMEOUT_S)
+        crossed = cluster.link_bytes(0)
         faulted_at = time.monotonic()
         getattr(cluster, fault)(victim)
         limit = faulted_at + COMM_TIMEOUT_S + EXIT_SLACK_S
@@ -244,26 +225,40 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int):
     assert not missing, f"ranks {missing} wrote no error report; node {survivor}'s output:\n{result.output[-4000:]}"
     errors = [json.loads((out / f"rank{r['rank']}.error.json").read_text()) for r in reports if r["node"] == survivor]
     assert len(errors) == 2 and all(e["type"] == "CollectiveError" for e in errors), errors
-    return reports, exit_s, errors
+    return reports, exit_s, errors, crossed
 
 
 @pytest.mark.slow
-def test_node_killed_mid_step_then_resume_elsewhere(cluster_env):
-    """SIGKILL a whole node mid-run, node 0, which also hosts the rendezvous store: the other node's
+def test_two_nodes_match_one_node_then_a_killed_node_resumes_elsewhere(cluster_env):
+    """2 nodes x 2 ranks over a 1 Gbit/s link == 1 node x 4 ranks, bit for bit, stages 0-3; then
+    node 0, which also hosts the rendezvous store, is SIGKILLed mid-run at stage 3: the other node's
     ranks raise CollectiveError (at once: the kernel resets the dead node's connections) and its
     torchrun exits; the checkpoint saved before the kill resumes on 4 other ranks (one machine, the
-    host's) and continues with the losses the killed run had."""
-    stage, save_at = 3, 2
-    before, exit_s, errors = _fault_run(cluster_env, "kill_node", 0, stage, save_at)
+    host's) and continues with the losses the killed run had.
+
+    Exact across machines because the collective algorithms are the same: gloo runs the same ring
+    over ranks 0-3 whichever machine a rank is on, so every sum is added in the same order."""
+    stage, save_at, first_stages = 3, 2, (0, 1, 2)
+    before, exit_s, errors, crossed = _fault_run(cluster_env, "kill_node", 0, stage, save_at, first_stages)
+    assert sorted(r["node"] for r in before) == [0, 0, 1, 1], "2 ranks on each node"
+    assert min(crossed.values()) > 100_000, f"gradients did not cross the veth link: {crossed}"
+    ref = _standalone(cluster_env / "one", "--stages", "0,1,2,3", "--steps", 3)
+    for mine, theirs in zip(before, ref):
+        for s in map(str, first_stages):
+            a, b = mine["stages"][s], theirs["stages"][s]
+            assert a["losses"] == b["losses"], (mine["rank"], s, a["losses"], b["losses"])
+            assert a["params_sha256"] == b["params_sha256"], f"rank {mine['rank']} stage {s} params"
+        a, b = mine["stages"][str(stage)]["losses"][:3], theirs["stages"][str(stage)]["losses"]
+        assert a == b, (mine["rank"], stage, a, b)
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
     assert all(e["since_last_step_s"] < COMM_TIMEOUT_S for e in errors), errors
     resumed = _standalone(
         cluster_env / "resumed", "--stages", stage, "--steps", 3, "--resume", "--ckpt", cluster_env / "ckpt"
     )
     for old, new in zip(before, resumed):
-        resumed = new["stages"][str(stage)]
-        assert resumed["first_step"] == save_at and len(resumed["losses"]) == 3
-        assert resumed["losses"] == old["stages"][str(stage)]["losses"][save_at : save_at + 3], old["rank"]
+        resumed_stage = new["stages"][str(stage)]
+        assert resumed_stage["first_step"] == save_at and len(resumed_stage["losses"]) == 3
+        assert resumed_stage["losses"] == old["stages"][str(stage)]["losses"][save_at : save_at + 3], old["rank"]
 
 
 @pytest.mark.slow
@@ -271,7 +266,7 @@ def test_node_killed_mid_step_then_resume_elsewhere(cluster_env):
 def test_frozen_node_times_out_within_comm_timeout(cluster_env):
     """A node that hangs (node 1, SIGSTOP: connections stay open, nothing arrives): node 0's ranks
     raise CollectiveError when comm_timeout_s runs out, not after torch's 30 minutes."""
-    _, exit_s, errors = _fault_run(cluster_env, "freeze_node", 1, stage=1, save_at=1)
+    _, exit_s, errors, _ = _fault_run(cluster_env, "freeze_node", 1, stage=1, save_at=1)
     assert all("timeout" in e["message"].lower() or "timed out" in e["message"].lower() for e in errors)
     assert all(COMM_TIMEOUT_S - 1 <= e["since_last_step_s"] <= COMM_TIMEOUT_S + 5 for e in errors), errors
     assert exit_s < COMM_TIMEOUT_S + EXIT_SLACK_S
@@ -310,15 +305,15 @@ START_UP_MARGIN_S = 10.0
 
 
 class _StartUpKill:
-    """One cluster of 2 x 2 ranks whose node 1 stops at `point` and is SIGKILLed there.
+    """One cluster of 2 nodes x `per_node` ranks whose node 1 stops at `point` and is SIGKILLed there.
 
     The job's ranks write a marker on reaching the point, and node 1's stay there
     (tests/multinode_job.py --markers, --hold-at); once every rank has marked it, node 1 is killed.
     At "rendezvous" node 1's machine never starts its torchrun, and the point is reached once node 0's
     agent has entered the rendezvous."""
 
-    def __init__(self, stack, tmp: Path, point: str, after: _StartUpKill | None = None):
-        self.point, self.out, self.after = point, tmp / point, after
+    def __init__(self, stack, tmp: Path, point: str, per_node: int, after: _StartUpKill | None = None):
+        self.point, self.out, self.after, self.per_node = point, tmp / point, after, per_node
         self.cluster = stack.enter_context(netcluster.NetCluster(2, rate_bps=10**9))
         self.launched = False
         self.killed_at: float | None = None  # time.time(): the job's reports use the wall clock
@@ -331,7 +326,7 @@ class _StartUpKill:
         rendezvous = self.point == "rendezvous"
         self.cluster.launch(
             job,
-            2,
+            self.per_node,
             module=True,
             cwd=REPO,
             monitor_interval_s=1.0,
@@ -344,7 +339,7 @@ class _StartUpKill:
     def reached(self) -> bool:
         if self.point == "rendezvous":  # torchrun's agent logs this as it enters the rendezvous
             return "Rendezvous'ing worker group" in (self.cluster.log_dir / "node0.log").read_text(errors="replace")
-        return len(list((self.out / "markers").glob(f"{self.point}.rank*"))) == 4
+        return len(list((self.out / "markers").glob(f"{self.point}.rank*"))) == 2 * self.per_node
 
     def poll(self) -> bool:
         """Launch once `after` has killed its node, kill node 1 once the point is reached; True once
@@ -370,15 +365,17 @@ class _StartUpKill:
 def test_machine_killed_during_start_up_survivors_exit_within_the_timeout(cluster_env):
     """Node 1 SIGKILLed during torchrun's rendezvous, init_process_group, initialize's first collectives
     and training (four clusters, two at a time: each second one starts once the first has killed its
-    node, so that no survivor's timeout runs while two others import torch): node 0 exits within the timeout plus a margin after the kill,
-    its ranks with a CollectiveError naming ranks 2 and 3. The rendezvous is bounded by torchrun's
-    join_timeout (no ranks exist yet: torchrun raises RendezvousTimeoutError); init_process_group by
-    its timeout, which zeroshard.init_distributed takes; the rest by comm_timeout_s."""
+    node, so that no survivor's timeout runs while two others import torch): node 0 exits within the
+    timeout plus a margin after the kill, its ranks with a CollectiveError naming node 1's ranks. The
+    rendezvous is bounded by torchrun's join_timeout (no ranks exist yet: torchrun raises
+    RendezvousTimeoutError); init_process_group by its timeout, which zeroshard.init_distributed takes;
+    the rest by comm_timeout_s. The start-up points run one rank per node (what they test is between
+    machines), training two (a node's other worker is stopped by torchrun as well)."""
     with contextlib.ExitStack() as stack:
-        first = [_StartUpKill(stack, cluster_env, point) for point in ("init_process_group", "initialize")]
+        first = [_StartUpKill(stack, cluster_env, point, 1) for point in ("init_process_group", "initialize")]
         runs = [
             *first,
-            *(_StartUpKill(stack, cluster_env, p, after) for p, after in zip(("rendezvous", "training"), first)),
+            *(_StartUpKill(stack, cluster_env, p, 2, after) for p, after in zip(("rendezvous", "training"), first)),
         ]
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while not all([run.poll() for run in runs]):  # every run polled each round
@@ -398,11 +395,11 @@ def _start_up_problems(run: _StartUpKill, result) -> list[str]:
         if "RendezvousTimeoutError" not in result.output or run.exit_s >= bound:
             return [f"rendezvous: node 0's torchrun exited after {run.exit_s:.1f} s, bound {bound:g}\n{tail}"]
         return []
-    reports = {r: run.out / f"rank{r}.error.json" for r in range(4)}
+    reports = {r: run.out / f"rank{r}.error.json" for r in range(2 * run.per_node)}
     errors = {r: json.loads(path.read_text()) for r, path in reports.items() if path.exists()}
-    if len(errors) != 2:  # node 0's ranks, and only they
+    if len(errors) != run.per_node:  # node 0's ranks, and only they
         return [f"{run.point}: error reports from ranks {sorted(errors)}\n{tail}"]
-    lost = [r for r in range(4) if r not in errors]  # the rendezvous chose node 1's
+    lost = [r for r in range(2 * run.per_node) if r not in errors]  # the rendezvous chose node 1's
     return [
         f"{run.point}: rank {rank} after {error['at'] - run.killed_at:.1f} s: {error['type']}: {error['message']}"
         for rank, error in errors.items()
