@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev,plot,hf,lightning,docs]'
+	$(BIN)/pip install -e '.[dev,plot,hf,lightning,docs,lowbit]'
 	touch $(STAMP)
 
 # The suite on TEST_WORKERS pytest processes (pytest-xdist; a module's tests stay on one worker, so

@@ -55,6 +55,18 @@ def test_recipe_k(precision, optimizer, k):
     assert est.recipe(precision, optimizer, k=3).k == 3
 
 
+def test_blockwise_recipes_count_codes_and_one_scale_per_block():
+    """torchao's AdamW8bit: per moment a code per element and an fp32 scale per 256 elements; 4-bit:
+    half a byte and a scale per 128. Mixed precision adds the fp32 master."""
+    assert est.recipe("fp32", "adamw8bit").k == 2 + 2 * 4 / 256 == 2.03125
+    assert est.recipe("bf16", "adamw8bit").k == 4 + 2.03125
+    assert est.recipe("fp32", "adamw4bit").k == 1 + 2 * 4 / 128
+    assert est.recipe("fp32", "adamwfp8").k == est.recipe("fp32", "adamw8bit").k
+    states = est.model_state_bytes(10**9, 8, 3, est.recipe("bf16", "adamw8bit"))
+    assert states.optimizer == 6_031_250_000 // 8 and states.total == (2 + 2) * 10**9 // 8 + states.optimizer
+    assert est.format_k(est.recipe("bf16", "adamw8bit").k) == "6.03" and est.format_k(12) == "12"
+
+
 def test_fp32_adam_stage_0_and_3():
     rec = est.recipe("fp32", "adam")  # 4 + 4 + 8 = 16 bytes per parameter, no master copy
     assert est.model_state_bytes(1000, 1, 0, rec).total == 16_000
@@ -122,7 +134,17 @@ def _fits(params, memory, ranks, stage, rec, **offload):
 @pytest.mark.parametrize("stage", range(4))
 @pytest.mark.parametrize("ranks", [1, 3, 8, 64, 1000])
 @pytest.mark.parametrize("memory", [0, 15, 16, 1000, 12_345_677, 32 * 2**30, 80 * 10**9 + 7])
-@pytest.mark.parametrize("rec", [est.MIXED_ADAM, est.recipe("fp32", "sgd"), est.recipe("fp32", "adam")])
+@pytest.mark.parametrize(
+    "rec",
+    [
+        est.MIXED_ADAM,
+        est.recipe("fp32", "sgd"),
+        est.recipe("fp32", "adam"),
+        est.recipe("bf16", "adamw8bit"),
+        est.recipe("fp32", "adamw4bit"),
+    ],
+    ids=lambda rec: rec.name,
+)
 def test_largest_model_is_the_exact_inverse(stage, ranks, memory, rec):
     largest = est.largest_model(memory, ranks, stage, rec)
     assert est.model_state_bytes(largest, ranks, stage, rec).total <= memory

@@ -10,7 +10,9 @@ keeps every byte count an exact integer. No torch here; the engine's measured by
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 
 from zeroshard.core.policy import stage_policy
@@ -22,6 +24,21 @@ OFFLOAD_TARGETS = ("cpu", "nvme")
 PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes of a parameter held for compute
 # fp32 states each optimizer keeps per parameter (Adam: m and v; SGD with momentum: the buffer).
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+# torchao's block-wise optimizers ([Note: block-wise optimizer states] in core/optim/lowbit.py): bytes
+# per parameter of their two moments, each a code per element plus an fp32 scale per block (8-bit and
+# fp8: 1 + 4/256; 4-bit: 1/2 + 4/128). Modelled: a tensor under 4096 elements keeps fp32 moments and
+# each quantized one a code map (1 KiB at 8 bits), which a model's large matrices make negligible.
+BLOCKWISE_STATE_BYTES = {
+    "adamw8bit": 2 * (1 + Fraction(4, 256)),
+    "adamw4bit": 2 * (Fraction(1, 2) + Fraction(4, 128)),
+    "adamwfp8": 2 * (1 + Fraction(4, 256)),
+}
+OPTIMIZERS = (*OPTIMIZER_STATES, *BLOCKWISE_STATE_BYTES)
+
+
+def format_k(k: int | Fraction) -> str:
+    """K for people: 12, or 6.03 for a block-wise recipe."""
+    return str(k) if int(k) == k else f"{float(k):.2f}"
 
 
 @dataclass(frozen=True)
@@ -32,19 +49,21 @@ class Recipe:
     name: str
     param_bytes: int
     grad_bytes: int
-    k: int
+    k: int | Fraction  # a Fraction for block-wise states; byte counts round up to whole bytes
 
 
 def recipe(precision: str = "bf16", optimizer: str = "adam", k: int | None = None) -> Recipe:
     """Mixed-precision Adam gives the paper's K = 12 (4 master + 4 m + 4 v); fp32 Adam K = 8, since the
-    parameter is its own master; `k` overrides the derived value (e.g. for 8-bit optimizers)."""
+    parameter is its own master; torchao's AdamW8bit K = 4 + 2.03 mixed (`BLOCKWISE_STATE_BYTES`);
+    `k` overrides the derived value."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} unknown; allowed: {', '.join(PRECISIONS)}")
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer {optimizer!r} unknown; allowed: {', '.join(OPTIMIZER_STATES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} unknown; allowed: {', '.join(OPTIMIZERS)}")
     width = PRECISIONS[precision]
     master = 0 if width == 4 else 4
-    derived = master + 4 * OPTIMIZER_STATES[optimizer]
+    states = BLOCKWISE_STATE_BYTES.get(optimizer, 4 * OPTIMIZER_STATES.get(optimizer, 0))
+    derived = master + states
     if k is not None and (not isinstance(k, int) or k < 0):
         raise ValueError(f"K must be a non-negative integer number of bytes per parameter, got {k!r}")
     return Recipe(f"{precision} {optimizer}", width, width, derived if k is None else k)
@@ -69,7 +88,7 @@ class StateBytes:
 @dataclass(frozen=True)
 class _Term:
     kind: str  # "params" | "grads" | "optimizer"
-    bytes_per_param: int
+    bytes_per_param: int | Fraction
     sharded: bool  # costs ceil(Ψ/N) elements per rank instead of Ψ
     tier: str  # "device" | "cpu" | "nvme"
 
@@ -135,7 +154,7 @@ def model_state_bytes(
     device = {"params": 0, "grads": 0, "optimizer": 0}
     off = {"cpu": 0, "nvme": 0}
     for term in _terms(stage, recipe, offload_optimizer, offload_param):
-        nbytes = term.bytes_per_param * (shard if term.sharded else params)
+        nbytes = math.ceil(term.bytes_per_param * (shard if term.sharded else params))
         if term.tier == "device":
             device[term.kind] += nbytes
         else:
@@ -143,18 +162,18 @@ def model_state_bytes(
     return StateBytes(**device, total=sum(device.values()), offloaded_cpu=off["cpu"], offloaded_nvme=off["nvme"])
 
 
-def _largest_within(replicated: int, sharded: int, memory: int, ranks: int) -> int | None:
+def _largest_within(replicated: int | Fraction, sharded: int | Fraction, memory: int, ranks: int) -> int | None:
     """Largest Ψ with replicated*Ψ + sharded*ceil(Ψ/N) <= memory; None when nothing bounds Ψ."""
     if replicated == 0 and sharded == 0:
         return None
     if sharded == 0:
-        return memory // replicated
+        return int(memory // replicated)
     if replicated == 0:
-        return (memory // sharded) * ranks
+        return int(memory // sharded) * ranks
     # Write s = ceil(Ψ/N). The largest feasible s is the one whose smallest Ψ, (s-1)N + 1, still fits;
     # within it, Ψ is capped by both the memory left and sN.
-    s = (memory + replicated * (ranks - 1)) // (replicated * ranks + sharded)
-    return max(0, min(s * ranks, (memory - sharded * s) // replicated)) if s > 0 else 0
+    s = int((memory + replicated * (ranks - 1)) // (replicated * ranks + sharded))
+    return max(0, min(s * ranks, int((memory - sharded * s) // replicated))) if s > 0 else 0
 
 
 def largest_model(
@@ -172,7 +191,7 @@ def largest_model(
     ranks = _count(ranks, "ranks", 1)
     budgets = {"device": memory_bytes, "cpu": cpu_bytes, "nvme": nvme_bytes}
     budgets = {tier: None if b is None else _count(b, f"{tier} memory (bytes)", 0) for tier, b in budgets.items()}
-    coefficients = {tier: [0, 0] for tier in budgets}  # tier -> [replicated, sharded] bytes per param
+    coefficients: dict[str, list[int | Fraction]] = {tier: [0, 0] for tier in budgets}  # [replicated, sharded] B/param
     for term in _terms(stage, recipe, offload_optimizer, offload_param):
         coefficients[term.tier][int(term.sharded)] += term.bytes_per_param
     found = [

@@ -4,8 +4,10 @@
 An optimizer whose update of a parameter reads that whole parameter (its gradient, its state) but
 no other parameter -- Muon, or a user's variant of it -- runs under every stage: its param groups
 get owner-aligned layouts and each rank steps the parameters it owns, whole (core/optim/whole.py).
-zeroshard cannot see that property in a class, so it knows torch's Muon and MuonWithAdamW (its
-`use_muon` groups), and a user declares any other class with `register_whole_parameter_optimizer`,
+zeroshard cannot see that property in a class, so it knows torch's Muon, MuonWithAdamW (its
+`use_muon` groups) and torchao's block-wise AdamW8bit, AdamW4bit, AdamWFp8 and their Adam twins
+([Note: block-wise optimizer states] in lowbit.py), and a user declares any other class with
+`register_whole_parameter_optimizer`,
 saying which of its param groups need whole parameters (all by default); the others must be
 elementwise. An optimizer that reads across parameters (a global norm, a trust ratio over several
 tensors) must not be declared: each rank would compute it from the parameters it owns only.
@@ -16,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from zeroshard.core.optim.lowbit import is_torchao_class
 
 __all__ = ["register_whole_parameter_optimizer"]
 
@@ -51,7 +55,10 @@ def whole_groups_rule(optimizer: object) -> Callable[[dict], bool] | None:
 
 def class_rule(cls: type) -> Callable[[dict], bool] | None:
     """The declaration of `cls` or of its nearest declared base class; None where there is none."""
-    return next((_RULES[c] for c in cls.__mro__ if c in _RULES), None)
+    declared = next((_RULES[c] for c in cls.__mro__ if c in _RULES), None)
+    if declared is None and is_torchao_class(cls):
+        return _every_group
+    return declared
 
 
 def declared_classes() -> tuple[type, ...]:

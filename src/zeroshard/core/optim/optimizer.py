@@ -22,8 +22,9 @@ from zeroshard.core import consistency
 from zeroshard.core.comm import CollectiveError, Communicator
 from zeroshard.core.group import FlatGroup
 from zeroshard.core.mesh import NormScope
+from zeroshard.core.optim import lowbit
 from zeroshard.core.optim.groups import keeps_state
-from zeroshard.core.optim.masked import SlotStates, scalars_of, step_runs
+from zeroshard.core.optim.masked import PER_PARAMETER, SlotStates, scalars_of, step_runs
 from zeroshard.core.optim.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.optim.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
 from zeroshard.core.optim.streamed import StreamedStep, is_elementwise
@@ -86,8 +87,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         # id(flat group) -> the parameters this rank updates whole in it (whole-parameter param groups)
         self.matrices = matrices or {}
         # After the first step or a loaded state, each whole-parameter group saves every key its
-        # optimizer creates, on every rank (flat_state); by param group, asked once.
-        self._whole_keys: dict[int | None, tuple[str, ...]] | None = None
+        # optimizer creates, on every rank (flat_state); by param group, asked once: (the keys of
+        # tensors shaped like the parameter, {scalar key: dtype}).
+        self._whole_keys: dict[int | None, tuple[tuple[str, ...], dict]] | None = None
+        # Whole-parameter groups, by id: the steps in which each slot had a gradient (every rank
+        # counts every slot, from the step's global `seen`), which is a step counter's value (Adam's
+        # `step`) on the slot's owner; and which slots the optimizer keeps block-wise (lowbit.py).
+        self._whole_steps: dict[int, list[int]] = {
+            id(g): [0] * len(g.layout.slots) for g in self.groups if id(g) in self.matrices
+        }
+        self._quantized: dict[int, list[bool]] = {}
 
     @property
     def name(self) -> str:  # the torch optimizer's class name, which checkpoints record and check
@@ -252,6 +261,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for i in range(len(grads)) if coef != 1.0 else ():  # no loop variable left holding a gradient
                 grads[i].mul_(coef)
             self._apply(grads, seen, update)
+        for key, counts in self._whole_steps.items():
+            self._whole_steps[key] = [count + bool(got) for count, got in zip(counts, seen[key])]
         self._last_norm = held if held is not None else norm
         if self.matrices and self._whole_keys is None:
             self._note_whole_keys()
@@ -440,7 +451,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         for state in self.optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor) and all(s.resident(value) for s in stores):
-                    total += value.numel() * value.element_size()
+                    total += lowbit.state_nbytes(value)
         return total
 
     # -- state for checkpoints -------------------------------------------------------------------------
@@ -450,8 +461,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         whatever sub-groups the streamed step cuts it into. {} before the first step. A whole-parameter
         group's state is each owned parameter's, laid out like the master (core/optim/whole.py)."""
         if id(group) in self.matrices:
-            keys = (self._whole_keys or {}).get(group.optimizer_group, ())
-            return flat_state(self.optimizer.state, self.matrices[id(group)], group.master, keys)
+            return self._whole_group_state(group)
         state = (
             self.streamed.state_of(group)
             if self.streamed is not None
@@ -471,14 +481,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     f"the group's shard has {group.master.numel()}"
                 )
         if id(group) in self.matrices:
-            if any(not is_elementwise(v, group.master) for v in state.values()):
-                raise ValueError(
-                    f"optimizer state of '{group.names[0]}...' has keys {sorted(state)} that are not per element; "
-                    f"{self.name} keeps per-parameter tensors only"
-                )
-            load_flat_state(self.optimizer.state, self.matrices[id(group)], state)
-            if state:
-                self._note_whole_keys()
+            self._load_whole_group_state(group, state)
             return
         state = self.slot_states.absorb(group, state)
         if self.streamed is not None:
@@ -489,6 +492,56 @@ class ZeroOptimizer(torch.optim.Optimizer):
             }
         else:
             self.optimizer.state.pop(group.master, None)
+
+    def _quantized_slots(self, group: FlatGroup) -> list[bool]:
+        if id(group) not in self._quantized:
+            self._quantized[id(group)] = [lowbit.quantizes(self.optimizer, s.shape) for s in group.layout.slots]
+        return self._quantized[id(group)]
+
+    def _whole_group_state(self, group: FlatGroup) -> dict:
+        """A whole-parameter group's `group_state`: its parameters' tensors laid out like the master
+        (flat_state), and their step counter, one value when every slot agrees, else per parameter
+        (`PER_PARAMETER`, as masked.py keeps the scalar state of slots that skipped steps)."""
+        tensors, scalars = (self._whole_keys or {}).get(group.optimizer_group, ((), {}))
+        out = flat_state(
+            self.optimizer.state, self.matrices[id(group)], group.master, tensors, self._quantized_slots(group)
+        )
+        if not scalars:
+            return out
+        if set(scalars) != {"step"}:
+            raise ValueError(
+                f"{self.name} keeps scalar state {sorted(scalars)} per parameter; zeroshard saves a whole-parameter "
+                "optimizer's scalar state only when it is a step counter named 'step'"
+            )
+        counts = self._whole_steps[id(group)]
+
+        def status(count: int) -> dict | None:
+            return None if count == 0 else {"step": torch.tensor(float(count), dtype=scalars["step"])}
+
+        if len(set(counts)) == 1:
+            return {**out, **(status(counts[0]) or {})} if counts[0] else {}
+        return {**out, PER_PARAMETER: {s.name: status(c) for s, c in zip(group.layout.slots, counts)}}
+
+    def _load_whole_group_state(self, group: FlatGroup, state: dict) -> None:
+        """Inverse of `_whole_group_state`."""
+        flat = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and is_elementwise(v, group.master)}
+        scalars = {k: v for k, v in state.items() if k not in flat and k != PER_PARAMETER}
+        slots = group.layout.slots
+        statuses: list | None
+        if PER_PARAMETER in state:
+            statuses = [state[PER_PARAMETER].get(s.name) for s in slots]
+        else:
+            statuses = [dict(scalars) if scalars else None] * len(slots)
+        if scalars or PER_PARAMETER in state:
+            self._whole_steps[id(group)] = [int(float(s["step"])) if s else 0 for s in statuses]
+        else:  # an optimizer without scalar state (Muon): every parameter takes its tensors
+            statuses = None
+            self._whole_steps[id(group)] = [0] * len(slots)
+        load_flat_state(
+            self.optimizer.state, self.matrices[id(group)], flat, self.optimizer, self._quantized_slots(group), statuses
+        )
+        if state:
+            self._note_whole_keys()
 
     def state_dict(self) -> dict:
         """This rank's optimizer state in torch's form: `state` maps the index of each trainable flat

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.core.group import FlatGroup
-from zeroshard.core.optim import declared
+from zeroshard.core.optim import declared, lowbit
 from zeroshard.core.optim.muon import MuonWithAdamW
 
 
@@ -52,9 +52,10 @@ def owned(group: FlatGroup) -> list[Owned]:
     return out
 
 
-def state_keys(optimizer: torch.optim.Optimizer, index: int) -> tuple[str, ...]:
-    """The per-parameter state a step of param group `index` creates (Muon: momentum_buffer), asked
-    of a twin over a 2 x 2 matrix with the group's hyper-parameters."""
+def state_keys(optimizer: torch.optim.Optimizer, index: int) -> tuple[tuple[str, ...], dict[str, torch.dtype]]:
+    """The per-parameter state a step of param group `index` creates, asked of a twin over a 2 x 2
+    matrix with the group's hyper-parameters: (the keys of tensors shaped like the parameter (Muon:
+    momentum_buffer; Adam: exp_avg, exp_avg_sq), {scalar key: its dtype} (Adam: step))."""
     hyper = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
     probe = torch.zeros(2, 2, requires_grad=True)
     group = [{**hyper, "params": [probe]}]
@@ -64,30 +65,103 @@ def state_keys(optimizer: torch.optim.Optimizer, index: int) -> tuple[str, ...]:
         twin = type(optimizer)(group)  # type: ignore[call-arg]  # the subclass's constructor
     probe.grad = torch.ones(2, 2)
     twin.step()
-    return tuple(twin.state.get(probe, {}))
+    state = twin.state.get(probe, {})
+    tensors = tuple(k for k, v in state.items() if isinstance(v, torch.Tensor) and v.shape == probe.shape)
+    scalars = {
+        k: v.dtype if isinstance(v, torch.Tensor) else torch.float64 for k, v in state.items() if k not in tensors
+    }
+    return tensors, scalars
 
 
-def flat_state(state: dict, matrices: list[Owned], master: torch.Tensor, keys: tuple[str, ...] = ()) -> dict:
-    """One flat group's optimizer state shaped like `master`: each owned parameter's tensors at its
-    place, zeros elsewhere (also for `keys` no owned parameter has yet: a rank that owns nothing in
-    the group, or whose parameters have had no gradient, saves what every other rank saves; Muon's
-    momentum starts from zeros anyway); {} when `keys` is empty and nothing has state."""
-    out: dict = {key: torch.zeros(master.numel(), dtype=master.dtype, device=master.device) for key in keys}
+def _is_scalar(value: object) -> bool:
+    return not isinstance(value, torch.Tensor) or value.dim() == 0
+
+
+def flat_state(
+    state: dict,
+    matrices: list[Owned],
+    master: torch.Tensor,
+    keys: tuple[str, ...] = (),
+    quantized: list[bool] | None = None,
+) -> dict:
+    """One flat group's per-element optimizer state shaped like `master`: each owned parameter's
+    tensors at its place, zeros elsewhere (also for `keys` no owned parameter has yet: a rank that
+    owns nothing in the group, or whose parameters have had no gradient, saves what every other rank
+    saves; Muon's momentum starts from zeros anyway); {} when `keys` is empty and nothing has state.
+    `quantized`, per slot of the layout: its moments are block-wise, saved as `key.codes` and
+    `key.scale` ([Note: block-wise optimizer states] in lowbit.py). Scalar state is not here
+    (ZeroOptimizer.group_state adds it)."""
+    quantized = quantized or []
+
+    def zeros(dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(master.numel(), dtype=dtype, device=master.device)
+
+    out: dict = {}
+    for key in keys:
+        if not all(quantized):  # some parameter keeps plain moments (all of them, without quantization)
+            out[key] = zeros(master.dtype)
+        if any(quantized):
+            out[key + lowbit.CODES], out[key + lowbit.SCALE] = zeros(torch.uint8), zeros(torch.float32)
     for matrix in matrices:
         for key, value in state.get(matrix.view, {}).items():
-            if not isinstance(value, torch.Tensor) or value.shape != matrix.view.shape:
-                raise ValueError(f"optimizer state '{key}' is not shaped like its parameter: cannot be saved flat")
-            if key not in out:
-                out[key] = torch.zeros(master.numel(), dtype=value.dtype, device=value.device)
-            out[key][matrix.lo : matrix.hi].copy_(value.reshape(-1))
+            if _is_scalar(value):
+                continue
+            pieces = lowbit.flat_pieces(key, value) if lowbit.is_blockwise(value) else None
+            if pieces is None:
+                if value.shape != matrix.view.shape:
+                    raise ValueError(f"optimizer state '{key}' is not shaped like its parameter: cannot be saved flat")
+                pieces = {key: value.reshape(-1)}
+            for name, flat in pieces.items():
+                if name not in out:
+                    out[name] = zeros(flat.dtype)
+                out[name][matrix.lo : matrix.hi].copy_(flat)
     return out
 
 
-def load_flat_state(state: dict, matrices: list[Owned], flat: dict) -> None:
-    """Inverse of `flat_state`: each owned parameter's state from its place in `flat` (copies)."""
+def load_flat_state(
+    state: dict,
+    matrices: list[Owned],
+    flat: dict,
+    optimizer: torch.optim.Optimizer | None = None,
+    quantized: list[bool] | None = None,
+    statuses: list[dict | None] | None = None,
+) -> None:
+    """Inverse of `flat_state`: each owned parameter's state from its place in `flat` (copies); a
+    block-wise moment rebuilt in the optimizer's own buffer (from its codes and scales, or quantized
+    from plain moments that another optimizer saved). `statuses`, per slot: its scalar state, None
+    where it never stepped (it gets no state at all then); None for an optimizer without scalar
+    state (Muon), whose parameters take what `flat` holds."""
+    quantized = quantized or []
+    moments = [k for k in flat if not k.endswith((lowbit.CODES, lowbit.SCALE))]
+    moments += [
+        k.removesuffix(lowbit.CODES)
+        for k in flat
+        if k.endswith(lowbit.CODES) and k.removesuffix(lowbit.CODES) not in moments
+    ]
     for matrix in matrices:
         state.pop(matrix.view, None)
-        if flat:
-            state[matrix.view] = {
-                key: value[matrix.lo : matrix.hi].view(matrix.view.shape).clone() for key, value in flat.items()
+        status = statuses[matrix.slot] if statuses is not None else {}
+        if not flat or status is None:
+            continue
+        mine: dict = {}
+        blockwise = matrix.slot < len(quantized) and quantized[matrix.slot]
+        for key in moments:
+            piece = {
+                name: flat[name][matrix.lo : matrix.hi]
+                for name in (key, key + lowbit.CODES, key + lowbit.SCALE)
+                if name in flat
             }
+            if blockwise and key + lowbit.CODES in piece:
+                mine[key] = lowbit.rebuild(optimizer, matrix.view, key, piece)  # type: ignore[arg-type]
+            elif blockwise and key in piece:  # plain moments of another optimizer: quantized now
+                mine[key] = optimizer._new_buffer(matrix.view, key in lowbit.SIGNED_KEYS)  # type: ignore[union-attr]
+                mine[key].copy_(piece[key].view(matrix.view.shape))
+            elif key in piece:
+                mine[key] = piece[key].view(matrix.view.shape).clone()
+            else:
+                raise ValueError(
+                    f"optimizer state '{key}' of a parameter with {matrix.view.numel()} elements is saved block-wise "
+                    "only; this optimizer keeps it plain (another block_size?)"
+                )
+        mine.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in status.items()})
+        state[matrix.view] = mine

@@ -157,7 +157,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="local ranks for --measure-bandwidth (default: 2)",
     )
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16", help="default: bf16")
-    parser.add_argument("--optimizer", choices=list(est.OPTIMIZER_STATES), default="adam", help="default: adam")
+    parser.add_argument("--optimizer", choices=list(est.OPTIMIZERS), default="adam", help="default: adam")
     parser.add_argument(
         "--activations",
         type=bounded(est.parse_bytes, -1, inclusive=False),
@@ -371,7 +371,7 @@ def run(args: argparse.Namespace) -> int:
     head = [
         f"{est.format_count(params)} parameters{f' ({args.model})' if args.model else ''}, {ranks}, "
         f"{est.format_bytes(args.memory)} per rank, {problem.recipe.name} "
-        f"(K={problem.recipe.k}), interconnect {est.format_bytes(bandwidth)}/s ({source})",
+        f"(K={est.format_k(problem.recipe.k)}), interconnect {est.format_bytes(bandwidth)}/s ({source})",
         f"activations and buffers: {est.format_bytes(activations)} per rank, {act_source}",
         "",
     ]

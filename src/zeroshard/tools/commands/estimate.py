@@ -83,9 +83,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--optimizer",
-        choices=list(est.OPTIMIZER_STATES),
+        choices=list(est.OPTIMIZERS),
         default="adam",
-        help="sets K, the optimizer bytes per parameter (default: adam, K=12 mixed)",
+        help="sets K, the optimizer bytes per parameter (default: adam, K=12 mixed; adamw8bit, adamw4bit, adamwfp8: "
+        "torchao's block-wise states, K=6.03, 5.06, 6.03 mixed)",
     )
     parser.add_argument(
         "--k",
@@ -187,7 +188,7 @@ def _result(args: argparse.Namespace) -> dict:
             "pp": args.layout.pp,
             "replicated_params": args.replicated,
         },
-        "recipe": {"name": rec.name, "param_bytes": rec.param_bytes, "grad_bytes": rec.grad_bytes, "k": rec.k},
+        "recipe": {"name": rec.name, "param_bytes": rec.param_bytes, "grad_bytes": rec.grad_bytes, "k": float(rec.k)},
         "offload_optimizer": args.offload_optimizer,
         "offload_param": args.offload_param,
         "memory_bytes": args.memory,
@@ -239,7 +240,7 @@ def format_table(result: dict) -> str:
     lines = [
         f"ZeRO model states per rank: {est.format_count(result['params'])} parameters{source}, "
         f"{ranks}, {rec['name']} "
-        f"({rec['param_bytes']} + {rec['grad_bytes']} + K={rec['k']} bytes per parameter)"
+        f"({rec['param_bytes']} + {rec['grad_bytes']} + K={est.format_k(rec['k'])} bytes per parameter)"
     ]
     offload = [
         f"{name} -> {result[key]}"

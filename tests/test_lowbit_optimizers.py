@@ -1,0 +1,133 @@
+"""torchao's block-wise low-bit optimizers (AdamW8bit, AdamW4bit, AdamWFp8) under ZeRO, against DDP
+with the same optimizer class.
+
+Each parameter lies whole in its owner's slice and is stepped there as a tensor of its own shape
+([Note: block-wise optimizer states] in core/optim/lowbit.py), so every quantization block and
+scale is the one DDP's optimizer makes: at 2 ranks fp32, bit for bit at every stage, with CPU
+offload too. Their state saves by parameter name (codes and scales, exactly) and resumes at another
+stage and world size. torchao compiles its step (torch.compile) on first use of each shape: a few
+seconds per rank process, once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoint_helpers import build_engine, check_same_states, full_params, train_micro_steps
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_batches, train_ddp
+from tests.zs_common import assert_close, gpt_model_fn, make_config, train_engine
+from zeroshard.core.optim import lowbit
+from zeroshard.tools.models.gpt import tiny_gpt_config
+
+torchao_optim = pytest.importorskip("torchao.optim")  # the `lowbit` extra, which make venv installs
+
+STEPS = 3
+CONFIG = tiny_gpt_config()
+LR = 1e-2
+
+
+def _optimizer(name: str):
+    def build(params):
+        return getattr(torchao_optim, name)(params, lr=LR, weight_decay=0.1)
+
+    return build
+
+
+def _blockwise_params(engine) -> int:
+    """Parameters whose moments this rank keeps block-wise."""
+    return sum(lowbit.is_blockwise(state.get("exp_avg")) for state in engine.optimizer.state.values())
+
+
+def _parity_case(name: str, stage: int, offload: bool = False) -> None:
+    batches = gpt_batches(CONFIG, batch_size=4)
+    ref = train_ddp(
+        gpt_model_fn(), batches, optimizer_fn=_optimizer(name), steps=STEPS, reduce_every_micro_step=stage >= 2
+    )
+    zero: dict = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    if offload and stage == 3:
+        zero["offload_param"] = {"device": "cpu"}
+    ours = train_engine(
+        gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=_optimizer(name), steps=STEPS
+    )
+    assert_close(ours, ref, exact=True, what=f"{name} stage {stage}{' offload' if offload else ''}")
+
+
+def _parity_worker(rank: int, world_size: int, cases: list) -> None:
+    subtests(cases, _parity_case)
+
+
+@pytest.mark.slow
+def test_blockwise_optimizers_match_ddp_at_every_stage():
+    cases = [dict(name="AdamW8bit", stage=s) for s in (0, 1, 2, 3)]
+    cases += [
+        dict(name="AdamW4bit", stage=3),
+        dict(name="AdamWFp8", stage=2),
+        dict(name="AdamW8bit", stage=3, offload=True),
+    ]
+    run_distributed(_parity_worker, 2, timeout=600, cases=cases)
+
+
+def _resume_worker(rank: int, world_size: int, directory: str) -> None:
+    """Save after 2 steps at stage 3, resume at stage 1: the next 2 steps are those of the run that
+    went on, bit for bit; the state is held block-wise on load as before the save."""
+    batches = gpt_batches(CONFIG, batch_size=4)
+    build = dict(scheduler=False, optimizer_fn=_optimizer("AdamW8bit"))
+    straight = build_engine(3, **build)
+    train_micro_steps(straight, batches, 0, 2)
+    straight.save_checkpoint(directory, tag="two")
+    blockwise = _blockwise_params(straight)
+    assert sum(straight.comm.all_gather_objects(blockwise, "test: block-wise count")) >= 4, "too few quantized"
+    went_on = train_micro_steps(straight, batches, 2, 2)
+    params = full_params(straight)
+    straight.destroy()
+    resumed = build_engine(1, **build)
+    resumed.load_checkpoint(directory, tag="two")
+    assert _blockwise_params(resumed) == blockwise
+    again = train_micro_steps(resumed, batches, 2, 2)
+    assert again["losses"] == went_on["losses"], (again["losses"], went_on["losses"])
+    ours = full_params(resumed)
+    for key, value in params.items():
+        assert torch.equal(ours[key], value), key
+    resumed.destroy()
+
+
+def _reshard_worker(rank: int, world_size: int, directory: str, again: str) -> None:
+    """Load the 2-rank stage-3 checkpoint at this world size and stage 2, save it again: every
+    parameter's state (codes, scales, step) is what was saved."""
+    engine = build_engine(2, scheduler=False, optimizer_fn=_optimizer("AdamW8bit"))
+    engine.load_checkpoint(directory, tag="two")
+    engine.save_checkpoint(again, tag="two")
+    check_same_states(engine, f"{again}/two", f"{directory}/two", f"2 ranks stage 3 -> {world_size} ranks stage 2")
+    engine.destroy()
+
+
+@pytest.mark.slow
+def test_blockwise_state_resumes_at_another_stage_and_world_size(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_distributed(_resume_worker, 2, timeout=600, directory=directory)
+    run_distributed(_reshard_worker, 1, timeout=600, directory=directory, again=str(tmp_path / "again"))
+
+
+def test_a_blockwise_state_round_trips_through_its_flat_form():
+    """codes and scales, not dequantized values: a block whose largest magnitude is negative comes back
+    with its own scale (requantizing the dequantized values would not)."""
+    for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
+        param = torch.nn.Parameter(torch.zeros(64, 128))
+        optimizer = getattr(torchao_optim, name)([param])
+        for key in ("exp_avg", "exp_avg_sq"):
+            values = torch.randn(64, 128) if key == "exp_avg" else torch.rand(64, 128)
+            largest = 10.0 + torch.arange(param.numel() // optimizer.block_size)  # a scale per block
+            values.view(-1, optimizer.block_size)[:, 0] = -largest if key == "exp_avg" else largest
+            state = optimizer._new_buffer(param, key in lowbit.SIGNED_KEYS)
+            state.copy_(values)
+            pieces = lowbit.flat_pieces(key, state)
+            assert all(p.shape == (param.numel(),) for p in pieces.values()), name
+            back = lowbit.rebuild(optimizer, param, key, pieces)
+            assert torch.equal(back.dequantize(), state.dequantize()), (name, key)
+            # codes, one fp32 scale per block and the code map (1 KiB for 8 bits), not 4 bytes per element
+            assert lowbit.state_nbytes(state) <= param.numel() * 1.02 + 1024, (name, lowbit.state_nbytes(state))
+        other = getattr(torchao_optim, name)([param], block_size=optimizer.block_size * 2)
+        with pytest.raises(ValueError, match="block_size"):
+            lowbit.rebuild(other, param, "exp_avg_sq", lowbit.flat_pieces("exp_avg_sq", state))
