@@ -131,3 +131,27 @@ def test_a_blockwise_state_round_trips_through_its_flat_form():
         other = getattr(torchao_optim, name)([param], block_size=optimizer.block_size * 2)
         with pytest.raises(ValueError, match="block_size"):
             lowbit.rebuild(other, param, "exp_avg_sq", lowbit.flat_pieces("exp_avg_sq", state))
+
+
+def test_a_copy_before_the_update_puts_blockwise_states_back():
+    """on_failed_update="copy": the snapshot copies torchao's states (which implement no clone) and
+    restores their codes and scales in place."""
+    from zeroshard.core.optim.masked import SlotStates
+    from zeroshard.core.optim.rollback import Snapshot
+
+    param = torch.nn.Parameter(torch.zeros(64, 128))
+    optimizer = torchao_optim.AdamW8bit([param])
+    state = {"exp_avg": optimizer._new_buffer(param, True), "exp_avg_sq": optimizer._new_buffer(param, False)}
+    state["exp_avg"].copy_(torch.randn(64, 128))
+    state["exp_avg_sq"].copy_(torch.rand(64, 128))
+    optimizer.state[param] = state
+    before = {key: value.dequantize() for key, value in state.items()}
+    snapshot = Snapshot(optimizer, SlotStates())
+    snapshot.keep(type("Group", (), {"master": param.detach().view(-1)})(), [param])
+    for value in state.values():
+        value.copy_(torch.ones(64, 128))
+    snapshot.restore()
+    assert all(optimizer.state[param][key] is value for key, value in state.items())  # in place
+    for key, value in before.items():
+        assert torch.equal(optimizer.state[param][key].dequantize(), value), key
+    assert snapshot.nbytes == param.numel() * 4 + sum(lowbit.state_nbytes(v) for v in state.values())

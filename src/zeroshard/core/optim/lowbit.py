@@ -52,6 +52,21 @@ def state_nbytes(value: Any) -> int:
     return value.numel() * value.element_size()
 
 
+def clone(value: Any) -> torch.Tensor:
+    """A copy of a quantized state (torchao's subclasses implement no aten.clone): its inner tensors
+    cloned, its attributes kept."""
+    names, attributes = value.__tensor_flatten__()
+    return type(value).__tensor_unflatten__(
+        {name: getattr(value, name).clone() for name in names}, attributes, None, None
+    )
+
+
+def copy_into(destination: Any, source: Any) -> None:
+    """`destination`'s codes and scales (and code map) become `source`'s, in place."""
+    for name in destination.__tensor_flatten__()[0]:
+        getattr(destination, name).copy_(getattr(source, name))
+
+
 def quantizes(optimizer: torch.optim.Optimizer, shape: torch.Size) -> bool:
     """Does `optimizer` keep a parameter of `shape` in block-wise states? Its own rule, asked of a
     buffer on the meta device (nothing allocated)."""

@@ -40,6 +40,8 @@ import copy
 
 import torch
 
+from zeroshard.core.optim import lowbit
+
 ON_FAILED_UPDATE = ("fail_stop", "copy")
 
 
@@ -74,8 +76,8 @@ class Snapshot:
     def _copy(self, value):
         if not isinstance(value, torch.Tensor):
             return copy.deepcopy(value)
-        self.nbytes += value.numel() * value.element_size()
-        return value.clone()
+        self.nbytes += lowbit.state_nbytes(value)
+        return lowbit.clone(value) if lowbit.is_blockwise(value) else value.clone()
 
     def keep(self, group, params) -> None:
         """Copy `group`'s master and the optimizer state of `params`, the tensors the optimizer keys
@@ -100,7 +102,9 @@ class Snapshot:
                 del current[key]
             for key, value in entry.items():
                 old = current.get(key)
-                if isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
+                if lowbit.is_blockwise(old) and type(old) is type(value):
+                    lowbit.copy_into(old, value)
+                elif isinstance(old, torch.Tensor) and isinstance(value, torch.Tensor) and old.shape == value.shape:
                     old.copy_(value)
                 else:
                     current[key] = value
