@@ -1,6 +1,7 @@
 """The estimator's formulas against ZeRO (arXiv 1910.02054) §5 / Figure 1 and against published counts."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -65,6 +66,18 @@ def test_blockwise_recipes_count_codes_and_one_scale_per_block():
     states = est.model_state_bytes(10**9, 8, 3, est.recipe("bf16", "adamw8bit"))
     assert states.optimizer == 6_031_250_000 // 8 and states.total == (2 + 2) * 10**9 // 8 + states.optimizer
     assert est.format_k(est.recipe("bf16", "adamw8bit").k) == "6.03" and est.format_k(12) == "12"
+
+
+def test_bf16_master_recipes_drop_the_fp32_copy():
+    """bf16 master weights: the parameters are the masters and torch's optimizers keep bf16 states."""
+    assert est.recipe("bf16", "adamw", master="bf16").k == 4  # m and v in bf16, no fp32 copy
+    assert est.recipe("bf16", "adamw8bit", master="bf16").k == 2.03125  # the 6-bytes-per-parameter recipe
+    states = est.model_state_bytes(10**9, 8, 3, est.recipe("bf16", "adamw8bit", master="bf16"))
+    assert states.total == math.ceil((2 + 2 + 2.03125) * 10**9 / 8)
+    with pytest.raises(ValueError, match="bf16 precision"):
+        est.recipe("fp32", "adamw", master="bf16")
+    with pytest.raises(ValueError, match="master 'fp16' unknown"):
+        est.recipe("bf16", "adamw", master="fp16")
 
 
 def test_fp32_adam_stage_0_and_3():
@@ -142,6 +155,7 @@ def _fits(params, memory, ranks, stage, rec, **offload):
         est.recipe("fp32", "adam"),
         est.recipe("bf16", "adamw8bit"),
         est.recipe("fp32", "adamw4bit"),
+        est.recipe("bf16", "adamw8bit", master="bf16"),
     ],
     ids=lambda rec: rec.name,
 )

@@ -80,7 +80,7 @@ def gather_masters(engine) -> dict:
     for group in engine.groups:
         full = group.master
         if group.sharded_master:
-            full = torch.empty(group.layout.padded_numel)
+            full = torch.empty(group.layout.padded_numel, dtype=group.master.dtype)
             engine.comm.all_gather(full, group.master.contiguous(), "test: gather masters", counts=group.layout.counts)
         for slot, view in zip(group.layout.slots, group.layout.views(full)):
             out[slot.name] = view.clone()

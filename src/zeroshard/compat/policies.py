@@ -38,7 +38,8 @@ _NAMES = re.compile("|".join(re.escape(name) for name in sorted(CONFIG_NAMES, ke
 def precision_policy(config) -> PrecisionPolicy:
     param = torch.bfloat16 if config.bf16.enabled else torch.float16 if config.fp16.enabled else torch.float32
     reduce = DTYPES[config.communication_data_type] if config.communication_data_type else param
-    return PrecisionPolicy(param, reduce)
+    master = torch.bfloat16 if config.bf16.enabled and config.bf16.bf16_master_weights_and_grads else torch.float32
+    return PrecisionPolicy(param, reduce, master)
 
 
 def loss_scaler(config) -> DynamicLossScaler | None:

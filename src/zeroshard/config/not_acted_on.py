@@ -188,11 +188,17 @@ TABLE: dict[str, Rule] = {
         ),
     ),
     **_parsed(
-        "bf16 master weights, gradients and optimizer states are kept in fp32 here (more accurate "
-        "than DeepSpeed's bf16 option, and more memory)",
-        "bf16.bf16_master_weights_and_grads",
+        "optimizer states follow the master weights' dtype (torch's optimizers make them like the tensor "
+        "they step): bf16 with bf16.bf16_master_weights_and_grads in bf16 training, fp32 otherwise",
         "bf16.bf16_optimizer_states",
-        when=lambda cfg: cfg.bf16.bf16_master_weights_and_grads,
+        when=lambda cfg: (
+            cfg.bf16.bf16_optimizer_states != (cfg.bf16.enabled and cfg.bf16.bf16_master_weights_and_grads)
+        ),
+    ),
+    **_parsed(
+        "bf16 master weights act in bf16 training only (bf16.enabled)",
+        "bf16.bf16_master_weights_and_grads",
+        when=lambda cfg: cfg.bf16.bf16_master_weights_and_grads and not cfg.bf16.enabled,
     ),
     **_parsed(
         "autocast covers every op torch autocasts; gradients are reduced in the reduce dtype",

@@ -314,7 +314,8 @@ class FP16Config(Section):
 
 
 class BF16Config(Section):
-    """The ``bf16`` section (alias ``bfloat16``): bf16 compute with fp32 master weights."""
+    """The ``bf16`` section (alias ``bfloat16``): bf16 compute, with fp32 master weights unless
+    ``bf16_master_weights_and_grads``."""
 
     section_path: ClassVar[str] = "bf16"
     auto_keys: ClassVar[frozenset[str]] = frozenset({"enabled"})
@@ -322,11 +323,14 @@ class BF16Config(Section):
     enabled: bool = False
     """Train in bf16."""
     bf16_master_weights_and_grads: bool = False
-    """DeepSpeed: keep master weights and gradients in bf16 (accepted, not acted on: zeroshard's masters
-    and reduced gradients stay fp32, the more accurate recipe)."""
+    """Keep the master weights in bf16: the bf16 parameters are their own masters and the optimizer gets
+    its gradients in bf16 (2 bytes per parameter instead of a 4-byte fp32 copy). An update smaller than
+    half a bf16 step of its weight is lost to rounding; torchao's optimizers with
+    ``bf16_stochastic_round=True`` round stochastically instead (docs/mixed_precision.md)."""
     bf16_optimizer_states: bool = False
-    """DeepSpeed: keep optimizer states in bf16; needs bf16_master_weights_and_grads (accepted, not
-    acted on: states stay fp32)."""
+    """Keep optimizer states in bf16; needs bf16_master_weights_and_grads. torch's optimizers keep their
+    states like the master, so with bf16 masters they are bf16 whether or not this is set (false is
+    reported as not acted on)."""
 
     @model_validator(mode="after")
     def _optimizer_states_need_master(self) -> BF16Config:

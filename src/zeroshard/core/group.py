@@ -113,6 +113,8 @@ class FlatGroup:
         self.reshards = reshards
         self.reduction = policy.reduction
         self.param_dtype = precision.param_dtype
+        self.master_dtype = precision.master_dtype  # fp32, or bf16 ([Note: bf16 master weights])
+        self.params_are_masters = precision.params_are_masters
         self.grad_dtype = precision.reduce_dtype  # accumulation and reduction dtype (see precision.py)
         self.optimizer_group = optimizer_group  # index into optimizer.param_groups, None = not optimized
         self.trainable = optimizer_group is not None
@@ -140,7 +142,7 @@ class FlatGroup:
         start, end = self.layout.shard_range(rank) if sharded else (0, self.layout.padded_numel)
         self.opt_range = (start, end)
         self.full: torch.Tensor | None = None  # param_dtype, 1-D, numel = padded_numel
-        self.master: torch.Tensor  # fp32, 1-D, numel = end - start
+        self.master: torch.Tensor  # master_dtype, 1-D, numel = end - start
         self.compute_shard: torch.Tensor | None = None  # param_dtype, 1-D, numel = this rank's slice, on device
         # hpZ's secondary copy: param_dtype, (shards, shard_numel), the node piece's shards other than
         # this rank's own ([Note: ZeRO++ and MiCS] in unit.py); valid from a gather until the parameters change.
@@ -182,24 +184,24 @@ class FlatGroup:
         start, end = self.opt_range
         if full_fp32 is None and self.keep_full:  # small (persistent) or unsharded groups only
             full_fp32 = torch.zeros(self.layout.padded_numel, dtype=torch.float32, device=self.device)
-        if self.keep_full and self.param_dtype == torch.float32 and self.master_store is None:
+        if self.keep_full and self.params_are_masters and self.master_store is None:
             assert full_fp32 is not None  # made above when it keeps the full buffer
-            self.full = full_fp32
-            self.master = full_fp32[start:end]  # a view: the parameters *are* the master weights
+            self.full = full_fp32.to(self.master_dtype)
+            self.master = self.full[start:end]  # a view: the parameters *are* the master weights
             self.point_params_at_full()
             return
         if self.master_store is not None:
             self.master = self.master_store.tensor(
-                f"{self.names[0]}.master", end - start, torch.float32, pieces=self.whole_pieces()
+                f"{self.names[0]}.master", end - start, self.master_dtype, pieces=self.whole_pieces()
             )
             if full_fp32 is not None:
                 self.open_master()
                 self.master.copy_(full_fp32[start:end])
             self.master_store.release([self.master])
         elif full_fp32 is None:
-            self.master = torch.zeros(end - start, dtype=torch.float32, device=self.device)
+            self.master = torch.zeros(end - start, dtype=self.master_dtype, device=self.device)
         else:
-            self.master = full_fp32[start:end].clone()
+            self.master = full_fp32[start:end].to(self.master_dtype, copy=True)
         if self.keep_full:
             assert full_fp32 is not None  # made above when it keeps the full buffer
             self.full = full_fp32.to(self.param_dtype)  # fp32 with an offloaded master: the buffer itself
@@ -344,7 +346,7 @@ class FlatGroup:
         """Is the master the parameters' own storage (zero copy; see [Note: master placement])?"""
         if self.keep_full:
             return self.master_is_view_of_full()
-        return self.compute_shard is None and self.param_dtype == torch.float32  # stage 3: the shard
+        return self.compute_shard is None and self.params_are_masters  # stage 3: the shard
 
     def copy_full_into_master(self) -> None:
         """After the full parameters were changed in place (GatheredParameters with a modifier rank):
@@ -610,8 +612,8 @@ class FlatGroup:
             params = nbytes(self.full)
         elif self.compute_shard is not None:
             params = nbytes(self.compute_shard)
-        else:  # stage 3 gathers from the master: in fp32 it is the parameter shard, else a copy
-            params = in_memory(self.master) if self.param_dtype == torch.float32 else 0
+        else:  # stage 3 gathers from the master: in the compute dtype it is the parameter shard, else a copy
+            params = in_memory(self.master) if self.params_are_masters else 0
         params += nbytes(self.secondary) + nbytes(self.secondary_scales) if self.secondary_valid else 0  # hpZ
         master = 0 if self.master_is_parameter_storage() else in_memory(self.master)
         if self.grads_persist_full:

@@ -72,10 +72,27 @@ def stage_policy(stage: int) -> StagePolicy:
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """`param_dtype`: what parameters compute in; `reduce_dtype`: what gradients are accumulated and
-    reduced in. Master weights and optimizer states are fp32 whatever these are."""
+    reduced in; `master_dtype`: what the optimizer steps, the master weights, and so what torch's
+    optimizers keep their states in (they make them like the tensor they step). fp32 by default
+    (ZeRO's mixed-precision Adam); bfloat16 with bfloat16 parameters makes the parameters their own
+    masters ([Note: bf16 master weights] in core/precision.py)."""
 
     param_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.master_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"PrecisionPolicy.master_dtype={self.master_dtype}: torch.float32 or torch.bfloat16")
+        if self.master_dtype == torch.bfloat16 and self.param_dtype != torch.bfloat16:
+            raise ValueError(
+                f"PrecisionPolicy.master_dtype=torch.bfloat16 needs param_dtype=torch.bfloat16, got {self.param_dtype}"
+            )
+
+    @property
+    def params_are_masters(self) -> bool:
+        """Do the parameters compute in the master's dtype (then they can be the master itself)?"""
+        return self.param_dtype == self.master_dtype
 
 
 @runtime_checkable

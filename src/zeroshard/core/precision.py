@@ -1,10 +1,24 @@
 """Mixed precision: which dtypes compute and communicate, and fp16's dynamic loss scaling.
 
-Master weights and optimizer states are always fp32 shards (ZeRO §3.1: "mixed-precision Adam keeps
-fp32 copies of parameters, momentum and variance"). Parameters used in compute are `param_dtype`.
-Gradients are accumulated and reduced in `reduce_dtype` (a config's communication data type),
-by default the compute dtype as in DeepSpeed, so that the bytes held and moved are the paper's
-2Ψ / 2Ψ/N — and converted to fp32 only for the optimizer step.
+Master weights and optimizer states are fp32 shards by default (ZeRO §3.1: "mixed-precision Adam
+keeps fp32 copies of parameters, momentum and variance"). Parameters used in compute are
+`param_dtype`. Gradients are accumulated and reduced in `reduce_dtype` (a config's communication
+data type), by default the compute dtype as in DeepSpeed, so that the bytes held and moved are the
+paper's 2Ψ / 2Ψ/N — and converted to the master's dtype only for the optimizer step.
+
+[Note: bf16 master weights]
+`PrecisionPolicy(master_dtype=torch.bfloat16)` (DeepSpeed's `bf16.bf16_master_weights_and_grads`)
+drops the fp32 copy: the bf16 parameters are their own masters, as fp32 parameters are in fp32
+training (a view of the full buffer at stages 0-2, the shard the all-gather reads at stage 3), the
+optimizer gets its gradients in bf16, and torch's optimizers, which make their states like the
+tensor they step, keep Adam's moments in bf16 (DeepSpeed's `bf16_optimizer_states`). Model states
+then cost 2 + 2 + 4 = 8 bytes per parameter with AdamW instead of 16, and 2 + 2 + 2.03 with
+torchao's AdamW8bit. The price is rounding: each update is rounded to bf16's 8 significant bits, so an
+update smaller than half a bf16 step of its weight (about 2^-9 of it) is lost, every step. torchao's
+optimizers offer the compensation, stochastic rounding: with `bf16_stochastic_round=True` they
+compute the update in fp32 and round the bf16 weight up or down with the probabilities that make it
+exact on average. Random bits make such a run differ from one with another data-parallel layout; the
+round-to-nearest update of torch's optimizers is the same at every stage and world size.
 """
 
 from __future__ import annotations

@@ -220,4 +220,4 @@ def _master_placement(
         return None, False
     if not store.addressable_from(device):
         return store, reshards
-    return (None if precision.param_dtype == torch.float32 else store), False
+    return (None if precision.params_are_masters else store), False

@@ -52,21 +52,31 @@ class Recipe:
     k: int | Fraction  # a Fraction for block-wise states; byte counts round up to whole bytes
 
 
-def recipe(precision: str = "bf16", optimizer: str = "adam", k: int | None = None) -> Recipe:
+MASTERS = ("fp32", "bf16")  # the master weights' dtype ([Note: bf16 master weights] in core/precision.py)
+
+
+def recipe(precision: str = "bf16", optimizer: str = "adam", k: int | None = None, master: str = "fp32") -> Recipe:
     """Mixed-precision Adam gives the paper's K = 12 (4 master + 4 m + 4 v); fp32 Adam K = 8, since the
-    parameter is its own master; torchao's AdamW8bit K = 4 + 2.03 mixed (`BLOCKWISE_STATE_BYTES`);
-    `k` overrides the derived value."""
+    parameter is its own master; torchao's AdamW8bit K = 4 + 2.03 mixed (`BLOCKWISE_STATE_BYTES`).
+    `master="bf16"` (bf16 only): the bf16 parameters are the masters and torch's optimizers keep their
+    states in bf16, so Adam's K = 4 (AdamW8bit's 2.03). `k` overrides the derived value."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} unknown; allowed: {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} unknown; allowed: {', '.join(OPTIMIZERS)}")
+    if master not in MASTERS:
+        raise ValueError(f"master {master!r} unknown; allowed: {', '.join(MASTERS)}")
+    if master == "bf16" and precision != "bf16":
+        raise ValueError(f"bf16 master weights need bf16 precision, got {precision!r}")
     width = PRECISIONS[precision]
-    master = 0 if width == 4 else 4
-    states = BLOCKWISE_STATE_BYTES.get(optimizer, 4 * OPTIMIZER_STATES.get(optimizer, 0))
-    derived = master + states
+    copy = 0 if width == 4 or master == "bf16" else 4  # a separate fp32 master
+    state_width = 2 if master == "bf16" else 4
+    states = BLOCKWISE_STATE_BYTES.get(optimizer, state_width * OPTIMIZER_STATES.get(optimizer, 0))
+    derived = copy + states
     if k is not None and (not isinstance(k, int) or k < 0):
         raise ValueError(f"K must be a non-negative integer number of bytes per parameter, got {k!r}")
-    return Recipe(f"{precision} {optimizer}", width, width, derived if k is None else k)
+    name = f"{precision} {optimizer}" + (" bf16 masters" if master == "bf16" else "")
+    return Recipe(name, width, width, derived if k is None else k)
 
 
 MIXED_ADAM = recipe("fp16", "adam")  # the paper's recipe, K = 12

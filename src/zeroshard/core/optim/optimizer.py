@@ -246,10 +246,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
             self.loss_scaler.update(overflow=True)
             self.skipped_steps += 1
             return False
-        # The optimizer needs fp32 gradients like its fp32 master; a copy only in mixed precision.
+        # The optimizer needs gradients in its master's dtype; a copy only where they differ.
         grads = [g.grad_for_optimizer() for g in self.groups]
         later = self._norm_when_asked(grads)
-        grads = [grad if grad.dtype == torch.float32 else grad.float() for grad in grads]
+        grads = [
+            grad if grad.dtype == g.master.dtype else grad.to(g.master.dtype) for grad, g in zip(grads, self.groups)
+        ]
         scale = self.loss_scaler.scale if self.loss_scaler is not None else 1.0
         norm, seen = self._norm_and_seen(grads, squares=not later)
         norm /= scale

@@ -159,6 +159,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--precision", choices=list(est.PRECISIONS), default="bf16", help="default: bf16")
     parser.add_argument("--optimizer", choices=list(est.OPTIMIZERS), default="adam", help="default: adam")
     parser.add_argument(
+        "--master",
+        choices=list(est.MASTERS),
+        default="fp32",
+        help="master weights' dtype (bf16 needs --precision bf16)",
+    )
+    parser.add_argument(
         "--activations",
         type=bounded(est.parse_bytes, -1, inclusive=False),
         metavar="SIZE",
@@ -314,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         ranks=args.ranks,
         memory=args.memory,
         bandwidth=bandwidth,
-        recipe=est.recipe(args.precision, args.optimizer),
+        recipe=_recipe(args),
         activations=activations,
         reserve=args.reserve,
         compute_s=args.compute_time,
@@ -383,3 +389,9 @@ def run(args: argparse.Namespace) -> int:
         )
     sys.stdout.write("\n".join(head + lines + tail) + "\n")
     return 0 if best else 1
+
+
+def _recipe(args: argparse.Namespace) -> est.Recipe:
+    if args.master == "bf16" and args.precision != "bf16":
+        raise CommandError(f"--master bf16 needs --precision bf16, got --precision {args.precision}")
+    return est.recipe(args.precision, args.optimizer, master=args.master)

@@ -89,6 +89,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "torchao's block-wise states, K=6.03, 5.06, 6.03 mixed)",
     )
     parser.add_argument(
+        "--master",
+        choices=list(est.MASTERS),
+        default="fp32",
+        help="master weights' dtype; bf16 (with --precision bf16): the parameters are the masters and Adam's "
+        "states bf16, K=4 (default: fp32)",
+    )
+    parser.add_argument(
         "--k",
         type=bounded(int, 0),
         metavar="BYTES",
@@ -177,7 +184,9 @@ def _mesh(args: argparse.Namespace) -> None:
 def _result(args: argparse.Namespace) -> dict:
     params = params_from_args(args)
     _mesh(args)
-    rec = est.recipe(args.precision, args.optimizer, args.k)  # argparse has validated every input
+    if args.master == "bf16" and args.precision != "bf16":
+        raise CommandError(f"--master bf16 needs --precision bf16, got --precision {args.precision}")
+    rec = est.recipe(args.precision, args.optimizer, args.k, args.master)
     return {
         "params": params,
         "model": args.model,
