@@ -129,7 +129,8 @@ def _stochastic_rounding_trains() -> None:
 
 
 def _worker(rank: int, world: int, directory: str) -> None:
-    subtests([dict(stage=s) for s in range(4)] + [dict(stage=2, offload=True)], _matches_recipe)
+    # Stage 0 keeps the full buffer as the master, as stages 1 and 2 do (a view of it).
+    subtests([dict(stage=s) for s in (1, 2, 3)] + [dict(stage=2, offload=True)], _matches_recipe)
     subtests([dict(directory=directory)], _resumes_at_another_stage)
     subtests([{}], _stochastic_rounding_trains)
 

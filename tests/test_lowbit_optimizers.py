@@ -6,7 +6,8 @@ Each parameter lies whole in its owner's slice and is stepped there as a tensor 
 scale is the one DDP's optimizer makes: at 2 ranks fp32, bit for bit at every stage, with CPU
 offload too. Their state saves by parameter name (codes and scales, exactly) and resumes at another
 stage and world size. torchao compiles its step (torch.compile) on first use of each shape: a few
-seconds per rank process, once.
+seconds per rank process, once. The distributed cases run AdamW8bit and AdamW4bit; the flat form
+of all three classes is checked in one process.
 """
 
 from __future__ import annotations
@@ -60,12 +61,10 @@ def _parity_worker(rank: int, world_size: int, cases: list) -> None:
 
 @pytest.mark.slow
 def test_blockwise_optimizers_match_ddp_at_every_stage():
-    cases = [dict(name="AdamW8bit", stage=s) for s in (0, 1, 2, 3)]
-    cases += [
-        dict(name="AdamW4bit", stage=3),
-        dict(name="AdamWFp8", stage=2),
-        dict(name="AdamW8bit", stage=3, offload=True),
-    ]
+    # AdamWFp8 steps whole parameters the same way; what differs, its codes' layout in a checkpoint,
+    # is checked in one process below (each class compiles its update once per rank).
+    cases = [dict(name="AdamW8bit", stage=s) for s in (1, 2, 3)]
+    cases += [dict(name="AdamW8bit", stage=3, offload=True), dict(name="AdamW4bit", stage=3)]
     run_distributed(_parity_worker, 2, timeout=600, cases=cases)
 
 
