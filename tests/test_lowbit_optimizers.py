@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torchao.optim as torchao_optim  # the `lowbit` extra, which make venv installs
 
 from tests.checkpoint_helpers import build_engine, check_same_states, full_params, train_micro_steps
 from tests.harness import run_distributed, subtests
@@ -21,8 +22,6 @@ from tests.reference import gpt_batches, train_ddp
 from tests.zs_common import assert_close, gpt_model_fn, make_config, train_engine
 from zeroshard.core.optim import lowbit
 from zeroshard.tools.models.gpt import tiny_gpt_config
-
-torchao_optim = pytest.importorskip("torchao.optim")  # the `lowbit` extra, which make venv installs
 
 STEPS = 3
 CONFIG = tiny_gpt_config()
