@@ -19,7 +19,10 @@ PREFIX = "zsnc"  # every namespace we create is named PREFIX<pid>x<k>-...
 IFNAME = "zs0"  # each node's interface, inside its namespace
 IP_TIMEOUT_S = 20.0  # one `ip` / `tc` command
 _STALE_AFTER_S = 60.0  # see clean_stale(); NETCLUSTER_STALE_AFTER_S overrides it
-_KILL_ROUNDS = 20  # kill, look again (a dying agent may still fork), bounded
+# Kill, look again (a dying agent may still fork), until none is left or this many seconds have
+# passed: a SIGKILLed process is listed until the kernel has torn it down, which on a loaded 2-core
+# box (two other test workers computing) took more than a second for a torch process.
+_KILL_WAIT_S = 10.0
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _counter = itertools.count()
 
@@ -96,7 +99,8 @@ def namespace_pids(name: str) -> list[int]:
 
 def kill_namespace(name: str) -> None:
     """SIGKILL every process in `name`: a machine losing power. Bounded; raises if some survive."""
-    for _ in range(_KILL_ROUNDS):
+    deadline = time.monotonic() + _KILL_WAIT_S
+    while time.monotonic() < deadline:
         pids = namespace_pids(name)
         if not pids:
             return
@@ -104,7 +108,7 @@ def kill_namespace(name: str) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.05)
-    raise ClusterError(f"processes {namespace_pids(name)} in namespace {name} survived SIGKILL")
+    raise ClusterError(f"processes {namespace_pids(name)} in namespace {name} survived SIGKILL for {_KILL_WAIT_S:g} s")
 
 
 def _stale_after_s() -> float:
