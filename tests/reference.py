@@ -119,7 +119,7 @@ def train_single(
         # As DDP's reducer: each rank's gradient multiplied by 1/N while copied into the bucket (so at
         # N = 3 this is not g / 3), then the buckets are summed in rank order.
         return [
-            _sum([g[i] * (1.0 / world_size) if g[i] is not None else None for g in per_rank])
+            sum_in_order([g[i] * (1.0 / world_size) if g[i] is not None else None for g in per_rank])
             for i in range(len(params))
         ]
 
@@ -130,10 +130,10 @@ def train_single(
             per_rank = [rank_grads(step, micro, rank) for rank in range(world_size)]
             losses.append(per_rank[0][0])
             if reduce_every_micro_step:
-                acc = [_sum([a, r]) for a, r in zip(acc, all_reduce_mean([g for _, g in per_rank]))]
+                acc = [sum_in_order([a, r]) for a, r in zip(acc, all_reduce_mean([g for _, g in per_rank]))]
             else:  # no_sync: each rank's .grad accumulates locally (autograd: old + new)
                 local = [
-                    g if prev is None else [_sum(pair) for pair in zip(prev, g)]
+                    g if prev is None else [sum_in_order(pair) for pair in zip(prev, g)]
                     for prev, (_, g) in zip(local, per_rank)
                 ]
         grads = acc if reduce_every_micro_step else all_reduce_mean(local)
@@ -198,7 +198,7 @@ def _accumulate_reduced(module, micro_backward, grad_accum: int) -> list[float]:
     return losses
 
 
-def _sum(tensors: list):
+def sum_in_order(tensors: list):
     """Left-to-right sum that skips None (a parameter without a gradient on some rank)."""
     present = [t for t in tensors if t is not None]
     if not present:

@@ -16,7 +16,7 @@ import torch
 import zeroshard
 from tests.checkpoint_helpers import check_same_states, full_params
 from tests.harness import run_distributed, subtests
-from tests.reference import gpt_batches, gpt_loss
+from tests.reference import gpt_batches, gpt_loss, sum_in_order
 from tests.zs_common import gather_masters, gpt_model_fn, make_config
 from zeroshard.config import ConfigKeyNotActedOnWarning
 from zeroshard.tools.estimator import model_state_bytes, recipe
@@ -44,10 +44,7 @@ def _reference(steps: int, world: int) -> dict:
             per_rank.append([p.grad * (1.0 / world) for p in model.parameters()])
             losses.append(loss.item()) if rank == 0 else None
         for param, grads in zip(model.parameters(), zip(*per_rank)):
-            total = grads[0].clone()
-            for grad in grads[1:]:
-                total += grad
-            param.grad = total
+            param.grad = sum_in_order(list(grads))
         optimizer.step()
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 

@@ -118,7 +118,7 @@ def test_a_blockwise_state_round_trips_through_its_flat_form():
             values = torch.randn(64, 128) if key == "exp_avg" else torch.rand(64, 128)
             largest = 10.0 + torch.arange(param.numel() // optimizer.block_size)  # a scale per block
             values.view(-1, optimizer.block_size)[:, 0] = -largest if key == "exp_avg" else largest
-            state = optimizer._new_buffer(param, key in lowbit.SIGNED_KEYS)
+            state = lowbit.new_buffer(optimizer, param, key)
             state.copy_(values)
             pieces = lowbit.flat_pieces(key, state)
             assert all(p.shape == (param.numel(),) for p in pieces.values()), name
@@ -139,7 +139,7 @@ def test_a_copy_before_the_update_puts_blockwise_states_back():
 
     param = torch.nn.Parameter(torch.zeros(64, 128))
     optimizer = torchao_optim.AdamW8bit([param])
-    state = {"exp_avg": optimizer._new_buffer(param, True), "exp_avg_sq": optimizer._new_buffer(param, False)}
+    state = {key: lowbit.new_buffer(optimizer, param, key) for key in ("exp_avg", "exp_avg_sq")}
     state["exp_avg"].copy_(torch.randn(64, 128))
     state["exp_avg_sq"].copy_(torch.rand(64, 128))
     optimizer.state[param] = state

@@ -15,7 +15,7 @@ import torch
 
 import zeroshard
 from tests.harness import run_distributed, subtests
-from tests.reference import gpt_batches, gpt_loss
+from tests.reference import gpt_batches, gpt_loss, sum_in_order
 from tests.zs_common import gather_masters, gpt_model_fn, make_config
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
@@ -39,9 +39,7 @@ def _mixed_reference(dtype: torch.dtype, steps: int, world: int, scale: float) -
             per_rank.append([p.grad * (1.0 / world) for p in compute.parameters()])
             losses.append(loss.item()) if rank == 0 else None
         for p32, grads in zip(master.parameters(), zip(*per_rank)):
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total += g
+            total = sum_in_order(list(grads))
             p32.grad = total.float() * (1.0 / scale) if scale != 1.0 else total.float()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

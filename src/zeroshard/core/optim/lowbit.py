@@ -90,10 +90,22 @@ def flat_pieces(key: str, value: Any) -> dict[str, torch.Tensor]:
     return {key + CODES: codes, key + SCALE: value.scale.repeat_interleave(value.block_size)}
 
 
+def new_buffer(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str) -> Any:
+    """The zero buffer a torchao optimizer makes for `view`'s state `key` (quantized or plain, by its rule)."""
+    return getattr(optimizer, "_new_buffer")(view, key in SIGNED_KEYS)  # noqa: B009 - a torchao class
+
+
+def quantized_from(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str, values: torch.Tensor) -> Any:
+    """`values` (plain moments, another optimizer's) in the optimizer's own buffer for `view`'s `key`."""
+    buffer = new_buffer(optimizer, view, key)
+    buffer.copy_(values.view(view.shape))
+    return buffer
+
+
 def rebuild(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str, pieces: dict) -> torch.Tensor:
     """The optimizer's own quantized buffer for `view`'s state `key`, filled from `flat_pieces`'s
     form (`pieces`: its two tensors, each of view.numel() elements)."""
-    buffer: Any = getattr(optimizer, "_new_buffer")(view, key in SIGNED_KEYS)  # noqa: B009 - a torchao class
+    buffer = new_buffer(optimizer, view, key)
     # A checkpoint reader may hand the codes over in the master's dtype: their values, 0-255, are exact.
     codes, scale = pieces[key + CODES].to(torch.uint8), pieces[key + SCALE].to(torch.float32)
     blocks = scale.view(-1, buffer.block_size)

@@ -154,8 +154,7 @@ def load_flat_state(
             if blockwise and key + lowbit.CODES in piece:
                 mine[key] = lowbit.rebuild(optimizer, matrix.view, key, piece)  # type: ignore[arg-type]
             elif blockwise and key in piece:  # plain moments of another optimizer: quantized now
-                mine[key] = optimizer._new_buffer(matrix.view, key in lowbit.SIGNED_KEYS)  # type: ignore[union-attr]
-                mine[key].copy_(piece[key].view(matrix.view.shape))
+                mine[key] = lowbit.quantized_from(optimizer, matrix.view, key, piece[key])  # type: ignore[arg-type]
             elif key in piece:
                 mine[key] = piece[key].view(matrix.view.shape).clone()
             else:

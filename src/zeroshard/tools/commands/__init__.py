@@ -53,3 +53,16 @@ def params_from_args(args: argparse.Namespace) -> int:
         return estimate.count_params_from_config(args.model)
     except ValueError as err:
         raise CommandError(f"--model: {err}") from None
+
+
+def recipe_from_args(args: argparse.Namespace, k: int | None = None):
+    """The estimator's Recipe of `--precision`, `--optimizer` and `--master` (and `k`, an override of
+    K); a combination the estimator refuses (bf16 masters without bf16) is a CommandError."""
+    from zeroshard.tools import estimator as estimate
+
+    try:
+        return estimate.recipe(args.precision, args.optimizer, k, args.master)
+    except ValueError as err:
+        raise CommandError(
+            f"--precision {args.precision} --optimizer {args.optimizer} --master {args.master}: {err}"
+        ) from None

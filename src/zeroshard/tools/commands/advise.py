@@ -11,7 +11,7 @@ import sys
 
 from zeroshard.tools import estimator as est
 from zeroshard.tools.bench import steptime
-from zeroshard.tools.commands import CommandError, add_command, bounded, params_from_args
+from zeroshard.tools.commands import CommandError, add_command, bounded, params_from_args, recipe_from_args
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
         ranks=args.ranks,
         memory=args.memory,
         bandwidth=bandwidth,
-        recipe=_recipe(args),
+        recipe=recipe_from_args(args),
         activations=activations,
         reserve=args.reserve,
         compute_s=args.compute_time,
@@ -389,9 +389,3 @@ def run(args: argparse.Namespace) -> int:
         )
     sys.stdout.write("\n".join(head + lines + tail) + "\n")
     return 0 if best else 1
-
-
-def _recipe(args: argparse.Namespace) -> est.Recipe:
-    if args.master == "bf16" and args.precision != "bf16":
-        raise CommandError(f"--master bf16 needs --precision bf16, got --precision {args.precision}")
-    return est.recipe(args.precision, args.optimizer, master=args.master)

@@ -7,7 +7,7 @@ import json
 import sys
 
 from zeroshard.tools import estimator as est
-from zeroshard.tools.commands import CommandError, add_command, bounded, params_from_args
+from zeroshard.tools.commands import CommandError, add_command, bounded, params_from_args, recipe_from_args
 
 SHARDED = {0: "nothing (DDP)", 1: "optimizer states", 2: "+ gradients", 3: "+ parameters"}
 
@@ -184,9 +184,7 @@ def _mesh(args: argparse.Namespace) -> None:
 def _result(args: argparse.Namespace) -> dict:
     params = params_from_args(args)
     _mesh(args)
-    if args.master == "bf16" and args.precision != "bf16":
-        raise CommandError(f"--master bf16 needs --precision bf16, got --precision {args.precision}")
-    rec = est.recipe(args.precision, args.optimizer, args.k, args.master)
+    rec = recipe_from_args(args, args.k)
     return {
         "params": params,
         "model": args.model,
