@@ -3,6 +3,7 @@ against the paper's formulas; `bench --max-model` (the search, its classificatio
 failures under RLIMIT_DATA, a real 2-rank search) and `bench --sweep`; the advisor's choices on the
 paper's example, help and errors."""
 
+import dataclasses
 import json
 import shlex
 import subprocess
@@ -511,6 +512,47 @@ def test_advise_prefers_least_sharding_among_equals_and_offload_when_needed():
     assert best is None
     best, _ = advise.choose(_paper_problem(ranks=8, memory=16 * 10**9, offload=True))
     assert best.offload_optimizer == "cpu"
+
+
+def test_advise_proposes_the_closest_leaner_recipe_when_model_states_fit_nowhere():
+    # 7.5B at 8 ranks: stage 3 needs 16 bytes/8 = 15 GB per rank under mixed-precision Adam.
+    bf16 = est.recipe("bf16", "adam")
+    expected = {  # usable memory -> the recipe of the most bytes per parameter that fits at stage 3
+        13.0e9: ("bf16 adamw8bit", 10.03),  # needs 9.4 GB; fp32 masters kept
+        9.0e9: ("bf16 adamw4bit", 9.06),  # needs 8.5 GB
+        8.0e9: ("bf16 adam bf16 masters", 8),  # needs 7.5 GB
+        6.0e9: ("bf16 adamw8bit bf16 masters", 6.03),  # needs 5.65 GB
+        5.0e9: ("bf16 adamw4bit bf16 masters", 5.06),  # needs 4.75 GB
+    }
+    for usable, (name, per_param) in expected.items():
+        problem = _paper_problem(ranks=8, memory=int(usable / 0.9), recipe=bf16)
+        assert advise.choose(problem)[0] is None
+        proposal = advise.propose_recipe(problem, "bf16", "adam", "fp32")
+        assert proposal.recipe.name == name and proposal.best.name == "stage 3", usable
+        total = proposal.recipe.param_bytes + proposal.recipe.grad_bytes + proposal.recipe.k
+        assert float(total) == pytest.approx(per_param, abs=0.005)
+        assert advise.choose(dataclasses.replace(problem, recipe=proposal.recipe))[0] == proposal.best
+    tight = _paper_problem(ranks=8, memory=int(4.5e9 / 0.9), recipe=bf16)
+    assert advise.propose_recipe(tight, "bf16", "adam", "fp32") is None, "nothing under 5.06 B/param"
+    assert (
+        advise.propose_recipe(_paper_problem(ranks=8, memory=int(13e9 / 0.9), recipe=bf16), "bf16", "sgd", "fp32")
+        is None
+    )
+
+
+def test_advise_command_prints_the_proposed_recipe_and_its_config(capsys):
+    argv = ["advise", "--params", "7.5B", "--ranks", "8", "--memory", "9GB", "--bandwidth", "25GB/s"]
+    code, out, _ = run(capsys, *argv, "--json")
+    proposal = json.loads(out)["recipe_proposal"]
+    assert code == 1 and json.loads(out)["recommendation"] is None
+    assert proposal["recipe"] == "bf16 adam bf16 masters" and proposal["recommendation"] == "stage 3"
+    assert proposal["deepspeed_config"] == {
+        "zero_optimization": {"stage": 3},
+        "bf16": {"enabled": True, "bf16_master_weights_and_grads": True},
+    }
+    code, out, _ = run(capsys, *argv)
+    assert "with bf16 adam bf16 masters (2 + 2 + K=4 = 8 bytes per parameter" in out
+    assert "bf16_master_weights_and_grads" in out.splitlines()[-1]
 
 
 def test_advise_command(capsys):

@@ -80,6 +80,35 @@ def test_bf16_master_recipes_drop_the_fp32_copy():
         est.recipe("bf16", "adamw", master="fp16")
 
 
+def test_estimate_compares_adams_recipes_with_the_largest_model_of_each(capsys):
+    from zeroshard.tools.cli import main
+
+    argv = ["estimate", "--params", "7.5B", "--ranks", "8", "--memory", "24GiB", "--recipes"]
+    assert main([*argv, "--json"]) == 0
+    rows = {row["recipe"]: row for row in json.loads(capsys.readouterr().out)["recipes"]}
+    assert list(rows) == [
+        "bf16 adam",
+        "bf16 adamw8bit",
+        "bf16 adamw4bit",
+        "bf16 adam bf16 masters",
+        "bf16 adamw8bit bf16 masters",
+        "bf16 adamw4bit bf16 masters",
+    ]
+    for row in rows.values():
+        rec = est.recipe("bf16", row["optimizer"], master=row["master"])
+        assert row["bytes_per_param"] == float(est.bytes_per_param(rec))
+        assert row["total_bytes"] == [est.model_state_bytes(7_500_000_000, 8, s, rec).total for s in range(4)]
+        assert row["largest_params"][3] == est.largest_model(24 * 2**30, 8, 3, rec)
+    assert rows["bf16 adamw8bit bf16 masters"]["bytes_per_param"] == 6.03125  # 2 + 2 + 2.03
+    assert main(argv) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[-1].split()[:6] == ["bf16", "adamw4bit", "bf16", "masters", "5.06", "38.0"]
+    assert main(["estimate", "--params", "1B", "--precision", "fp32", "--recipes", "--json"]) == 0
+    assert [r["master"] for r in json.loads(capsys.readouterr().out)["recipes"]] == ["fp32"] * 3
+    assert main(["estimate", "--params", "1B", "--optimizer", "sgd", "--recipes"]) == 2
+    assert "--optimizer sgd is not Adam" in capsys.readouterr().err
+
+
 def test_fp32_adam_stage_0_and_3():
     rec = est.recipe("fp32", "adam")  # 4 + 4 + 8 = 16 bytes per parameter, no master copy
     assert est.model_state_bytes(1000, 1, 0, rec).total == 16_000

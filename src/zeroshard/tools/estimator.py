@@ -80,6 +80,20 @@ def recipe(precision: str = "bf16", optimizer: str = "adam", k: int | None = Non
 
 
 MIXED_ADAM = recipe("fp16", "adam")  # the paper's recipe, K = 12
+LOW_BIT_ADAM = ("adamw8bit", "adamw4bit")  # block-wise states in place of Adam's fp32 moments
+
+
+def adam_recipes(precision: str) -> list[tuple[str, str, Recipe]]:
+    """(master, optimizer, Recipe) of every model-state recipe for Adam at `precision`: fp32 masters
+    (or the fp32 parameters themselves), then bf16 masters (bf16 only), each with Adam's states,
+    then torchao's 8- and 4-bit ones."""
+    masters = MASTERS if precision == "bf16" else ("fp32",)
+    return [(m, o, recipe(precision, o, master=m)) for m in masters for o in ("adam", *LOW_BIT_ADAM)]
+
+
+def bytes_per_param(rec: Recipe) -> int | Fraction:
+    """Model-state bytes per parameter before sharding: 2 + 2 + K at 16-bit compute."""
+    return rec.param_bytes + rec.grad_bytes + rec.k
 
 
 @dataclass(frozen=True)

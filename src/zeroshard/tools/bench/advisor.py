@@ -20,7 +20,7 @@ enter the comparison.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from zeroshard.tools import estimator as est
 from zeroshard.tools.bench import steptime
@@ -262,3 +262,54 @@ def ds_config(best: Candidate) -> dict:
     if best.offload_param:
         zero["offload_param"] = {"device": best.offload_param}
     return {"zero_optimization": zero}
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A recipe of fewer bytes per parameter under which a configuration fits, when the asked one
+    fits nowhere: what to change, and the recommendation it gets."""
+
+    recipe: est.Recipe
+    changes: tuple[str, ...]  # for people: the config keys and the optimizer to use
+    best: Candidate
+    config: dict  # the DeepSpeed config sections: ds_config(best), and bf16 masters where proposed
+
+
+def propose_recipe(problem: Problem, precision: str, optimizer: str, master: str) -> Proposal | None:
+    """When nothing fits under `problem.recipe` because of its model states: the recipe closest to it
+    (the most bytes per parameter among those with fewer, `estimator.adam_recipes`) under which
+    something fits, or None. Offered for Adam and the low-bit Adams only: bf16 master weights (bf16
+    precision), torchao's 8- and 4-bit states, or both; never fp32 masters when bf16 ones were asked."""
+    if optimizer not in ("adam", "adamw", *est.LOW_BIT_ADAM):
+        return None
+    asked = est.bytes_per_param(problem.recipe)
+    options = [
+        (m, o, r)
+        for m, o, r in est.adam_recipes(precision)
+        if est.bytes_per_param(r) < asked and not (master == "bf16" and m == "fp32")
+    ]
+    for m, o, recipe in sorted(options, key=lambda option: -est.bytes_per_param(option[2])):
+        best, _ = choose(replace(problem, recipe=recipe))
+        if best is None:
+            continue
+        changes, config = [], ds_config(best)
+        if m == "bf16" and master != "bf16":
+            config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True}
+            changes.append('"bf16": {"enabled": true, "bf16_master_weights_and_grads": true}')
+        if o in est.LOW_BIT_ADAM and o != optimizer:
+            rounding = "bf16_stochastic_round=True" if m == "bf16" else "..."
+            changes.append(
+                f"torchao.optim.{dict(adamw8bit='AdamW8bit', adamw4bit='AdamW4bit')[o]}(params, {rounding}) "
+                "as the optimizer (pip install 'zeroshard[lowbit]')"
+            )
+        return Proposal(recipe, tuple(changes), best, config)
+    return None
+
+
+def explain_proposal(proposal: Proposal) -> list[str]:
+    r = proposal.recipe
+    return [
+        f"with {r.name} ({r.param_bytes} + {r.grad_bytes} + K={est.format_k(r.k)} = "
+        f"{est.format_k(est.bytes_per_param(r))} bytes per parameter of model states) "
+        f"{proposal.best.name} fits: use " + " and ".join(proposal.changes),
+    ]

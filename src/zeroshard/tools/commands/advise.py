@@ -24,7 +24,10 @@ all-reduce's) at the given or measured bandwidth, overlapped with the forward (3
 share of compute where the code overlaps them (of a built-in GPT: its blocks' share of those) (and, with --offload, the host link). Without
 --compute-time, or with --no-overlap, nothing overlaps and times are upper bounds. --sweep checks the
 model against a recorded bandwidth sweep (scripts/bandwidth_sweep.py): predicted against measured
-step time per stage and rate, and the pick against the measured fastest stage that fits --memory."""
+step time per stage and rate, and the pick against the measured fastest stage that fits --memory. When
+nothing fits because of the model states, it proposes the recipe closest to the one asked (the most
+bytes per parameter among those with fewer) under which something fits: bf16 master weights, torchao's
+8- or 4-bit Adam states, or both (docs/lowbit.md)."""
 
 EXAMPLES = [
     "zeroshard advise --model gpt2-xl --ranks 8 --memory 24GiB --bandwidth 25GB/s",
@@ -337,6 +340,10 @@ def run(args: argparse.Namespace) -> int:
     )
     best, every = advise.choose(problem)
     lines = advise.explain(problem, best, every)
+    proposal = None
+    if best is None and activations < args.memory * (1 - args.reserve):  # the model states are the limit
+        proposal = advise.propose_recipe(problem, args.precision, args.optimizer, args.master)
+        lines += advise.explain_proposal(proposal) if proposal else []
     if args.json:
         document = {
             "params": params,
@@ -350,6 +357,15 @@ def run(args: argparse.Namespace) -> int:
             "activations_source": act_source,
             "recommendation": best.name if best else None,
             "deepspeed_config": advise.ds_config(best) if best else None,
+            "recipe_proposal": None
+            if proposal is None
+            else {
+                "recipe": proposal.recipe.name,
+                "bytes_per_param": float(proposal.recipe.param_bytes + proposal.recipe.grad_bytes + proposal.recipe.k),
+                "changes": list(proposal.changes),
+                "recommendation": proposal.best.name,
+                "deepspeed_config": proposal.config,
+            },
             "explanation": lines,
             "candidates": [
                 {
@@ -382,6 +398,8 @@ def run(args: argparse.Namespace) -> int:
         "",
     ]
     tail = ["", "DeepSpeed / zeroshard config: " + json.dumps(advise.ds_config(best))] if best else []
+    if proposal is not None:
+        tail = ["", f"DeepSpeed / zeroshard config with {proposal.recipe.name}: " + json.dumps(proposal.config)]
     if best and args.compute_time:
         comm = best.time_s - args.compute_time
         tail.append(

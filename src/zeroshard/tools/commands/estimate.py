@@ -23,6 +23,7 @@ EXAMPLES = [
     "zeroshard estimate --params 13B --ranks 8 --offload-optimizer cpu --json",
     "zeroshard estimate --params 70B --ranks 32 --offload-optimizer nvme --offload-param nvme",
     "zeroshard estimate --model gpt-7.5b --tp 2 --pp 2 --dp 16 --tokens 8192   # 3D parallelism",
+    "zeroshard estimate --params 7.5B --ranks 8 --memory 24GiB --recipes   # bf16 masters, 8-bit states",
 ]
 
 
@@ -121,6 +122,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SIZE",
         help="host memory per rank bounding CPU offload in the largest-model column",
     )
+    parser.add_argument(
+        "--recipes",
+        action="store_true",
+        help="also compare Adam's model-state recipes at --precision (fp32 or bf16 masters, fp32, 8-bit or "
+        "4-bit states): bytes per parameter, per rank at each stage, and with --memory the largest model",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.set_defaults(func=run)
 
@@ -181,10 +188,30 @@ def _mesh(args: argparse.Namespace) -> None:
         args.activations = est.Activations(args.tokens, spec.n_embd, spec.n_layer, args.micro_batches)
 
 
+def _recipe_rows(args: argparse.Namespace, params: int) -> list[dict]:
+    """Each of Adam's recipes at --precision (`estimator.adam_recipes`), under the same mesh and offload."""
+    rows = []
+    for master, optimizer, rec in est.adam_recipes(args.precision):
+        stages = [_stage_row(args, params, stage, rec) for stage in range(4)]
+        rows.append(
+            {
+                "recipe": rec.name,
+                "master": master,
+                "optimizer": optimizer,
+                "bytes_per_param": float(est.bytes_per_param(rec)),
+                "total_bytes": [row.get("total_bytes") for row in stages],
+                "largest_params": [row.get("largest_params") for row in stages] if args.memory is not None else None,
+            }
+        )
+    return rows
+
+
 def _result(args: argparse.Namespace) -> dict:
     params = params_from_args(args)
     _mesh(args)
     rec = recipe_from_args(args, args.k)
+    if args.recipes and args.optimizer not in ("adam", "adamw", *est.LOW_BIT_ADAM):
+        raise CommandError(f"--recipes compares Adam's recipes; --optimizer {args.optimizer} is not Adam")
     return {
         "params": params,
         "model": args.model,
@@ -201,6 +228,7 @@ def _result(args: argparse.Namespace) -> dict:
         "memory_bytes": args.memory,
         "cpu_memory_bytes": args.cpu_memory,
         "stages": [_stage_row(args, params, stage, rec) for stage in range(4)],
+        "recipes": _recipe_rows(args, params) if args.recipes else None,
     }
 
 
@@ -278,7 +306,29 @@ def format_table(result: dict) -> str:
             reasons.setdefault(row["error"], []).append(str(row["stage"]))
     lines += [f"n/a at stage {', '.join(stages)}: {reason}." for reason, stages in reasons.items()]
     lines += _per_dimension(result)
+    lines += _recipe_table(result)
     return "\n".join(lines)
+
+
+def _recipe_table(result: dict) -> list[str]:
+    if not result["recipes"]:
+        return []
+    largest = result["memory_bytes"] is not None
+    header = ["recipe", "B/param"] + [f"stage {s}/rank" for s in range(4)] + ["largest (stage 3)"] * largest
+    cells = [header]
+    for row in result["recipes"]:
+        line = [row["recipe"], f"{row['bytes_per_param']:.2f}".rstrip("0").rstrip(".")]
+        line += ["-" if b is None else est.format_bytes(b) for b in row["total_bytes"]]
+        if largest:
+            top = row["largest_params"][3]
+            line.append("unbounded" if top is None else est.format_count(top))
+        cells.append(line)
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    lines = ["", "Adam's model-state recipes (bytes per parameter: params + grads + K; 8- and 4-bit states modelled):"]
+    lines += [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))) for line in cells
+    ]
+    return lines
 
 
 def _per_dimension(result: dict) -> list[str]:
