@@ -3,7 +3,8 @@
 The oracle is the recipe written out in one process for 2 emulated ranks: a bf16 model computes each
 rank's gradients, which are averaged the way DDP does (each times 1/N, summed in rank order) in
 bf16, and torch's AdamW steps the bf16 parameters themselves (its moments bf16 like them). At 2
-ranks every stage equals it bit for bit.
+ranks every stage equals it bit for bit. Checkpoints resume at another stage and world size, and
+consolidation, the Hugging Face export and DCP carry the bf16 masters exactly.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import zeroshard
-from tests.checkpoint_helpers import check_same_states, full_params
+from tests.checkpoint_helpers import check_same_states, checkpoint_states, full_params, state_difference
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, sum_in_order
 from tests.zs_common import gather_masters, gpt_model_fn, make_config
@@ -134,11 +135,35 @@ def _worker(rank: int, world: int, directory: str) -> None:
 
 
 def _reshard_worker(rank: int, world: int, directory: str, again: str) -> None:
+    """The 2-rank stage-3 checkpoint at 1 rank, stage 2: the same states; consolidated, exported for
+    Hugging Face and written as DCP, the bf16 masters come out exactly (widened to fp32 where asked),
+    and a DCP checkpoint loads back into a stage-3 engine with every state as it was."""
+    from safetensors.torch import load_file
+
+    from zeroshard.checkpoint import consolidate
+
     engine = _engine(2)
     engine.load_checkpoint(directory, tag="three")
     engine.save_checkpoint(again, tag="three")
     check_same_states(engine, f"{again}/three", f"{directory}/three", "2 ranks stage 3 -> 1 rank stage 2")
+    masters = full_params(engine)
+    assert {value.dtype for value in masters.values()} == {torch.bfloat16}
+    full = load_file(consolidate(directory, f"{again}/full.safetensors", tag="three", progress=False)["output"])
+    hf = load_file(engine.save_16bit_model(f"{again}/hf"))  # the compute dtype, bf16, as DeepSpeed writes it
+    for name, value in masters.items():
+        assert full[name].dtype == torch.float32 and torch.equal(full[name], value.float()), name
+        assert hf[name].dtype == torch.bfloat16 and torch.equal(hf[name], value), name
+    engine.save_dcp(f"{again}/dcp")
     engine.destroy()
+    from_dcp = _engine(3)
+    from_dcp.load_dcp(f"{again}/dcp")
+    ours = full_params(from_dcp)
+    assert all(torch.equal(ours[name], value) for name, value in masters.items())
+    from_dcp.save_checkpoint(f"{again}/after-dcp", tag="three")
+    # DCP holds the model and the optimizer, as FSDP2 writes them: not the engine's step counts.
+    through, saved = (checkpoint_states(f"{d}/three") for d in (f"{again}/after-dcp", directory))
+    assert state_difference(*({k: v for k, v in c.items() if k != "steps"} for c in (through, saved))) is None
+    from_dcp.destroy()
 
 
 @pytest.mark.slow
