@@ -3,7 +3,8 @@
 The oracle is the recipe written out in one process for 2 emulated ranks: a bf16 model computes each
 rank's gradients, which are averaged the way DDP does (each times 1/N, summed in rank order) in
 bf16, and torch's AdamW steps the bf16 parameters themselves (its moments bf16 like them). At 2
-ranks every stage equals it bit for bit. Checkpoints resume at another stage and world size, and
+ranks every stage equals it bit for bit, with the optimizer's states in host memory or NVMe files too
+(and at stage 3 the parameters). Checkpoints resume at another stage and world size, and
 consolidation, the Hugging Face export and DCP carry the bf16 masters exactly.
 """
 
@@ -72,8 +73,12 @@ def _train(engine, first: int, steps: int) -> list[float]:
     return losses
 
 
-def _matches_recipe(stage: int, offload: bool = False) -> None:
-    zero: dict = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+def _matches_recipe(stage: int, offload: str | None = None, nvme_path: str = "") -> None:
+    zero: dict = {}
+    if offload is not None:  # the optimizer's states (and at stage 3 the parameters) to host memory or files
+        zero["offload_optimizer"] = {"device": offload, "nvme_path": nvme_path}
+        if stage == 3:
+            zero["offload_param"] = {"device": offload, "nvme_path": nvme_path}
     engine = _engine(stage, **zero)
     assert all(g.master.dtype == torch.bfloat16 for g in engine.groups)
     assert all(g.master_is_parameter_storage() for g in engine.groups), "the bf16 parameters are the masters"
@@ -81,7 +86,9 @@ def _matches_recipe(stage: int, offload: bool = False) -> None:
     states = [v for state in engine.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     assert {v.dtype for v in states if v.dim() == 1} == {torch.bfloat16}, "Adam's moments are bf16 like the master"
     masters = gather_masters(engine)
-    if not offload:  # model states against the estimator's bf16-master recipe (2 + 2 + 4 bytes per parameter)
+    if offload == "nvme":
+        assert engine.memory_report()["offloaded_nvme"] > 0, "the states went to files"
+    if offload is None:  # model states against the estimator's bf16-master recipe (2 + 2 + 4 bytes per parameter)
         psi, memory = engine.num_parameters(), engine.memory_report()
         predicted = model_state_bytes(psi, engine.world_size, stage, recipe("bf16", "adamw", master="bf16"))
         step_counters = 4 * len(engine.groups)  # Adam's `step`, one fp32 scalar per flat group
@@ -129,7 +136,9 @@ def _stochastic_rounding_trains() -> None:
 
 def _worker(rank: int, world: int, directory: str) -> None:
     # Stage 0 keeps the full buffer as the master, as stages 1 and 2 do (a view of it).
-    subtests([dict(stage=s) for s in (1, 2, 3)] + [dict(stage=2, offload=True)], _matches_recipe)
+    offloaded = [dict(stage=2, offload="cpu"), dict(stage=2, offload="nvme"), dict(stage=3, offload="nvme")]
+    nvme = f"{directory}-nvme-{rank}"
+    subtests([dict(stage=s) for s in (1, 2, 3)] + [{**case, "nvme_path": nvme} for case in offloaded], _matches_recipe)
     subtests([dict(directory=directory)], _resumes_at_another_stage)
     subtests([{}], _stochastic_rounding_trains)
 
