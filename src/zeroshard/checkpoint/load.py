@@ -58,6 +58,7 @@ def load_checkpoint(
     load_module_only: bool = False,
     load_module_strict: bool = True,
     verify: bool = True,
+    name: str | None = None,
 ):
     """Restore `engine` from `load_dir/<tag>` (default: the tag `latest` names, or `load_dir`
     itself when it is the directory of one checkpoint). Collective. A checkpoint DeepSpeed wrote
@@ -66,7 +67,9 @@ def load_checkpoint(
     Returns `(checkpoint directory, client_state)`, or `(None, None)` with a warning when
     `load_dir` has no `latest` and no tag was given (DeepSpeed's behaviour). `load_module_only`
     restores the weights alone; `load_module_strict=False` loads the parameters the checkpoint and
-    the model share and leaves the others as they are; `verify=False` skips the checksums.
+    the model share and leaves the others as they are; `verify=False` skips the checksums. `name`:
+    how the collectives of the load describe the checkpoint (default: its path), the same on every
+    rank where each machine reads its own copy under another path (snapshots).
 
     Nothing in a checkpoint can run code: the manifest is JSON checked against its schema, tensors
     are safetensors, and client state comes back through torch.load(weights_only=True), so it may
@@ -92,12 +95,12 @@ def load_checkpoint(
     found, error = attempt(find_checkpoint, load_dir, tag)
     if error is None and found is not None:
         found, error = attempt(_own_part, *found, engine, layout, verify)
-    agree(grid, error, f"loading checkpoint from {load_dir}")
+    agree(grid, error, f"loading checkpoint from {name or load_dir}")
     if found is None:
         log.warning("zeroshard: %s has no '%s' file and no tag was given: nothing loaded", load_dir, "latest")
         return None, None
     path, manifest = found
-    what = f"loading checkpoint {path.parent if layout is not None else path}"  # the same text on every part
+    what = f"loading checkpoint {name or (path.parent if layout is not None else path)}"  # the same on every part
     if verify:
         files = sorted(manifest["files"])
         problems, error = attempt(check_files, path, manifest, files[comm.rank :: comm.world_size])

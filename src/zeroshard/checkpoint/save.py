@@ -121,7 +121,7 @@ def save_checkpoint(
     # refused before any shard is written
     objects = None
     if error is None and comm.rank == 0:
-        objects, error = attempt(_objects_bytes, engine, states, client_state or {})
+        objects, error = attempt(engine_objects_bytes, engine, states, client_state or {})
     if error is None and grid.rank == 0:
         _, error = attempt(_prepare, save_dir, staging)
     agree(grid, error, what)
@@ -129,10 +129,10 @@ def save_checkpoint(
     # and buffers (copies when another thread writes them while training changes the originals).
     shard = None
     if writes_shards(engine):
-        shard, error = attempt(_shard_contents, engine, states, layout, background)
+        shard, error = attempt(shard_contents, engine, states, layout, background)
     contents = None
     if error is None and comm.rank == 0:
-        contents, error = attempt(_part_contents, engine, states, tag, layout, background is not None)
+        contents, error = attempt(part_contents, engine, states, tag, layout, background is not None)
 
     def write_and_publish(comm, grid) -> None:
         """Steps 1-4 of [Note: atomic publication], from the contents taken above."""
@@ -147,7 +147,7 @@ def save_checkpoint(
         part = None  # on dp rank 0: the part's files, once all of them are written
         if comm.rank == 0 and failed is None and all(r is not None for r in records):
             written = [r for r in records if r != _REPLICA]
-            part, failed = attempt(_write_part, part_dir, written, objects, contents)
+            part, failed = attempt(write_part, part_dir, written, objects, contents)
         parts = grid.all_gather_objects(part, f"{what}: parts") if layout is not None else [part]
         if grid.rank == 0:
             done = [p for p in parts if p is not None]  # one per part whose dp rank 0 wrote it whole
@@ -202,7 +202,7 @@ def rank_tensors(engine, states: list[dict]) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _shard_contents(
+def shard_contents(
     engine, states: list[dict], layout: Layout | None, background: BackgroundSaves | None
 ) -> tuple[str, dict, dict]:
     """(file name, tensors, metadata) of this rank's shard file; with `background`, host copies of the
@@ -253,7 +253,7 @@ def _clear_leftovers(save_dir: Path, staging: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
-def _part_contents(engine, states: list[dict], tag: str, layout: Layout | None, copy: bool) -> dict:
+def part_contents(engine, states: list[dict], tag: str, layout: Layout | None, copy: bool) -> dict:
     """What step 2 of [Note: atomic publication] writes for one part (the whole checkpoint when
     dp-only), but the files' checksums: its manifest and buffers (`copy`: host copies)."""
     buffers = {k: v.detach() for k, v in persistent_buffers(engine.module).items()}
@@ -273,7 +273,7 @@ def _part_contents(engine, states: list[dict], tag: str, layout: Layout | None, 
     }
 
 
-def _write_part(part_dir: Path, records, objects: bytes, contents: dict) -> dict:
+def write_part(part_dir: Path, records, objects: bytes, contents: dict) -> dict:
     """Step 2 of [Note: atomic publication] for one part: its objects, buffers and manifest. Returns
     what the top manifest records of it."""
     files = dict(records)
@@ -331,7 +331,7 @@ def _publish(
     publish(staging, save_dir, tag, nonce, save_latest)
 
 
-def _objects_bytes(engine, states: list[dict], client_state) -> bytes:
+def engine_objects_bytes(engine, states: list[dict], client_state) -> bytes:
     """What is not a per-element tensor: client state, scheduler, loss scaler, optimizer param-group
     hyper-parameters and scalar optimizer state (Adam's `step`), per group, with torch.save, each
     value one that torch.load(weights_only=True) rebuilds (or a CheckpointError naming it)."""

@@ -578,6 +578,15 @@ class ZeroShardExtConfig(Section):
     overrides this). The next save, load_checkpoint(), wait_checkpoint() and destroy() wait for it
     and raise its error ([Note: asynchronous save] in checkpoint/background.py). Costs a host copy of
     the rank's shards while it writes."""
+    snapshot_every_steps: NonNegInt = 0
+    """Every this many optimizer steps, engine.step() writes a snapshot of every rank's model states
+    into host memory on its own machine and on a buddy machine ([Note: snapshots on a buddy] in
+    checkpoint/snapshot.py), from which engine.recover() resumes after a machine is lost, without
+    the disk. Costs host memory for a copy of the rank's states and its buddy's, and the time to
+    serialise, send and write them at each snapshot step. 0: no snapshots."""
+    snapshot_dir: str | None = None
+    """This machine's snapshot directory; None: /dev/shm/zeroshard/<torchelastic run id>, a tmpfs
+    whose files outlive the workers torchrun restarts."""
     packed_matmul: bool = False
     """ZeRO-Inference with 4-bit weights (``weight_quantization.quantized_initialization.num_bits``
     4) on one rank: each ``nn.Linear`` whose weight is its own multiplies by it as stored, packed,

@@ -420,6 +420,19 @@ class Communicator:
             stage,
         )
 
+    def shift(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int, what: str) -> Handle:
+        """Send `send` to rank `to` while `recv` arrives from rank `source` (ranks of this group): one
+        step of a ring, such as each rank's snapshot to its buddy on the next machine. Counted as an
+        all-to-all, of which it is the sparse case."""
+        stage = Staging(self.device, self.counter)
+        out, into = stage(send), stage(recv, read=False, written=True)
+        ops = [
+            dist.P2POp(dist.isend, out, dist.get_global_rank(self.group, to), self.group),
+            dist.P2POp(dist.irecv, into, dist.get_global_rank(self.group, source), self.group),
+        ]
+        launch = lambda: _Works(dist.batch_isend_irecv(ops))  # noqa: E731
+        return self._run("all_to_all", send, what, False, launch, stage, sizes_differ=True)
+
     def all_gather_objects(self, obj, what: str) -> list:
         """Small Python objects (control data: manifests, error reports); counted as control."""
         check = self._start_check("control", 0, what)
@@ -438,10 +451,19 @@ class Communicator:
 
     # -- internals ------------------------------------------------------------------------------------
     def _run(
-        self, kind: str, tensor: torch.Tensor, what: str, async_op: bool, launch, staging: Staging | None = None
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        what: str,
+        async_op: bool,
+        launch,
+        staging: Staging | None = None,
+        sizes_differ: bool = False,
     ) -> Handle:
+        """`sizes_differ`: each rank sends its own number of bytes (a shift), so the ranks' checks
+        compare the kind and description only."""
         nbytes = tensor.numel() * tensor.element_size()
-        check = self._start_check(kind, nbytes, what)  # queued first on the same group, not waited here
+        check = self._start_check(kind, 0 if sizes_differ else nbytes, what)  # queued first, not waited here
         if check is not None and self.verify_before_launch:
             check.verify()  # raises, launching nothing, if the ranks diverged
             check, self.verify_before_launch = None, False

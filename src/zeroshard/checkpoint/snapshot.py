@@ -1,0 +1,303 @@
+"""Snapshots in host memory, each rank's also on a buddy machine, and recovery from them.
+
+[Note: snapshots on a buddy]
+A snapshot is a checkpoint in the format of [Note: checkpoint layout], tagged `snapshot<step>`,
+written to a directory in host memory on every machine (by default under /dev/shm, a tmpfs: its
+files outlive the worker processes, so the workers torchrun restarts on a surviving machine find
+them). What a machine's directory holds:
+  * the manifest, objects.pt and buffers (every machine);
+  * the rank files of its own ranks;
+  * the rank files of its ranks' sources: rank r sends its file to its buddy, rank (r + L) mod N,
+    L ranks per machine. torchrun numbers ranks machine by machine, so the buddy is the same local
+    rank on the next machine, and machine m holds machine m-1's files.
+Losing any one machine therefore leaves every rank file on a survivor: m's own files are on m+1,
+and m-1's were never only on m. Two neighbouring machines lost together take m's files with them;
+recovery then finds the snapshot incomplete and says so.
+
+Writing (collective, `take_snapshot`): each rank serialises its shard file in memory and sends it to
+its buddy while receiving its source's (one ring shift, Communicator.shift); the receiver checks
+the bytes against the sender's sha256 before writing them. Files go to `.partial-<tag>-<nonce>/`;
+once every rank reports its files written, the first rank of each machine renames the directory to
+`<tag>` and only then removes older snapshots, so a failure at any point leaves the previous
+snapshot whole. With all ranks on one machine there is no buddy: a snapshot then survives a
+worker restart, not the machine.
+
+Recovery (collective, `recover`, on the ranks torchrun restarted): every rank reports the complete
+snapshots its machine holds and which rank files each has; all ranks pick the same newest snapshot
+whose manifest and rank files are all on some survivor. A file a machine lacks is sent to it from
+one that holds it (a broadcast per such file, checked against the manifest's sha256), after which
+every machine's directory holds the whole checkpoint and `load_checkpoint` reads it like any
+other: resharded to the new world size and stage ([Note: resharding by element ranges] in
+reader.py). Without a complete snapshot, or when the disk checkpoint is newer, the disk
+checkpoint is loaded instead, with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from zeroshard.checkpoint.common import agree, attempt, optimizer_states, replica_of
+from zeroshard.checkpoint.files import CheckpointError, fsync_dir, write_atomic
+from zeroshard.checkpoint.layout import layout_of
+from zeroshard.checkpoint.load import load_checkpoint
+from zeroshard.checkpoint.manifest import (
+    BUFFERS,
+    LATEST,
+    MANIFEST,
+    OBJECTS,
+    manifest_text,
+    rank_file,
+    read_manifest,
+    resolve_tag,
+)
+from zeroshard.checkpoint.save import engine_objects_bytes, part_contents, shard_contents
+
+log = logging.getLogger(__name__)
+
+PREFIX = "snapshot"
+DEFAULT_ROOT = Path("/dev/shm/zeroshard")
+
+
+def default_directory() -> Path:
+    """This job's snapshot directory on this machine: /dev/shm/zeroshard/<torchelastic run id>."""
+    return DEFAULT_ROOT / os.environ.get("TORCHELASTIC_RUN_ID", "default")
+
+
+def buddy_of(rank: int, world_size: int, ranks_per_machine: int) -> int:
+    """The rank that keeps a copy of `rank`'s file: the same local rank on the next machine."""
+    return (rank + ranks_per_machine) % world_size
+
+
+def _step_of(tag: str) -> int:
+    return int(tag.removeprefix(PREFIX))
+
+
+def take_snapshot(engine, directory, ranks_per_machine: int, keep: int = 1) -> str:
+    """Write a snapshot of `engine` at its current step into `directory` on this machine, with this
+    rank's file also on its buddy ([Note: snapshots on a buddy]). Collective. Returns its tag."""
+    comm = engine.comm
+    counters = engine.counters()
+    if counters.backward_pending or counters.mid_accumulation:
+        raise CheckpointError("a snapshot is taken after engine.step() at an accumulation boundary")
+    if comm.world_size % ranks_per_machine:
+        raise CheckpointError(f"{comm.world_size} ranks are not machines of {ranks_per_machine} ranks each")
+    if layout_of(engine) is not None or replica_of(engine) is not None:
+        raise CheckpointError("snapshots under tensor/pipeline parallelism or MiCS are not supported")
+    directory = Path(directory)
+    tag = f"{PREFIX}{counters.global_steps}"
+    what = f"snapshot {tag}"  # the same on every rank: each machine has its own directory
+    states = optimizer_states(engine)
+    contents, error = attempt(shard_contents, engine, states, None, None)
+    name, blob = (contents[0], safetensors_bytes(contents[1], contents[2])) if contents is not None else ("", b"")
+    mine = (name, len(blob), hashlib.sha256(blob).hexdigest(), uuid.uuid4().hex[:12], error)
+    everyone = comm.all_gather_objects(mine, f"{what}: sizes")
+    agree(comm, error, what)
+    nonce = everyone[0][3]
+    to = buddy_of(comm.rank, comm.world_size, ranks_per_machine)
+    source = (comm.rank - ranks_per_machine) % comm.world_size
+    received = torch.empty(everyone[source][1], dtype=torch.uint8)
+    if to != comm.rank:  # one machine: no buddy
+        sent = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        comm.shift(sent, to, received, source, f"{what}: to the buddy")
+    common = None
+    if comm.rank == 0:  # the files every machine holds, with every rank file's record
+        common, error = attempt(_common_files, engine, states, tag, everyone)
+    common = comm.all_gather_objects(common, f"{what}: manifest")[0]
+    agree(comm, error, what)
+    staging = directory / f".partial-{tag}-{nonce}"
+    leader = comm.rank % ranks_per_machine == 0
+    files = {name: blob}
+    if source != comm.rank:
+        files[everyone[source][0]] = _checked(received.numpy().tobytes(), everyone[source][2], everyone[source][0])
+    if leader:
+        files.update(common)
+    _, error = attempt(_write_files, staging, files)
+    agree(comm, error, what)
+    if leader:
+        _, error = attempt(_publish, directory, staging, tag, keep)
+    agree(comm, error, what)
+    log.info("zeroshard: snapshot %s written to %s (its copy on rank %d)", tag, directory, to)
+    return tag
+
+
+def _common_files(engine, states: list[dict], tag: str, everyone: list) -> dict[str, bytes]:
+    contents = part_contents(engine, states, tag, None, copy=False)
+    objects = engine_objects_bytes(engine, states, {})
+    files = {name: {"sha256": digest, "bytes": size} for name, size, digest, _, _ in everyone}
+    out = {OBJECTS: objects}
+    files[OBJECTS] = _record(objects)
+    if contents["buffers"]:
+        out[BUFFERS] = safetensors_bytes(contents["buffers"])
+        files[BUFFERS] = _record(out[BUFFERS])
+    out[MANIFEST] = manifest_text({**contents["manifest"], "files": files}).encode()
+    return out
+
+
+def _record(data: bytes) -> dict:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _checked(data: bytes, digest: str, name: str) -> bytes:
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(f"snapshot file {name} arrived from its rank with another sha256 than it was sent with")
+    return data
+
+
+def _write_files(staging: Path, files: dict[str, bytes]) -> None:
+    staging.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        write_atomic(staging / name, data)
+
+
+def _publish(directory: Path, staging: Path, tag: str, keep: int) -> None:
+    """Rename the finished staging directory to `tag`, then remove all but the `keep` newest
+    snapshots, and what interrupted writes left."""
+    fsync_dir(staging)
+    final = directory / tag
+    if final.exists():
+        shutil.rmtree(final)
+    staging.rename(final)
+    fsync_dir(directory)
+    snapshots = sorted(_complete(directory), key=_step_of)
+    for old in snapshots[: max(0, len(snapshots) - keep)]:
+        shutil.rmtree(directory / old, ignore_errors=True)
+    for entry in directory.glob(".partial-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def _complete(directory: Path) -> list[str]:
+    if not directory.is_dir():
+        return []
+    return [p.name for p in directory.iterdir() if p.name.startswith(PREFIX) and (p / MANIFEST).is_file()]
+
+
+# -- recovery -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Recovered:
+    """What `recover` loaded: `source` "snapshot", "checkpoint" or "nothing", the directory and tag,
+    the step, and why a snapshot was not used (None where one was)."""
+
+    source: str
+    path: str | None
+    step: int | None
+    reason: str | None
+
+
+def _inventory(directory: Path) -> dict[str, dict]:
+    """tag -> {step, world, files present}, for each complete snapshot on this machine."""
+    out = {}
+    for tag in _complete(directory):
+        manifest = read_manifest(directory / tag)
+        present = [f for f, record in manifest["files"].items() if _size(directory / tag / f) == record["bytes"]]
+        out[tag] = {"step": manifest["global_steps"], "world": manifest["world_size"], "files": [*present, MANIFEST]}
+    return out
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def _choose(inventories: list[dict]) -> tuple[str | None, str | None]:
+    """(the newest snapshot whose files are all on some rank's machine, why newer ones are not)."""
+    tags: dict[str, dict] = {}
+    for inventory in inventories:
+        for tag, entry in inventory.items():
+            seen = tags.setdefault(tag, {"world": entry["world"], "files": set()})
+            seen["files"] |= set(entry["files"])
+    skipped: list[str] = []
+    for tag in sorted(tags, key=_step_of, reverse=True):
+        needed = {rank_file(r) for r in range(tags[tag]["world"])} | {MANIFEST, OBJECTS}
+        missing = sorted(needed - tags[tag]["files"])
+        if not missing:
+            return tag, "; ".join(skipped) or None
+        skipped.append(
+            f"{tag} is incomplete: no survivor holds {', '.join(missing)} (a rank and its buddy lost together)"
+        )
+    return None, "; ".join(skipped) or "no snapshot on any surviving machine"
+
+
+def recover(engine, directory, ranks_per_machine: int, checkpoint_dir=None) -> Recovered:
+    """Load the newest complete snapshot the survivors hold, resharded to this world size and
+    stage, or else the newest checkpoint under `checkpoint_dir` (its `latest`), whichever is newer
+    ([Note: snapshots on a buddy]). Collective; a warning says why a snapshot was not used."""
+    comm = engine.comm
+    directory = Path(directory)
+    mine, error = attempt(_inventory, directory)
+    inventories = comm.all_gather_objects(mine or {}, "recovery: snapshot inventories")
+    agree(comm, error, "recovery: reading this machine's snapshots")
+    tag, reason = _choose(inventories)
+    disk_step = _disk_step(checkpoint_dir)
+    if tag is not None and disk_step is not None and disk_step > _step_of(tag):
+        reason, tag = f"snapshot {tag} is older than the disk checkpoint of step {disk_step}", None
+    if tag is None:
+        if checkpoint_dir is None or disk_step is None:
+            log.warning("zeroshard: nothing to recover from: %s, and no disk checkpoint", reason)
+            return Recovered("nothing", None, None, reason)
+        log.warning("zeroshard: recovering from the disk checkpoint in %s: %s", checkpoint_dir, reason)
+        path, _ = load_checkpoint(engine, checkpoint_dir)
+        return Recovered("checkpoint", path, disk_step, reason)
+    _fill(comm, directory, tag, inventories, ranks_per_machine)
+    path, _ = load_checkpoint(engine, directory, tag=tag, name=f"snapshot {tag}")
+    log.info("zeroshard: recovered snapshot %s from host memory (%s)", tag, directory)
+    return Recovered("snapshot", path, _step_of(tag), reason)
+
+
+def _disk_step(checkpoint_dir) -> int | None:
+    if checkpoint_dir is None:
+        return None
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        tag = resolve_tag(checkpoint_dir, None) if (checkpoint_dir / LATEST).is_file() else None
+        return None if tag is None else read_manifest(checkpoint_dir / tag)["global_steps"]
+    except (OSError, ValueError, CheckpointError):
+        return None
+
+
+def _fill(comm, directory: Path, tag: str, inventories: list[dict], ranks_per_machine: int) -> None:
+    """Give every machine each file of `tag` it lacks, from the first rank whose machine has it."""
+    holders: dict[str, list[int]] = {}
+    for rank, inventory in enumerate(inventories):
+        for name in inventory.get(tag, {}).get("files", []):
+            holders.setdefault(name, []).append(rank)
+    leaders = range(0, comm.world_size, ranks_per_machine)
+    manifest_holder = holders[MANIFEST][0]
+    manifest = comm.all_gather_objects(
+        read_manifest(directory / tag) if comm.rank == manifest_holder else None, "recovery: manifest"
+    )[manifest_holder]
+    target = directory / tag
+    for name in sorted(manifest["files"]):
+        have = holders.get(name, [])
+        if not have or all(leader in have for leader in leaders):
+            continue  # everywhere already (or a file the snapshot may lack, as buffers without buffers)
+        record, source = manifest["files"][name], have[0]
+        data = torch.empty(record["bytes"], dtype=torch.uint8)
+        if comm.rank == source:
+            data.copy_(torch.frombuffer(bytearray((target / name).read_bytes()), dtype=torch.uint8))
+        comm.broadcast(data, source, f"recovery: {tag}/{name}")
+        error = None
+        if comm.rank in leaders and comm.rank not in have:
+            _, error = attempt(_write_checked, target, name, data.numpy().tobytes(), record)
+        agree(comm, error, f"recovery: copying {tag}/{name}")
+    error = None
+    if comm.rank in leaders and comm.rank not in holders[MANIFEST]:  # last: it makes the directory a snapshot
+        _, error = attempt(write_atomic, target / MANIFEST, manifest_text(manifest).encode())
+    agree(comm, error, f"recovery: copying {tag}/{MANIFEST}")
+
+
+def _write_checked(target: Path, name: str, data: bytes, record: dict) -> None:
+    if _record(data) != record:
+        raise CheckpointError(f"{target / name}: the copy does not match the manifest's size and sha256")
+    target.mkdir(parents=True, exist_ok=True)
+    write_atomic(target / name, data)

@@ -1,0 +1,166 @@
+"""In-memory snapshots on a buddy machine, and recovery from them without the disk ([Note: snapshots on
+a buddy] in checkpoint/snapshot.py).
+
+Kept ranks play machines: 4 ranks are 2 machines of 2 (LOCAL_WORLD_SIZE=2), and each machine's
+snapshot directory (its /dev/shm) is a directory of its own. Losing machine 1 is deleting its
+directory; the survivors are a 2-rank group on machine 0's directory. The oracle: after recovering
+the snapshot of step s at 2 ranks, training goes on with the losses and parameters of a 2-rank run
+that resumed the disk checkpoint of the same step, bit for bit. The data is a function of the global
+sample index (tests/elastic_job.py), so the global batch is the same at every world size.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import zeroshard
+from tests.checkpoint_helpers import full_params
+from tests.elastic_job import MICRO, micro_batch
+from tests.harness import run_distributed
+from tests.reference import gpt_loss
+from tests.zs_common import adamw, gpt_model_fn
+from zeroshard.checkpoint import snapshot
+from zeroshard.checkpoint.manifest import rank_file
+
+BATCH = 8  # train_batch_size: 1 micro step per rank at 4 ranks, 2 at 2 ranks
+
+
+def _engine(stage: int, snapshots: Path | None, every: int = 0):
+    config = {
+        "train_batch_size": BATCH,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": stage},
+        "zeroshard": {"snapshot_every_steps": every, "snapshot_dir": None if snapshots is None else str(snapshots)},
+    }
+    model = gpt_model_fn()()
+    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+    return engine
+
+
+def _train(engine, first: int, count: int) -> list[float]:
+    rank, world, gas = engine.global_rank, engine.world_size, engine.gradient_accumulation_steps()
+    losses = []
+    for step in range(first, first + count):
+        for micro in range(gas):
+            loss = gpt_loss(engine, *micro_batch(step, micro, rank, world, BATCH))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _machine(root: str, rank: int) -> Path:
+    return Path(root) / f"machine{rank // 2}"
+
+
+def _four_ranks_snapshot(rank: int, world: int, root: str, disk: str) -> None:
+    """2 machines x 2 ranks, stage 3: a snapshot every 2 steps (steps 2 and 4, one kept), a disk
+    checkpoint at step 4; machine 0 ends up with its own ranks' files and machine 1's."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # read when the communicator is made: 2 machines of 2
+    try:
+        engine = _engine(3, _machine(root, rank), every=2)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]  # a kept rank runs other cases after this one
+    assert engine.comm.ranks_per_node == 2
+    _train(engine, 0, 4)
+    engine.save_checkpoint(disk)
+    _train(engine, 4, 1)  # step 5: no snapshot
+    engine.save_checkpoint(f"{disk}-5")
+    engine.destroy()
+    mine = _machine(root, rank)
+    assert sorted(p.name for p in mine.iterdir()) == ["snapshot4"], "the newest only, nothing half-written"
+    held = sorted(p.name for p in (mine / "snapshot4").glob("rank_*"))
+    assert held == [rank_file(r) for r in range(4)], held  # its own, and the other machine's
+
+
+def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int) -> None:
+    """Machine 1 is gone: the survivors recover snapshot4 at 2 ranks (another stage too) and train
+    on exactly as the run that loaded the disk checkpoint of step 4."""
+    recovered = _engine(stage, _machine(root, rank))
+    result = recovered.recover(checkpoint_dir=disk)
+    assert (result.source, result.step, result.reason) == ("snapshot", 4, None), result
+    assert recovered.global_steps == 4 and recovered.gradient_accumulation_steps() == 2
+    losses = _train(recovered, 4, 3)
+    params = full_params(recovered)
+    recovered.destroy()
+    from_disk = _engine(stage, None)
+    from_disk.load_checkpoint(disk)
+    assert _train(from_disk, 4, 3) == losses
+    theirs = full_params(from_disk)
+    assert all(torch.equal(theirs[name], value) for name, value in params.items())
+    from_disk.destroy()
+
+
+def _falls_back(rank: int, world: int, root: str, disk: str, case: str) -> None:
+    """Where no complete snapshot survives, or the disk checkpoint is newer, the disk checkpoint is
+    loaded and the reason logged; with neither, nothing is loaded and nothing pretends otherwise."""
+    engine = _engine(3, _machine(root, rank))
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("zeroshard.checkpoint.snapshot").addHandler(handler)
+    try:
+        result = engine.recover(checkpoint_dir=disk if case != "nothing" else None)
+    finally:
+        logging.getLogger("zeroshard.checkpoint.snapshot").removeHandler(handler)
+    expected = {
+        "buddies lost": ("checkpoint", f"snapshot4 is incomplete: no survivor holds {rank_file(2)}"),
+        "older": ("checkpoint", "snapshot4 is older than the disk checkpoint of step 5"),
+        "nothing": ("nothing", "no snapshot on any surviving machine"),
+    }[case]
+    assert result.source == expected[0] and expected[1] in result.reason, result
+    assert any(expected[1] in m for m in messages), messages
+    assert engine.global_steps == (5 if case == "older" else 4 if case == "buddies lost" else 0)
+    engine.destroy()
+
+
+@pytest.mark.slow
+def test_a_lost_machine_is_recovered_from_its_buddys_snapshot(tmp_path):
+    root, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
+    run_distributed(_four_ranks_snapshot, 4, timeout=300, root=root, disk=disk)
+    shutil.rmtree(_machine(root, 2))  # machine 1 is lost, with its host memory
+    saved = tmp_path / "machine0-before"
+    shutil.copytree(_machine(root, 0), saved)
+    for stage in (3, 1):
+        shutil.rmtree(_machine(root, 0))
+        shutil.copytree(saved, _machine(root, 0))
+        run_distributed(_recovers_at_2_ranks, 2, timeout=300, root=root, disk=disk, stage=stage)
+    # Bad cases, each from machine 0's snapshot as it was.
+    shutil.rmtree(_machine(root, 0))
+    shutil.copytree(saved, _machine(root, 0))
+    (_machine(root, 0) / "snapshot4" / rank_file(2)).unlink()  # rank 2 and its buddy's copy lost
+    run_distributed(_falls_back, 2, timeout=300, root=root, disk=disk, case="buddies lost")
+    shutil.rmtree(_machine(root, 0))
+    shutil.copytree(saved, _machine(root, 0))
+    run_distributed(_falls_back, 2, timeout=300, root=root, disk=f"{disk}-5", case="older")
+    shutil.rmtree(_machine(root, 0))  # both machines' memory lost
+    run_distributed(_falls_back, 2, timeout=300, root=root, disk=disk, case="nothing")
+
+
+def test_take_snapshot_refuses_a_world_that_is_not_whole_machines():
+    class Engine:
+        comm = type("Comm", (), {"world_size": 3})()
+
+        def counters(self):
+            return type("C", (), {"backward_pending": False, "mid_accumulation": False})()
+
+    with pytest.raises(zeroshard.checkpoint.CheckpointError, match="3 ranks are not machines of 2"):
+        snapshot.take_snapshot(Engine(), "/nonexistent", ranks_per_machine=2)
+
+
+def test_the_newest_complete_snapshot_is_chosen_and_incomplete_ones_named():
+    inventories = [
+        {"snapshot6": {"step": 6, "world": 2, "files": [rank_file(0), "objects.pt", "manifest.json"]}},
+        {"snapshot4": {"step": 4, "world": 2, "files": [rank_file(0), rank_file(1), "objects.pt", "manifest.json"]}},
+    ]
+    tag, reason = snapshot._choose(inventories)
+    assert tag == "snapshot4" and f"snapshot6 is incomplete: no survivor holds {rank_file(1)}" in reason
+    assert snapshot._choose([{}, {}]) == (None, "no snapshot on any surviving machine")
+    assert snapshot.buddy_of(1, 4, 2) == 3 and snapshot.buddy_of(3, 4, 2) == 1
