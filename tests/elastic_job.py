@@ -4,8 +4,8 @@ every step, and at every (re)start resume from the newest checkpoint, whatever t
     torchrun --nnodes 1:2 --max-restarts 3 ... -m tests.elastic_job --out DIR --ckpt CK --steps 12
     torchrun --standalone --nproc_per_node 2 -m tests.elastic_job --out DIR2 --ckpt CK --tag global_step3 --no-save
 
-This is what a user's elastic script looks like: `engine.load_checkpoint(dir)` at start (`latest`), the
-same config at every world size; zeroshard derives the gradient accumulation from the fixed global batch.
+This is what a user's elastic script looks like: `engine.load_checkpoint(dir)` at start (`latest`), or
+with `--snapshots` `engine.recover()` from the snapshots in host memory, the same config at every world size; zeroshard derives the gradient accumulation from the fixed global batch.
 Each rank writes DIR/rank<R>.restart<K>.json after every step (K: torchelastic's restart count): the
 world size, the accumulation steps, the tag it resumed and its loss per global step.
 
@@ -60,6 +60,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--first-run-step-s", type=float, default=0.0, help="before restarts: each step lasts this long"
     )
+    parser.add_argument(
+        "--snapshots",
+        type=Path,
+        default=None,
+        help="after each step's checkpoint, a snapshot in DIR/node<N> (this machine's memory, N its "
+        "netcluster index); at a (re)start, engine.recover() from the snapshots instead of the checkpoint",
+    )
     return parser.parse_args(argv)
 
 
@@ -80,14 +87,21 @@ def main(argv=None, *, leave: bool = True) -> None:
             "zero_optimization": {"stage": args.stage},
             "zeroshard": {"comm_timeout_s": args.comm_timeout_s},
         }
+        if args.snapshots is not None:
+            config["zeroshard"]["snapshot_dir"] = str(args.snapshots / f"node{os.environ['NETCLUSTER_NODE']}")
         model = gpt_model_fn()()
         engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
-        resumed = None
-        if args.tag is not None or (args.ckpt / "latest").exists():
+        resumed, source = None, None
+        if args.snapshots is not None:
+            recovered = engine.recover()  # the snapshots alone: the checkpoints are the test's oracle
+            source = recovered.source
+            resumed = None if recovered.step is None else f"global_step{recovered.step}"
+        elif args.tag is not None or (args.ckpt / "latest").exists():
             loaded, _ = engine.load_checkpoint(args.ckpt, tag=args.tag)
-            resumed = Path(loaded).name
+            resumed, source = Path(loaded).name, "checkpoint"
         gas = engine.gradient_accumulation_steps()
-        report = {"rank": rank, "world": world, "restart": restart, "gas": gas, "resumed": resumed, "losses": {}}
+        report = {"rank": rank, "world": world, "restart": restart, "gas": gas, "resumed": resumed, "source": source}
+        report["losses"] = {}
         for step in range(engine.global_steps, args.steps):
             losses = []
             for micro in range(gas):
@@ -100,6 +114,8 @@ def main(argv=None, *, leave: bool = True) -> None:
                 time.sleep(args.first_run_step_s)
             if not args.no_save:
                 engine.save_checkpoint(args.ckpt)
+            if args.snapshots is not None:  # after the checkpoint: a snapshot's step always has one
+                engine.snapshot()
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(report))
             os.replace(tmp, path)

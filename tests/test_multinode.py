@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -448,12 +449,15 @@ def _wait_for_checkpoint(ckpt: Path, step: int, cluster, timeout_s: float = RUN_
 @pytest.mark.serial
 def test_losing_a_machine_keeps_training_at_the_smaller_world_size(cluster_env):
     """Two machines of 2 ranks under torchrun's elastic mode; machine 1 is killed once the step-3
-    checkpoint exists. Machine 0's agent restarts its workers at 2 ranks; the job's own
-    `engine.load_checkpoint(dir)` resumes the latest checkpoint, `train_batch_size` stays 16 (the
-    accumulation steps go from 2 to 4), and the run finishes with the losses of a run that resumed
-    the same checkpoint at 2 ranks directly."""
-    out, ckpt = cluster_env / "elastic", cluster_env / "ckpt"
+    checkpoint exists, and its host memory with it. Machine 0's agent restarts its workers at 2
+    ranks; the job's own `engine.recover()` resumes the newest snapshot from machine 0's memory (its
+    ranks' files and machine 1's buddy copies; [Note: snapshots on a buddy] in
+    checkpoint/snapshot.py), `train_batch_size` stays 16 (the accumulation steps go from 2 to 4), and
+    the run finishes with the losses of a run that resumed the disk checkpoint of the same step at 2
+    ranks directly."""
+    out, ckpt, memory = cluster_env / "elastic", cluster_env / "ckpt", cluster_env / "shm"
     job = ["tests.elastic_job", "--out", str(out), "--ckpt", str(ckpt), "--steps", str(ELASTIC_STEPS)]
+    job += ["--snapshots", str(memory)]
     with netcluster.NetCluster(2) as cluster:
         cluster.launch(
             [*job, "--first-run-step-s", "1.0"],
@@ -467,6 +471,7 @@ def test_losing_a_machine_keeps_training_at_the_smaller_world_size(cluster_env):
         )
         _wait_for_checkpoint(ckpt, 3, cluster)
         cluster.kill_node(1)
+        shutil.rmtree(memory / "node1", ignore_errors=True)  # its host memory went with it
         results = cluster.wait(RUN_TIMEOUT_S, fail_grace_s=RUN_TIMEOUT_S)  # node 0 goes on alone
     assert results[0].returncode == 0, f"machine 0: exit {results[0].returncode}\n{results[0].output[-4000:]}"
     first = [json.loads((out / f"rank{r}.restart0.json").read_text()) for r in range(4)]
@@ -477,9 +482,10 @@ def test_losing_a_machine_keeps_training_at_the_smaller_world_size(cluster_env):
     tag = last[0]["resumed"]
     resumed_at = int(tag.removeprefix("global_step"))
     assert 3 <= resumed_at < ELASTIC_STEPS and all(r["resumed"] == tag for r in last), last
+    assert all(r["source"] == "snapshot" for r in last), "recovered from machine 0's memory, not the disk"
     assert sorted(map(int, last[0]["losses"])) == list(range(resumed_at, ELASTIC_STEPS)), last[0]["losses"]
     direct = cluster_env / "direct"
-    argv = [*job[1:], "--tag", tag, "--no-save"]
+    argv = [*job[1:-2], "--tag", tag, "--no-save"]  # from the disk checkpoint of that step
     argv[argv.index("--out") + 1] = str(direct)
     run_distributed(_elastic_direct, 2, timeout=RUN_TIMEOUT_S, argv=argv)
     for rank in range(2):
