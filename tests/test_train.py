@@ -1,6 +1,7 @@
 """`zeroshard train`: the demo job end to end on 2 ranks (tiny), its corpus, config handling and errors."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -18,42 +19,7 @@ def run(capsys, *argv):
     return code, out, err
 
 
-@pytest.mark.slow
-def test_train_tiny_on_two_ranks_loss_falls(capsys):
-    code, out, _ = run(
-        capsys,
-        "train",
-        "--size",
-        "1",
-        "--seq-len",
-        "32",
-        "--batch",
-        "8",
-        "--steps",
-        "40",
-        "--lr",
-        "1e-2",
-        "--sample-chars",
-        "40",
-        "--no-table",
-        "--json",
-    )
-    result = json.loads(out)
-    assert code == 0 and result["stage"] == 3 and result["world_size"] == 2
-    losses = result["losses"]
-    assert len(losses) == 40 and sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
-    assert result["sample"].startswith("def ") and len(result["sample"]) == 4 + 40
-    assert result["memory_report"]["total"] > 0
-
-
-@pytest.mark.slow
-def test_train_text_output_with_stage_table(capsys, monkeypatch):
-    """The table comes from the bench's runner, which tests/test_bench.py runs for real; here it
-    returns canned rows, and what train asks of it and prints is checked."""
-    from zeroshard.tools.commands import bench
-
-    asked = []
-
+def _canned_bench(asked: list):
     def canned_bench(args):
         asked.append(args)
         rows = [
@@ -71,9 +37,25 @@ def test_train_text_output_with_stage_table(capsys, monkeypatch):
         ]
         return {"memory_method": "VmHWM"}, rows
 
-    monkeypatch.setattr(bench, "run_bench", canned_bench)
-    code, out, _ = run(capsys, "train", "--size", "1", "--seq-len", "32", "--steps", "10", "--table-steps", "2")
-    assert code == 0 and "loss" in out and "sample:" in out and "stage table" in out
+    return canned_bench
+
+
+@pytest.mark.slow
+def test_train_tiny_on_two_ranks_loss_falls_then_the_stage_table(capsys, monkeypatch):
+    """One real 2-rank training run; the table comes from the bench's runner, which tests/test_bench.py
+    runs for real: here it returns canned rows, and what train asks of it and prints is checked."""
+    from zeroshard.tools.commands import bench
+
+    asked = []
+    monkeypatch.setattr(bench, "run_bench", _canned_bench(asked))
+    argv = ["--size", "1", "--seq-len", "32", "--batch", "8", "--steps", "40", "--lr", "1e-2", "--sample-chars", "40"]
+    code, out, _ = run(capsys, "train", *argv, "--table-steps", "2")
+    assert code == 0 and "with ZeRO stage 3 on 2 ranks: 40 steps" in out, out
+    first, last = (float(x) for x in re.search(r"loss ([\d.]+) -> ([\d.]+)", out).groups())
+    assert last < first - 0.5, (first, last)
+    sample = out.split("sample:\n" + "-" * 60 + "\n")[1].split("\n" + "-" * 60)[0]
+    assert sample.startswith("def ") and len(sample) == 4 + 40, sample
+    assert re.search(r"model states on rank 0: [\d.]+ [kMG]B", out), out
     (args,) = asked
     assert args.stages == [0, 1, 2, 3] and args.steps == 2 and args.size == 1 and args.seq_len == 32
     assert not args.peers and not args.offload
@@ -82,6 +64,15 @@ def test_train_text_output_with_stage_table(capsys, monkeypatch):
     assert [row[1] for row in rows] == ["0", "1", "2", "3"]
     assert [row[2] for row in rows] == ["4.0", "3.0", "2.0", "1.0"]  # model states per rank fall by stage
     assert "400.0 MB here" in out
+
+
+def test_train_json_prints_the_ranks_result(capsys, monkeypatch):
+    from zeroshard.tools.bench import launch
+
+    result = {"stage": 3, "world_size": 2, "losses": [4.0, 3.0]}
+    monkeypatch.setattr(launch, "launch", lambda *args, **kwargs: result)
+    code, out, _ = run(capsys, "train", "--size", "1", "--steps", "2", "--json")
+    assert code == 0 and json.loads(out) == result
 
 
 def test_corpus_and_tokenizer_are_deterministic():
