@@ -1,0 +1,174 @@
+"""What snapshots in host memory cost per step, and how fast a run recovers from them against a
+checkpoint read from disk ([Note: snapshots on a buddy] in checkpoint/snapshot.py).
+
+    python benchmarks/snapshots.py --out docs/bench/snapshots.txt
+
+One `torchrun --standalone --nproc_per_node 2` launch (gloo, 1 torch thread per rank) in which each
+rank plays a machine of its own (LOCAL_WORLD_SIZE=1, a snapshot directory per rank), so each rank's
+buddy is the other one. The GPT (default: vocab 8192, 8 layers of width 512, sequence 128, untied
+head: 33.7M parameters; `--layers 16 --width 1024` is the 218M one) trains at ZeRO stage 3 with
+torch's AdamW, micro-batch 4 per rank, random tokens. Measured, medians over `--steps` steps each,
+the slowest rank's time:
+  * a training step without snapshots, and a snapshot taken after a step (`engine.snapshot()`):
+    its overhead per step at every k is snapshot / (k x step);
+  * a synchronous checkpoint to `--disk` (`engine.save_checkpoint`), for comparison;
+  * recovery by a fresh engine: `engine.recover()` with both machines' snapshots in place, and with
+    machine 1's memory lost (its directory removed: machine 0 sends it every file), against
+    `engine.load_checkpoint` from `--disk` with the page cache dropped first (when allowed), as after
+    a restart on another machine. Each recovery is followed by a step whose losses must equal those
+    of the run it recovered from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+MICRO, SEED, VOCAB = 4, 1234, 8192
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.tools.models.gpt import GPT, GPTConfig
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_WORLD_SIZE"] = "1"  # each rank a machine of its own, so the other is its buddy
+    zeroshard.init_distributed()
+    rank = dist.get_rank()
+    mine = args.scratch / f"machine{rank}"
+    shape = dict(vocab_size=VOCAB, block_size=128, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 1.0,
+        "zeroshard": {"snapshot_dir": str(mine)},
+    }
+    gen = torch.Generator().manual_seed(SEED + rank)
+    tokens = torch.randint(0, VOCAB, (3 * args.steps + 8, MICRO, 129), generator=gen)
+
+    def build():
+        torch.manual_seed(SEED)
+        model = GPT(GPTConfig(**shape, tie_weights=False))
+        engine, *_ = zeroshard.initialize(
+            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
+        )
+        return engine
+
+    def timed(fn) -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        fn()
+        elapsed = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    def step(engine) -> float:
+        batch = tokens[engine.global_steps]
+        _, loss = engine(batch[:, :-1], batch[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    engine = build()
+    step(engine)  # warm-up
+    steps = [timed(lambda: step(engine)) for _ in range(args.steps)]
+    snapshots = []
+    for _ in range(args.steps):
+        step(engine)
+        snapshots.append(timed(engine.snapshot))
+    saves = [timed(lambda: engine.save_checkpoint(args.disk)) for _ in range(args.steps)]
+    at = engine.global_steps
+    expected = step(engine)  # the step every recovery must repeat
+    engine.destroy()
+    rows = {"step": steps, "snapshot": snapshots, "save to disk": saves}
+    for name, prepare, restore in (
+        ("recover, both machines", None, lambda e: e.recover()),
+        ("recover, machine 1 lost", "lose", lambda e: e.recover()),
+        ("load from disk", "drop", lambda e: e.load_checkpoint(args.disk)),
+    ):
+        times = []
+        for _ in range(args.steps):
+            if prepare == "lose" and rank == 1:
+                shutil.rmtree(mine)
+            if prepare == "drop" and rank == 0:
+                _drop_page_cache()
+            fresh = build()
+            times.append(timed(lambda restore=restore, fresh=fresh: restore(fresh)))
+            assert fresh.global_steps == at, (name, fresh.global_steps, at)
+            assert step(fresh) == expected, f"{name}: the next step differs from the run's"
+            fresh.destroy()
+            if prepare == "lose":  # machine 1 has its files again (recover gave them): lose them next time
+                dist.barrier()
+        rows[name] = times
+    if rank == 0:
+        params = sum(p.numel() for p in GPT(GPTConfig(**shape, tie_weights=False)).parameters())
+        files = sum(f.stat().st_size for f in (mine / f"snapshot{at}").iterdir())
+        print(
+            f"GPT {params:,} parameters, stage 3, 2 ranks as 2 machines; {files / 2**20:.1f} MiB of snapshot per machine"
+        )
+        print(f"{'what':<26} {'median s':>9} {'min s':>7} {'max s':>7}")
+        for name, times in rows.items():
+            print(f"{name:<26} {statistics.median(times):>9.3f} {min(times):>7.3f} {max(times):>7.3f}")
+        step_s, snap_s = statistics.median(steps), statistics.median(snapshots)
+        print("snapshot overhead per step: " + ", ".join(f"k={k}: {snap_s / (k * step_s):.1%}" for k in (1, 10, 100)))
+        print(f"drop_caches before each disk load: {_drop_page_cache()}")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="repeats of each measurement (default: 5)")
+    parser.add_argument("--layers", type=int, default=8, help="GPT layers (default: 8)")
+    parser.add_argument("--width", type=int, default=512, help="GPT width, a multiple of 64 (default: 512)")
+    parser.add_argument(
+        "--disk", type=Path, default=None, help="the disk checkpoint's directory (default: a temporary one)"
+    )
+    parser.add_argument("--out", type=Path, default=None, help="also write the command and the table here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scratch", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: at least 1")
+    if args.layers < 1 or args.width < 64 or args.width % 64:
+        parser.error(f"--layers {args.layers} --width {args.width}: at least 1 layer, a width that is a multiple of 64")
+    if args.worker:
+        worker(args)
+        return
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as scratch, tempfile.TemporaryDirectory() as disk:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+        command += ["--worker", "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width)]
+        command += ["--scratch", scratch, "--disk", str(args.disk or disk)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        sys.exit(f"the launch failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    table = "\n".join(line for line in done.stdout.splitlines() if line.strip())
+    print(table)
+    if args.out is not None:
+        header = f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, torch {torch.__version__}\n"
+        args.out.write_text(f"{header}$ python benchmarks/snapshots.py {' '.join(sys.argv[1:])}\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
