@@ -9,8 +9,10 @@ buddy is the other one. The GPT (default: vocab 8192, 8 layers of width 512, seq
 head: 33.7M parameters; `--layers 16 --width 1024` is the 218M one) trains at ZeRO stage 3 with
 torch's AdamW, micro-batch 4 per rank, random tokens. Measured, medians over `--steps` steps each,
 the slowest rank's time:
-  * a training step without snapshots, and a snapshot taken after a step (`engine.snapshot()`):
-    its overhead per step at every k is snapshot / (k x step);
+  * a training step without snapshots; a synchronous snapshot after a step
+    (`engine.snapshot(async_snapshot=False)`), whose overhead per step at every k is snapshot / (k x
+    step); and a step followed by an asynchronous snapshot (the default: the writer's thread sends and
+    writes while the next step runs, and the next snapshot first waits for it), against the plain step;
   * a synchronous checkpoint to `--disk` (`engine.save_checkpoint`), for comparison;
   * recovery by a fresh engine: `engine.recover()` with both machines' snapshots in place, and with
     machine 1's memory lost (its directory removed: machine 0 sends it every file), against
@@ -96,12 +98,15 @@ def worker(args) -> None:
     snapshots = []
     for _ in range(args.steps):
         step(engine)
-        snapshots.append(timed(engine.snapshot))
+        snapshots.append(timed(lambda: engine.snapshot(async_snapshot=False)))
+    with_async = [timed(lambda: (step(engine), engine.snapshot())) for _ in range(args.steps)]
+    engine.wait_checkpoint()
     saves = [timed(lambda: engine.save_checkpoint(args.disk)) for _ in range(args.steps)]
     at = engine.global_steps
     expected = step(engine)  # the step every recovery must repeat
     engine.destroy()
-    rows = {"step": steps, "snapshot": snapshots, "save to disk": saves}
+    rows = {"step": steps, "snapshot, synchronous": snapshots, "step + async snapshot": with_async}
+    rows["save to disk"] = saves
     for name, prepare, restore in (
         ("recover, both machines", None, lambda e: e.recover()),
         ("recover, machine 1 lost", "lose", lambda e: e.recover()),
@@ -131,7 +136,10 @@ def worker(args) -> None:
         for name, times in rows.items():
             print(f"{name:<26} {statistics.median(times):>9.3f} {min(times):>7.3f} {max(times):>7.3f}")
         step_s, snap_s = statistics.median(steps), statistics.median(snapshots)
-        print("snapshot overhead per step: " + ", ".join(f"k={k}: {snap_s / (k * step_s):.1%}" for k in (1, 10, 100)))
+        print(
+            "synchronous snapshot per step: " + ", ".join(f"k={k}: {snap_s / (k * step_s):.1%}" for k in (1, 10, 100))
+        )
+        print(f"asynchronous snapshot every step: {statistics.median(with_async) / step_s - 1:+.1%} step time")
         print(f"drop_caches before each disk load: {_drop_page_cache()}")
     dist.destroy_process_group()
 

@@ -445,6 +445,17 @@ def _wait_for_checkpoint(ckpt: Path, step: int, cluster, timeout_s: float = RUN_
     raise AssertionError(f"no checkpoint of step {step} within {timeout_s:g} s")
 
 
+def _wait_for_snapshot(directory: Path, step: int, cluster, timeout_s: float = RUN_TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if any(int(p.name.removeprefix("snapshot")) >= step for p in directory.glob("snapshot*")):
+                return
+        assert cluster.running(), "the job ended before the snapshot"
+        time.sleep(0.1)
+    raise AssertionError(f"no snapshot of step {step} in {directory} within {timeout_s:g} s")
+
+
 @pytest.mark.slow
 @pytest.mark.serial
 def test_losing_a_machine_keeps_training_at_the_smaller_world_size(cluster_env):
@@ -470,6 +481,7 @@ def test_losing_a_machine_keeps_training_at_the_smaller_world_size(cluster_env):
             rdzv_conf="last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2",
         )
         _wait_for_checkpoint(ckpt, 3, cluster)
+        _wait_for_snapshot(memory / "node0", 3, cluster)  # written by the writer's thread after the checkpoint
         cluster.kill_node(1)
         shutil.rmtree(memory / "node1", ignore_errors=True)  # its host memory went with it
         results = cluster.wait(RUN_TIMEOUT_S, fail_grace_s=RUN_TIMEOUT_S)  # node 0 goes on alone

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.common import agree, attempt, optimizer_states, replica_of
 from zeroshard.checkpoint.files import CheckpointError, fsync_dir, write_atomic
 from zeroshard.checkpoint.layout import layout_of
@@ -82,9 +83,14 @@ def _step_of(tag: str) -> int:
     return int(tag.removeprefix(PREFIX))
 
 
-def take_snapshot(engine, directory, ranks_per_machine: int, keep: int = 1) -> str:
+def take_snapshot(
+    engine, directory, ranks_per_machine: int, keep: int = 1, background: BackgroundSaves | None = None
+) -> str:
     """Write a snapshot of `engine` at its current step into `directory` on this machine, with this
-    rank's file also on its buddy ([Note: snapshots on a buddy]). Collective. Returns its tag."""
+    rank's file also on its buddy ([Note: snapshots on a buddy]). Collective. Returns its tag.
+    `background`: the engine's writer; the call returns once the rank's shards (and on rank 0 the
+    manifest, objects and buffers) are copied, and the writer serialises, sends, writes and
+    publishes them while training goes on ([Note: asynchronous save] in background.py)."""
     comm = engine.comm
     counters = engine.counters()
     if counters.backward_pending or counters.mid_accumulation:
@@ -97,53 +103,83 @@ def take_snapshot(engine, directory, ranks_per_machine: int, keep: int = 1) -> s
     tag = f"{PREFIX}{counters.global_steps}"
     what = f"snapshot {tag}"  # the same on every rank: each machine has its own directory
     states = optimizer_states(engine)
-    contents, error = attempt(shard_contents, engine, states, None, None)
-    name, blob = (contents[0], safetensors_bytes(contents[1], contents[2])) if contents is not None else ("", b"")
-    mine = (name, len(blob), hashlib.sha256(blob).hexdigest(), uuid.uuid4().hex[:12], error)
-    everyone = comm.all_gather_objects(mine, f"{what}: sizes")
-    agree(comm, error, what)
-    nonce = everyone[0][3]
-    to = buddy_of(comm.rank, comm.world_size, ranks_per_machine)
-    source = (comm.rank - ranks_per_machine) % comm.world_size
-    received = torch.empty(everyone[source][1], dtype=torch.uint8)
-    if to != comm.rank:  # one machine: no buddy
-        with warnings.catch_warnings():  # a read-only buffer: the send only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            sent = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-        comm.shift(sent, to, received, source, f"{what}: to the buddy")
+    contents, error = attempt(shard_contents, engine, states, None, background)  # copies with `background`
     common = None
-    if comm.rank == 0:  # the files every machine holds, with every rank file's record
-        common, error = attempt(_common_files, engine, states, tag, everyone)
-    common = comm.all_gather_objects(common, f"{what}: manifest")[0]
+    if error is None and comm.rank == 0:  # what every machine holds, but the rank files' records
+        common, error = attempt(_common_files, engine, states, tag)
     agree(comm, error, what)
-    staging = directory / f".partial-{tag}-{nonce}"
-    leader = comm.rank % ranks_per_machine == 0
-    files: dict[str, bytes | memoryview] = {name: blob}
-    if source != comm.rank:
-        arrived = memoryview(received.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
-        files[everyone[source][0]] = _checked(arrived, everyone[source][2], everyone[source][0])
-    if leader:
-        files.update(common)
-    _, error = attempt(_write_files, staging, files)
-    agree(comm, error, what)
-    if leader:
-        _, error = attempt(_publish, directory, staging, tag, keep)
-    agree(comm, error, what)
-    log.info("zeroshard: snapshot %s written to %s (its copy on rank %d)", tag, directory, to)
+    snapshot = _Staged(tag, what, directory, ranks_per_machine, keep, contents, common)
+    if background is None:
+        snapshot.finish(comm)
+    else:
+        writer = background.communicator(comm)
+        background.start(lambda: snapshot.finish(writer), str(directory / tag))
     return tag
 
 
-def _common_files(engine, states: list[dict], tag: str, everyone: list) -> dict[str, bytes]:
+@dataclass
+class _Staged:
+    """A snapshot taken at its step, written by `finish` (on the training's communicator, or on the
+    writer's from its thread)."""
+
+    tag: str
+    what: str
+    directory: Path
+    ranks_per_machine: int
+    keep: int
+    contents: tuple  # (file name, tensors, metadata) of this rank's shard file
+    common: tuple | None  # rank 0: (manifest without the files' records, {file name: bytes})
+
+    def finish(self, comm) -> None:
+        name, tensors, metadata = self.contents
+        blob, what = safetensors_bytes(tensors, metadata), self.what
+        mine = (name, len(blob), hashlib.sha256(blob).hexdigest(), uuid.uuid4().hex[:12])
+        everyone = comm.all_gather_objects(mine, f"{what}: sizes")
+        nonce = everyone[0][3]
+        to = buddy_of(comm.rank, comm.world_size, self.ranks_per_machine)
+        source = (comm.rank - self.ranks_per_machine) % comm.world_size
+        received = torch.empty(everyone[source][1], dtype=torch.uint8)
+        if to != comm.rank:  # one machine: no buddy
+            with warnings.catch_warnings():  # a read-only buffer: the send only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                sent = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+            comm.shift(sent, to, received, source, f"{what}: to the buddy")
+        common, error = None, None
+        if comm.rank == 0:  # the manifest, now with every file's record
+            assert self.common is not None  # rank 0 made it at the step
+            common, error = attempt(_with_records, *self.common, everyone)
+        common = comm.all_gather_objects(common, f"{what}: manifest")[0]
+        agree(comm, error, what)
+        staging = self.directory / f".partial-{self.tag}-{nonce}"
+        leader = comm.rank % self.ranks_per_machine == 0
+        files: dict[str, bytes | memoryview] = {name: blob}
+        if source != comm.rank:
+            arrived = memoryview(received.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+            files[everyone[source][0]], error = attempt(_checked, arrived, everyone[source][2], everyone[source][0])
+        if leader and error is None:
+            files.update(common)
+        if error is None:
+            _, error = attempt(_write_files, staging, files)
+        agree(comm, error, what)
+        if leader:
+            _, error = attempt(_publish, self.directory, staging, self.tag, self.keep)
+        agree(comm, error, what)
+        log.info("zeroshard: snapshot %s written to %s (its copy on rank %d)", self.tag, self.directory, to)
+
+
+def _common_files(engine, states: list[dict], tag: str) -> tuple[dict, dict[str, bytes]]:
+    """Rank 0, at the step: the manifest (its files' records to come) and objects.pt and buffers."""
     contents = part_contents(engine, states, tag, None, copy=False)
-    objects = engine_objects_bytes(engine, states, {})
-    files = {name: {"sha256": digest, "bytes": size} for name, size, digest, _, _ in everyone}
-    out = {OBJECTS: objects}
-    files[OBJECTS] = _record(objects)
+    out = {OBJECTS: engine_objects_bytes(engine, states, {})}
     if contents["buffers"]:
         out[BUFFERS] = safetensors_bytes(contents["buffers"])
-        files[BUFFERS] = _record(out[BUFFERS])
-    out[MANIFEST] = manifest_text({**contents["manifest"], "files": files}).encode()
-    return out
+    return contents["manifest"], out
+
+
+def _with_records(manifest: dict, out: dict[str, bytes], everyone: list) -> dict[str, bytes]:
+    files = {name: {"sha256": digest, "bytes": size} for name, size, digest, _ in everyone}
+    files.update({name: _record(data) for name, data in out.items()})
+    return {**out, MANIFEST: manifest_text({**manifest, "files": files}).encode()}
 
 
 def _record(data: bytes) -> dict:

@@ -1,0 +1,190 @@
+"""Per-rank memory of each model-state recipe at stage 3, 2 ranks: the model states each rank holds
+(counted from its tensors), its process's peak during training steps, and the estimator's model.
+
+    python benchmarks/recipe_memory.py --out docs/bench/recipe_memory.txt
+
+One `torchrun --standalone --nproc_per_node 2` launch (gloo, 1 torch thread per rank,
+MALLOC_MMAP_THRESHOLD_=65536 so that freed buffers leave the process) per recipe, each training the
+same GPT (default: vocab 8192, 16 layers of width 1024, sequence 128, untied head: 218M parameters;
+`--layers 8 --width 512` is the 33.7M one) with ZeRO stage 3 and the same random tokens, lr 1e-3,
+no weight decay. The recipes:
+
+  fp32                    fp32 compute, torch AdamW
+  fp32-adamw8bit          fp32 compute, torchao AdamW8bit
+  fp32-adamw4bit          fp32 compute, torchao AdamW4bit
+  bf16                    bf16 compute, fp32 masters, torch AdamW
+  bf16-masters            bf16 masters and moments (bf16_master_weights_and_grads), torch AdamW
+  bf16-masters-adamw8bit  bf16 masters, torchao AdamW8bit with bf16_stochastic_round=True
+
+Per recipe and rank: the model states held after the steps (`memory_report()`: parameters, masters,
+gradients and optimizer states), the estimator's model-state bytes per rank for the recipe (`zeroshard
+estimate`, stage 3, 2 ranks), the process's resident memory before the steps, and its peak over the
+measured steps (VmHWM, reset after one untimed step, in which torchao compiles its update). A
+micro-batch of 1 x 32 tokens keeps activations small beside the model states, and the bf16 rows
+within reach of a CPU without AVX-512 BF16, where a bf16 matrix product is many times slower than
+an fp32 one; for that reason no step time is reported here (docs/bench/lowbit_states.txt has the
+step times of the fp32 rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# name -> (compute precision, bf16 masters, the optimizer built here, the estimator's name for its states)
+RECIPES = {
+    "fp32": ("fp32", False, "adamw", "adamw"),
+    "fp32-adamw8bit": ("fp32", False, "adamw8bit", "adamw8bit"),
+    "fp32-adamw4bit": ("fp32", False, "adamw4bit", "adamw4bit"),
+    "bf16": ("bf16", False, "adamw", "adamw"),
+    "bf16-masters": ("bf16", True, "adamw", "adamw"),
+    "bf16-masters-adamw8bit": ("bf16", True, "adamw8bit-sr", "adamw8bit"),
+}
+MICRO, TOKENS, SEED, VOCAB = 1, 32, 1234, 8192
+MiB = 2**20
+
+
+def _optimizer(name: str, params):
+    settings = dict(lr=1e-3, weight_decay=0.0)
+    if name == "adamw":
+        return torch.optim.AdamW(params, **settings)
+    import torchao.optim
+
+    if name == "adamw8bit-sr":
+        return torchao.optim.AdamW8bit(params, bf16_stochastic_round=True, **settings)
+    return {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}[name](params, **settings)
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    import zeroshard
+    from zeroshard.tools import estimator as est
+    from zeroshard.tools.bench.measure import PeakMemory, rss, trim
+    from zeroshard.tools.models.gpt import GPT, GPTConfig
+
+    precision, bf16_masters, optimizer, states = RECIPES[args.worker]
+    torch.set_num_threads(1)
+    zeroshard.init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config: dict = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "zero_optimization": {"stage": 3},
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": precision == "bf16"},
+    }
+    if bf16_masters:
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    shape = dict(vocab_size=VOCAB, block_size=128, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
+    torch.manual_seed(SEED)
+    model = GPT(GPTConfig(**shape, tie_weights=False))
+    if bf16_masters:  # the optimizer steps the bf16 parameters themselves
+        model.to(torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    engine, *_ = zeroshard.initialize(model=model, optimizer=_optimizer(optimizer, model.parameters()), config=config)
+    gen = torch.Generator().manual_seed(SEED + rank)
+    tokens = torch.randint(0, VOCAB, (args.steps + 1, MICRO, TOKENS + 1), generator=gen)
+    peak = PeakMemory(torch.device("cpu"))
+    for step in range(args.steps + 1):
+        if step == 1:  # after the untimed step: torchao has compiled, buffers exist
+            trim()
+            at_rest = rss()
+            peak.reset()
+        _, loss = engine(tokens[step, :, :-1], tokens[step, :, 1:])
+        engine.backward(loss)
+        engine.step()
+    highest = peak.peak()
+    held = engine.memory_report()
+    rec = est.recipe(precision, states, master="bf16" if bf16_masters else "fp32")
+    mine = [held["total"], at_rest, highest, float(loss)]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank == 0:
+        result = {
+            "recipe": args.worker,
+            "params": params,
+            "modelled": est.model_state_bytes(params, world, 3, rec).total,
+            "bytes_per_param": float(est.bytes_per_param(rec)),
+            "ranks": [dict(zip(("states", "at_rest", "peak", "loss"), r)) for r in everyone],
+            "method": peak.method,
+        }
+        args.result.write_text(json.dumps(result))
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+def _launch(recipe: str, args) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "MALLOC_MMAP_THRESHOLD_": "65536"}
+    with tempfile.TemporaryDirectory() as scratch:
+        result = Path(scratch) / "result.json"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+        command += ["--worker", recipe, "--steps", str(args.steps), "--result", str(result)]
+        command += ["--layers", str(args.layers), "--width", str(args.width)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+        if done.returncode != 0 or not result.exists():
+            sys.exit(f"{recipe}: the launch failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        return json.loads(result.read_text())
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        f"{'recipe':<23} {'params':>12} {'B/param':>7} {'modelled/rank':>14} {'states r0':>10} {'states r1':>10} "
+        f"{'at rest r0':>11} {'peak r0':>8} {'peak r1':>8}   (MiB)"
+    ]
+    for row in rows:
+        r0, r1 = row["ranks"]
+        lines.append(
+            f"{row['recipe']:<23} {row['params']:>12,} {row['bytes_per_param']:>7.2f} {row['modelled'] / MiB:>14.1f} "
+            f"{r0['states'] / MiB:>10.1f} {r1['states'] / MiB:>10.1f} {r0['at_rest'] / MiB:>11.1f} "
+            f"{r0['peak'] / MiB:>8.1f} {r1['peak'] / MiB:>8.1f}"
+        )
+    return "\n".join(lines + [f"peak: {rows[0]['method']}"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2, help="measured steps per recipe, after one untimed")
+    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"a comma-separated list of {', '.join(RECIPES)}")
+    parser.add_argument("--layers", type=int, default=16, help="GPT layers (default: 16)")
+    parser.add_argument("--width", type=int, default=1024, help="GPT width, a multiple of 64 (default: 1024)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the command and the table here")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: at least 1")
+    if args.layers < 1 or args.width < 64 or args.width % 64:
+        parser.error(f"--layers {args.layers} --width {args.width}: at least 1 layer, a width that is a multiple of 64")
+    if args.worker is not None:
+        worker(args)
+        return
+    names = [r for r in args.recipes.split(",") if r]
+    if bad := [r for r in names if r not in RECIPES]:
+        parser.error(f"--recipes {','.join(bad)}: allowed {', '.join(RECIPES)}")
+    rows = []
+    for name in names:
+        rows.append(_launch(name, args))
+        print(table(rows).splitlines()[-2], flush=True)
+    text = table(rows)
+    print(text)
+    if args.out is not None:
+        import torchao
+
+        header = (
+            f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, torch {torch.__version__}, "
+            f"torchao {torchao.__version__}\n"
+        )
+        args.out.write_text(f"{header}$ python benchmarks/recipe_memory.py {' '.join(sys.argv[1:])}\n{text}\n")
+
+
+if __name__ == "__main__":
+    main()
