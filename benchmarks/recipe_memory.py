@@ -15,6 +15,7 @@ no weight decay. The recipes:
   bf16                    bf16 compute, fp32 masters, torch AdamW
   bf16-masters            bf16 masters and moments (bf16_master_weights_and_grads), torch AdamW
   bf16-masters-adamw8bit  bf16 masters, torchao AdamW8bit with bf16_stochastic_round=True
+  bf16-masters-adamw4bit  bf16 masters, torchao AdamW4bit with bf16_stochastic_round=True
 
 Per recipe and rank: the model states held after the steps (`memory_report()`: parameters, masters,
 gradients and optimizer states), the estimator's model-state bytes per rank for the recipe (`zeroshard
@@ -48,6 +49,7 @@ RECIPES = {
     "bf16": ("bf16", False, "adamw", "adamw"),
     "bf16-masters": ("bf16", True, "adamw", "adamw"),
     "bf16-masters-adamw8bit": ("bf16", True, "adamw8bit-sr", "adamw8bit"),
+    "bf16-masters-adamw4bit": ("bf16", True, "adamw4bit-sr", "adamw4bit"),
 }
 MICRO, TOKENS, SEED, VOCAB = 1, 32, 1234, 8192
 MiB = 2**20
@@ -59,8 +61,9 @@ def _optimizer(name: str, params):
         return torch.optim.AdamW(params, **settings)
     import torchao.optim
 
-    if name == "adamw8bit-sr":
-        return torchao.optim.AdamW8bit(params, bf16_stochastic_round=True, **settings)
+    if name.endswith("-sr"):
+        chosen = {"adamw8bit-sr": torchao.optim.AdamW8bit, "adamw4bit-sr": torchao.optim.AdamW4bit}[name]
+        return chosen(params, bf16_stochastic_round=True, **settings)
     return {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}[name](params, **settings)
 
 

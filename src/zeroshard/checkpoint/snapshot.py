@@ -239,7 +239,11 @@ def _inventory(directory: Path) -> dict[str, dict]:
     """tag -> {step, world, files present}, for each complete snapshot on this machine."""
     out = {}
     for tag in _complete(directory):
-        manifest = read_manifest(directory / tag)
+        try:
+            manifest = read_manifest(directory / tag)
+        except (OSError, ValueError, CheckpointError) as error:  # damaged: as good as absent
+            log.warning("zeroshard: snapshot %s is unreadable, not a candidate: %s", directory / tag, error)
+            continue
         present = [f for f, record in manifest["files"].items() if _size(directory / tag / f) == record["bytes"]]
         out[tag] = {"step": manifest["global_steps"], "world": manifest["world_size"], "files": [*present, MANIFEST]}
     return out
