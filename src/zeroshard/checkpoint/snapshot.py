@@ -14,12 +14,12 @@ Losing any one machine therefore leaves every rank file on a survivor: m's own f
 and m-1's were never only on m. Two neighbouring machines lost together take m's files with them;
 recovery then finds the snapshot incomplete and says so.
 
-Writing (collective, `take_snapshot`): each rank serialises its shard file in memory and sends it to
-its buddy while receiving its source's (one ring shift, Communicator.shift); the receiver checks
-the bytes against the sender's sha256 before writing them. Files go to `.partial-<tag>-<nonce>/`;
-once every rank reports its files written, the first rank of each machine renames the directory to
-`<tag>` and only then removes older snapshots, so a failure at any point leaves the previous
-snapshot whole. With all ranks on one machine there is no buddy: a snapshot then survives a
+Writing (collective, `take_snapshot`): each rank writes its shard file, hashed as it is written, into
+`.partial-<tag>-<nonce>/`, then sends the file's bytes (mapped, not copied) to its buddy while
+receiving its source's (one ring shift, Communicator.shift); the receiver checks them against the
+sender's sha256 before writing them beside its own. Once every rank reports its files written,
+the first rank of each machine renames the directory to `<tag>` and only then removes older
+snapshots, so a failure at any point leaves the previous snapshot whole. With all ranks on one machine there is no buddy: a snapshot then survives a
 worker restart, not the machine.
 
 Recovery (collective, `recover`, on the ranks torchrun restarted): every rank reports the complete
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 import os
 import shutil
 import uuid
@@ -48,7 +49,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.common import agree, attempt, optimizer_states, replica_of
-from zeroshard.checkpoint.files import CheckpointError, fsync_dir, write_atomic
+from zeroshard.checkpoint.files import CheckpointError, fsync_dir, write_atomic, write_safetensors
 from zeroshard.checkpoint.layout import layout_of
 from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.manifest import (
@@ -132,30 +133,30 @@ class _Staged:
 
     def finish(self, comm) -> None:
         name, tensors, metadata = self.contents
-        blob, what = safetensors_bytes(tensors, metadata), self.what
-        mine = (name, len(blob), hashlib.sha256(blob).hexdigest(), uuid.uuid4().hex[:12])
-        everyone = comm.all_gather_objects(mine, f"{what}: sizes")
-        nonce = everyone[0][3]
+        what = self.what
+        nonce = comm.all_gather_objects(uuid.uuid4().hex[:12], f"{what}: staging name")[0]
+        staging = self.directory / f".partial-{self.tag}-{nonce}"
+        # the rank's own file first, hashed as written (as a checkpoint's): then its bytes go to the buddy
+        record, error = attempt(_write_own, staging, name, tensors, metadata)
+        everyone = comm.all_gather_objects((name, record, error), f"{what}: files")
+        agree(comm, next((e for _, _, e in everyone if e is not None), None), what)
         to = buddy_of(comm.rank, comm.world_size, self.ranks_per_machine)
         source = (comm.rank - self.ranks_per_machine) % comm.world_size
-        received = torch.empty(everyone[source][1], dtype=torch.uint8)
+        received = torch.empty(everyone[source][1]["bytes"], dtype=torch.uint8)
         if to != comm.rank:  # one machine: no buddy
-            with warnings.catch_warnings():  # a read-only buffer: the send only reads it
-                warnings.simplefilter("ignore", UserWarning)
-                sent = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-            comm.shift(sent, to, received, source, f"{what}: to the buddy")
-        common, error = None, None
+            _send_file(comm, staging / name, to, received, source, f"{what}: to the buddy")
+        common = None
         if comm.rank == 0:  # the manifest, now with every file's record
             assert self.common is not None  # rank 0 made it at the step
-            common, error = attempt(_with_records, *self.common, everyone)
+            common, error = attempt(_with_records, *self.common, {n: r for n, r, _ in everyone})
         common = comm.all_gather_objects(common, f"{what}: manifest")[0]
         agree(comm, error, what)
-        staging = self.directory / f".partial-{self.tag}-{nonce}"
         leader = comm.rank % self.ranks_per_machine == 0
-        files: dict[str, bytes | memoryview] = {name: blob}
+        files: dict[str, bytes | memoryview] = {}
         if source != comm.rank:
             arrived = memoryview(received.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
-            files[everyone[source][0]], error = attempt(_checked, arrived, everyone[source][2], everyone[source][0])
+            theirs, record = everyone[source][0], everyone[source][1]
+            files[theirs], error = attempt(_checked, arrived, record["sha256"], theirs)
         if leader and error is None:
             files.update(common)
         if error is None:
@@ -167,6 +168,23 @@ class _Staged:
         log.info("zeroshard: snapshot %s written to %s (its copy on rank %d)", self.tag, self.directory, to)
 
 
+def _write_own(staging: Path, name: str, tensors: dict, metadata: dict) -> dict:
+    staging.mkdir(parents=True, exist_ok=True)
+    return write_safetensors(staging / name, tensors, metadata)
+
+
+def _send_file(comm, path: Path, to: int, received: torch.Tensor, source: int, what: str) -> None:
+    """Send the file at `path` (mapped, not copied) to rank `to` while `received` fills from `source`."""
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with warnings.catch_warnings():  # a read-only buffer: the send only reads it
+            warnings.simplefilter("ignore", UserWarning)
+            sent = torch.frombuffer(mapped, dtype=torch.uint8)
+        try:
+            comm.shift(sent, to, received, source, what)
+        finally:
+            del sent  # the map cannot close while a tensor still points into it
+
+
 def _common_files(engine, states: list[dict], tag: str) -> tuple[dict, dict[str, bytes]]:
     """Rank 0, at the step: the manifest (its files' records to come) and objects.pt and buffers."""
     contents = part_contents(engine, states, tag, None, copy=False)
@@ -176,8 +194,8 @@ def _common_files(engine, states: list[dict], tag: str) -> tuple[dict, dict[str,
     return contents["manifest"], out
 
 
-def _with_records(manifest: dict, out: dict[str, bytes], everyone: list) -> dict[str, bytes]:
-    files = {name: {"sha256": digest, "bytes": size} for name, size, digest, _ in everyone}
+def _with_records(manifest: dict, out: dict[str, bytes], records: dict[str, dict]) -> dict[str, bytes]:
+    files = dict(records)
     files.update({name: _record(data) for name, data in out.items()})
     return {**out, MANIFEST: manifest_text({**manifest, "files": files}).encode()}
 
