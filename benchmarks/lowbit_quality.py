@@ -31,39 +31,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
+from two_ranks import (
+    RECIPES,
+    bf16_config,
+    build_optimizer,
+    launch_for_result,
+    modelled_bytes,
+    parse_recipes,
+    write_record,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-# name -> (compute precision, bf16 masters, the optimizer built here, the estimator's name for its states)
-RECIPES = {
-    "fp32": ("fp32", False, "adamw", "adamw"),
-    "fp32-adamw8bit": ("fp32", False, "adamw8bit", "adamw8bit"),
-    "fp32-adamw4bit": ("fp32", False, "adamw4bit", "adamw4bit"),
-    "bf16": ("bf16", False, "adamw", "adamw"),
-    "bf16-masters": ("bf16", True, "adamw", "adamw"),
-    "bf16-masters-adamw8bit": ("bf16", True, "adamw8bit-sr", "adamw8bit"),
-}
+QUALITY_RECIPES = ("fp32", "fp32-adamw8bit", "fp32-adamw4bit", "bf16", "bf16-masters", "bf16-masters-adamw8bit")
 REFERENCES = {"fp32": "fp32", "bf16": "bf16"}  # compute precision -> the row the others are compared with
 STEPS, LR, VALIDATION_BATCHES = 300, 2e-3, 32
 VALIDATION_SEED = 1  # the held-out windows: the same whatever --seed trains with
-
-
-def _optimizer(name: str, params):
-    settings = dict(lr=LR, betas=(0.9, 0.99), weight_decay=0.01)
-    if name == "adamw":
-        return torch.optim.AdamW(params, **settings)
-    import torchao.optim
-
-    if name == "adamw8bit-sr":
-        return torchao.optim.AdamW8bit(params, bf16_stochastic_round=True, **settings)
-    return {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}[name](params, **settings)
 
 
 def worker(recipe: str, steps: int, out: Path, seed: int = 0) -> None:
@@ -82,15 +67,17 @@ def worker(recipe: str, steps: int, out: Path, seed: int = 0) -> None:
     spec = {"steps": steps, "batch": 8, "lr": LR, "precision": precision, "seed": seed}
     config = default_config(spec)
     del config["optimizer"]  # the recipe's own optimizer object is passed
-    if bf16_masters:
-        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
+    config["bf16"] = bf16_config(precision, bf16_masters)
     corpus = load_corpus()
     tokenizer = CharTokenizer(corpus.text)
     torch.manual_seed(spec["seed"])
     model = GPT(GPTConfig(**{**family.gpt_shape(3, 0, 128), "vocab_size": tokenizer.vocab_size}))
     if bf16_masters:  # the optimizer steps the bf16 parameters themselves
         model.to(torch.bfloat16)
-    engine, *_ = zeroshard.initialize(model=model, optimizer=_optimizer(optimizer, model.parameters()), config=config)
+    settings = dict(lr=LR, betas=(0.9, 0.99), weight_decay=0.01)
+    engine, *_ = zeroshard.initialize(
+        model=model, optimizer=build_optimizer(optimizer, model.parameters(), **settings), config=config
+    )
     train_tokens, val_tokens = split(tokenizer.encode(corpus.text))
     train = Batches(train_tokens, 128, 8, spec["seed"], rank)
     val = Batches(val_tokens, 128, 8, VALIDATION_SEED, rank)
@@ -121,27 +108,6 @@ def worker(recipe: str, steps: int, out: Path, seed: int = 0) -> None:
     dist.destroy_process_group()
 
 
-def _launch(recipe: str, steps: int, seed: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    with tempfile.TemporaryDirectory() as scratch:
-        result = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-        command += ["--worker", recipe, "--steps", str(steps), "--seed", str(seed), "--result", str(result)]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-        if done.returncode != 0 or not result.exists():
-            sys.exit(f"{recipe}: the launch failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-        return json.loads(result.read_text())
-
-
-def modelled_bytes(recipe: str) -> str:
-    """Bytes per parameter of model states, 2 + 2 + K, as `zeroshard estimate` models the recipe."""
-    from zeroshard.tools import estimator
-
-    precision, bf16_masters, _, states = RECIPES[recipe]
-    rec = estimator.recipe(precision, states, master="bf16" if bf16_masters else "fp32")
-    return estimator.format_k(rec.param_bytes + rec.grad_bytes + rec.k)
-
-
 def table(rows: list[dict]) -> str:
     held = {r["recipe"]: r["validation_loss"] for r in rows}
     lines = [
@@ -151,8 +117,9 @@ def table(rows: list[dict]) -> str:
     for row in rows:
         reference = REFERENCES[RECIPES[row["recipe"]][0]]
         change = f"{(row['validation_loss'] - held[reference]) / held[reference]:+.2%}" if reference in held else "-"
+        per_param = f"{modelled_bytes(row['recipe']):.2f}".rstrip("0").rstrip(".")
         lines.append(
-            f"{row['recipe']:<23} {modelled_bytes(row['recipe']):>7} {row['train_loss_last_10']:>21.4f} "
+            f"{row['recipe']:<23} {per_param:>7} {row['train_loss_last_10']:>21.4f} "
             f"{row['validation_loss']:>14.4f} {math.exp(row['validation_loss']):>11.3f} {change:>13} "
             f"{row['seconds']:>8.0f}"
         )
@@ -162,7 +129,11 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps per run (default: {STEPS})")
-    parser.add_argument("--recipes", default=",".join(RECIPES), help=f"a comma-separated list of {', '.join(RECIPES)}")
+    parser.add_argument(
+        "--recipes",
+        default=",".join(QUALITY_RECIPES),
+        help=f"a comma-separated list of {', '.join(RECIPES)} (default: {','.join(QUALITY_RECIPES)})",
+    )
     parser.add_argument(
         "--seed", type=int, default=0, help="the model's and the training data's seed (default: 0, the guide's run)"
     )
@@ -175,23 +146,14 @@ def main() -> None:
     if args.worker is not None:
         worker(args.worker, args.steps, args.result, args.seed)
         return
-    names = [r for r in args.recipes.split(",") if r]
-    if bad := [r for r in names if r not in RECIPES]:
-        parser.error(f"--recipes {','.join(bad)}: allowed {', '.join(RECIPES)}")
     rows = []
-    for name in names:
-        rows.append(_launch(name, args.steps, args.seed))
+    for name in parse_recipes(parser, args.recipes):
+        argv = ["--worker", name, "--steps", str(args.steps), "--seed", str(args.seed)]
+        rows.append(launch_for_result(__file__, argv, f"{name}: the launch"))
         print(table(rows).splitlines()[-1], flush=True)
     text = table(rows)
     print(text)
-    if args.out is not None:
-        import torchao
-
-        header = (
-            f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"torchao {torchao.__version__}\n"
-        )
-        args.out.write_text(f"{header}$ python benchmarks/lowbit_quality.py {' '.join(sys.argv[1:])}\n{text}\n")
+    write_record(args.out, __file__, text, torchao=True)
 
 
 if __name__ == "__main__":

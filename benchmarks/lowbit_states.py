@@ -17,16 +17,13 @@ there (`torch.compile`, once per parameter shape).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
+from two_ranks import launch, table_of, write_record
 
-ROOT = Path(__file__).resolve().parent.parent
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
 SHAPE = dict(vocab_size=8192, block_size=128, n_layer=8, n_head=8, n_embd=512, tie_weights=False)
 MICRO, SEED = 4, 1234
@@ -109,18 +106,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-    command += ["--worker", "--steps", str(args.steps), "--optimizers", ",".join(args.optimizers)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        sys.exit(f"the launch failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    table = "\n".join(line for line in done.stdout.splitlines() if line.strip())
-    print(table)
-    if args.out is not None:
-        header = f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, torch {torch.__version__}\n"
-        argv = " ".join(sys.argv[1:])
-        args.out.write_text(f"{header}$ python benchmarks/lowbit_states.py {argv}\n{table}\n")
+    stdout = launch(__file__, ["--worker", "--steps", str(args.steps), "--optimizers", ",".join(args.optimizers)])
+    text = table_of(stdout)
+    print(text)
+    write_record(args.out, __file__, text)
 
 
 if __name__ == "__main__":

@@ -31,40 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
+from two_ranks import RECIPES, bf16_config, build_optimizer, launch_for_result, parse_recipes, write_record
 
-ROOT = Path(__file__).resolve().parent.parent
-# name -> (compute precision, bf16 masters, the optimizer built here, the estimator's name for its states)
-RECIPES = {
-    "fp32": ("fp32", False, "adamw", "adamw"),
-    "fp32-adamw8bit": ("fp32", False, "adamw8bit", "adamw8bit"),
-    "fp32-adamw4bit": ("fp32", False, "adamw4bit", "adamw4bit"),
-    "bf16": ("bf16", False, "adamw", "adamw"),
-    "bf16-masters": ("bf16", True, "adamw", "adamw"),
-    "bf16-masters-adamw8bit": ("bf16", True, "adamw8bit-sr", "adamw8bit"),
-    "bf16-masters-adamw4bit": ("bf16", True, "adamw4bit-sr", "adamw4bit"),
-}
 MICRO, TOKENS, SEED, VOCAB = 1, 32, 1234, 8192
 MiB = 2**20
-
-
-def _optimizer(name: str, params):
-    settings = dict(lr=1e-3, weight_decay=0.0)
-    if name == "adamw":
-        return torch.optim.AdamW(params, **settings)
-    import torchao.optim
-
-    if name.endswith("-sr"):
-        chosen = {"adamw8bit-sr": torchao.optim.AdamW8bit, "adamw4bit-sr": torchao.optim.AdamW4bit}[name]
-        return chosen(params, bf16_stochastic_round=True, **settings)
-    return {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}[name](params, **settings)
 
 
 def worker(args) -> None:
@@ -83,17 +56,16 @@ def worker(args) -> None:
         "train_micro_batch_size_per_gpu": MICRO,
         "zero_optimization": {"stage": 3},
         "gradient_clipping": 0.0,
-        "bf16": {"enabled": precision == "bf16"},
+        "bf16": bf16_config(precision, bf16_masters),
     }
-    if bf16_masters:
-        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     shape = dict(vocab_size=VOCAB, block_size=128, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
     torch.manual_seed(SEED)
     model = GPT(GPTConfig(**shape, tie_weights=False))
     if bf16_masters:  # the optimizer steps the bf16 parameters themselves
         model.to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
-    engine, *_ = zeroshard.initialize(model=model, optimizer=_optimizer(optimizer, model.parameters()), config=config)
+    adamw = build_optimizer(optimizer, model.parameters(), lr=1e-3, weight_decay=0.0)
+    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw, config=config)
     gen = torch.Generator().manual_seed(SEED + rank)
     tokens = torch.randint(0, VOCAB, (args.steps + 1, MICRO, TOKENS + 1), generator=gen)
     peak = PeakMemory(torch.device("cpu"))
@@ -123,19 +95,6 @@ def worker(args) -> None:
         args.result.write_text(json.dumps(result))
     engine.destroy()
     dist.destroy_process_group()
-
-
-def _launch(recipe: str, args) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "MALLOC_MMAP_THRESHOLD_": "65536"}
-    with tempfile.TemporaryDirectory() as scratch:
-        result = Path(scratch) / "result.json"
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-        command += ["--worker", recipe, "--steps", str(args.steps), "--result", str(result)]
-        command += ["--layers", str(args.layers), "--width", str(args.width)]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-        if done.returncode != 0 or not result.exists():
-            sys.exit(f"{recipe}: the launch failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-        return json.loads(result.read_text())
 
 
 def table(rows: list[dict]) -> str:
@@ -170,23 +129,14 @@ def main() -> None:
     if args.worker is not None:
         worker(args)
         return
-    names = [r for r in args.recipes.split(",") if r]
-    if bad := [r for r in names if r not in RECIPES]:
-        parser.error(f"--recipes {','.join(bad)}: allowed {', '.join(RECIPES)}")
     rows = []
-    for name in names:
-        rows.append(_launch(name, args))
+    for name in parse_recipes(parser, args.recipes):
+        argv = ["--worker", name, "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width)]
+        rows.append(launch_for_result(__file__, argv, f"{name}: the launch", env={"MALLOC_MMAP_THRESHOLD_": "65536"}))
         print(table(rows).splitlines()[-2], flush=True)
     text = table(rows)
     print(text)
-    if args.out is not None:
-        import torchao
-
-        header = (
-            f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, torch {torch.__version__}, "
-            f"torchao {torchao.__version__}\n"
-        )
-        args.out.write_text(f"{header}$ python benchmarks/recipe_memory.py {' '.join(sys.argv[1:])}\n{text}\n")
+    write_record(args.out, __file__, text, torchao=True)
 
 
 if __name__ == "__main__":

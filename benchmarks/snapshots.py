@@ -27,15 +27,13 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from two_ranks import launch, table_of, write_record
 
-ROOT = Path(__file__).resolve().parent.parent
 MICRO, SEED, VOCAB = 4, 1234, 8192
 
 
@@ -164,18 +162,11 @@ def main() -> None:
         worker(args)
         return
     with tempfile.TemporaryDirectory(dir="/dev/shm") as scratch, tempfile.TemporaryDirectory() as disk:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-        command += ["--worker", "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width)]
-        command += ["--scratch", scratch, "--disk", str(args.disk or disk)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
-    if done.returncode != 0:
-        sys.exit(f"the launch failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    table = "\n".join(line for line in done.stdout.splitlines() if line.strip())
-    print(table)
-    if args.out is not None:
-        header = f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores, torch {torch.__version__}\n"
-        args.out.write_text(f"{header}$ python benchmarks/snapshots.py {' '.join(sys.argv[1:])}\n{table}\n")
+        argv = ["--worker", "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width)]
+        stdout = launch(__file__, [*argv, "--scratch", scratch, "--disk", str(args.disk or disk)])
+    text = table_of(stdout)
+    print(text)
+    write_record(args.out, __file__, text)
 
 
 if __name__ == "__main__":
