@@ -34,9 +34,18 @@ import json
 from pathlib import Path
 
 import torch
-from two_ranks import RECIPES, bf16_config, build_optimizer, launch_for_result, parse_recipes, write_record
+from two_ranks import (
+    RECIPES,
+    add_shape_arguments,
+    bf16_config,
+    build_optimizer,
+    gpt_shape,
+    launch_for_result,
+    parse_recipes,
+    write_record,
+)
 
-MICRO, TOKENS, SEED, VOCAB = 1, 32, 1234, 8192
+MICRO, TOKENS, SEED = 1, 32, 1234
 MiB = 2**20
 
 
@@ -58,16 +67,16 @@ def worker(args) -> None:
         "gradient_clipping": 0.0,
         "bf16": bf16_config(precision, bf16_masters),
     }
-    shape = dict(vocab_size=VOCAB, block_size=128, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
+    shape = args.shape
     torch.manual_seed(SEED)
-    model = GPT(GPTConfig(**shape, tie_weights=False))
+    model = GPT(GPTConfig(**shape))
     if bf16_masters:  # the optimizer steps the bf16 parameters themselves
         model.to(torch.bfloat16)
     params = sum(p.numel() for p in model.parameters())
     adamw = build_optimizer(optimizer, model.parameters(), lr=1e-3, weight_decay=0.0)
     engine, *_ = zeroshard.initialize(model=model, optimizer=adamw, config=config)
     gen = torch.Generator().manual_seed(SEED + rank)
-    tokens = torch.randint(0, VOCAB, (args.steps + 1, MICRO, TOKENS + 1), generator=gen)
+    tokens = torch.randint(0, shape["vocab_size"], (args.steps + 1, MICRO, TOKENS + 1), generator=gen)
     peak = PeakMemory(torch.device("cpu"))
     for step in range(args.steps + 1):
         if step == 1:  # after the untimed step: torchao has compiled, buffers exist
@@ -116,16 +125,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="measured steps per recipe, after one untimed")
     parser.add_argument("--recipes", default=",".join(RECIPES), help=f"a comma-separated list of {', '.join(RECIPES)}")
-    parser.add_argument("--layers", type=int, default=16, help="GPT layers (default: 16)")
-    parser.add_argument("--width", type=int, default=1024, help="GPT width, a multiple of 64 (default: 1024)")
+    add_shape_arguments(parser, layers=16, width=1024)
     parser.add_argument("--out", type=Path, default=None, help="also write the command and the table here")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: at least 1")
-    if args.layers < 1 or args.width < 64 or args.width % 64:
-        parser.error(f"--layers {args.layers} --width {args.width}: at least 1 layer, a width that is a multiple of 64")
+    args.shape = gpt_shape(parser, args)
     if args.worker is not None:
         worker(args)
         return

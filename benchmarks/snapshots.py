@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 import torch
-from two_ranks import launch, table_of, write_record
+from two_ranks import add_shape_arguments, gpt_shape, launch, table_of, write_record
 
-MICRO, SEED, VOCAB = 4, 1234, 8192
+MICRO, SEED = 4, 1234
 
 
 def _drop_page_cache() -> bool:
@@ -57,7 +57,7 @@ def worker(args) -> None:
     zeroshard.init_distributed()
     rank = dist.get_rank()
     mine = args.scratch / f"machine{rank}"
-    shape = dict(vocab_size=VOCAB, block_size=128, n_layer=args.layers, n_head=args.width // 64, n_embd=args.width)
+    shape = args.shape
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "zero_optimization": {"stage": 3},
@@ -65,11 +65,11 @@ def worker(args) -> None:
         "zeroshard": {"snapshot_dir": str(mine)},
     }
     gen = torch.Generator().manual_seed(SEED + rank)
-    tokens = torch.randint(0, VOCAB, (3 * args.steps + 8, MICRO, 129), generator=gen)
+    tokens = torch.randint(0, shape["vocab_size"], (3 * args.steps + 8, MICRO, 129), generator=gen)
 
     def build():
         torch.manual_seed(SEED)
-        model = GPT(GPTConfig(**shape, tie_weights=False))
+        model = GPT(GPTConfig(**shape))
         engine, *_ = zeroshard.initialize(
             model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
         )
@@ -125,7 +125,7 @@ def worker(args) -> None:
                 dist.barrier()
         rows[name] = times
     if rank == 0:
-        params = sum(p.numel() for p in GPT(GPTConfig(**shape, tie_weights=False)).parameters())
+        params = sum(p.numel() for p in GPT(GPTConfig(**shape)).parameters())
         files = sum(f.stat().st_size for f in (mine / f"snapshot{at}").iterdir())
         print(
             f"GPT {params:,} parameters, stage 3, 2 ranks as 2 machines; {files / 2**20:.1f} MiB of snapshot per machine"
@@ -145,8 +145,7 @@ def worker(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5, help="repeats of each measurement (default: 5)")
-    parser.add_argument("--layers", type=int, default=8, help="GPT layers (default: 8)")
-    parser.add_argument("--width", type=int, default=512, help="GPT width, a multiple of 64 (default: 512)")
+    add_shape_arguments(parser, layers=8, width=512)
     parser.add_argument(
         "--disk", type=Path, default=None, help="the disk checkpoint's directory (default: a temporary one)"
     )
@@ -156,8 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: at least 1")
-    if args.layers < 1 or args.width < 64 or args.width % 64:
-        parser.error(f"--layers {args.layers} --width {args.width}: at least 1 layer, a width that is a multiple of 64")
+    args.shape = gpt_shape(parser, args)
     if args.worker:
         worker(args)
         return

@@ -63,6 +63,26 @@ def parse_recipes(parser, text: str) -> list[str]:
     return names
 
 
+def add_shape_arguments(parser, layers: int, width: int) -> None:
+    """--layers and --width of the untied GPT the benchmark trains (vocab 8192, sequence 128)."""
+    parser.add_argument("--layers", type=int, default=layers, help=f"GPT layers (default: {layers})")
+    parser.add_argument("--width", type=int, default=width, help=f"GPT width, a multiple of 64 (default: {width})")
+
+
+def gpt_shape(parser, args) -> dict:
+    """The GPTConfig keywords of --layers and --width (heads of 64), or a usage error naming both."""
+    if args.layers < 1 or args.width < 64 or args.width % 64:
+        parser.error(f"--layers {args.layers} --width {args.width}: at least 1 layer, a width that is a multiple of 64")
+    return dict(
+        vocab_size=8192,
+        block_size=128,
+        n_layer=args.layers,
+        n_head=args.width // 64,
+        n_embd=args.width,
+        tie_weights=False,
+    )
+
+
 def launch(script: str, argv: list[str], what: str = "the launch", env: dict | None = None) -> str:
     """Run `script` on 2 local ranks (1 torch thread each); its standard output, or exit with its error."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script, *argv]
