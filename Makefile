@@ -1,6 +1,10 @@
 # Every target builds .venv from a bare Python 3.11 first. torch is pinned: the CPU wheel of
 # 2.13.0 lies on this machine's disk, an unpinned torch would pull a multi-GB CUDA build.
 PYTHON ?= python3.11
+# Bytecode caches stay on, even where the environment turns them off (PYTHONDONTWRITEBYTECODE): else
+# every pytest worker rewrites and compiles every test module again (5 s of its 15 s collection) and
+# every rank process a test starts compiles zeroshard's modules again.
+unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

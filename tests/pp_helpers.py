@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import zeroshard
 from tests import mesh_models as mm
 
 STEPS, MICRO, CLIP = 10, 2, 0.05
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# torch.distributed.pipelining is imported where a stage is built: collecting the suite does not need it
+# (with torch._dynamo, which it imports, 1.8 s in every pytest worker).
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
 def pipeline_step(schedule, pp_rank: int, num_stages: int, step: int, dp_rank: int) -> list[float]:
@@ -46,6 +47,8 @@ def build_stage(mesh, stage: int, *, blocks: int = 2, tensor_parallel=None):
         communication=zeroshard.CommunicationPolicy(timeout_s=120),
     )
     sharded.set_gradient_clipping(CLIP)
+    from torch.distributed.pipelining import PipelineStage
+
     pipe = PipelineStage(
         part,
         pp_rank,
@@ -64,8 +67,12 @@ def _loss(output, target):
 
 
 def train(mesh, stage: int, schedule_name: str, *, blocks: int = 2, tensor_parallel=None) -> dict:
+    from torch.distributed import pipelining
+
     sharded, pipe = build_stage(mesh, stage, blocks=blocks, tensor_parallel=tensor_parallel)
-    schedule = SCHEDULES[schedule_name](pipe, n_microbatches=MICRO, loss_fn=_loss, scale_grads=False)
+    schedule = getattr(pipelining, SCHEDULES[schedule_name])(
+        pipe, n_microbatches=MICRO, loss_fn=_loss, scale_grads=False
+    )
     pp_rank, num_stages, dp_rank = mesh.get_local_rank("pp"), mesh["pp"].size(), mesh.get_local_rank("dp")
     out = {"losses": [], "grad_norms": []}
     for step in range(STEPS):

@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
 import zeroshard
@@ -105,6 +104,8 @@ def _full_params(engine) -> dict:
 
 
 def _pp_stage(mesh, stage: int):
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe  # 1.8 s: not at collection
+
     pp_rank, stages = mesh.get_local_rank("pp"), mesh["pp"].size()
     part = mm.Part(mm.model_fn()(), pp_rank, stages)
     sharded = zeroshard.shard(

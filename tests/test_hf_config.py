@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
-
+from tests.extras import needs
 from zeroshard.config import ConfigError
 from zeroshard.integrations.hf_config import trainer_config
+
+pytestmark = needs("transformers", extra="hf")
 
 
 def _args(**overrides):

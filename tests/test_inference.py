@@ -17,16 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
-
 import torch
 
 import zeroshard
+from tests.extras import needs
 from tests.harness import TEARDOWN_ABORT, grid, run_distributed, subtests
 from tests.hf_models import ENV
 from tests.inference_helpers import VOCAB, capped_model, hf_config, run_capped
 from zeroshard.compat.inference import InferenceEngine
+
+pytestmark = needs("transformers", extra="hf")
 
 ROOT = Path(__file__).resolve().parent.parent
 

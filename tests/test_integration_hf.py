@@ -13,17 +13,17 @@ import re
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
-
 import torch
 
 import zeroshard
+from tests.extras import needs
 from tests.harness import run_distributed, run_script, subtests, write_titled_blocks
 from tests.hf_models import ENV, SEQ, VOCAB, batches, causal_lm_loss, model_fn, prompt_and_length
 from tests.reference import train_ddp
 from tests.zs_common import adamw, assert_close, full_params, make_config
 from zeroshard.core.unit import UnitState
+
+pytestmark = needs("transformers", extra="hf")
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 4

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torchao.optim as torchao_optim  # the `lowbit` extra, which make venv installs
 
 from tests.checkpoint_helpers import build_engine, check_same_states, full_params, train_micro_steps
 from tests.harness import run_distributed, subtests
@@ -28,9 +27,17 @@ CONFIG = tiny_gpt_config()
 LR = 1e-2
 
 
+def _torchao(name: str):
+    """torchao's optimizer class `name` (the `lowbit` extra, which make venv installs), imported where
+    used, so that collecting the suite does not import torchao in every pytest worker."""
+    import torchao.optim
+
+    return getattr(torchao.optim, name)
+
+
 def _optimizer(name: str):
     def build(params):
-        return getattr(torchao_optim, name)(params, lr=LR, weight_decay=0.1)
+        return _torchao(name)(params, lr=LR, weight_decay=0.1)
 
     return build
 
@@ -113,7 +120,7 @@ def test_a_blockwise_state_round_trips_through_its_flat_form():
     with its own scale (requantizing the dequantized values would not)."""
     for name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):
         param = torch.nn.Parameter(torch.zeros(64, 128))
-        optimizer = getattr(torchao_optim, name)([param])
+        optimizer = _torchao(name)([param])
         for key in ("exp_avg", "exp_avg_sq"):
             values = torch.randn(64, 128) if key == "exp_avg" else torch.rand(64, 128)
             largest = 10.0 + torch.arange(param.numel() // optimizer.block_size)  # a scale per block
@@ -126,7 +133,7 @@ def test_a_blockwise_state_round_trips_through_its_flat_form():
             assert torch.equal(back.dequantize(), state.dequantize()), (name, key)
             # codes, one fp32 scale per block and the code map (1 KiB for 8 bits), not 4 bytes per element
             assert lowbit.state_nbytes(state) <= param.numel() * 1.02 + 1024, (name, lowbit.state_nbytes(state))
-        other = getattr(torchao_optim, name)([param], block_size=optimizer.block_size * 2)
+        other = _torchao(name)([param], block_size=optimizer.block_size * 2)
         with pytest.raises(ValueError, match="block_size"):
             lowbit.rebuild(other, param, "exp_avg_sq", lowbit.flat_pieces("exp_avg_sq", state))
 
@@ -138,7 +145,7 @@ def test_a_copy_before_the_update_puts_blockwise_states_back():
     from zeroshard.core.optim.rollback import Snapshot
 
     param = torch.nn.Parameter(torch.zeros(64, 128))
-    optimizer = torchao_optim.AdamW8bit([param])
+    optimizer = _torchao("AdamW8bit")([param])
     state = {key: lowbit.new_buffer(optimizer, param, key) for key in ("exp_avg", "exp_avg_sq")}
     state["exp_avg"].copy_(torch.randn(64, 128))
     state["exp_avg_sq"].copy_(torch.rand(64, 128))

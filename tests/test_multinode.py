@@ -72,7 +72,11 @@ def _assert_ok(results) -> None:
         assert r.returncode == 0 and not r.killed, f"node {r.node}: exit {r.returncode}\n{r.output[-4000:]}"
 
 
-def _wait_for_steps(out: Path, stage: int, steps: int, world: int, proc_alive, timeout_s: float) -> None:
+def _wait_for_steps(
+    out: Path, stage: int, steps: int, world: int, proc_alive, timeout_s: float, outputs=lambda: ""
+) -> None:
+    """Until every rank's report has `steps` losses at `stage`; `outputs()` says what the job printed
+    when it ended first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         done = []
@@ -83,7 +87,7 @@ def _wait_for_steps(out: Path, stage: int, steps: int, world: int, proc_alive, t
                 done.append(0)
         if min(done) >= steps:
             return
-        assert proc_alive(), f"the job ended before every rank reached step {steps}: {done}"
+        assert proc_alive(), f"the job ended before every rank reached step {steps}: {done}\n{outputs()}"
         time.sleep(0.2)
     raise AssertionError(f"ranks did not reach step {steps} within {timeout_s:g} s")
 
@@ -208,7 +212,15 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int, fir
         # Monitor every 1 s: torchrun stops a node's other workers once one fails; give each the time
         # to report its own error first.
         cluster.launch(job, 2, module=True, cwd=REPO, monitor_interval_s=1.0)
-        _wait_for_steps(out, stage, save_at + 3, 4, lambda: len(cluster.running()) == 2, RUN_TIMEOUT_S)
+        _wait_for_steps(
+            out,
+            stage,
+            save_at + 3,
+            4,
+            lambda: len(cluster.running()) == 2,
+            RUN_TIMEOUT_S,
+            lambda: "\n".join(f"node {r.node}: exit {r.returncode}\n{r.output[-3000:]}" for r in cluster.wait(10)),
+        )
         crossed = cluster.link_bytes(0)
         faulted_at = time.monotonic()
         getattr(cluster, fault)(victim)

@@ -13,18 +13,17 @@ from __future__ import annotations
 import os
 
 import pytest
-
-pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
-pytest.importorskip("peft", reason="the [dev] extra installs it; `make test` does")
-
 import torch
 
 import zeroshard
+from tests.extras import needs
 from tests.harness import run_distributed, subtests
 from tests.hf_models import ENV, batches, causal_lm_loss, model_fn, peft_fn
 from tests.reference import train_ddp
 from tests.zs_common import adamw, assert_close, full_params, make_config
 from zeroshard.core.unit import UnitState
+
+pytestmark = [needs("transformers", extra="hf"), needs("peft", extra="dev")]
 
 STEPS = 3
 BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}

@@ -23,11 +23,9 @@ import math
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("transformers", reason="needs the hf extra: pip install 'zeroshard[hf]' (make test installs it)")
-
 import torch
 
+from tests.extras import needs
 from tests.harness import TEARDOWN_ABORT, grid, run_distributed, subtests
 from tests.hf_models import ENV
 from tests.inference_helpers import capped_model, hf_config, run_capped
@@ -40,6 +38,8 @@ BLOCK = int4.kernel_block()
 needs_kernel = pytest.mark.skipif(
     BLOCK is None, reason="torch's int4 CPU kernel uses a layout zeroshard does not know on this CPU"
 )
+
+pytestmark = needs("transformers", extra="hf")
 
 VOCAB = 48
 

@@ -15,16 +15,16 @@ import functools
 import os
 
 import pytest
-
-pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
-
 import torch
 import torch.nn.functional as F
 
 import zeroshard
+from tests.extras import needs
 from tests.harness import run_distributed, run_script, subtests
 from tests.hf_models import ENV
 from zeroshard.core.sequence import shard_batch
+
+pytestmark = needs("transformers", extra="hf")
 
 VOCAB, LENGTH, ROWS, STEPS, LR = 64, 13, 2, 3, 1e-3  # 13: padded to 14 at sp = 2
 

@@ -9,19 +9,18 @@ left gathered. See [Note: calls below a unit's module] in core/wrap.py."""
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("transformers", reason="the [hf] extra installs it; `make test` does")
-pytest.importorskip("peft", reason="the [dev] extra installs it; `make test` does")
-
 import torch
 from torch import nn
 
 import zeroshard
+from tests.extras import needs
 from tests.harness import run_distributed, subtests
 from tests.hf_models import ENV, VOCAB, batches, causal_lm_loss, peft_fn, prompt_and_length
 from tests.reference import train_ddp
 from tests.zs_common import adamw, assert_close, full_params, make_config
 from zeroshard.core.unit import UnitState
+
+pytestmark = [needs("transformers", extra="hf"), needs("peft", extra="dev")]
 
 
 def _engine(model: nn.Module, stage: int):

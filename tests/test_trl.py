@@ -17,14 +17,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("trl", reason="the [hf] extra installs it; `make test` does")
-
 import torch
 
 from tests import trl_helpers as H
+from tests.extras import needs
 from tests.harness import run_distributed, run_script, subtests, write_titled_blocks
 from tests.hf_models import ENV
+
+pytestmark = needs("trl", extra="hf")
 
 CONFIG = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
 TRAINERS = {  # name: (trainer, its config class, the dataset it reads)
