@@ -68,11 +68,13 @@ def deepspeed(ns: dict, here: Path, rank: int) -> None:
 
 
 def engine(ns: dict, here: Path, rank: int) -> None:
-    """`engine`: the GPT at stage 3 with AdamW, one step trained."""
+    """`engine`: the GPT at stage 3 with AdamW, one step trained; its snapshots in the block's
+    directory, not in /dev/shm."""
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zeroshard": {"snapshot_dir": str(here / "snapshots")},
     }
     ns["engine"], *_ = zeroshard.initialize(model=_gpt(), config=config)
     tokens = _tokens(4, rank)

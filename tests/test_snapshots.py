@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 from pathlib import Path
 
@@ -96,6 +97,25 @@ def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int
     theirs = full_params(from_disk)
     assert all(torch.equal(theirs[name], value) for name, value in params.items())
     from_disk.destroy()
+    if stage == 3:
+        _keeps_client_state_and_generators(rank, root)
+
+
+def _keeps_client_state_and_generators(rank: int, root: str) -> None:
+    """A snapshot taken by hand carries the caller's client state and every rank's random-number
+    generators: recovering it hands the one back and puts the other where they were."""
+    engine = _engine(3, _machine(root, rank))
+    engine.recover()
+    _train(engine, 4, 1)
+    tag = engine.snapshot(async_snapshot=False, client_state={"next_sample": 32, "epoch": 1})
+    following = (torch.rand(4), random.random())  # what the generators give after the snapshot
+    engine.destroy()
+    again = _engine(1, _machine(root, rank))  # builds a model: the generators move on
+    result = again.recover()
+    assert (result.source, result.path.endswith(tag), result.step) == ("snapshot", True, 5), result
+    assert result.client_state == {"next_sample": 32, "epoch": 1}
+    assert torch.equal(torch.rand(4), following[0]) and random.random() == following[1]
+    again.destroy()
 
 
 def _falls_back(rank: int, world: int, root: str, disk: str, case: str) -> None:

@@ -219,6 +219,7 @@ def _read_shards(
 
 
 _OBJECT_KEYS = {"client_state", "optimizer", "lr_scheduler", "loss_scaler"}
+_OPTIONAL_OBJECT_KEYS = {"rng"}  # a snapshot's ranks' random-number generators (snapshot.py)
 
 
 def _read_objects(path: Path) -> dict:
@@ -226,7 +227,7 @@ def _read_objects(path: Path) -> dict:
     objects = load_objects(path / OBJECTS)
     if (
         not isinstance(objects, dict)
-        or set(objects) != _OBJECT_KEYS
+        or not _OBJECT_KEYS <= set(objects) <= _OBJECT_KEYS | _OPTIONAL_OBJECT_KEYS
         or not isinstance(objects["optimizer"], dict)
         or set(objects["optimizer"]) != {"param_groups", "scalars"}
     ):

@@ -331,10 +331,11 @@ def _publish(
     publish(staging, save_dir, tag, nonce, save_latest)
 
 
-def engine_objects_bytes(engine, states: list[dict], client_state) -> bytes:
+def engine_objects_bytes(engine, states: list[dict], client_state, rng: list | None = None) -> bytes:
     """What is not a per-element tensor: client state, scheduler, loss scaler, optimizer param-group
     hyper-parameters and scalar optimizer state (Adam's `step`), per group, with torch.save, each
-    value one that torch.load(weights_only=True) rebuilds (or a CheckpointError naming it)."""
+    value one that torch.load(weights_only=True) rebuilds (or a CheckpointError naming it). `rng`:
+    every rank's random-number generator states, kept by snapshots (snapshot.rng_state)."""
     scalars = {}
     for index, (group, state) in enumerate(zip(engine.groups, states)):
         scalars[index] = {
@@ -354,6 +355,8 @@ def engine_objects_bytes(engine, states: list[dict], client_state) -> bytes:
         "lr_scheduler": _state_of(engine.lr_scheduler),
         "loss_scaler": _state_of(engine.loss_scaler),
     }
+    if rng is not None:
+        objects["rng"] = rng
     return objects_bytes(objects)  # [Note: objects.pt holds data, not code] in objects.py
 
 

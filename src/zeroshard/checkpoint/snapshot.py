@@ -22,6 +22,11 @@ the first rank of each machine renames the directory to `<tag>` and only then re
 snapshots, so a failure at any point leaves the previous snapshot whole. With all ranks on one machine there is no buddy: a snapshot then survives a
 worker restart, not the machine.
 
+Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
+happened: every rank's random-number generators (torch's CPU generator, the current CUDA device's,
+Python's `random`), restored on the rank of the same number (a rank beyond the old world size keeps
+its own), and the caller's `client_state` (the data position, an epoch), handed back by `recover`.
+
 Recovery (collective, `recover`, on the ranks torchrun restarted): every rank reports the complete
 snapshots its machine holds and which rank files each has; all ranks pick the same newest snapshot
 whose manifest and rank files are all on some survivor. A file a machine lacks is sent to it from
@@ -38,6 +43,7 @@ import hashlib
 import logging
 import mmap
 import os
+import random
 import shutil
 import uuid
 import warnings
@@ -62,6 +68,7 @@ from zeroshard.checkpoint.manifest import (
     read_manifest,
     resolve_tag,
 )
+from zeroshard.checkpoint.objects import load_objects
 from zeroshard.checkpoint.save import engine_objects_bytes, part_contents, shard_contents
 
 log = logging.getLogger(__name__)
@@ -84,11 +91,30 @@ def _step_of(tag: str) -> int:
     return int(tag.removeprefix(PREFIX))
 
 
+def rng_state() -> dict:
+    """This rank's random-number generators, in values torch.load(weights_only=True) takes back."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    random.setstate(state["python"])
+
+
 def take_snapshot(
-    engine, directory, ranks_per_machine: int, keep: int = 1, background: BackgroundSaves | None = None
+    engine,
+    directory,
+    ranks_per_machine: int,
+    keep: int = 1,
+    background: BackgroundSaves | None = None,
+    client_state=None,
 ) -> str:
     """Write a snapshot of `engine` at its current step into `directory` on this machine, with this
     rank's file also on its buddy ([Note: snapshots on a buddy]). Collective. Returns its tag.
+    `client_state`: what `recover` hands back (the data position, ...), as save_checkpoint's.
     `background`: the engine's writer; the call returns once the rank's shards (and on rank 0 the
     manifest, objects and buffers) are copied, and the writer serialises, sends, writes and
     publishes them while training goes on ([Note: asynchronous save] in background.py)."""
@@ -104,10 +130,11 @@ def take_snapshot(
     tag = f"{PREFIX}{counters.global_steps}"
     what = f"snapshot {tag}"  # the same on every rank: each machine has its own directory
     states = optimizer_states(engine)
+    rng = comm.all_gather_objects(rng_state(), f"{what}: random-number generators")
     contents, error = attempt(shard_contents, engine, states, None, background)  # copies with `background`
     common = None
     if error is None and comm.rank == 0:  # what every machine holds, but the rank files' records
-        common, error = attempt(_common_files, engine, states, tag)
+        common, error = attempt(_common_files, engine, states, tag, client_state, rng)
     agree(comm, error, what)
     snapshot = _Staged(tag, what, directory, ranks_per_machine, keep, contents, common)
     if background is None:
@@ -185,10 +212,10 @@ def _send_file(comm, path: Path, to: int, received: torch.Tensor, source: int, w
             del sent  # the map cannot close while a tensor still points into it
 
 
-def _common_files(engine, states: list[dict], tag: str) -> tuple[dict, dict[str, bytes]]:
+def _common_files(engine, states: list[dict], tag: str, client_state, rng: list) -> tuple[dict, dict[str, bytes]]:
     """Rank 0, at the step: the manifest (its files' records to come) and objects.pt and buffers."""
     contents = part_contents(engine, states, tag, None, copy=False)
-    out = {OBJECTS: engine_objects_bytes(engine, states, {})}
+    out = {OBJECTS: engine_objects_bytes(engine, states, client_state or {}, rng)}
     if contents["buffers"]:
         out[BUFFERS] = safetensors_bytes(contents["buffers"])
     return contents["manifest"], out
@@ -245,12 +272,13 @@ def _complete(directory: Path) -> list[str]:
 @dataclass(frozen=True)
 class Recovered:
     """What `recover` loaded: `source` "snapshot", "checkpoint" or "nothing", the directory and tag,
-    the step, and why a snapshot was not used (None where one was)."""
+    the step, why a snapshot was not used (None where one was), and the client state saved with it."""
 
     source: str
     path: str | None
     step: int | None
     reason: str | None
+    client_state: object = None
 
 
 def _inventory(directory: Path) -> dict[str, dict]:
@@ -311,12 +339,16 @@ def recover(engine, directory, ranks_per_machine: int, checkpoint_dir=None) -> R
             log.warning("zeroshard: nothing to recover from: %s, and no disk checkpoint", reason)
             return Recovered("nothing", None, None, reason)
         log.warning("zeroshard: recovering from the disk checkpoint in %s: %s", checkpoint_dir, reason)
-        path, _ = load_checkpoint(engine, checkpoint_dir)
-        return Recovered("checkpoint", path, disk_step, reason)
+        path, client_state = load_checkpoint(engine, checkpoint_dir)
+        return Recovered("checkpoint", path, disk_step, reason, client_state)
     _fill(comm, directory, tag, inventories, ranks_per_machine)
-    path, _ = load_checkpoint(engine, directory, tag=tag, name=f"snapshot {tag}")
+    path, client_state = load_checkpoint(engine, directory, tag=tag, name=f"snapshot {tag}")
+    rng, error = attempt(lambda: load_objects(directory / tag / OBJECTS).get("rng"))
+    agree(comm, error, f"recovery: the random-number generators of snapshot {tag}")
+    if rng is not None and comm.rank < len(rng):
+        set_rng_state(rng[comm.rank])
     log.info("zeroshard: recovered snapshot %s from host memory (%s)", tag, directory)
-    return Recovered("snapshot", path, _step_of(tag), reason)
+    return Recovered("snapshot", path, _step_of(tag), reason, client_state)
 
 
 def _disk_step(checkpoint_dir) -> int | None:

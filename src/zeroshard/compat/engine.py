@@ -298,17 +298,22 @@ class ZeroEngine(EngineBase):
             background=self._background_saves if background else None,
         )
 
-    def snapshot(self, async_snapshot: bool = True) -> str:
+    def snapshot(self, async_snapshot: bool = True, client_state=None) -> str:
         """Write a snapshot of this step into host memory, each rank's also on a buddy machine
-        (collective; [Note: snapshots on a buddy] in checkpoint/snapshot.py). Returns its tag. The
-        config's ``zeroshard.snapshot_every_steps`` calls it from step(). `async_snapshot`: return
-        once the rank's shards are copied and let the checkpoint writer's thread send and write them
-        while training goes on (the next snapshot, save, load, wait_checkpoint() and destroy() wait
-        for it and raise its error); False: all of it before returning."""
+        (collective; [Note: snapshots on a buddy] in checkpoint/snapshot.py), with every rank's
+        random-number generators and `client_state` (the data position, an epoch: what `recover()`
+        hands back; rank 0's is kept, as by save_checkpoint). Returns its tag. The config's
+        ``zeroshard.snapshot_every_steps`` calls it from step() without client state: the engine's
+        counters (global_steps, global_samples) are then the data position. `async_snapshot`:
+        return once the rank's shards are copied and let the checkpoint writer's thread send and
+        write them while training goes on (the next snapshot, save, load, wait_checkpoint() and
+        destroy() wait for it and raise its error); False: all of it before returning."""
         self._background_saves.wait()
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
         background = self._background_saves if async_snapshot else None
-        return take_snapshot(self, self._snapshot_dir(), self.comm.ranks_per_node, background=background)
+        return take_snapshot(
+            self, self._snapshot_dir(), self.comm.ranks_per_node, background=background, client_state=client_state
+        )
 
     def recover(self, checkpoint_dir=None) -> Recovered:
         """At start, after a restart: load the newest complete snapshot the surviving machines hold,
