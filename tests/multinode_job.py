@@ -74,6 +74,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--first-steps", type=int, default=3, help="optimizer steps per --first-stages stage")
     parser.add_argument("--comm-timeout-s", type=float, default=60.0, help="zeroshard.comm_timeout_s")
     parser.add_argument(
+        "--align-start",
+        action="store_true",
+        help="meet at a barrier after init_process_group: a fault run times a failure mid-training, and a "
+        "loaded machine's ranks can reach their engine further apart than a short --comm-timeout-s "
+        "(which bounds the engine's group creation)",
+    )
+    parser.add_argument(
         "--init-timeout-s", type=float, default=None, help="init_process_group's timeout (default: --comm-timeout-s)"
     )
     parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps")
@@ -196,6 +203,8 @@ def main(argv=None, *, leave: bool = True) -> None:
         reach("init_process_group", args)
         # Nothing may wait longer than that; the fault runs give start-up (4 ranks importing torch) more.
         zeroshard.init_distributed(timeout_s=args.init_timeout_s or args.comm_timeout_s)
+        if args.align_start:  # on the default group: bounded by the init timeout, not comm_timeout_s
+            torch.distributed.barrier()
         deadline = time.monotonic() + args.max_seconds
         for stage in args.first_stages:
             train_stage(stage, args, report, deadline, first=True)
