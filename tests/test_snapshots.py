@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,53 @@ def test_the_newest_complete_snapshot_is_chosen_and_incomplete_ones_named():
     assert tag == "snapshot4" and f"snapshot6 is incomplete: no survivor holds {rank_file(1)}" in reason
     assert snapshot._choose([{}, {}]) == (None, "no snapshot on any surviving machine")
     assert snapshot.buddy_of(1, 4, 2) == 3 and snapshot.buddy_of(3, 4, 2) == 1
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A tmpfs of its own (host memory that can run out, as /dev/shm can), unmounted afterwards."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"needs root to mount a tmpfs: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def _first_snapshot(rank: int, world: int, root: str) -> None:
+    engine = _engine(3, Path(root))
+    _train(engine, 0, 1)
+    engine.snapshot(async_snapshot=False)
+    engine.destroy()
+
+
+def _memory_runs_out(rank: int, world: int, root: str) -> None:
+    """The machine's snapshot memory holds one snapshot, not two: the next fails on every rank with an
+    error that names the snapshot and the cause, and the one before stays whole and recoverable."""
+    engine = _engine(3, Path(root))
+    assert engine.recover().step == 1
+    _train(engine, 1, 1)
+    with pytest.raises(zeroshard.checkpoint.CheckpointError) as failed:
+        engine.snapshot(async_snapshot=False)
+    message = str(failed.value)
+    assert (
+        message.startswith("snapshot snapshot2: ")
+        and f"No space left on device (host memory: {root} is full" in message
+    )
+    engine.destroy()
+    assert sorted(p.name for p in Path(root).iterdir() if not p.name.startswith(".")) == ["snapshot1"]
+    again = _engine(3, Path(root))
+    result = again.recover()
+    assert (result.source, result.step, result.reason) == ("snapshot", 1, None), result
+    again.destroy()
+
+
+def test_full_host_memory_fails_the_snapshot_and_keeps_the_previous_one(tmpfs):
+    run_distributed(_first_snapshot, 2, timeout=300, root=str(tmpfs))
+    usage = os.statvfs(tmpfs)
+    used = (usage.f_blocks - usage.f_bfree) * usage.f_frsize  # one snapshot, in pages
+    subprocess.run(["mount", "-o", f"remount,size={used * 3 // 2}", str(tmpfs)], check=True)
+    run_distributed(_memory_runs_out, 2, timeout=300, root=str(tmpfs))

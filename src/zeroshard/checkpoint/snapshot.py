@@ -39,6 +39,8 @@ checkpoint is loaded instead, with a warning that says why.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import mmap
@@ -196,8 +198,25 @@ class _Staged:
 
 
 def _write_own(staging: Path, name: str, tensors: dict, metadata: dict) -> dict:
-    staging.mkdir(parents=True, exist_ok=True)
-    return write_safetensors(staging / name, tensors, metadata)
+    with _naming(staging / name):
+        staging.mkdir(parents=True, exist_ok=True)
+        return write_safetensors(staging / name, tensors, metadata)
+
+
+@contextlib.contextmanager
+def _naming(path: Path):
+    """An OSError of a write as a CheckpointError that names the file; a full /dev/shm (ENOSPC) is
+    host memory running out, which the message says, with what a snapshot needs there."""
+    try:
+        yield
+    except OSError as error:
+        hint = ""
+        if error.errno == errno.ENOSPC:
+            hint = (
+                f" (host memory: {path.parent.parent} is full; a snapshot needs about twice its ranks' model "
+                "states there while the previous one is kept, see zeroshard.snapshot_dir)"
+            )
+        raise CheckpointError(f"{path}: {error.strerror or error}{hint}") from error
 
 
 def _send_file(comm, path: Path, to: int, received: torch.Tensor, source: int, what: str) -> None:
@@ -242,7 +261,7 @@ def _write_files(staging: Path, files: dict) -> None:
     for there before): plain writes, checked by size and sha256 when read back."""
     staging.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
-        with open(staging / name, "wb") as file:
+        with _naming(staging / name), open(staging / name, "wb") as file:
             file.write(data)
 
 
