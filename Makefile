@@ -2,8 +2,8 @@
 # 2.13.0 lies on this machine's disk, an unpinned torch would pull a multi-GB CUDA build.
 PYTHON ?= python3.11
 # Bytecode caches stay on, even where the environment turns them off (PYTHONDONTWRITEBYTECODE): else
-# every pytest worker rewrites and compiles every test module again (5 s of its 15 s collection) and
-# every rank process a test starts compiles zeroshard's modules again.
+# every pytest worker rewrites and compiles every test module again, and every rank process a test
+# starts compiles zeroshard's modules again (collection times: docs/bench/test_suite.txt).
 unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin

@@ -1,8 +1,8 @@
 """Skipping a module whose optional dependencies are missing, without importing them.
 
 `pytest.importorskip` at a module's top imports the library while pytest collects, and every
-pytest-xdist worker collects every module: transformers, PEFT, TRL and Lightning cost 1-4 s each per
-worker whether or not that worker runs the module. `needs` only asks whether the library is installed
+pytest-xdist worker collects every module: transformers, PEFT, TRL and Lightning would be imported by
+every worker, whether or not it runs the module (collection times: docs/bench/test_suite.txt). `needs` only asks whether the library is installed
 (`importlib.util.find_spec`); the tests import it where they use it."""
 
 from __future__ import annotations

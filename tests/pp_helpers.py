@@ -13,8 +13,8 @@ import zeroshard
 from tests import mesh_models as mm
 
 STEPS, MICRO, CLIP = 10, 2, 0.05
-# torch.distributed.pipelining is imported where a stage is built: collecting the suite does not need it
-# (with torch._dynamo, which it imports, 1.8 s in every pytest worker).
+# torch.distributed.pipelining (and torch._dynamo, which it imports) is imported where a stage is
+# built, so that collecting the suite does not import it in every pytest worker.
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 

@@ -104,7 +104,7 @@ def _full_params(engine) -> dict:
 
 
 def _pp_stage(mesh, stage: int):
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe  # 1.8 s: not at collection
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe  # not at collection (tests/pp_helpers.py)
 
     pp_rank, stages = mesh.get_local_rank("pp"), mesh["pp"].size()
     part = mm.Part(mm.model_fn()(), pp_rank, stages)

@@ -42,7 +42,7 @@ from zeroshard.checkpoint.manifest import (
     resolve_tag,
     state_key,
 )
-from zeroshard.checkpoint.objects import load_objects
+from zeroshard.checkpoint.objects import load_objects, set_rng_state
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.core.optim.masked import PER_PARAMETER
 
@@ -122,6 +122,9 @@ def load_checkpoint(
             engine.lr_scheduler.load_state_dict(objects["lr_scheduler"])
         if engine.loss_scaler is not None and objects["loss_scaler"] is not None:
             engine.loss_scaler.load_state_dict(objects["loss_scaler"])
+        generators = objects.get("rng") or []  # a snapshot's; a rank beyond its world keeps its own
+        if comm.rank < len(generators):
+            set_rng_state(generators[comm.rank])
     log.info(
         "zeroshard: loaded checkpoint %s (saved at %d ranks, stage %d; now %d ranks, stage %d)",
         path,

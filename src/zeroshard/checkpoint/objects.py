@@ -4,6 +4,7 @@ that loading it cannot run code."""
 from __future__ import annotations
 
 import io
+import random
 
 import torch
 
@@ -78,3 +79,18 @@ def _refused_key(objects: dict) -> str:
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def rng_state() -> dict:
+    """This rank's random-number generators (torch's CPU one, the current CUDA device's, Python's
+    `random`), in values torch.load(weights_only=True) takes back: objects.pt's optional `rng`, one
+    per rank, which snapshots keep."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    random.setstate(state["python"])

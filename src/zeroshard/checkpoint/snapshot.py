@@ -45,7 +45,6 @@ import hashlib
 import logging
 import mmap
 import os
-import random
 import shutil
 import uuid
 import warnings
@@ -70,7 +69,7 @@ from zeroshard.checkpoint.manifest import (
     read_manifest,
     resolve_tag,
 )
-from zeroshard.checkpoint.objects import load_objects
+from zeroshard.checkpoint.objects import rng_state
 from zeroshard.checkpoint.save import engine_objects_bytes, part_contents, shard_contents
 
 log = logging.getLogger(__name__)
@@ -91,19 +90,6 @@ def buddy_of(rank: int, world_size: int, ranks_per_machine: int) -> int:
 
 def _step_of(tag: str) -> int:
     return int(tag.removeprefix(PREFIX))
-
-
-def rng_state() -> dict:
-    """This rank's random-number generators, in values torch.load(weights_only=True) takes back."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    return {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    random.setstate(state["python"])
 
 
 def take_snapshot(
@@ -361,11 +347,7 @@ def recover(engine, directory, ranks_per_machine: int, checkpoint_dir=None) -> R
         path, client_state = load_checkpoint(engine, checkpoint_dir)
         return Recovered("checkpoint", path, disk_step, reason, client_state)
     _fill(comm, directory, tag, inventories, ranks_per_machine)
-    path, client_state = load_checkpoint(engine, directory, tag=tag, name=f"snapshot {tag}")
-    rng, error = attempt(lambda: load_objects(directory / tag / OBJECTS).get("rng"))
-    agree(comm, error, f"recovery: the random-number generators of snapshot {tag}")
-    if rng is not None and comm.rank < len(rng):
-        set_rng_state(rng[comm.rank])
+    path, client_state = load_checkpoint(engine, directory, tag=tag, name=f"snapshot {tag}")  # generators too
     log.info("zeroshard: recovered snapshot %s from host memory (%s)", tag, directory)
     return Recovered("snapshot", path, _step_of(tag), reason, client_state)
 
