@@ -1,12 +1,13 @@
-"""Optimizer-state bytes and step time of torchao's block-wise optimizers against torch's AdamW, under
-zeroshard stage 3 at 2 ranks.
+"""Optimizer-state bytes and step time of torchao's and bitsandbytes' block-wise optimizers against
+torch's AdamW, under zeroshard stage 3 at 2 ranks.
 
     python benchmarks/lowbit_states.py --out docs/bench/lowbit_states.txt
 
 One `torchrun --standalone --nproc_per_node 2` launch (gloo, 1 torch thread per rank, fp32) trains
 the same GPT (vocab 8192, 8 layers of width 512, sequence 128: 33.7M parameters with an untied head)
-with each optimizer in turn: torch.optim.AdamW, torchao's AdamW8bit and AdamW4bit (lr 3e-4, weight
-decay 0.01), micro-batch 4 per rank, the same random tokens. Per optimizer: the optimizer-state bytes
+with each optimizer in turn: torch.optim.AdamW, torchao's AdamW8bit and AdamW4bit, bitsandbytes'
+AdamW8bit (`bnb-adamw8bit`; lr 3e-4, weight decay 0.01), micro-batch 4 per rank, the same random
+tokens. Per optimizer: the optimizer-state bytes
 each rank holds after the timed steps (`ZeroOptimizer.state_bytes`: a quantized moment's codes,
 scales and code map), the estimator's model for them (`zeroshard estimate --precision fp32
 --optimizer ...`, per rank), the median over the timed steps of the slowest rank's step time, and the
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 from two_ranks import launch, table_of, write_record
 
-OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit")
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw4bit", "bnb-adamw8bit")
+MODELLED_AS = {"bnb-adamw8bit": "adamw8bit"}  # the same bytes: a code per element, a scale per 256
 SHAPE = dict(vocab_size=8192, block_size=128, n_layer=8, n_head=8, n_embd=512, tie_weights=False)
 MICRO, SEED = 4, 1234
 
@@ -32,6 +34,10 @@ MICRO, SEED = 4, 1234
 def _optimizer(name: str, params):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01)
+    if name == "bnb-adamw8bit":
+        import bitsandbytes
+
+        return bitsandbytes.optim.AdamW8bit(params, lr=3e-4, weight_decay=0.01)
     import torchao.optim
 
     return {"adamw8bit": torchao.optim.AdamW8bit, "adamw4bit": torchao.optim.AdamW4bit}[name](
@@ -74,18 +80,18 @@ def worker(args) -> None:
         held = torch.tensor([engine.optimizer.state_bytes()], dtype=torch.float64)
         everyone = [torch.zeros(1, dtype=torch.float64) for _ in range(world)]
         dist.all_gather(everyone, held)
-        modelled = est.model_state_bytes(params, world, 3, est.recipe("fp32", name)).optimizer
+        modelled = est.model_state_bytes(params, world, 3, est.recipe("fp32", MODELLED_AS.get(name, name))).optimizer
         rows.append((name, params, [int(t) for t in everyone], modelled, statistics.median(times), float(loss)))
         engine.destroy()
     if rank == 0:
         print(
-            f"{'optimizer':<10} {'params':>11} {'state bytes rank 0':>19} {'rank 1':>12} {'modelled/rank':>14} "
+            f"{'optimizer':<13} {'params':>11} {'state bytes rank 0':>19} {'rank 1':>12} {'modelled/rank':>14} "
             f"{'B/param':>8} {'step s':>7} {'loss':>7}"
         )
         for name, params, held, modelled, step_s, loss in rows:
             per_param = sum(held) / params
             print(
-                f"{name:<10} {params:>11,} {held[0]:>19,} {held[1]:>12,} {modelled:>14,} {per_param:>8.3f} "
+                f"{name:<13} {params:>11,} {held[0]:>19,} {held[1]:>12,} {modelled:>14,} {per_param:>8.3f} "
                 f"{step_s:>7.3f} {loss:>7.4f}"
             )
     dist.destroy_process_group()

@@ -5,8 +5,9 @@ An optimizer whose update of a parameter reads that whole parameter (its gradien
 no other parameter -- Muon, or a user's variant of it -- runs under every stage: its param groups
 get owner-aligned layouts and each rank steps the parameters it owns, whole (core/optim/whole.py).
 zeroshard cannot see that property in a class, so it knows torch's Muon, MuonWithAdamW (its
-`use_muon` groups) and torchao's block-wise AdamW8bit, AdamW4bit, AdamWFp8 and their Adam twins
-([Note: block-wise optimizer states] in lowbit.py), and a user declares any other class with
+`use_muon` groups), torchao's block-wise AdamW8bit, AdamW4bit, AdamWFp8 and their Adam twins
+([Note: block-wise optimizer states] in lowbit.py) and bitsandbytes' 8-bit optimizers ([Note:
+bitsandbytes' 8-bit states] in lowbit.py), and a user declares any other class with
 `register_whole_parameter_optimizer`,
 saying which of its param groups need whole parameters (all by default); the others must be
 elementwise. An optimizer that reads across parameters (a global norm, a trust ratio over several
@@ -19,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from zeroshard.core.optim.lowbit import is_torchao_class
+from zeroshard.core.optim.lowbit import is_bnb_class, is_torchao_class
 
 __all__ = ["register_whole_parameter_optimizer"]
 
@@ -56,7 +57,7 @@ def whole_groups_rule(optimizer: object) -> Callable[[dict], bool] | None:
 def class_rule(cls: type) -> Callable[[dict], bool] | None:
     """The declaration of `cls` or of its nearest declared base class; None where there is none."""
     declared = next((_RULES[c] for c in cls.__mro__ if c in _RULES), None)
-    if declared is None and is_torchao_class(cls):
+    if declared is None and (is_torchao_class(cls) or is_bnb_class(cls)):
         return _every_group
     return declared
 

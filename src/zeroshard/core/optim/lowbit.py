@@ -1,5 +1,6 @@
 """Block-wise quantized optimizer states: torchao's AdamW8bit, AdamW4bit, AdamWFp8 and their Adam
-twins, in the flat form checkpoints hold.
+twins, and bitsandbytes' 8-bit optimizers (AdamW8bit, Adam8bit, ...), in the flat form checkpoints
+hold.
 
 [Note: block-wise optimizer states]
 These optimizers keep each moment of a parameter quantized in blocks of `block_size` consecutive
@@ -19,10 +20,21 @@ tensors: `key.codes` (uint8, one code per element, an fp8 code as its bit patter
 0.53) in memory, and it is exact: dequantizing and quantizing again is not (the signed map has +1 and
 no -1, so a block whose largest magnitude is negative would come back with another scale).
 Loading builds the optimizer's own zero buffer for the parameter and fills its codes and scales.
+
+[Note: bitsandbytes' 8-bit states]
+bitsandbytes' 8-bit optimizers keep the same kind of state in plain tensors: `state1` (and `state2`,
+for Adam the second moment) as uint8 codes shaped like the parameter, `absmax1` (`absmax2`) one fp32
+scale per block of 256 elements (the last block may be short), `qmap1` (`qmap2`) the 256-value code
+map every parameter shares, and `step` a Python int; a parameter under `min_8bit_size` elements keeps
+fp32 `state1`/`state2`. They save as torchao's do: `state1.codes` and `state1.scale` per element; the
+code maps are the optimizer's own and are not saved. bitsandbytes' per-parameter overrides
+(`GlobalOptimManager.override_config`) are keyed by the original parameters, which zeroshard's
+optimizer no longer steps: they do not apply.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -33,10 +45,22 @@ TORCHAO_MODULE = "torchao.optim"
 TORCHAO_CLASSES = frozenset({"Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8"})
 SIGNED_KEYS = frozenset({"exp_avg"})  # the first moment; the second (and AMSGrad's max) are >= 0
 CODES, SCALE = ".codes", ".scale"
+# bitsandbytes: every 8-bit optimizer derives from this class; (codes, scales, code map) per moment.
+BNB_MODULE, BNB_BASE = "bitsandbytes.optim", "Optimizer8bit"
+BNB_BLOCK = 256
+BNB_MOMENTS = (("state1", "absmax1", "qmap1"), ("state2", "absmax2", "qmap2"))
 
 
 def is_torchao_class(cls: type) -> bool:
     return any(c.__module__.startswith(TORCHAO_MODULE) and c.__name__ in TORCHAO_CLASSES for c in cls.__mro__)
+
+
+def is_bnb_class(cls: type) -> bool:
+    return any(c.__module__.startswith(BNB_MODULE) and c.__name__ == BNB_BASE for c in cls.__mro__)
+
+
+def is_bnb(optimizer: object) -> bool:
+    return is_bnb_class(type(optimizer))
 
 
 def is_blockwise(value: object) -> bool:
@@ -70,6 +94,9 @@ def copy_into(destination: Any, source: Any) -> None:
 def quantizes(optimizer: torch.optim.Optimizer, shape: torch.Size) -> bool:
     """Does `optimizer` keep a parameter of `shape` in block-wise states? Its own rule, asked of a
     buffer on the meta device (nothing allocated)."""
+    if is_bnb(optimizer):
+        args = optimizer.args  # type: ignore[attr-defined]  # a bitsandbytes class
+        return args.optim_bits == 8 and math.prod(shape) >= args.min_8bit_size
     new_buffer = getattr(optimizer, "_new_buffer", None)
     if new_buffer is None or not is_torchao_class(type(optimizer)):
         return False
@@ -97,6 +124,11 @@ def new_buffer(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str) -
 
 def quantized_from(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str, values: torch.Tensor) -> Any:
     """`values` (plain moments, another optimizer's) in the optimizer's own buffer for `view`'s `key`."""
+    if is_bnb(optimizer):
+        raise ValueError(
+            f"optimizer state '{key}' was saved in fp32 and {type(optimizer).__name__} (bitsandbytes) keeps it in "
+            "8 bits here: load it with the min_8bit_size it was saved with"
+        )
     buffer = new_buffer(optimizer, view, key)
     buffer.copy_(values.view(view.shape))
     return buffer
@@ -119,3 +151,49 @@ def rebuild(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str, piec
     buffer.codes.copy_(codes.view(buffer.codes.dtype).view(buffer.codes.shape))
     buffer.scale.copy_(blocks[:, 0])
     return buffer
+
+
+def entry_pieces(entry: dict) -> dict[str, torch.Tensor]:
+    """One parameter's state tensors as elementwise 1-D tensors, the flat form ([Note: block-wise
+    optimizer states]); scalars left out."""
+    out: dict[str, torch.Tensor] = {}
+    quantized = {codes for codes, _, _ in BNB_MOMENTS if _is_bnb_codes(entry.get(codes))}
+    skipped = {k for codes, absmax, qmap in BNB_MOMENTS if codes in quantized for k in (absmax, qmap)}
+    for key, value in entry.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or key in skipped:
+            continue
+        if key in quantized:  # [Note: bitsandbytes' 8-bit states]
+            absmax = entry[dict((c, a) for c, a, _ in BNB_MOMENTS)[key]]
+            out[key + CODES] = value.reshape(-1)
+            out[key + SCALE] = absmax.repeat_interleave(BNB_BLOCK)[: value.numel()]
+        elif is_blockwise(value):
+            out.update(flat_pieces(key, value))
+        else:
+            out[key] = value
+    return out
+
+
+def _is_bnb_codes(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() > 0
+
+
+def rebuild_bnb(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str, pieces: dict) -> dict:
+    """A bitsandbytes moment `key` ("state1", "state2") of `view` from its flat form: its codes,
+    block scales and the optimizer's code map ([Note: bitsandbytes' 8-bit states])."""
+    absmax_key, qmap_key = next((a, q) for c, a, q in BNB_MOMENTS if c == key)
+    codes, scale = pieces[key + CODES].to(torch.uint8), pieces[key + SCALE].to(torch.float32)
+    starts = scale[::BNB_BLOCK]
+    if not torch.equal(scale, starts.repeat_interleave(BNB_BLOCK)[: scale.numel()]):
+        raise ValueError(f"optimizer state '{key}{SCALE}' is not one scale per block of {BNB_BLOCK} elements")
+    maps = optimizer.name2qmap  # type: ignore[attr-defined]  # a bitsandbytes class
+    if "dynamic" not in maps:
+        optimizer.fill_qmap()  # type: ignore[attr-defined]
+    qmap = maps["dynamic" if key == "state1" else "udynamic"].to(view.device)
+    return {key: codes.view(view.shape).clone(), absmax_key: starts.clone(), qmap_key: qmap}
+
+
+def own_scalars(optimizer: torch.optim.Optimizer, entry: dict) -> dict:
+    """`entry`'s scalars in the types the optimizer keeps (bitsandbytes counts `step` in an int)."""
+    if is_bnb(optimizer) and isinstance(entry.get("step"), torch.Tensor):
+        entry["step"] = int(entry["step"].item())
+    return entry

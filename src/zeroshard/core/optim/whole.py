@@ -73,10 +73,6 @@ def state_keys(optimizer: torch.optim.Optimizer, index: int) -> tuple[tuple[str,
     return tensors, scalars
 
 
-def _is_scalar(value: object) -> bool:
-    return not isinstance(value, torch.Tensor) or value.dim() == 0
-
-
 def flat_state(
     state: dict,
     matrices: list[Owned],
@@ -103,18 +99,12 @@ def flat_state(
         if any(quantized):
             out[key + lowbit.CODES], out[key + lowbit.SCALE] = zeros(torch.uint8), zeros(torch.float32)
     for matrix in matrices:
-        for key, value in state.get(matrix.view, {}).items():
-            if _is_scalar(value):
-                continue
-            pieces = lowbit.flat_pieces(key, value) if lowbit.is_blockwise(value) else None
-            if pieces is None:
-                if value.shape != matrix.view.shape:
-                    raise ValueError(f"optimizer state '{key}' is not shaped like its parameter: cannot be saved flat")
-                pieces = {key: value.reshape(-1)}
-            for name, flat in pieces.items():
-                if name not in out:
-                    out[name] = zeros(flat.dtype)
-                out[name][matrix.lo : matrix.hi].copy_(flat)
+        for name, piece in lowbit.entry_pieces(state.get(matrix.view, {})).items():
+            if piece.shape not in (matrix.view.shape, (matrix.view.numel(),)):
+                raise ValueError(f"optimizer state '{name}' is not shaped like its parameter: cannot be saved flat")
+            if name not in out:
+                out[name] = zeros(piece.dtype)
+            out[name][matrix.lo : matrix.hi].copy_(piece.reshape(-1))
     return out
 
 
@@ -151,7 +141,9 @@ def load_flat_state(
                 for name in (key, key + lowbit.CODES, key + lowbit.SCALE)
                 if name in flat
             }
-            if blockwise and key + lowbit.CODES in piece:
+            if blockwise and key + lowbit.CODES in piece and lowbit.is_bnb(optimizer):
+                mine.update(lowbit.rebuild_bnb(optimizer, matrix.view, key, piece))  # type: ignore[arg-type]
+            elif blockwise and key + lowbit.CODES in piece:
                 mine[key] = lowbit.rebuild(optimizer, matrix.view, key, piece)  # type: ignore[arg-type]
             elif blockwise and key in piece:  # plain moments of another optimizer: quantized now
                 mine[key] = lowbit.quantized_from(optimizer, matrix.view, key, piece[key])  # type: ignore[arg-type]
@@ -163,4 +155,4 @@ def load_flat_state(
                     "only; this optimizer keeps it plain (another block_size?)"
                 )
         mine.update({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in status.items()})
-        state[matrix.view] = mine
+        state[matrix.view] = lowbit.own_scalars(optimizer, mine) if optimizer is not None else mine

@@ -1,0 +1,123 @@
+"""bitsandbytes' 8-bit AdamW under ZeRO, against DDP with the same optimizer class.
+
+bitsandbytes' 8-bit optimizers quantize each moment in blocks of 256 elements of the parameter, as
+torchao's do, so zeroshard steps each parameter whole on its owner ([Note: bitsandbytes' 8-bit
+states] in core/optim/lowbit.py): at 2 ranks fp32, bit for bit at every stage and with CPU offload.
+Their state saves by parameter name (codes and block scales, exactly) and resumes at another stage
+and world size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.checkpoint_helpers import build_engine, check_same_states, full_params, train_micro_steps
+from tests.extras import needs
+from tests.harness import run_distributed, subtests
+from tests.reference import gpt_batches, train_ddp
+from tests.zs_common import assert_close, gpt_model_fn, make_config, train_engine
+from zeroshard.core.optim import lowbit
+from zeroshard.tools.models.gpt import tiny_gpt_config
+
+pytestmark = needs("bitsandbytes", extra="lowbit")
+
+STEPS = 3
+CONFIG = tiny_gpt_config()
+LR = 1e-2
+
+
+def _adamw8bit(params):
+    import bitsandbytes
+
+    return bitsandbytes.optim.AdamW8bit(params, lr=LR, weight_decay=0.1)
+
+
+def _quantized_params(engine) -> int:
+    """Parameters whose moments this rank keeps in 8 bits."""
+    return sum(lowbit._is_bnb_codes(state.get("state1")) for state in engine.optimizer.state.values())
+
+
+def _parity(stage: int, offload: bool = False) -> None:
+    batches = gpt_batches(CONFIG, batch_size=4)
+    ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=_adamw8bit, steps=STEPS, reduce_every_micro_step=stage >= 2)
+    zero: dict = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    ours = train_engine(
+        gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=_adamw8bit, steps=STEPS
+    )
+    assert_close(ours, ref, exact=True, what=f"bitsandbytes AdamW8bit stage {stage}{' offload' if offload else ''}")
+
+
+def _resume(directory: str) -> None:
+    """Save after 2 steps at stage 3, resume at stage 1: the next 2 steps are those of the run that
+    went on, bit for bit, with the same parameters kept in 8 bits."""
+    batches = gpt_batches(CONFIG, batch_size=4)
+    build = dict(scheduler=False, optimizer_fn=_adamw8bit)
+    straight = build_engine(3, **build)
+    train_micro_steps(straight, batches, 0, 2)
+    straight.save_checkpoint(directory, tag="two")
+    quantized = _quantized_params(straight)
+    assert sum(straight.comm.all_gather_objects(quantized, "test: 8-bit count")) >= 4, "too few quantized"
+    went_on = train_micro_steps(straight, batches, 2, 2)
+    params = full_params(straight)
+    straight.destroy()
+    resumed = build_engine(1, **build)
+    resumed.load_checkpoint(directory, tag="two")
+    assert _quantized_params(resumed) == quantized
+    again = train_micro_steps(resumed, batches, 2, 2)
+    assert again["losses"] == went_on["losses"], (again["losses"], went_on["losses"])
+    ours = full_params(resumed)
+    for key, value in params.items():
+        assert torch.equal(ours[key], value), key
+    resumed.destroy()
+
+
+def _two_ranks(rank: int, world_size: int, directory: str) -> None:
+    cases = [dict(stage=s) for s in (1, 2, 3)] + [dict(stage=3, offload=True)]
+    subtests(cases, _parity)
+    _resume(directory)
+
+
+def _reshard(rank: int, world_size: int, directory: str, again: str) -> None:
+    """The 2-rank stage-3 checkpoint loaded at this world size and stage 2 and saved again: every
+    parameter's state (codes, scales, step) is what was saved."""
+    engine = build_engine(2, scheduler=False, optimizer_fn=_adamw8bit)
+    engine.load_checkpoint(directory, tag="two")
+    engine.save_checkpoint(again, tag="two")
+    check_same_states(engine, f"{again}/two", f"{directory}/two", f"2 ranks stage 3 -> {world_size} ranks stage 2")
+    engine.destroy()
+
+
+@pytest.mark.slow
+def test_bitsandbytes_adamw8bit_matches_ddp_and_resumes_at_another_stage_and_world_size(tmp_path):
+    directory = str(tmp_path / "ckpt")
+    run_distributed(_two_ranks, 2, timeout=600, directory=directory)
+    run_distributed(_reshard, 1, timeout=600, directory=directory, again=str(tmp_path / "again"))
+
+
+def test_a_bitsandbytes_state_round_trips_through_its_flat_form():
+    """codes and one scale per block of 256 (the last one short), not dequantized values; the code
+    maps are the optimizer's own; `step` comes back an int."""
+    import bitsandbytes
+
+    param = torch.nn.Parameter(torch.randn(50, 100))  # 5000 elements: 20 blocks, the last of 136
+    optimizer = bitsandbytes.optim.AdamW8bit([param], lr=LR)
+    for _ in range(2):
+        param.grad = torch.randn_like(param)
+        optimizer.step()
+    state = optimizer.state[param]
+    assert state["state1"].dtype == torch.uint8 and state["absmax1"].numel() == 20
+    pieces = lowbit.entry_pieces(state)
+    assert set(pieces) == {"state1.codes", "state1.scale", "state2.codes", "state2.scale"}
+    assert all(p.shape == (param.numel(),) for p in pieces.values())
+    back: dict = {}
+    for key in ("state1", "state2"):
+        back.update(lowbit.rebuild_bnb(optimizer, param, key, pieces))
+    for key in ("state1", "state2", "absmax1", "absmax2", "qmap1", "qmap2"):
+        assert torch.equal(back[key], state[key]), key
+    assert lowbit.own_scalars(optimizer, {"step": torch.tensor(2.0)}) == {"step": 2}
+    scale = pieces["state1.scale"].clone()
+    scale[3] += 1.0  # two scales in one block
+    with pytest.raises(ValueError, match="one scale per block of 256"):
+        lowbit.rebuild_bnb(optimizer, param, "state1", {**pieces, "state1.scale": scale})
+    assert lowbit.quantizes(optimizer, param.shape) and not lowbit.quantizes(optimizer, torch.Size([64, 63]))
