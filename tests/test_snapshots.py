@@ -84,12 +84,16 @@ def _four_ranks_snapshot(rank: int, world: int, root: str, disk: str) -> None:
 
 def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int) -> None:
     """Machine 1 is gone: the survivors recover snapshot4 at 2 ranks (another stage too) and train
-    on exactly as the run that loaded the disk checkpoint of step 4."""
-    recovered = _engine(stage, _machine(root, rank))
+    on exactly as the run that loaded the disk checkpoint of step 4; at stage 1 they go on taking a
+    snapshot every step, each after the last micro step of its 2 (gradient accumulation)."""
+    recovered = _engine(stage, _machine(root, rank), every=1 if stage == 1 else 0)
     result = recovered.recover(checkpoint_dir=disk)
     assert (result.source, result.step, result.reason) == ("snapshot", 4, None), result
     assert recovered.global_steps == 4 and recovered.gradient_accumulation_steps() == 2
     losses = _train(recovered, 4, 3)
+    if stage == 1:
+        recovered.wait_checkpoint()
+        assert [p.name for p in _machine(root, rank).iterdir()] == ["snapshot7"]
     params = full_params(recovered)
     recovered.destroy()
     from_disk = _engine(stage, None)

@@ -214,11 +214,11 @@ class ZeroEngine(EngineBase):
                 self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
-            every = self.config.zeroshard.snapshot_every_steps
-            if every and self.global_steps % every == 0:
-                self.snapshot()
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
+        every = self.config.zeroshard.snapshot_every_steps
+        if boundary and every and self.global_steps % every == 0:  # once the step is counted whole
+            self.snapshot()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients accumulated since the last optimizer step (DeepSpeed's meaning) and
