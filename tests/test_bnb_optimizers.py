@@ -120,4 +120,8 @@ def test_a_bitsandbytes_state_round_trips_through_its_flat_form():
     scale[3] += 1.0  # two scales in one block
     with pytest.raises(ValueError, match="one scale per block of 256"):
         lowbit.rebuild_bnb(optimizer, param, "state1", {**pieces, "state1.scale": scale})
+    with pytest.raises(ValueError, match="saved by another optimizer"):  # torchao's AdamW8bit has the same name
+        lowbit.rebuild_bnb(
+            optimizer, param, "exp_avg", {"exp_avg.codes": pieces["state1.codes"], "exp_avg.scale": scale}
+        )
     assert lowbit.quantizes(optimizer, param.shape) and not lowbit.quantizes(optimizer, torch.Size([64, 63]))

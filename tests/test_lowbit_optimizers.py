@@ -136,6 +136,8 @@ def test_a_blockwise_state_round_trips_through_its_flat_form():
         other = _torchao(name)([param], block_size=optimizer.block_size * 2)
         with pytest.raises(ValueError, match="block_size"):
             lowbit.rebuild(other, param, "exp_avg_sq", lowbit.flat_pieces("exp_avg_sq", state))
+        with pytest.raises(ValueError, match="saved by another optimizer"):  # bitsandbytes' AdamW8bit: state2
+            lowbit.rebuild(optimizer, param, "state2", lowbit.flat_pieces("state2", state))
 
 
 def test_a_copy_before_the_update_puts_blockwise_states_back():

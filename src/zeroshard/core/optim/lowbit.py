@@ -44,6 +44,7 @@ import torch
 TORCHAO_MODULE = "torchao.optim"
 TORCHAO_CLASSES = frozenset({"Adam8bit", "AdamW8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8"})
 SIGNED_KEYS = frozenset({"exp_avg"})  # the first moment; the second (and AMSGrad's max) are >= 0
+TORCHAO_KEYS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 CODES, SCALE = ".codes", ".scale"
 # bitsandbytes: every 8-bit optimizer derives from this class; (codes, scales, code map) per moment.
 BNB_MODULE, BNB_BASE = "bitsandbytes.optim", "Optimizer8bit"
@@ -137,6 +138,11 @@ def quantized_from(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: st
 def rebuild(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str, pieces: dict) -> torch.Tensor:
     """The optimizer's own quantized buffer for `view`'s state `key`, filled from `flat_pieces`'s
     form (`pieces`: its two tensors, each of view.numel() elements)."""
+    if key not in TORCHAO_KEYS:
+        raise ValueError(
+            f"optimizer state '{key}' was saved by another optimizer: {type(optimizer).__name__} (torchao) keeps "
+            f"{', '.join(sorted(TORCHAO_KEYS))}"
+        )
     buffer = new_buffer(optimizer, view, key)
     # A checkpoint reader may hand the codes over in the master's dtype: their values, 0-255, are exact.
     codes, scale = pieces[key + CODES].to(torch.uint8), pieces[key + SCALE].to(torch.float32)
@@ -180,7 +186,13 @@ def _is_bnb_codes(value: object) -> bool:
 def rebuild_bnb(optimizer: torch.optim.Optimizer, view: torch.Tensor, key: str, pieces: dict) -> dict:
     """A bitsandbytes moment `key` ("state1", "state2") of `view` from its flat form: its codes,
     block scales and the optimizer's code map ([Note: bitsandbytes' 8-bit states])."""
-    absmax_key, qmap_key = next((a, q) for c, a, q in BNB_MOMENTS if c == key)
+    known = {c: (a, q) for c, a, q in BNB_MOMENTS}
+    if key not in known:
+        raise ValueError(
+            f"optimizer state '{key}' was saved by another optimizer: {type(optimizer).__name__} (bitsandbytes) keeps "
+            f"{', '.join(known)}"
+        )
+    absmax_key, qmap_key = known[key]
     codes, scale = pieces[key + CODES].to(torch.uint8), pieces[key + SCALE].to(torch.float32)
     starts = scale[::BNB_BLOCK]
     if not torch.equal(scale, starts.repeat_interleave(BNB_BLOCK)[: scale.numel()]):
