@@ -468,7 +468,41 @@ def test_max_model_finds_a_boundary_by_running_both_sides(tmp_path, capsys):
     # Model states are not all a step needs: the prediction is above what ran.
     assert "estimator_with_step_copy" not in row
     assert row["estimator_cap_minus_baseline"]["params"] > row["largest"]["params"]
+    # The model states the ranks counted from their tensors: the estimator's 16 bytes per parameter.
+    held, modelled = max(row["largest"]["model_state_bytes"]), row["largest"]["model_state_bytes_modelled"]
+    assert modelled == 16 * row["largest"]["params"] and abs(held - modelled) <= 0.01 * modelled, (held, modelled)
     assert "stage 0" in (tmp_path / "max_model.txt").read_text()
+
+
+def test_max_model_recipes_run_each_adam_recipe_with_its_optimizer_and_config(tmp_path, capsys):
+    """--recipes: one row per Adam recipe of the precision, each trial built with the recipe's
+    optimizer and bf16 keys; a block-wise optimizer with NVMe offload is a refused row, not a search."""
+    import torch
+
+    from zeroshard.tools.bench import capped
+
+    assert maxmodel.recipes("fp32") == [("fp32", "adam"), ("fp32", "adamw8bit"), ("fp32", "adamw4bit")]
+    assert [m for m, _ in maxmodel.recipes("bf16")] == ["fp32"] * 3 + ["bf16"] * 3
+    assert maxmodel.recipe_label("bf16", "bf16", "adamw8bit") == "bf16 masters, AdamW8bit (6.03 B/param)"
+    spec = {"precision": "bf16", "lr": 1e-3, "batch": 1, "seed": 0, "width": 64, "vocab": 65, "seq_len": 16}
+    run = {"name": "stage 3", "stage": 3, "kind": "zeroshard", "master": "bf16", "optimizer": "adamw8bit"}
+    config = capped.engine_config({**spec, "run": run})
+    assert config["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    optimizer = capped.recipe_optimizer({**spec, "run": run}, [torch.nn.Parameter(torch.zeros(4))])
+    assert type(optimizer).__name__ == "AdamW8bit" and optimizer.bf16_stochastic_round
+    plain = capped.recipe_optimizer({**spec, "run": {**run, "optimizer": "adam"}}, [torch.nn.Parameter(torch.zeros(4))])
+    assert type(plain) is torch.optim.AdamW
+    refused = maxmodel.search({**spec, "cap_bytes": 2**30}, "3-nvme", 2, 4, 60, None, tmp_path, ("fp32", "adamw8bit"))
+    assert refused["refused"] and refused["largest"] is None and refused["trials"] == []
+    text = maxmodel.format_table(
+        {"spec": {**spec, "steps": 2, "ceiling": 4, "cap_bytes": 2**30}, "ranks": 2, "rows": [refused]}
+    )
+    assert (
+        "refused: block-wise optimizer states" in text
+        and refused["name"] == "stage 3 +opt,param->nvme, fp32 masters, AdamW8bit (10.03 B/param)"
+    )
+    assert cli.main(["bench", "--recipes"]) == 2
+    assert "--recipes applies to --max-model only" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -36,6 +36,8 @@ from zeroshard.tools.bench.worker import bench_optimizer, ds_config
 from zeroshard.tools.demo.corpus import Batches, CharTokenizer, load_corpus
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
+LOW_BIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}  # a recipe's optimizer: torchao's class
+
 _STATUS = Path("/proc/self/status")
 # How an allocation failure reads, whichever layer reports it: torch's CPU allocator, Python, C++, the
 # kernel's ENOMEM through any wrapper, a thread whose stack could not be mapped under the cap.
@@ -87,12 +89,27 @@ def build_model(spec: dict, vocab: int) -> torch.nn.Module:
     ever holds all its parameters. Below stage 3 every rank holds the whole model anyway."""
     torch.manual_seed(spec["seed"])
     config = GPTConfig(**{**spec["shape"], "vocab_size": vocab})
+    bf16_masters = spec["run"].get("master") == "bf16"  # the bf16 parameters are the masters
     if spec["run"]["stage"] != 3:
-        return GPT(config)
+        model = GPT(config)
+        return model.to(torch.bfloat16) if bf16_masters else model
     from zeroshard.compat.zero.init import Init
 
-    with Init():
+    with Init(dtype=torch.bfloat16 if bf16_masters else None):
         return GPT(config)
+
+
+def recipe_optimizer(spec: dict, params) -> torch.optim.Optimizer:
+    """The run's optimizer: the bench's AdamW (worker.bench_optimizer), or torchao's block-wise
+    AdamW8bit / AdamW4bit for a recipe that names one (`run["optimizer"]`), rounding bf16 masters
+    stochastically as docs/lowbit.md recommends."""
+    name = spec["run"].get("optimizer", "adamw")
+    if name not in LOW_BIT:
+        return bench_optimizer(spec)(params)
+    import torchao.optim
+
+    rounding = {"bf16_stochastic_round": True} if spec["run"].get("master") == "bf16" else {}
+    return getattr(torchao.optim, LOW_BIT[name])(params, lr=spec["lr"], weight_decay=0.0, **rounding)
 
 
 def engine_config(spec: dict) -> dict:
@@ -102,6 +119,8 @@ def engine_config(spec: dict) -> dict:
         section = config["zero_optimization"].get(key)
         if section and section["device"] == "nvme":
             section["nvme_path"] = spec["nvme_path"]
+    if spec["run"].get("master") == "bf16":
+        config["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if spec["run"].get("zeroshard"):  # our own extensions, e.g. {"transactional_step": "copy"} for a what-if
         config["zeroshard"] = spec["run"]["zeroshard"]
     return config
@@ -129,7 +148,7 @@ def train(ctx: RankContext, spec: dict, tokens: torch.Tensor, vocab: int, phases
     model = build_model(spec, vocab)
     phases.enter("building the engine")
     engine, *_ = initialize(
-        model=model, optimizer=bench_optimizer(spec)(model.parameters()), config=engine_config(spec)
+        model=model, optimizer=recipe_optimizer(spec, model.parameters()), config=engine_config(spec)
     )
     del model
     batches = Batches(tokens, spec["shape"]["block_size"], spec["batch"], spec["seed"], ctx.rank)
@@ -151,6 +170,7 @@ def train(ctx: RankContext, spec: dict, tokens: torch.Tensor, vocab: int, phases
         "baseline_data": baseline,
         "data_after": phases.data_after,
         "peak_rss": status_bytes("VmHWM"),
+        "model_state_bytes": engine.memory_report()["total"],
         "losses": losses,
     }
     ranks = engine.comm.all_gather_objects(figures, "max-model: per-rank figures")

@@ -90,15 +90,21 @@ def layers_for(params: int | None, width: int, vocab: int, seq_len: int) -> int 
 # ---- the estimator's prediction ----
 
 
+def _in_memory(psi: int, ranks: int, config: dict, recipe: est.Recipe) -> int:
+    """Model-state bytes of one rank in process memory, as the estimator models them: on a CPU machine
+    the host is the device, so CPU-offloaded states count too; NVMe-offloaded ones live in files."""
+    offload = (config.get("offload_optimizer"), config.get("offload_param"))
+    states = est.model_state_bytes(psi, ranks, config["stage"], recipe, *offload)
+    return states.total + states.offloaded_cpu
+
+
 def predicted_params(memory: int, ranks: int, config: dict, recipe: est.Recipe) -> int | None:
     """Largest Ψ whose model states (estimator, paper §5) fit `memory` bytes of this process.
     On a CPU machine the host is the device, so CPU-offloaded states count against the same memory;
     NVMe-offloaded ones live in files. None when nothing in memory grows with Ψ (everything on NVMe)."""
-    offload = (config.get("offload_optimizer"), config.get("offload_param"))
 
     def in_process(psi: int) -> int:
-        states = est.model_state_bytes(psi, ranks, config["stage"], recipe, *offload)
-        return states.total + states.offloaded_cpu
+        return _in_memory(psi, ranks, config, recipe)
 
     if memory <= 0:
         return 0
@@ -238,12 +244,20 @@ def search(
     timeout_s: float,
     threads: int | None,
     nvme_root: Path | None = None,
+    recipe: tuple[str, str] | None = None,
 ) -> dict:
-    """One configuration's boundary, its estimator predictions and its trials, as a JSON-ready row."""
-    config = CONFIGS[config_key]
-    rec = est.recipe(spec["precision"], "adamw")
+    """One configuration's boundary, its estimator predictions and its trials, as a JSON-ready row.
+    `recipe`: (master, optimizer) of `estimator.adam_recipes` (`--recipes`); None: the bench's AdamW
+    with fp32 masters, and the row is named for the configuration alone."""
+    master, optimizer = recipe or ("fp32", "adamw")
+    rec = est.recipe(spec["precision"], optimizer, master=master)
+    config = {"key": config_key, **CONFIGS[config_key], "master": master, "optimizer": optimizer}
+    if recipe is not None:
+        config["name"] = f"{config['name']}, {recipe_label(spec['precision'], master, optimizer)}"
     width, vocab, seq_len = spec["width"], spec["vocab"], spec["seq_len"]
     uses_nvme = "nvme" in (config.get("offload_optimizer"), config.get("offload_param"))
+    if uses_nvme and optimizer in est.LOW_BIT_ADAM:
+        return row(spec, config, ranks, Boundary(None, None, []), rec, refused=NVME_REFUSED)
     nvme_dir = Path(tempfile.mkdtemp(prefix="zeroshard-maxmodel-", dir=nvme_root)) if uses_nvme else None
     run_spec = {**spec, "run": {**config, "kind": "zeroshard"}, "nvme_path": str(nvme_dir) if nvme_dir else None}
     guess_params = predicted_params(spec["cap_bytes"] - ASSUMED_BASELINE, ranks, config, rec)
@@ -256,7 +270,23 @@ def search(
     finally:
         if nvme_dir is not None:
             shutil.rmtree(nvme_dir, ignore_errors=True)
-    return row(spec, config_key, ranks, boundary, rec)
+    return row(spec, config, ranks, boundary, rec)
+
+
+NVME_REFUSED = "refused: block-wise optimizer states are stepped whole in memory, not streamed from NVMe"
+OPTIMIZER_NAMES = {"adam": "AdamW", "adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+
+
+def recipe_label(precision: str, master: str, optimizer: str) -> str:
+    """E.g. "bf16 masters, AdamW8bit (6.03 B/param)": what a `--recipes` row trains with."""
+    masters = precision if precision == "fp32" else f"{master} masters"
+    per_param = est.bytes_per_param(est.recipe(precision, optimizer, master=master))
+    return f"{masters}, {OPTIMIZER_NAMES[optimizer]} ({float(per_param):.2f} B/param)"
+
+
+def recipes(precision: str) -> list[tuple[str, str]]:
+    """(master, optimizer) of every Adam recipe `--recipes` searches at `precision`."""
+    return [(master, optimizer) for master, optimizer, _ in est.adam_recipes(precision)]
 
 
 def _worst_phases(ranks: list[dict]) -> dict:
@@ -264,8 +294,7 @@ def _worst_phases(ranks: list[dict]) -> dict:
     return {name: max(r["data_after"].get(name, 0) for r in ranks) for name in ranks[0]["data_after"]}
 
 
-def row(spec: dict, config_key: str, ranks: int, boundary: Boundary, rec: est.Recipe) -> dict:
-    config = CONFIGS[config_key]
+def row(spec: dict, config: dict, ranks: int, boundary: Boundary, rec: est.Recipe, refused: str = "") -> dict:
     width, vocab, seq_len, cap = spec["width"], spec["vocab"], spec["seq_len"], spec["cap_bytes"]
     fit = next((t for t in boundary.trials if t.layers == boundary.largest), None)
     baseline = max(r["baseline_data"] for r in fit.figures["ranks"]) if fit else None
@@ -278,8 +307,9 @@ def row(spec: dict, config_key: str, ranks: int, boundary: Boundary, rec: est.Re
         return {"memory_bytes": memory, "params": psi, "layers": layers_for(psi, width, vocab, seq_len)}
 
     return {
-        "key": config_key,
         **config,
+        "bytes_per_param": float(est.bytes_per_param(rec)),
+        "refused": refused,
         "width": width,
         "largest": None
         if fit is None
@@ -287,6 +317,8 @@ def row(spec: dict, config_key: str, ranks: int, boundary: Boundary, rec: est.Re
             "layers": fit.layers,
             "params": fit.figures["params"],
             "peak_rss": max(r["peak_rss"] for r in fit.figures["ranks"]),
+            "model_state_bytes": [r.get("model_state_bytes") for r in fit.figures["ranks"]],
+            "model_state_bytes_modelled": _in_memory(fit.figures["params"], ranks, config, rec),
             "baseline_data": baseline,
             "data_after_phase": _worst_phases(fit.figures["ranks"]),
         },
@@ -327,6 +359,13 @@ def _size(entry: dict | None, ceiling: int, reached_ceiling: bool = False) -> st
     return f"{entry['layers']} ({est.format_count(entry['params'])})"
 
 
+def _states(largest: dict | None) -> str:
+    measured = [b for b in (largest or {}).get("model_state_bytes", []) if b is not None]
+    if not measured:
+        return "-"
+    return f"{est.format_bytes(max(measured))} / {est.format_bytes(largest['model_state_bytes_modelled'])}"  # type: ignore[index]
+
+
 def _prediction(entry: dict | None, tried: dict | None) -> str:
     if entry is None:
         return "-"
@@ -341,10 +380,12 @@ def _prediction(entry: dict | None, tried: dict | None) -> str:
 def format_table(document: dict) -> str:
     spec = document["spec"]
     cap, ceiling = spec["cap_bytes"], spec["ceiling"]
+    recipes = any(r.get("optimizer", "adamw") != "adamw" or r.get("master", "fp32") != "fp32" for r in document["rows"])
+    optimizers = "Adam, the recipe of each row" if recipes else "AdamW"
     out = [
         f"zeroshard bench --max-model: the largest GPT (width {spec['width']}, L layers) that trains "
         f"{spec['steps']} optimizer steps on {document['ranks']} ranks under a cap of "
-        f"{est.format_bytes(cap)} ({cap / 2**30:.2f} GiB) per rank, {spec['precision']} AdamW, micro batch "
+        f"{est.format_bytes(cap)} ({cap / 2**30:.2f} GiB) per rank, {spec['precision']} {optimizers}, micro batch "
         f"{spec['batch']} x {spec['seq_len']} tokens",
         "",
     ]
@@ -353,6 +394,7 @@ def format_table(document: dict) -> str:
         "largest that ran: L (params)",
         "smallest that failed: L",
         "estimator, states <= cap - baseline",
+        "model states/rank: measured / modelled",
         "trials",
     ]
     cells = [header]
@@ -361,9 +403,10 @@ def format_table(document: dict) -> str:
         cells.append(
             [
                 r["name"],
-                _size(r["largest"], ceiling),
+                "refused" if r.get("refused") else _size(r["largest"], ceiling),
                 "-" if failing is None else f"{failing['layers']} ({est.format_count(failing['params'])})",
                 _prediction(r["estimator_cap_minus_baseline"], r["largest"]),
+                _states(r["largest"]),
                 str(len(r["trials"])),
             ]
         )
@@ -373,7 +416,9 @@ def format_table(document: dict) -> str:
     ]
     out.append("")
     for r in document["rows"]:
-        if r["smallest_failing"]:
+        if r.get("refused"):
+            out.append(f"{r['name']}: {r['refused']}")
+        elif r["smallest_failing"]:
             out.append(
                 f"{r['name']}: {r['smallest_failing']['layers']} layers failed in {r['smallest_failing']['failure']}"
             )
@@ -392,5 +437,9 @@ def format_table(document: dict) -> str:
         "gathered units are not in it. On a CPU "
         "machine CPU-offloaded states are in the same process memory; NVMe-offloaded states are file "
         "mappings, outside the cap."
+    )
+    out.append(
+        "model states/rank: of the largest that ran, the most any rank held in memory after its steps, counted "
+        "from its tensors (engine.memory_report), against the estimator's figure for that size."
     )
     return "\n".join(out)

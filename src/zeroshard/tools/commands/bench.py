@@ -50,6 +50,7 @@ EXAMPLES = [
     "zeroshard bench --sweep                          # memory against parameters, k = 4,8,12,16 (3.2M-201M)",
     "zeroshard bench --max-model --memory 1.5GiB      # the largest model that trains under a 1.5 GiB cap",
     "zeroshard bench --max-model --configs 0,3,3-nvme --width 256 --memory 800MiB",
+    "zeroshard bench --max-model --recipes --memory 1GiB   # stage 3 with AdamW, AdamW8bit, AdamW4bit",
 ]
 
 # Defaults that differ by mode: a size sweep and the largest-model trials are kept short (their models are
@@ -253,7 +254,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"--max-model: the cap per rank, RLIMIT_DATA, process baseline included (default: {MAX_MODEL_MEMORY})",
     )
     parser.add_argument(
-        "--configs", type=_configs, metavar="LIST", help="--max-model: among 0,1,2,3,3-cpu,3-nvme (default: all)"
+        "--configs",
+        type=_configs,
+        metavar="LIST",
+        help="--max-model: among 0,1,2,3,3-cpu,3-nvme (default: all; with --recipes: 3)",
+    )
+    parser.add_argument(
+        "--recipes",
+        action="store_true",
+        help="--max-model: search every configuration with each Adam recipe of --precision (fp32: AdamW, "
+        "torchao's AdamW8bit and AdamW4bit; bf16: those with fp32 masters, then with bf16 masters), "
+        "each row with its model-state bytes per parameter (torchao is the lowbit extra)",
     )
     parser.add_argument(
         "--width",
@@ -318,6 +329,7 @@ def check_mode(args: argparse.Namespace) -> None:
         "--sizes": ("sweep", args.sizes is not None),
         "--memory": ("max-model", args.memory is not None),
         "--configs": ("max-model", args.configs is not None),
+        "--recipes": ("max-model", args.recipes),
         "--nvme-path": ("max-model", args.nvme_path is not None),
     }
     for flag, (owner, given) in owners.items():
@@ -476,7 +488,8 @@ def mode_command_line(args: argparse.Namespace) -> str:
             args.width,
             "--max-layers",
             args.max_layers,
-        ] + (["--nvme-path", args.nvme_path] if args.nvme_path else [])
+        ]
+        parts += (["--recipes"] if args.recipes else []) + (["--nvme-path", args.nvme_path] if args.nvme_path else [])
     parts += (["--threads", args.threads] if args.threads else []) + ["--out", args.out]
     return shlex.join(str(p) for p in parts)
 
@@ -650,13 +663,20 @@ def run_max_model(args: argparse.Namespace) -> int:
             "run it with CUDA_VISIBLE_DEVICES= to measure the CPU case"
         )
     args.memory = args.memory or est.parse_bytes(MAX_MODEL_MEMORY)
-    args.configs = args.configs or list(maxmodel.CONFIGS)
+    args.configs = args.configs or (["3"] if args.recipes else list(maxmodel.CONFIGS))
     spec = maxmodel.trial_spec(args)
     started = time.perf_counter()
+    runs = [
+        (key, recipe)
+        for key in args.configs
+        for recipe in (maxmodel.recipes(args.precision) if args.recipes else [None])
+    ]
     rows = []
-    for i, key in enumerate(args.configs, 1):
-        log.info("[%d/%d] %s", i, len(args.configs), maxmodel.CONFIGS[key]["name"])
-        rows.append(maxmodel.search(spec, key, args.ranks, args.max_layers, args.timeout, args.threads, args.nvme_path))
+    for i, (key, recipe) in enumerate(runs, 1):
+        log.info("[%d/%d] %s %s", i, len(runs), maxmodel.CONFIGS[key]["name"], recipe or "")
+        rows.append(
+            maxmodel.search(spec, key, args.ranks, args.max_layers, args.timeout, args.threads, args.nvme_path, recipe)
+        )
     document = {
         "command": mode_command_line(args),
         "machine": machine_info(torch.__version__),
