@@ -172,3 +172,28 @@ def check_same_states(engine, saved: str, source: str, what: str) -> None:
         problem = state_difference(checkpoint_states(saved), checkpoint_states(source))
     problem = engine.comm.all_gather_objects(problem, "test: state check")[0]
     assert problem is None, f"{what}: {problem}"
+
+
+def resumes_at_stage_1(directory: str, optimizer_fn, quantized) -> None:
+    """Save after 2 steps at stage 3, resume at stage 1: the next 2 steps are those of the run that
+    went on, bit for bit, with the same parameters' states quantized (`quantized(engine)`: how many
+    this rank holds) as before the save. A block-wise optimizer's checkpoint cases share this."""
+    batches = gpt_batches(tiny_gpt_config(), batch_size=4)
+    build = dict(scheduler=False, optimizer_fn=optimizer_fn)
+    straight = build_engine(3, **build)
+    train_micro_steps(straight, batches, 0, 2)
+    straight.save_checkpoint(directory, tag="two")
+    held = quantized(straight)
+    assert sum(straight.comm.all_gather_objects(held, "test: quantized count")) >= 4, "too few quantized"
+    went_on = train_micro_steps(straight, batches, 2, 2)
+    params = full_params(straight)
+    straight.destroy()
+    resumed = build_engine(1, **build)
+    resumed.load_checkpoint(directory, tag="two")
+    assert quantized(resumed) == held
+    again = train_micro_steps(resumed, batches, 2, 2)
+    assert again["losses"] == went_on["losses"], (again["losses"], went_on["losses"])
+    ours = full_params(resumed)
+    for key, value in params.items():
+        assert torch.equal(ours[key], value), key
+    resumed.destroy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint_helpers import build_engine, check_same_states, full_params, train_micro_steps
+from tests.checkpoint_helpers import build_engine, check_same_states, resumes_at_stage_1
 from tests.extras import needs
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
@@ -48,34 +48,10 @@ def _parity(stage: int, offload: bool = False) -> None:
     assert_close(ours, ref, exact=True, what=f"bitsandbytes AdamW8bit stage {stage}{' offload' if offload else ''}")
 
 
-def _resume(directory: str) -> None:
-    """Save after 2 steps at stage 3, resume at stage 1: the next 2 steps are those of the run that
-    went on, bit for bit, with the same parameters kept in 8 bits."""
-    batches = gpt_batches(CONFIG, batch_size=4)
-    build = dict(scheduler=False, optimizer_fn=_adamw8bit)
-    straight = build_engine(3, **build)
-    train_micro_steps(straight, batches, 0, 2)
-    straight.save_checkpoint(directory, tag="two")
-    quantized = _quantized_params(straight)
-    assert sum(straight.comm.all_gather_objects(quantized, "test: 8-bit count")) >= 4, "too few quantized"
-    went_on = train_micro_steps(straight, batches, 2, 2)
-    params = full_params(straight)
-    straight.destroy()
-    resumed = build_engine(1, **build)
-    resumed.load_checkpoint(directory, tag="two")
-    assert _quantized_params(resumed) == quantized
-    again = train_micro_steps(resumed, batches, 2, 2)
-    assert again["losses"] == went_on["losses"], (again["losses"], went_on["losses"])
-    ours = full_params(resumed)
-    for key, value in params.items():
-        assert torch.equal(ours[key], value), key
-    resumed.destroy()
-
-
 def _two_ranks(rank: int, world_size: int, directory: str) -> None:
     cases = [dict(stage=s) for s in (1, 2, 3)] + [dict(stage=3, offload=True)]
     subtests(cases, _parity)
-    _resume(directory)
+    resumes_at_stage_1(directory, _adamw8bit, _quantized_params)
 
 
 def _reshard(rank: int, world_size: int, directory: str, again: str) -> None:

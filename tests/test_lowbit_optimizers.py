@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint_helpers import build_engine, check_same_states, full_params, train_micro_steps
+from tests.checkpoint_helpers import build_engine, check_same_states, resumes_at_stage_1
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
 from tests.zs_common import assert_close, gpt_model_fn, make_config, train_engine
@@ -75,27 +75,7 @@ def test_blockwise_optimizers_match_ddp_at_every_stage():
 
 
 def _resume_worker(rank: int, world_size: int, directory: str) -> None:
-    """Save after 2 steps at stage 3, resume at stage 1: the next 2 steps are those of the run that
-    went on, bit for bit; the state is held block-wise on load as before the save."""
-    batches = gpt_batches(CONFIG, batch_size=4)
-    build = dict(scheduler=False, optimizer_fn=_optimizer("AdamW8bit"))
-    straight = build_engine(3, **build)
-    train_micro_steps(straight, batches, 0, 2)
-    straight.save_checkpoint(directory, tag="two")
-    blockwise = _blockwise_params(straight)
-    assert sum(straight.comm.all_gather_objects(blockwise, "test: block-wise count")) >= 4, "too few quantized"
-    went_on = train_micro_steps(straight, batches, 2, 2)
-    params = full_params(straight)
-    straight.destroy()
-    resumed = build_engine(1, **build)
-    resumed.load_checkpoint(directory, tag="two")
-    assert _blockwise_params(resumed) == blockwise
-    again = train_micro_steps(resumed, batches, 2, 2)
-    assert again["losses"] == went_on["losses"], (again["losses"], went_on["losses"])
-    ours = full_params(resumed)
-    for key, value in params.items():
-        assert torch.equal(ours[key], value), key
-    resumed.destroy()
+    resumes_at_stage_1(directory, _optimizer("AdamW8bit"), _blockwise_params)
 
 
 def _reshard_worker(rank: int, world_size: int, directory: str, again: str) -> None:
