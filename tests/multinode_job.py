@@ -76,9 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--align-start",
         action="store_true",
-        help="meet at a barrier after init_process_group: a fault run times a failure mid-training, and a "
+        help="meet at a barrier before each stage's engine: a fault run times a failure mid-training, and a "
         "loaded machine's ranks can reach their engine further apart than a short --comm-timeout-s "
-        "(which bounds the engine's group creation)",
+        "(which bounds the engine's group creation), after start-up and between stages alike",
     )
     parser.add_argument(
         "--init-timeout-s", type=float, default=None, help="init_process_group's timeout (default: --comm-timeout-s)"
@@ -149,6 +149,8 @@ def train_stage(stage: int, args, report: Reporter, deadline: float, *, first: b
     config = make_config(stage)
     config["zeroshard"] = {"comm_timeout_s": args.comm_timeout_s}
     model = gpt_model_fn()()
+    if args.align_start:  # on the default group: bounded by the init timeout, not comm_timeout_s
+        torch.distributed.barrier()
     reach("initialize", args)
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
     start = 0
@@ -203,8 +205,6 @@ def main(argv=None, *, leave: bool = True) -> None:
         reach("init_process_group", args)
         # Nothing may wait longer than that; the fault runs give start-up (4 ranks importing torch) more.
         zeroshard.init_distributed(timeout_s=args.init_timeout_s or args.comm_timeout_s)
-        if args.align_start:  # on the default group: bounded by the init timeout, not comm_timeout_s
-            torch.distributed.barrier()
         deadline = time.monotonic() + args.max_seconds
         for stage in args.first_stages:
             train_stage(stage, args, report, deadline, first=True)
