@@ -197,3 +197,14 @@ def resumes_at_stage_1(directory: str, optimizer_fn, quantized) -> None:
     for key, value in params.items():
         assert torch.equal(ours[key], value), key
     resumed.destroy()
+
+
+def reloads_unchanged_at_stage_2(directory: str, again: str, optimizer_fn) -> None:
+    """`resumes_at_stage_1`'s checkpoint loaded at this world size and stage 2 and saved again into
+    `again`: every parameter's state (codes, scales, step) is what was saved."""
+    engine = build_engine(2, scheduler=False, optimizer_fn=optimizer_fn)
+    engine.load_checkpoint(directory, tag="two")
+    engine.save_checkpoint(again, tag="two")
+    what = f"2 ranks stage 3 -> {engine.world_size} ranks stage 2"
+    check_same_states(engine, f"{again}/two", f"{directory}/two", what)
+    engine.destroy()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint_helpers import build_engine, check_same_states, resumes_at_stage_1
+from tests.checkpoint_helpers import reloads_unchanged_at_stage_2, resumes_at_stage_1
 from tests.extras import needs
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
@@ -55,13 +55,7 @@ def _two_ranks(rank: int, world_size: int, directory: str) -> None:
 
 
 def _reshard(rank: int, world_size: int, directory: str, again: str) -> None:
-    """The 2-rank stage-3 checkpoint loaded at this world size and stage 2 and saved again: every
-    parameter's state (codes, scales, step) is what was saved."""
-    engine = build_engine(2, scheduler=False, optimizer_fn=_adamw8bit)
-    engine.load_checkpoint(directory, tag="two")
-    engine.save_checkpoint(again, tag="two")
-    check_same_states(engine, f"{again}/two", f"{directory}/two", f"2 ranks stage 3 -> {world_size} ranks stage 2")
-    engine.destroy()
+    reloads_unchanged_at_stage_2(directory, again, _adamw8bit)
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint_helpers import build_engine, check_same_states, resumes_at_stage_1
+from tests.checkpoint_helpers import reloads_unchanged_at_stage_2, resumes_at_stage_1
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
 from tests.zs_common import assert_close, gpt_model_fn, make_config, train_engine
@@ -79,13 +79,7 @@ def _resume_worker(rank: int, world_size: int, directory: str) -> None:
 
 
 def _reshard_worker(rank: int, world_size: int, directory: str, again: str) -> None:
-    """Load the 2-rank stage-3 checkpoint at this world size and stage 2, save it again: every
-    parameter's state (codes, scales, step) is what was saved."""
-    engine = build_engine(2, scheduler=False, optimizer_fn=_optimizer("AdamW8bit"))
-    engine.load_checkpoint(directory, tag="two")
-    engine.save_checkpoint(again, tag="two")
-    check_same_states(engine, f"{again}/two", f"{directory}/two", f"2 ranks stage 3 -> {world_size} ranks stage 2")
-    engine.destroy()
+    reloads_unchanged_at_stage_2(directory, again, _optimizer("AdamW8bit"))
 
 
 @pytest.mark.slow
