@@ -74,13 +74,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--first-steps", type=int, default=3, help="optimizer steps per --first-stages stage")
     parser.add_argument("--comm-timeout-s", type=float, default=60.0, help="zeroshard.comm_timeout_s")
     parser.add_argument(
-        "--align-start",
-        action="store_true",
-        help="meet at a barrier before each stage's engine: a fault run times a failure mid-training, and a "
-        "loaded machine's ranks can reach their engine further apart than a short --comm-timeout-s "
-        "(which bounds the engine's group creation), after start-up and between stages alike",
-    )
-    parser.add_argument(
         "--init-timeout-s", type=float, default=None, help="init_process_group's timeout (default: --comm-timeout-s)"
     )
     parser.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps")
@@ -149,8 +142,6 @@ def train_stage(stage: int, args, report: Reporter, deadline: float, *, first: b
     config = make_config(stage)
     config["zeroshard"] = {"comm_timeout_s": args.comm_timeout_s}
     model = gpt_model_fn()()
-    if args.align_start:  # on the default group: bounded by the init timeout, not comm_timeout_s
-        torch.distributed.barrier()
     reach("initialize", args)
     engine, _, _, _ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
     start = 0

@@ -197,7 +197,6 @@ def _fault_run(tmp: Path, fault: str, victim: int, stage: int, save_at: int, fir
         COMM_TIMEOUT_S,
         "--init-timeout-s",
         RUN_TIMEOUT_S,
-        "--align-start",
         "--max-seconds",
         180,
     )

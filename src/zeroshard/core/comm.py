@@ -222,6 +222,11 @@ class Communicator:
         liveness.announce(dist.get_rank(), timeout_s)  # see [Note: naming the missing ranks]
         if group is None:
             started = time.monotonic()
+            try:  # [Note: start-up skew] in liveness.py
+                liveness.meet_at_start(list(range(dist.get_world_size())), dist.get_rank(), timeout_s)
+            except Exception as error:  # a rank gone, or late beyond every bound
+                raise self._start_up_error("waiting for every rank at start-up", started, error) from error
+            started = time.monotonic()
             try:
                 group = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=timeout_s))
             except Exception as error:  # a rank that died before or while the group's connections form

@@ -39,6 +39,7 @@ import torch.distributed as dist
 PROBE_S = 1.0  # a machine that does not answer a connection within this is called unreachable
 SETTLE_S = 0.5  # then probe the ranks that answered once more: the first probe may beat their death
 DIAGNOSE_S = 3.0  # the whole diagnosis, store reads included
+GATE_PROBE_S = 1.0  # a rank waiting at the start-up gate probes the late ranks this often
 _KEY = "zeroshard/alive"
 
 
@@ -183,3 +184,77 @@ def _ranks(ranks: list[int]) -> str:
 
 def _hosts(ranks: list[int], addresses: dict[int, str]) -> str:
     return ", ".join(sorted({addresses[r].rsplit(":", 1)[0] for r in ranks}))
+
+
+# [Note: start-up skew]
+# Ranks reach zeroshard's start-up (the engine's own process group) at different times: one loads a
+# larger file, a node is busy, a machine joined the rendezvous last. torch bounds a group's creation by
+# the timeout given to it, and comm_timeout_s is chosen for collectives, where a few seconds of silence
+# means a fault; as the bound of the start-up it would fail every run whose ranks arrive further apart.
+# So the ranks first meet at a gate in the rendezvous store, and a late rank is waited for as long as
+# its process lives: every GATE_PROBE_S the waiting ranks probe the late ones' liveness sockets (the
+# Note above). A late rank that is gone or unreachable fails the start-up at once, naming it; one that
+# never published an address is given comm_timeout_s (it may still be importing); one that lives is
+# given the default process group's timeout (the launcher's init timeout, the one bound the user set
+# for a start-up). Once every rank is at the gate, the group is created within comm_timeout_s.
+class GateError(RuntimeError):
+    """The ranks did not all reach a start-up gate; the message names the ones missing."""
+
+
+class _Gates:
+    """A count of the gates this process has passed: the same sequence on every rank, as each
+    engine's start-up is collective, so the count names the gate."""
+
+    def __init__(self) -> None:
+        self.passed = 0
+
+
+_GATES = _Gates()
+
+
+def meet_at_start(ranks: list[int], me: int, patience_s: float) -> None:
+    """Wait until every one of `ranks` (global) has reached this gate: [Note: start-up skew].
+    `patience_s` bounds the wait for a rank that never published a liveness address; without a
+    rendezvous store the gate is passed at once (torch's own bound then applies)."""
+    _GATES.passed += 1
+    store = _LISTENER.store(patience_s)
+    if store is None or len(ranks) < 2:
+        return
+    gate = f"gate/{_GATES.passed}/"
+    store.set(f"{gate}{me}", "1")
+    if store.add(f"{gate}arrived", 1) == len(ranks):
+        store.set(f"{gate}all", "1")
+        return
+    bound_s = max(patience_s, _default_timeout_s())
+    started = time.monotonic()
+    probe_at, pause = started + GATE_PROBE_S, 0.005
+    # Polled with check(), not wait(): a store wait that runs out logs a warning in torch's C++ layer.
+    while not store.check([f"{gate}all"]):
+        time.sleep(pause)
+        pause = min(2 * pause, 0.2)  # a prompt pass for ranks that arrive together, little load later
+        if time.monotonic() >= probe_at:
+            _check_late(store, gate, ranks, me, time.monotonic() - started, patience_s, bound_s)
+            probe_at = time.monotonic() + GATE_PROBE_S
+
+
+def _check_late(store, gate: str, ranks: list[int], me: int, waited: float, patience_s: float, bound_s: float):
+    """Raise GateError when a late rank is gone, or late beyond its bound (see the Note)."""
+    late = [r for r in ranks if r != me and not store.check([f"{gate}{r}"])]
+    if not late:
+        return  # the last one is arriving
+    addresses = {r: store.get(str(r)).decode() for r in late if store.check([str(r)])}
+    lost = [r for r, state in probe(addresses).items() if state != "alive"]
+    never = [r for r in late if r not in addresses]
+    if lost or (never and waited > patience_s) or waited > bound_s:
+        raise GateError(
+            f"{_ranks(late)} did not reach the start-up gate within {waited:.1f}s (a live rank is "
+            f"waited for {bound_s:g}s, the default process group's timeout; one without a liveness "
+            f"address {patience_s:g}s)"
+        )
+
+
+def _default_timeout_s() -> float:
+    """The default process group's timeout (its store's: init_process_group gives both the same)."""
+    with contextlib.suppress(Exception):  # torch keeps the default store private
+        return dist.distributed_c10d._get_default_store().timeout.total_seconds()
+    return 0.0
