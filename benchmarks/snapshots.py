@@ -2,6 +2,7 @@
 checkpoint read from disk ([Note: snapshots on a buddy] in checkpoint/snapshot.py).
 
     python benchmarks/snapshots.py --out docs/bench/snapshots.txt
+    python benchmarks/snapshots.py --auto-steps 40 --out docs/bench/snapshots_auto.txt
 
 One `torchrun --standalone --nproc_per_node 2` launch (gloo, 1 torch thread per rank) in which each
 rank plays a machine of its own (LOCAL_WORLD_SIZE=1, a snapshot directory per rank), so each rank's
@@ -18,7 +19,11 @@ the slowest rank's time:
     machine 1's memory lost (its directory removed: machine 0 sends it every file), against
     `engine.load_checkpoint` from `--disk` with the page cache dropped first (when allowed), as after
     a restart on another machine. Each recovery is followed by a step whose losses must equal those
-    of the run it recovered from.
+    of the run it recovered from;
+  * with `--auto-steps N`: N steps of an engine with `snapshot_every_steps: "auto"` (budget
+    `--overhead`, [Note: snapshot pace] in checkpoint/pace.py): the interval it chose after each
+    step, and the mean step time from its first snapshot on against the same N steps of an engine
+    without snapshots, run just before it.
 """
 
 from __future__ import annotations
@@ -65,13 +70,16 @@ def worker(args) -> None:
         "zeroshard": {"snapshot_dir": str(mine)},
     }
     gen = torch.Generator().manual_seed(SEED + rank)
-    tokens = torch.randint(0, shape["vocab_size"], (3 * args.steps + 8, MICRO, 129), generator=gen)
+    count = max(3 * args.steps + 8, args.auto_steps + 1)
+    tokens = torch.randint(0, shape["vocab_size"], (count, MICRO, 129), generator=gen)
 
-    def build():
+    def build(**zeroshard_keys):
         torch.manual_seed(SEED)
         model = GPT(GPTConfig(**shape))
         engine, *_ = zeroshard.initialize(
-            model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4), config=config
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=1e-4),
+            config={**config, "zeroshard": {**config["zeroshard"], **zeroshard_keys}},
         )
         return engine
 
@@ -124,9 +132,21 @@ def worker(args) -> None:
             if prepare == "lose":  # machine 1 has its files again (recover gave them): lose them next time
                 dist.barrier()
         rows[name] = times
+    files = sum(f.stat().st_size for f in (mine / f"snapshot{at}").iterdir())
+    intervals, auto_times, plain_times = [], [], []
+    if args.auto_steps:
+        plain = build()  # the same steps without snapshots, just before: like for like
+        plain_times = [timed(lambda plain=plain: step(plain)) for _ in range(args.auto_steps)]
+        plain.destroy()
+        shutil.rmtree(mine, ignore_errors=True)
+        paced = build(snapshot_every_steps="auto", snapshot_overhead=args.overhead)
+        for _ in range(args.auto_steps):
+            auto_times.append(timed(lambda paced=paced: step(paced)))
+            intervals.append(paced.snapshot_every)
+        paced.wait_checkpoint()
+        paced.destroy()
     if rank == 0:
         params = sum(p.numel() for p in GPT(GPTConfig(**shape)).parameters())
-        files = sum(f.stat().st_size for f in (mine / f"snapshot{at}").iterdir())
         print(
             f"GPT {params:,} parameters, stage 3, 2 ranks as 2 machines; {files / 2**20:.1f} MiB of snapshot per machine"
         )
@@ -139,6 +159,20 @@ def worker(args) -> None:
         )
         print(f"asynchronous snapshot every step: {statistics.median(with_async) / step_s - 1:+.1%} step time")
         print(f"drop_caches before each disk load: {_drop_page_cache()}")
+        if auto_times:
+            first = next(i for i, every in enumerate(intervals) if every is not None)  # the first snapshot's step
+            print(
+                f'snapshot_every_steps "auto", snapshot_overhead {args.overhead}: interval after each step {intervals}'
+            )
+            measured = first + intervals[first] + 1  # the second snapshot's step: intervals from measurement
+            for label, start in (("the first snapshot's copy", first + 1), ("the second snapshot's copy", measured)):
+                after, without = auto_times[start:], plain_times[start:]
+                if after:
+                    print(
+                        f"steps {start + 1}-{len(auto_times)} (from {label} on): mean {statistics.mean(after):.3f} s "
+                        f"with auto snapshots, {statistics.mean(without):.3f} s without (the same steps, run just "
+                        f"before): {statistics.mean(after) / statistics.mean(without) - 1:+.1%}"
+                    )
     dist.destroy_process_group()
 
 
@@ -149,6 +183,8 @@ def main() -> None:
     parser.add_argument(
         "--disk", type=Path, default=None, help="the disk checkpoint's directory (default: a temporary one)"
     )
+    parser.add_argument("--auto-steps", type=int, default=0, help='steps with snapshot_every_steps "auto" (default: 0)')
+    parser.add_argument("--overhead", type=float, default=0.03, help="snapshot_overhead with --auto-steps (0.03)")
     parser.add_argument("--out", type=Path, default=None, help="also write the command and the table here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--scratch", type=Path, default=None, help=argparse.SUPPRESS)
@@ -161,6 +197,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(dir="/dev/shm") as scratch, tempfile.TemporaryDirectory() as disk:
         argv = ["--worker", "--steps", str(args.steps), "--layers", str(args.layers), "--width", str(args.width)]
+        argv += ["--auto-steps", str(args.auto_steps), "--overhead", str(args.overhead)]
         stdout = launch(__file__, [*argv, "--scratch", scratch, "--disk", str(args.disk or disk)])
     text = table_of(stdout)
     print(text)

@@ -460,3 +460,12 @@ def test_sections_are_pydantic_models():
     cfg = load_config({"zero_optimization": {"stage": 1}}, 1)
     assert isinstance(cfg.zero_optimization, BaseModel)
     assert cfg.model_dump(mode="json")["zero_optimization"]["stage"] == 1
+
+
+def test_snapshot_pace_keys_take_a_count_or_auto_and_a_share_of_step_time():
+    assert load_config({"zeroshard": {"snapshot_every_steps": "auto"}}, 2).zeroshard.snapshot_every_steps == "auto"
+    assert load_config({"zeroshard": {"snapshot_every_steps": 4}}, 2).zeroshard.snapshot_overhead == 0.03
+    message = _error({"zeroshard": {"snapshot_every_steps": "often"}})
+    assert "snapshot_every_steps" in message and "often" in message, message
+    message = _error({"zeroshard": {"snapshot_every_steps": "auto", "snapshot_overhead": 1.0}})
+    assert "snapshot_overhead" in message and "1.0" in message, message

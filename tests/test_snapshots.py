@@ -12,6 +12,7 @@ sample index (tests/elastic_job.py), so the global batch is the same at every wo
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import shutil
@@ -29,17 +30,22 @@ from tests.reference import gpt_loss
 from tests.zs_common import adamw, gpt_model_fn
 from zeroshard.checkpoint import snapshot
 from zeroshard.checkpoint.manifest import rank_file
+from zeroshard.checkpoint.pace import SnapshotPace
 
 BATCH = 8  # train_batch_size: 1 micro step per rank at 4 ranks, 2 at 2 ranks
 
 
-def _engine(stage: int, snapshots: Path | None, every: int = 0):
+def _engine(stage: int, snapshots: Path | None, every: int | str = 0, **zeroshard_keys):
     config = {
         "train_batch_size": BATCH,
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage},
-        "zeroshard": {"snapshot_every_steps": every, "snapshot_dir": None if snapshots is None else str(snapshots)},
+        "zeroshard": {
+            "snapshot_every_steps": every,
+            "snapshot_dir": None if snapshots is None else str(snapshots),
+            **zeroshard_keys,
+        },
     }
     model = gpt_model_fn()()
     engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
@@ -189,6 +195,96 @@ def test_the_newest_complete_snapshot_is_chosen_and_incomplete_ones_named():
     assert tag == "snapshot4" and f"snapshot6 is incomplete: no survivor holds {rank_file(1)}" in reason
     assert snapshot._choose([{}, {}]) == (None, "no snapshot on any surviving machine")
     assert snapshot.buddy_of(1, 4, 2) == 3 and snapshot.buddy_of(3, 4, 2) == 1
+
+
+def test_a_snapshot_of_the_same_step_is_replaced_without_a_moment_of_neither(tmp_path, monkeypatch):
+    """Publishing over a snapshot of the same step sets the old one aside first: a crash before the
+    new one takes its name leaves the old one whole, and recovery's inventory renames it back."""
+
+    def staged(text: str) -> Path:
+        staging = tmp_path / f".partial-snapshot5-{text}"
+        staging.mkdir()
+        (staging / "manifest.json").write_text(text)
+        return staging
+
+    snapshot._publish(tmp_path, staged("first"), "snapshot5", keep=1)
+    renames = []
+    real_rename = Path.rename
+
+    def crash_at_the_second_rename(self, target):
+        renames.append(self.name)
+        if len(renames) == 2:
+            raise OSError("the process died here")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", crash_at_the_second_rename)
+    with pytest.raises(OSError, match="died"):
+        snapshot._publish(tmp_path, staged("second"), "snapshot5", keep=1)
+    monkeypatch.undo()
+    assert renames == ["snapshot5", ".partial-snapshot5-second"] and not (tmp_path / "snapshot5").exists()
+    snapshot._restore_set_aside(tmp_path)
+    assert (tmp_path / "snapshot5" / "manifest.json").read_text() == "first"
+    snapshot._publish(tmp_path, tmp_path / ".partial-snapshot5-second", "snapshot5", keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot5"]
+    assert (tmp_path / "snapshot5" / "manifest.json").read_text() == "second"
+
+
+def test_auto_pace_snapshots_as_often_as_the_budget_allows():
+    """[Note: snapshot pace], on a clock the test sets: steps of 1 s, a snapshot that blocks 0.5 s
+    and slows the next step by 0.2 s while it is written. The first is taken after 3 steps, the
+    second 8 later (nothing measured yet), and each interval then follows from what the snapshot
+    before it cost: its copy, its writing beside the steps, and any wait for it."""
+    pace, clock, taken, steps = SnapshotPace(0.03), [0.0], [], [0]
+
+    def step(duration: float, writing: bool, waited: float = 0.0) -> None:
+        clock[0] += duration
+        steps[0] += 1
+        pace.step_ended(clock[0], writing)
+        if pace.due(steps[0]):
+            pace.previous_written(waited)
+            every = pace.proposal()
+            pace.snapshot_taken(steps[0], every)
+            taken.append((steps[0], every))
+
+    for _ in range(3):
+        step(1.0, writing=False)  # the third is due; nothing measured, so the next comes 8 later
+    assert taken == [(3, 8)] and pace.cost is None
+    step(1.0 + 0.5, writing=True)  # the copy at the end of step 3 lands in step 4's time
+    step(1.0 + 0.2, writing=False)  # slowed by the writer, which then finishes
+    assert pace.cost == pytest.approx(0.5 + 0.2) and pace.baseline() == 1.0
+    while steps[0] < 10:
+        step(1.0, writing=False)
+    step(1.0, writing=True)  # step 11 ends; the snapshot due now waits 0.3 s for nothing: measured
+    assert taken[-1] == (11, 24) and 0.7 / (24 * 1.0) <= 0.03  # the smallest k within 3% of step time
+    # A snapshot still being written when the next is due: the wait is its cost, and k grows.
+    pace, clock, taken, steps = SnapshotPace(0.03), [0.0], [], [0]
+    for _ in range(3):
+        step(1.0, writing=False)
+    for _ in range(7):
+        step(1.5, writing=True)  # a writer slower than 8 steps
+    step(1.5, writing=True, waited=4.0)  # the snapshot due at step 11 waits 4 s for the first
+    assert pace.cost == pytest.approx(8 * 0.5 + 4.0) and taken[-1] == (11, math.ceil(8.0 / 0.03))
+    with pytest.raises(ValueError, match="snapshot_overhead must be in"):
+        SnapshotPace(1.0)
+
+
+def _paces_itself(rank: int, world: int, root: str) -> dict:
+    engine = _engine(2, Path(root), "auto", snapshot_overhead=0.5)
+    if rank == 1:  # this rank's steps look slower: every rank takes the longer interval it proposes
+        engine._pace.proposal = lambda: 12
+    _train(engine, 0, 15)
+    engine.wait_checkpoint()
+    seen = {"every": engine.snapshot_every, "measured": engine._pace.cost is not None}
+    seen["snapshots"] = sorted(p.name for p in Path(root).iterdir())
+    engine.destroy()
+    return seen
+
+
+def test_auto_snapshots_are_taken_at_the_same_steps_on_every_rank(tmp_path):
+    seen = run_distributed(_paces_itself, 2, timeout=300, root=str(tmp_path / "shm"))
+    assert seen[0]["every"] == seen[1]["every"] >= 12, seen  # agreed at step 3: the next at step 15
+    assert all(s["snapshots"] == ["snapshot15"] for s in seen), seen
+    assert seen[0]["measured"], seen  # rank 0 measured what its snapshot of step 3 cost
 
 
 @pytest.fixture

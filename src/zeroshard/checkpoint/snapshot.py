@@ -19,7 +19,10 @@ Writing (collective, `take_snapshot`): each rank writes its shard file, hashed a
 receiving its source's (one ring shift, Communicator.shift); the receiver checks them against the
 sender's sha256 before writing them beside its own. Once every rank reports its files written,
 the first rank of each machine renames the directory to `<tag>` and only then removes older
-snapshots, so a failure at any point leaves the previous snapshot whole. With all ranks on one machine there is no buddy: a snapshot then survives a
+snapshots, so a failure at any point leaves the previous snapshot whole. A snapshot of the same
+step already there (taken again, e.g. after a recovery) is first renamed away to
+`.old-<tag>-<nonce>` and removed only once the new one is in place; a crash between the two
+renames leaves it under that name, and recovery renames it back. With all ranks on one machine there is no buddy: a snapshot then survives a
 worker restart, not the machine.
 
 Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
@@ -256,15 +259,27 @@ def _publish(directory: Path, staging: Path, tag: str, keep: int) -> None:
     snapshots, and what interrupted writes left."""
     fsync_dir(staging)
     final = directory / tag
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # kept whole, under another name, until the new one is in place
+        final.rename(directory / f".old-{tag}-{uuid.uuid4().hex[:12]}")
     staging.rename(final)
     fsync_dir(directory)
     snapshots = sorted(_complete(directory), key=_step_of)
     for old in snapshots[: max(0, len(snapshots) - keep)]:
         shutil.rmtree(directory / old, ignore_errors=True)
-    for entry in directory.glob(".partial-*"):
+    for entry in [*directory.glob(".partial-*"), *directory.glob(".old-*")]:
         shutil.rmtree(entry, ignore_errors=True)
+
+
+def _restore_set_aside(directory: Path) -> None:
+    """Rename back a snapshot that _publish set aside when a crash stopped it before the new one
+    took its name. Every rank of a machine may try at once: the first rename wins."""
+    if not directory.is_dir():
+        return
+    for aside in directory.glob(".old-*"):
+        final = directory / aside.name[len(".old-") :].rsplit("-", 1)[0]
+        if (aside / MANIFEST).is_file() and not final.exists():
+            with contextlib.suppress(FileNotFoundError, FileExistsError, OSError):
+                aside.rename(final)
 
 
 def _complete(directory: Path) -> list[str]:
@@ -288,6 +303,7 @@ class Recovered:
 
 def _inventory(directory: Path) -> dict[str, dict]:
     """tag -> {step, world, files present}, for each complete snapshot on this machine."""
+    _restore_set_aside(directory)
     out = {}
     for tag in _complete(directory):
         try:

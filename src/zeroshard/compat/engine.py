@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from zeroshard.checkpoint import load_checkpoint, save_16bit_model, save_checkpo
 from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.contract import Counters
 from zeroshard.checkpoint.dcp import load_dcp, save_dcp
+from zeroshard.checkpoint.pace import SnapshotPace
 from zeroshard.checkpoint.snapshot import (
     Recovered,
     default_directory as default_snapshot_directory,
@@ -115,6 +117,8 @@ class ZeroEngine(EngineBase):
         self._backwards_at_step = 0  # sharded.completed_backwards when the last micro step ended
         self.tput_timer = ThroughputTimer(config.train_batch_size)
         self._background_saves = BackgroundSaves()  # [Note: asynchronous save] in checkpoint/background.py
+        auto = self.config.zeroshard.snapshot_every_steps == "auto"  # [Note: snapshot pace] in checkpoint/pace.py
+        self._pace = SnapshotPace(self.config.zeroshard.snapshot_overhead) if auto else None
         # [Note: the optimizer initialize returns] in compat/client_optimizer.py
         self._client_link = (
             ClientOptimizerLink(optimizer, self.sharded.optimizer)
@@ -217,7 +221,11 @@ class ZeroEngine(EngineBase):
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
         every = self.config.zeroshard.snapshot_every_steps
-        if boundary and every and self.global_steps % every == 0:  # once the step is counted whole
+        if boundary and self._pace is not None:  # once the step is counted whole
+            self._pace.step_ended(time.monotonic(), self._background_saves.busy)
+            if self._pace.due(self.global_steps):
+                self.snapshot()
+        elif boundary and every and self.global_steps % every == 0:
             self.snapshot()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -308,12 +316,36 @@ class ZeroEngine(EngineBase):
         return once the rank's shards are copied and let the checkpoint writer's thread send and
         write them while training goes on (the next snapshot, save, load, wait_checkpoint() and
         destroy() wait for it and raise its error); False: all of it before returning."""
+        waiting = time.monotonic()
         self._background_saves.wait()
+        if self._pace is not None:
+            self._pace.previous_written(time.monotonic() - waiting)
         self.sharded.wait_parameters()  # [Note: deferred parameter gather] in core/param_gather.py
         background = self._background_saves if async_snapshot else None
-        return take_snapshot(
+        tag = take_snapshot(
             self, self._snapshot_dir(), self.comm.ranks_per_node, background=background, client_state=client_state
         )
+        if self._pace is not None:  # the ranks agree on the interval to the next: [Note: snapshot pace]
+            every = max(self.comm.all_gather_objects(self._pace.proposal(), "snapshot pace"))
+            if every != self._pace.every:
+                log.info(
+                    "zeroshard: snapshots every %d steps (the last cost %s over a %s step; budget %g of step time)",
+                    every,
+                    "n/a" if self._pace.cost is None else f"{self._pace.cost:.3f} s",
+                    "n/a" if self._pace.baseline() is None else f"{self._pace.baseline():.3f} s",
+                    self._pace.budget,
+                )
+            self._pace.snapshot_taken(self.global_steps, every)
+        return tag
+
+    @property
+    def snapshot_every(self) -> int | None:
+        """The steps between snapshots: ``zeroshard.snapshot_every_steps``, or with "auto" the
+        interval the ranks agreed on at the last snapshot (None before the first, or with snapshots
+        off)."""
+        if self._pace is not None:
+            return self._pace.every
+        return self.config.zeroshard.snapshot_every_steps or None
 
     def recover(self, checkpoint_dir=None) -> Recovered:
         """At start, after a restart: load the newest complete snapshot the surviving machines hold,

@@ -35,6 +35,7 @@ PosInt = Annotated[int, BeforeValidator(_reject_bool), Field(gt=0)]
 NonNegFloat = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0.0)]
 PosFloat = Annotated[float, BeforeValidator(_reject_bool), Field(gt=0.0)]
 Fraction = Annotated[float, BeforeValidator(_reject_bool), Field(ge=0.0, le=1.0)]
+OpenFraction = Annotated[float, BeforeValidator(_reject_bool), Field(gt=0.0, lt=1.0)]
 LrValue = NonNegFloat | list[NonNegFloat]
 
 

@@ -16,7 +16,17 @@ from typing import Annotated, Any, ClassVar, Literal
 import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
-from zeroshard.config.base import Fraction, LrValue, NonNegFloat, NonNegInt, PosFloat, PosInt, Section, canonical_name
+from zeroshard.config.base import (
+    Fraction,
+    LrValue,
+    NonNegFloat,
+    NonNegInt,
+    OpenFraction,
+    PosFloat,
+    PosInt,
+    Section,
+    canonical_name,
+)
 from zeroshard.config.offload import (  # noqa: F401
     AioConfig,
     OffloadDevice,
@@ -578,12 +588,18 @@ class ZeroShardExtConfig(Section):
     overrides this). The next save, load_checkpoint(), wait_checkpoint() and destroy() wait for it
     and raise its error ([Note: asynchronous save] in checkpoint/background.py). Costs a host copy of
     the rank's shards while it writes."""
-    snapshot_every_steps: NonNegInt = 0
+    snapshot_every_steps: NonNegInt | Literal["auto"] = 0
     """Every this many optimizer steps, engine.step() writes a snapshot of every rank's model states
     into host memory on its own machine and on a buddy machine ([Note: snapshots on a buddy] in
     checkpoint/snapshot.py), from which engine.recover() resumes after a machine is lost, without
     the disk. Costs host memory for a copy of the rank's states and its buddy's, and the time to
-    serialise, send and write them at each snapshot step. 0: no snapshots."""
+    serialise, send and write them at each snapshot step. 0: no snapshots. "auto": as often as
+    ``snapshot_overhead`` allows, measured while training ([Note: snapshot pace] in
+    checkpoint/pace.py)."""
+    snapshot_overhead: OpenFraction = 0.03
+    """With ``snapshot_every_steps: "auto"``: the share of training time snapshots may take. The
+    engine times its steps with and without a snapshot beside them and snapshots every k steps, the
+    smallest k within this share (``engine.snapshot_every`` says which)."""
     snapshot_dir: str | None = None
     """This machine's snapshot directory; None: /dev/shm/zeroshard/<torchelastic run id>, a tmpfs
     whose files outlive the workers torchrun restarts."""

@@ -117,6 +117,7 @@ def _bound(meta: Any) -> str:
         (annotated_types.Ge, "ge", "≥"),
         (annotated_types.Gt, "gt", ">"),
         (annotated_types.Le, "le", "≤"),
+        (annotated_types.Lt, "lt", "<"),
     ):
         if isinstance(meta, cls):
             return f"{sign} {getattr(meta, attr)}"
