@@ -13,8 +13,10 @@ the baseline of the steps it touched, plus what the next snapshot had to wait fo
 b (the share of step time snapshots may take, `snapshot_overhead`) the interval to the next
 snapshot is the smallest k with cost <= b * k * baseline: snapshots then take about b of the
 training time, and a snapshot that cannot be written within k steps lengthens k by itself (the
-wait is part of its cost), which is the back-pressure. An asynchronous disk checkpoint in flight
-also makes steps not quiet, and its cost is counted as the snapshot's: k errs long.
+wait is part of its cost), which is the back-pressure. k errs long rather than short: a step's
+excess is counted from zero up, so the noise of the steps a snapshot touches adds to its cost, and
+an asynchronous disk checkpoint in flight also makes steps not quiet, its cost counted as the
+snapshot's.
 The first snapshot is taken after FIRST_AFTER steps (the first step, which creates the optimizer's
 states, is not timed) and the second UNMEASURED_EVERY steps later, time for the first to be written
 and measured as it would be in the run (a second one at once would wait for the first and measure

@@ -256,5 +256,6 @@ def _check_late(store, gate: str, ranks: list[int], me: int, waited: float, pati
 def _default_timeout_s() -> float:
     """The default process group's timeout (its store's: init_process_group gives both the same)."""
     with contextlib.suppress(Exception):  # torch keeps the default store private
-        return dist.distributed_c10d._get_default_store().timeout.total_seconds()
+        timeout: timedelta = getattr(dist.distributed_c10d._get_default_store(), "timeout")  # noqa: B009 - untyped
+        return timeout.total_seconds()
     return 0.0
