@@ -20,9 +20,9 @@ snapshot's.
 The first snapshot is taken after FIRST_AFTER steps (the first step, which creates the optimizer's
 states, is not timed) and the second UNMEASURED_EVERY steps later, time for the first to be written
 and measured as it would be in the run (a second one at once would wait for the first and measure
-two snapshots back to back); each later one sets the interval from the cost of the one before it. Ranks time their own steps, so each proposes an
-interval and all take the largest (one small all-gather at the snapshot, which is collective
-anyway): every rank snapshots at the same steps.
+two snapshots back to back); each later one sets the interval from the cost of the one before it.
+Ranks time their own steps, so each proposes an interval and all take the largest (one small
+all-gather at the snapshot, which is collective anyway): every rank snapshots at the same steps.
 """
 
 from __future__ import annotations

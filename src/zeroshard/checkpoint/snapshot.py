@@ -22,8 +22,8 @@ the first rank of each machine renames the directory to `<tag>` and only then re
 snapshots, so a failure at any point leaves the previous snapshot whole. A snapshot of the same
 step already there (taken again, e.g. after a recovery) is first renamed away to
 `.old-<tag>-<nonce>` and removed only once the new one is in place; a crash between the two
-renames leaves it under that name, and recovery renames it back. With all ranks on one machine there is no buddy: a snapshot then survives a
-worker restart, not the machine.
+renames leaves it under that name, and recovery renames it back. With all ranks on one machine
+there is no buddy: a snapshot then survives a worker restart, not the machine.
 
 Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
 happened: every rank's random-number generators (torch's CPU generator, the current CUDA device's,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import itertools
 import os
 import selectors
 import socket
@@ -201,26 +202,19 @@ class GateError(RuntimeError):
     """The ranks did not all reach a start-up gate; the message names the ones missing."""
 
 
-class _Gates:
-    """A count of the gates this process has passed: the same sequence on every rank, as each
-    engine's start-up is collective, so the count names the gate."""
-
-    def __init__(self) -> None:
-        self.passed = 0
-
-
-_GATES = _Gates()
+# The gates this process has reached, counted: the same sequence on every rank, as each engine's
+# start-up is collective, so the count names the gate.
+_GATE_COUNT = itertools.count(1)
 
 
 def meet_at_start(ranks: list[int], me: int, patience_s: float) -> None:
     """Wait until every one of `ranks` (global) has reached this gate: [Note: start-up skew].
     `patience_s` bounds the wait for a rank that never published a liveness address; without a
     rendezvous store the gate is passed at once (torch's own bound then applies)."""
-    _GATES.passed += 1
+    gate = f"gate/{next(_GATE_COUNT)}/"
     store = _LISTENER.store(patience_s)
     if store is None or len(ranks) < 2:
         return
-    gate = f"gate/{_GATES.passed}/"
     store.set(f"{gate}{me}", "1")
     if store.add(f"{gate}arrived", 1) == len(ranks):
         store.set(f"{gate}all", "1")
@@ -237,7 +231,7 @@ def meet_at_start(ranks: list[int], me: int, patience_s: float) -> None:
             probe_at = time.monotonic() + GATE_PROBE_S
 
 
-def _check_late(store, gate: str, ranks: list[int], me: int, waited: float, patience_s: float, bound_s: float):
+def _check_late(store, gate: str, ranks: list[int], me: int, waited: float, patience_s: float, bound_s: float) -> None:
     """Raise GateError when a late rank is gone, or late beyond its bound (see the Note)."""
     late = [r for r in ranks if r != me and not store.check([f"{gate}{r}"])]
     if not late:
