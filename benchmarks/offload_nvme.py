@@ -45,6 +45,9 @@ except ImportError:  # an older zeroshard (before/after runs): it has no clock, 
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 
+OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}  # torchao's names
+
+
 def dd_throughput(path: str, gigabytes: int = 2) -> dict:
     """Sequential write and read with O_DIRECT (no page cache), in GB/s."""
     target = os.path.join(path, "dd-probe.bin")
@@ -148,6 +151,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default="offload_nvme.json")
     parser.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        default="adamw",
+        help="adamw: the config's AdamW (fp32 moments); adamw8bit / adamw4bit: torchao's block-wise one, "
+        "passed as the client optimizer (the lowbit extra)",
+    )
+    parser.add_argument(
         "--nvme-io",
         choices=["direct", "buffered", "mapped"],
         default=None,
@@ -173,6 +183,11 @@ def main() -> None:
             )
         )
     params = sum(p.numel() for p in model.parameters())
+    client = None
+    if args.optimizer != "adamw":
+        import torchao.optim
+
+        client = getattr(torchao.optim, OPTIMIZERS[args.optimizer])(model.parameters(), lr=1e-4, weight_decay=0.1)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
@@ -185,7 +200,9 @@ def main() -> None:
     }
     if args.nvme_io is not None:
         config["zeroshard"] = {"nvme_io": args.nvme_io}
-    engine, *_ = zeroshard.initialize(model=model, config=config)
+    if client is not None:
+        del config["optimizer"]
+    engine, *_ = zeroshard.initialize(model=model, optimizer=client, config=config)
     build_s = time.monotonic() - started
     peak_after_build = sampler.peak
     store = engine.placement.optimizer_store
@@ -236,6 +253,7 @@ def main() -> None:
         rank=rank,
         params=params,
         model_state_bytes_fp32_adam=16 * params,
+        optimizer=args.optimizer,
         build_s=build_s,
         peak_rss=sampler.peak,
         peak_rss_anon=sampler.peak_anon,

@@ -174,13 +174,14 @@ def check_same_states(engine, saved: str, source: str, what: str) -> None:
     assert problem is None, f"{what}: {problem}"
 
 
-def resumes_at_stage_1(directory: str, optimizer_fn, quantized) -> None:
+def resumes_at_stage_1(directory: str, optimizer_fn, quantized, zero: tuple[dict, dict] = ({}, {})) -> None:
     """Save after 2 steps at stage 3, resume at stage 1: the next 2 steps are those of the run that
     went on, bit for bit, with the same parameters' states quantized (`quantized(engine)`: how many
-    this rank holds) as before the save. A block-wise optimizer's checkpoint cases share this."""
+    this rank holds) as before the save. A block-wise optimizer's checkpoint cases share this.
+    `zero`: the zero_optimization keys (offload) of the stage-3 run and of the stage-1 one."""
     batches = gpt_batches(tiny_gpt_config(), batch_size=4)
     build = dict(scheduler=False, optimizer_fn=optimizer_fn)
-    straight = build_engine(3, **build)
+    straight = build_engine(3, **build, zero=zero[0])
     train_micro_steps(straight, batches, 0, 2)
     straight.save_checkpoint(directory, tag="two")
     held = quantized(straight)
@@ -188,7 +189,7 @@ def resumes_at_stage_1(directory: str, optimizer_fn, quantized) -> None:
     went_on = train_micro_steps(straight, batches, 2, 2)
     params = full_params(straight)
     straight.destroy()
-    resumed = build_engine(1, **build)
+    resumed = build_engine(1, **build, zero=zero[1])
     resumed.load_checkpoint(directory, tag="two")
     assert quantized(resumed) == held
     again = train_micro_steps(resumed, batches, 2, 2)

@@ -476,7 +476,7 @@ def test_max_model_finds_a_boundary_by_running_both_sides(tmp_path, capsys):
 
 def test_max_model_recipes_run_each_adam_recipe_with_its_optimizer_and_config(tmp_path, capsys):
     """--recipes: one row per Adam recipe of the precision, each trial built with the recipe's
-    optimizer and bf16 keys; a block-wise optimizer with NVMe offload is a refused row, not a search."""
+    optimizer and bf16 keys, named for the recipe."""
     import torch
 
     from zeroshard.tools.bench import capped
@@ -492,15 +492,11 @@ def test_max_model_recipes_run_each_adam_recipe_with_its_optimizer_and_config(tm
     assert type(optimizer).__name__ == "AdamW8bit" and optimizer.bf16_stochastic_round
     plain = capped.recipe_optimizer({**spec, "run": {**run, "optimizer": "adam"}}, [torch.nn.Parameter(torch.zeros(4))])
     assert type(plain) is torch.optim.AdamW
-    refused = maxmodel.search({**spec, "cap_bytes": 2**30}, "3-nvme", 2, 4, 60, None, tmp_path, ("fp32", "adamw8bit"))
-    assert refused["refused"] and refused["largest"] is None and refused["trials"] == []
-    text = maxmodel.format_table(
-        {"spec": {**spec, "steps": 2, "ceiling": 4, "cap_bytes": 2**30}, "ranks": 2, "rows": [refused]}
-    )
-    assert (
-        "refused: block-wise optimizer states" in text
-        and refused["name"] == "stage 3 +opt,param->nvme, fp32 masters, AdamW8bit (10.03 B/param)"
-    )
+    rec = maxmodel.est.recipe("bf16", "adamw8bit", master="fp32")
+    config = {"key": "3-nvme", **maxmodel.CONFIGS["3-nvme"], "master": "fp32", "optimizer": "adamw8bit"}
+    config["name"] = f"{config['name']}, {maxmodel.recipe_label('bf16', 'fp32', 'adamw8bit')}"
+    nothing = maxmodel.row({**spec, "cap_bytes": 2**30}, config, 2, maxmodel.Boundary(None, None, []), rec)
+    assert nothing["name"] == "stage 3 +opt,param->nvme, fp32 masters, AdamW8bit (10.03 B/param)"
     assert cli.main(["bench", "--recipes"]) == 2
     assert "--recipes applies to --max-model only" in capsys.readouterr().err
 

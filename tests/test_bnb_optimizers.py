@@ -2,8 +2,8 @@
 
 bitsandbytes' 8-bit optimizers quantize each moment in blocks of 256 elements of the parameter, as
 torchao's do, so zeroshard steps each parameter whole on its owner ([Note: bitsandbytes' 8-bit
-states] in core/optim/lowbit.py): at 2 ranks fp32, bit for bit at every stage and with CPU offload.
-Their state saves by parameter name (codes and block scales, exactly) and resumes at another stage
+states] in core/optim/lowbit.py): at 2 ranks fp32, bit for bit at every stage and with CPU or NVMe
+offload. Their state saves by parameter name (codes and block scales, exactly) and resumes at another stage
 and world size.
 """
 
@@ -38,18 +38,23 @@ def _quantized_params(engine) -> int:
     return sum(lowbit._is_bnb_codes(state.get("state1")) for state in engine.optimizer.state.values())
 
 
-def _parity(stage: int, offload: bool = False) -> None:
+def _parity(stage: int, offload: str = "", swap: str = "") -> None:
+    """`offload`: "cpu" or "nvme" (optimizer states, and parameters, in files under `swap`)."""
     batches = gpt_batches(CONFIG, batch_size=4)
     ref = train_ddp(gpt_model_fn(), batches, optimizer_fn=_adamw8bit, steps=STEPS, reduce_every_micro_step=stage >= 2)
-    zero: dict = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    where = {"device": offload, **({"nvme_path": swap} if offload == "nvme" else {})}
+    zero: dict = {"offload_optimizer": where, "offload_param": where} if offload else {}
     ours = train_engine(
         gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=_adamw8bit, steps=STEPS
     )
-    assert_close(ours, ref, exact=True, what=f"bitsandbytes AdamW8bit stage {stage}{' offload' if offload else ''}")
+    assert_close(ours, ref, exact=True, what=f"bitsandbytes AdamW8bit stage {stage} offload {offload or 'none'}")
+    if offload == "nvme":  # codes, block scales and code maps in swap files; the step counts are ints
+        assert ours["memory"]["optimizer"] == 0, ours["memory"]
 
 
 def _two_ranks(rank: int, world_size: int, directory: str) -> None:
-    cases = [dict(stage=s) for s in (1, 2, 3)] + [dict(stage=3, offload=True)]
+    cases = [dict(stage=s) for s in (1, 2, 3)]
+    cases += [dict(stage=3, offload="cpu"), dict(stage=3, offload="nvme", swap=directory + "-swap")]
     subtests(cases, _parity)
     resumes_at_stage_1(directory, _adamw8bit, _quantized_params)
 

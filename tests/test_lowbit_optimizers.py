@@ -4,13 +4,16 @@ with the same optimizer class.
 Each parameter lies whole in its owner's slice and is stepped there as a tensor of its own shape
 ([Note: block-wise optimizer states] in core/optim/lowbit.py), so every quantization block and
 scale is the one DDP's optimizer makes: at 2 ranks fp32, bit for bit at every stage, with CPU
-offload too. Their state saves by parameter name (codes and scales, exactly) and resumes at another
-stage and world size. torchao compiles its step (torch.compile) on first use of each shape: a few
+and NVMe offload too (with NVMe the states live in swap files). Their state saves by parameter name
+(codes and scales, exactly) and resumes at another stage and world size, also into swap files.
+torchao compiles its step (torch.compile) on first use of each shape: a few
 seconds per rank process, once. The distributed cases run AdamW8bit and AdamW4bit; the flat form
 of all three classes is checked in one process.
 """
 
 from __future__ import annotations
+
+import tempfile
 
 import pytest
 import torch
@@ -47,18 +50,22 @@ def _blockwise_params(engine) -> int:
     return sum(lowbit.is_blockwise(state.get("exp_avg")) for state in engine.optimizer.state.values())
 
 
-def _parity_case(name: str, stage: int, offload: bool = False) -> None:
+def _parity_case(name: str, stage: int, offload: str = "") -> None:
     batches = gpt_batches(CONFIG, batch_size=4)
     ref = train_ddp(
         gpt_model_fn(), batches, optimizer_fn=_optimizer(name), steps=STEPS, reduce_every_micro_step=stage >= 2
     )
-    zero: dict = {"offload_optimizer": {"device": "cpu"}} if offload else {}
-    if offload and stage == 3:
-        zero["offload_param"] = {"device": "cpu"}
-    ours = train_engine(
-        gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=_optimizer(name), steps=STEPS
-    )
-    assert_close(ours, ref, exact=True, what=f"{name} stage {stage}{' offload' if offload else ''}")
+    with tempfile.TemporaryDirectory(prefix="zs-lowbit-") as nvme_path:
+        where = {"device": offload, "nvme_path": nvme_path} if offload == "nvme" else {"device": offload}
+        zero: dict = {"offload_optimizer": where} if offload else {}
+        if offload and stage == 3:
+            zero["offload_param"] = where
+        ours = train_engine(
+            gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=_optimizer(name), steps=STEPS
+        )
+    assert_close(ours, ref, exact=True, what=f"{name} stage {stage} offload {offload or 'none'}")
+    if offload == "nvme":  # the moments are in the swap files: in memory only the step counters (0-d)
+        assert ours["memory"]["optimizer"] <= 8 * 4 * 100, ours["memory"]
 
 
 def _parity_worker(rank: int, world_size: int, cases: list) -> None:
@@ -70,12 +77,21 @@ def test_blockwise_optimizers_match_ddp_at_every_stage():
     # AdamWFp8 steps whole parameters the same way; what differs, its codes' layout in a checkpoint,
     # is checked in one process below (each class compiles its update once per rank).
     cases = [dict(name="AdamW8bit", stage=s) for s in (1, 2, 3)]
-    cases += [dict(name="AdamW8bit", stage=3, offload=True), dict(name="AdamW4bit", stage=3)]
+    cases += [dict(name="AdamW8bit", stage=3, offload="cpu"), dict(name="AdamW4bit", stage=3)]
+    cases += [dict(name="AdamW8bit", stage=3, offload="nvme"), dict(name="AdamW8bit", stage=1, offload="nvme")]
     run_distributed(_parity_worker, 2, timeout=600, cases=cases)
 
 
 def _resume_worker(rank: int, world_size: int, directory: str) -> None:
     resumes_at_stage_1(directory, _optimizer("AdamW8bit"), _blockwise_params)
+
+
+def _nvme_resume_worker(rank: int, world_size: int, directory: str, swap: str) -> None:
+    """The states in swap files ([Note: whole-parameter states in a store]): saved from them, loaded
+    into them at another stage."""
+    nvme = {"device": "nvme", "nvme_path": swap}
+    zero = ({"offload_optimizer": nvme, "offload_param": nvme}, {"offload_optimizer": nvme})
+    resumes_at_stage_1(directory, _optimizer("AdamW8bit"), _blockwise_params, zero)
 
 
 def _reshard_worker(rank: int, world_size: int, directory: str, again: str) -> None:
@@ -87,6 +103,8 @@ def test_blockwise_state_resumes_at_another_stage_and_world_size(tmp_path):
     directory = str(tmp_path / "ckpt")
     run_distributed(_resume_worker, 2, timeout=600, directory=directory)
     run_distributed(_reshard_worker, 1, timeout=600, directory=directory, again=str(tmp_path / "again"))
+    nvme = str(tmp_path / "nvme")
+    run_distributed(_nvme_resume_worker, 2, timeout=600, directory=nvme, swap=str(tmp_path / "swap"))
 
 
 def test_a_blockwise_state_round_trips_through_its_flat_form():

@@ -180,12 +180,6 @@ class Sharded:
         optimizer_groups = optimizer_group_index(optimizer) if optimizer is not None else {}
         self._partition, self._links = build_links(comm, policy, communication)
         whole = whole_param_groups(optimizer)
-        stores = [s for s in (placement.optimizer_store, placement.param_store) if s is not None]
-        if whole and not all(s.in_memory for s in stores):
-            raise ValueError(
-                f"{type(optimizer).__name__} updates whole matrices in memory; offloading optimizer states "
-                "or parameters to files (NVMe) is not supported with it: offload to 'cpu', or not at all"
-            )
         # [Note: whole-parameter ownership] in core/owners.py
         # Stage 3 without qwZ, qgZ and hpZ (which cut slices into equal blocks or rows): uneven slices.
         uneven = policy.shard_parameters and not (
@@ -228,6 +222,7 @@ class Sharded:
                 norm=norm,
                 replica=self._links.replica,
                 matrices=matrices,
+                whole_store=self._placement.optimizer_store,
             )
         # overlap_comm: off, each unit's reduction is waited for before backward goes on (none in
         # flight); on, one is in flight while the next unit's backward computes ([Note: one
@@ -299,8 +294,9 @@ class Sharded:
         return [Communicator(comm.timeout_s, comm.check_collectives, group=g) for g in self.model_parallel.norm_groups]
 
     def _streamed_step(self, optimizer) -> StreamedStep | None:
-        """The offloaded step of the elementwise groups (whole-parameter groups step in memory, next
-        to their CPU-store states: ZeroOptimizer._apply)."""
+        """The offloaded step of the elementwise groups (whole-parameter groups step one flat group at
+        a time, their states in memory or, with an NVMe store, in its files: ZeroOptimizer._apply,
+        [Note: whole-parameter states in a store] in core/optim/stored.py)."""
         if self._placement.optimizer_store is None:
             return None
         whole = whole_param_groups(optimizer)

@@ -77,13 +77,20 @@ def state_nbytes(value: Any) -> int:
     return value.numel() * value.element_size()
 
 
+def inner(value: Any) -> dict[str, torch.Tensor]:
+    """A quantized state's tensors by name: its codes, its block scales and its code map."""
+    return {name: getattr(value, name) for name in value.__tensor_flatten__()[0]}
+
+
+def over(value: Any, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A quantized state of `value`'s class and attributes over `tensors` (as `inner` names them)."""
+    return type(value).__tensor_unflatten__(tensors, value.__tensor_flatten__()[1], None, None)
+
+
 def clone(value: Any) -> torch.Tensor:
     """A copy of a quantized state (torchao's subclasses implement no aten.clone): its inner tensors
     cloned, its attributes kept."""
-    names, attributes = value.__tensor_flatten__()
-    return type(value).__tensor_unflatten__(
-        {name: getattr(value, name).clone() for name in names}, attributes, None, None
-    )
+    return over(value, {name: tensor.clone() for name, tensor in inner(value).items()})
 
 
 def copy_into(destination: Any, source: Any) -> None:

@@ -27,6 +27,7 @@ from zeroshard.core.optim.groups import keeps_state
 from zeroshard.core.optim.masked import PER_PARAMETER, SlotStates, scalars_of, step_runs
 from zeroshard.core.optim.norm import NormWhenAsked, sum_of_squares
 from zeroshard.core.optim.rollback import ON_FAILED_UPDATE, Snapshot, UpdateFailed, steps_apart_alike
+from zeroshard.core.optim.stored import StoredStates
 from zeroshard.core.optim.streamed import StreamedStep, is_elementwise
 from zeroshard.core.optim.whole import Owned, flat_state, load_flat_state, state_keys
 from zeroshard.core.param_gather import refresh_parameters
@@ -56,6 +57,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         norm: NormScope | None = None,
         replica: Communicator | None = None,
         matrices: dict[int, list[Owned]] | None = None,
+        whole_store=None,
     ):
         self._optimizer_step_pre_hooks = collections.OrderedDict()
         self._optimizer_step_post_hooks = collections.OrderedDict()
@@ -86,6 +88,13 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.deferred_gather = None  # set by Sharded: [Note: deferred parameter gather]
         # id(flat group) -> the parameters this rank updates whole in it (whole-parameter param groups)
         self.matrices = matrices or {}
+        # An NVMe optimizer store: the whole-parameter groups' states live there too ([Note:
+        # whole-parameter states in a store] in stored.py); a CPU store's are in memory anyway.
+        self.stored = (
+            StoredStates(whole_store)
+            if whole_store is not None and not whole_store.in_memory and self.matrices
+            else None
+        )
         # After the first step or a loaded state, each whole-parameter group saves every key its
         # optimizer creates, on every rank (flat_state); by param group, asked once: (the keys of
         # tensors shaped like the parameter, {scalar key: dtype}).
@@ -320,13 +329,20 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if not indices:
             return {}
         results = {}
-        for batch in [[i] for i in indices] if self._steps_per_group() else [indices]:
+        batches = [[i] for i in indices] if self._steps_per_group() else [indices]
+        if self.stored is not None:
+            self._stage(batches[0])
+        for n, batch in enumerate(batches):
+            if self.stored is not None:  # the next group's states are read while this one computes
+                if n + 1 < len(batches):
+                    self._stage(batches[n + 1])
+                self._ready(batch)
             batch_groups = [self.groups[i] for i in batch]
             for group in batch_groups:
                 update.begin(group, self._stepping_params(group))
             for group, i in zip(batch_groups, batch):
                 if id(group) in self.matrices:  # whole parameters; one never given a gradient stays as it is
-                    grad = grads[i].to(group.master.device)  # an offloaded master: its states are in host memory
+                    grad = grads[i].to(group.master.device)  # an offloaded master: stepped where its states are
                     for m in self.matrices[id(group)]:
                         m.view.grad = grad[m.lo : m.hi].view(m.view.shape) if seen[id(group)][m.slot] else None
                 else:
@@ -334,11 +350,15 @@ class ZeroOptimizer(torch.optim.Optimizer):
             try:
                 if any(plans[id(g)] is None for g in batch_groups):
                     self.optimizer.step()
+                if self.stored is not None:
+                    self.stored.adopt(self.optimizer.state, self._whole_names(batch))
             finally:
                 for group in batch_groups:
                     group.master.grad = None
                     for m in self.matrices.get(id(group), ()):
                         m.view.grad = None
+                if self.stored is not None:
+                    self._release(batch)
             for group, i in zip(batch_groups, batch):
                 if plans[id(group)]:
                     results[id(group)] = step_runs(
@@ -352,7 +372,45 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if self._per_group:  # [Note: gradient shard lifetime] in core/group.py
                     grads[i] = None
                     group.free_grad_shard()
+        if self.stored is not None:
+            self.stored.wait()
+            for store in {id(s): s for g in self.groups if (s := g.master_store) is not None}.values():
+                store.wait()
         return results
+
+    # The stored states of the whole-parameter groups at some indices, and their masters where a
+    # store holds them (stage 3's parameter store), read, waited for and written back together.
+    def _stage(self, indices: list[int]) -> None:
+        assert self.stored is not None
+        self.stored.stage(self._whole_views(indices))
+        for group in self._offloaded_masters(indices):
+            group.master_store.stage([group.master])
+
+    def _ready(self, indices: list[int]) -> None:
+        assert self.stored is not None
+        self.stored.ready(self._whole_views(indices))
+        for group in self._offloaded_masters(indices):
+            group.master_store.ready([group.master])
+
+    def _release(self, indices: list[int]) -> None:
+        assert self.stored is not None
+        self.stored.release(self._whole_views(indices))
+        for group in self._offloaded_masters(indices):
+            group.master_store.release([group.master])
+
+    def _offloaded_masters(self, indices: list[int]) -> list[FlatGroup]:
+        groups = (self.groups[i] for i in indices)
+        return [g for g in groups if id(g) in self.matrices and g.master_store is not None]
+
+    def _whole_names(self, indices: list[int]) -> list[tuple[torch.Tensor, str]]:
+        """(view, parameter name) of the whole parameters this rank steps in the groups at `indices`."""
+        out = []
+        for group in (self.groups[i] for i in indices):
+            out += [(m.view, group.layout.slots[m.slot].name) for m in self.matrices.get(id(group), ())]
+        return out
+
+    def _whole_views(self, indices: list[int]) -> list[torch.Tensor]:
+        return [view for view, _ in self._whole_names(indices)]
 
     def _note_whole_keys(self) -> None:
         indices = {g.optimizer_group for g in self.groups if id(g) in self.matrices}
@@ -416,6 +474,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 group.master_store.check([group.master])
         if self.streamed is not None:
             self.streamed.check()
+        if self.stored is not None:
+            self.stored.check()
         update = _Update(self.optimizer, self.slot_states, copy=self.on_failed_update == "copy")
         try:
             yield update
@@ -452,7 +512,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         total = 0
         for state in self.optimizer.state.values():
             for value in state.values():
-                if isinstance(value, torch.Tensor) and all(s.resident(value) for s in stores):
+                stored = self.stored is not None and self.stored.holds(value)
+                if isinstance(value, torch.Tensor) and not stored and all(s.resident(value) for s in stores):
                     total += lowbit.state_nbytes(value)
         return total
 
@@ -542,6 +603,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
         load_flat_state(
             self.optimizer.state, self.matrices[id(group)], flat, self.optimizer, self._quantized_slots(group), statuses
         )
+        if self.stored is not None:  # into the files at once: a loaded model's states never all in memory
+            index = next(i for i, g in enumerate(self.groups) if g is group)
+            self.stored.adopt(self.optimizer.state, self._whole_names([index]))
+            self.stored.release(self._whole_views([index]))
+            self.stored.wait()
         if state:
             self._note_whole_keys()
 

@@ -256,8 +256,6 @@ def search(
         config["name"] = f"{config['name']}, {recipe_label(spec['precision'], master, optimizer)}"
     width, vocab, seq_len = spec["width"], spec["vocab"], spec["seq_len"]
     uses_nvme = "nvme" in (config.get("offload_optimizer"), config.get("offload_param"))
-    if uses_nvme and optimizer in est.LOW_BIT_ADAM:
-        return row(spec, config, ranks, Boundary(None, None, []), rec, refused=NVME_REFUSED)
     nvme_dir = Path(tempfile.mkdtemp(prefix="zeroshard-maxmodel-", dir=nvme_root)) if uses_nvme else None
     run_spec = {**spec, "run": {**config, "kind": "zeroshard"}, "nvme_path": str(nvme_dir) if nvme_dir else None}
     guess_params = predicted_params(spec["cap_bytes"] - ASSUMED_BASELINE, ranks, config, rec)
@@ -273,7 +271,6 @@ def search(
     return row(spec, config, ranks, boundary, rec)
 
 
-NVME_REFUSED = "refused: block-wise optimizer states are stepped whole in memory, not streamed from NVMe"
 OPTIMIZER_NAMES = {"adam": "AdamW", "adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
 
 
@@ -294,7 +291,7 @@ def _worst_phases(ranks: list[dict]) -> dict:
     return {name: max(r["data_after"].get(name, 0) for r in ranks) for name in ranks[0]["data_after"]}
 
 
-def row(spec: dict, config: dict, ranks: int, boundary: Boundary, rec: est.Recipe, refused: str = "") -> dict:
+def row(spec: dict, config: dict, ranks: int, boundary: Boundary, rec: est.Recipe) -> dict:
     width, vocab, seq_len, cap = spec["width"], spec["vocab"], spec["seq_len"], spec["cap_bytes"]
     fit = next((t for t in boundary.trials if t.layers == boundary.largest), None)
     baseline = max(r["baseline_data"] for r in fit.figures["ranks"]) if fit else None
@@ -309,7 +306,6 @@ def row(spec: dict, config: dict, ranks: int, boundary: Boundary, rec: est.Recip
     return {
         **config,
         "bytes_per_param": float(est.bytes_per_param(rec)),
-        "refused": refused,
         "width": width,
         "largest": None
         if fit is None
@@ -403,7 +399,7 @@ def format_table(document: dict) -> str:
         cells.append(
             [
                 r["name"],
-                "refused" if r.get("refused") else _size(r["largest"], ceiling),
+                _size(r["largest"], ceiling),
                 "-" if failing is None else f"{failing['layers']} ({est.format_count(failing['params'])})",
                 _prediction(r["estimator_cap_minus_baseline"], r["largest"]),
                 _states(r["largest"]),
@@ -416,9 +412,7 @@ def format_table(document: dict) -> str:
     ]
     out.append("")
     for r in document["rows"]:
-        if r.get("refused"):
-            out.append(f"{r['name']}: {r['refused']}")
-        elif r["smallest_failing"]:
+        if r["smallest_failing"]:
             out.append(
                 f"{r['name']}: {r['smallest_failing']['layers']} layers failed in {r['smallest_failing']['failure']}"
             )
