@@ -44,7 +44,6 @@ except ImportError:  # an older zeroshard (before/after runs): it has no clock, 
 
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
-
 OPTIMIZERS = {"adamw": "AdamW", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}  # torchao's names
 
 

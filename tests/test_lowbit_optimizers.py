@@ -154,3 +154,21 @@ def test_a_copy_before_the_update_puts_blockwise_states_back():
     for key, value in before.items():
         assert torch.equal(optimizer.state[param][key].dequantize(), value), key
     assert snapshot.nbytes == param.numel() * 4 + sum(lowbit.state_nbytes(v) for v in state.values())
+
+
+def test_the_nvme_free_space_check_counts_blockwise_moments_as_the_optimizer_keeps_them():
+    """The bound an NVMe store checks free space against: the bytes the states hold after a step
+    (codes, block scales, code maps; fp32 moments for a parameter too small to quantize), not
+    AdamW's 8 per element."""
+    from zeroshard.offload.policy import state_bytes_per_element
+
+    for name in ("AdamW8bit", "AdamW4bit"):
+        params = [torch.nn.Parameter(torch.zeros(256, 512)), torch.nn.Parameter(torch.zeros(10))]
+        optimizer = _torchao(name)(params)
+        for param in params:
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+        held = sum(lowbit.state_nbytes(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+        bound = state_bytes_per_element(optimizer) * sum(p.numel() for p in params)
+        assert held <= bound <= held * 1.001, (name, held, bound)
+        assert state_bytes_per_element(optimizer) < (2.1 if name == "AdamW8bit" else 1.1), name

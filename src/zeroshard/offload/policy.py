@@ -6,9 +6,11 @@ size, the optimizer), so a caller never names a rank or a byte count.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
+from zeroshard.core.optim import lowbit
 from zeroshard.core.placement import OffloadContext, Placement
 from zeroshard.offload.blockio import MODES, IOPool
 from zeroshard.offload.split import ResidentFirstStore
@@ -25,19 +27,42 @@ def _check_positive_int(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}.{name}={value!r}: an int >= 1")
 
 
-def state_bytes_per_element(optimizer) -> int:
+def state_bytes_per_element(optimizer) -> float:
     """Upper bound on an optimizer's state bytes per parameter element, for a free-space check:
-    SGD one buffer, AMSGrad three, Adam-like two (fp32 each)."""
+    SGD one buffer, AMSGrad three, Adam-like two (fp32 each), a block-wise optimizer's two moments
+    as it keeps them (`_blockwise_bytes_per_element`)."""
     if type(optimizer).__name__ == "SGD":
         return 4
     if any(g.get("amsgrad") for g in optimizer.param_groups):
         return 12
+    if lowbit.is_torchao_class(type(optimizer)) or lowbit.is_bnb(optimizer):
+        return _blockwise_bytes_per_element(optimizer)
     return 8
+
+
+def _blockwise_bytes_per_element(optimizer) -> float:
+    """Per element of the optimizer's parameters: for a parameter it quantizes, two moments of codes
+    (one byte, half a byte at 4 bits) with an fp32 scale per block and a code map each (256 fp32
+    entries, 16 at 4 bits; fp8 has none); 8 bytes for one it keeps in fp32 (a small one: [Note:
+    block-wise optimizer states] in core/optim/lowbit.py)."""
+    name = type(optimizer).__name__
+    code_bytes, map_entries = (0.5, 16) if "4bit" in name else (1.0, 256)
+    block = lowbit.BNB_BLOCK if lowbit.is_bnb(optimizer) else optimizer.block_size
+    total = elements = 0.0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            numel = param.numel()
+            elements += numel
+            if lowbit.quantizes(optimizer, param.shape):
+                total += 2 * (numel * code_bytes + 4 * -(-numel // block) + 4 * map_entries)
+            else:
+                total += 8 * numel
+    return total / elements if elements else 8
 
 
 def optimizer_shard_bytes(context: OffloadContext) -> int:
     """Bytes of one rank's optimizer states, fp32 master shard and fp32 gradient shard."""
-    return context.shard_numel * (state_bytes_per_element(context.optimizer) + 4 + 4)
+    return math.ceil(context.shard_numel * (state_bytes_per_element(context.optimizer) + 4 + 4))
 
 
 def param_shard_bytes(context: OffloadContext) -> int:
