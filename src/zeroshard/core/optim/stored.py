@@ -69,13 +69,14 @@ class StoredStates:
                 entry[key] = stored
 
     def _home(self, homes: dict, key: str, value: torch.Tensor) -> torch.Tensor:
-        file, shaped = homes.get(key, (None, None))
+        """`value` copied into its file (made when there is none of its size and dtype yet), and the
+        file's tensor shaped like it."""
+        file, _ = homes.get(key, (None, None))
         if file is None or file.numel() != value.numel() or file.dtype != value.dtype:
             file = self.store.tensor(key, value.numel(), value.dtype)
         file.copy_(value.reshape(-1))
-        shaped = file.view(value.shape)
-        homes[key] = (file, shaped)
-        return shaped
+        homes[key] = (file, file.view(value.shape))
+        return homes[key][1]
 
     def stage(self, views) -> None:
         self.store.stage(self.files(views))
