@@ -50,7 +50,9 @@ def _blockwise_params(engine) -> int:
     return sum(lowbit.is_blockwise(state.get("exp_avg")) for state in engine.optimizer.state.values())
 
 
-def _parity_case(name: str, stage: int, offload: str = "") -> None:
+def _parity_case(name: str, stage: int, offload: str = "", io: str | None = None) -> None:
+    """`io`: zeroshard.nvme_io ("direct": the store reads states into buffers ahead of the update
+    and writes them back with aligned writes; default "mapped")."""
     batches = gpt_batches(CONFIG, batch_size=4)
     ref = train_ddp(
         gpt_model_fn(), batches, optimizer_fn=_optimizer(name), steps=STEPS, reduce_every_micro_step=stage >= 2
@@ -60,10 +62,11 @@ def _parity_case(name: str, stage: int, offload: str = "") -> None:
         zero: dict = {"offload_optimizer": where} if offload else {}
         if offload and stage == 3:
             zero["offload_param"] = where
-        ours = train_engine(
-            gpt_model_fn(), batches, config=make_config(stage, **zero), optimizer_fn=_optimizer(name), steps=STEPS
-        )
-    assert_close(ours, ref, exact=True, what=f"{name} stage {stage} offload {offload or 'none'}")
+        config = make_config(stage, **zero)
+        if io is not None:
+            config["zeroshard"]["nvme_io"] = io
+        ours = train_engine(gpt_model_fn(), batches, config=config, optimizer_fn=_optimizer(name), steps=STEPS)
+    assert_close(ours, ref, exact=True, what=f"{name} stage {stage} offload {offload or 'none'} {io or ''}")
     if offload == "nvme":  # the moments are in the swap files: in memory only the step counters (0-d)
         assert ours["memory"]["optimizer"] <= 8 * 4 * 100, ours["memory"]
 
@@ -79,6 +82,7 @@ def test_blockwise_optimizers_match_ddp_at_every_stage():
     cases = [dict(name="AdamW8bit", stage=s) for s in (1, 2, 3)]
     cases += [dict(name="AdamW8bit", stage=3, offload="cpu"), dict(name="AdamW4bit", stage=3)]
     cases += [dict(name="AdamW8bit", stage=3, offload="nvme"), dict(name="AdamW8bit", stage=1, offload="nvme")]
+    cases += [dict(name="AdamW4bit", stage=3, offload="nvme", io="direct")]
     run_distributed(_parity_worker, 2, timeout=600, cases=cases)
 
 
