@@ -331,12 +331,12 @@ class ZeroOptimizer(torch.optim.Optimizer):
         results = {}
         batches = [[i] for i in indices] if self._steps_per_group() else [indices]
         if self.stored is not None:
-            self._stage(batches[0])
+            self._whole_io("stage", batches[0])
         for n, batch in enumerate(batches):
             if self.stored is not None:  # the next group's states are read while this one computes
                 if n + 1 < len(batches):
-                    self._stage(batches[n + 1])
-                self._ready(batch)
+                    self._whole_io("stage", batches[n + 1])
+                self._whole_io("ready", batch)
             batch_groups = [self.groups[i] for i in batch]
             for group in batch_groups:
                 update.begin(group, self._stepping_params(group))
@@ -358,7 +358,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     for m in self.matrices.get(id(group), ()):
                         m.view.grad = None
                 if self.stored is not None:
-                    self._release(batch)
+                    self._whole_io("release", batch)
             for group, i in zip(batch_groups, batch):
                 if plans[id(group)]:
                     results[id(group)] = step_runs(
@@ -374,29 +374,18 @@ class ZeroOptimizer(torch.optim.Optimizer):
                     group.free_grad_shard()
         if self.stored is not None:
             self.stored.wait()
-            for store in {id(s): s for g in self.groups if (s := g.master_store) is not None}.values():
+            for store in {id(g.master_store): g.master_store for g in self._offloaded_masters(indices)}.values():
                 store.wait()
         return results
 
-    # The stored states of the whole-parameter groups at some indices, and their masters where a
-    # store holds them (stage 3's parameter store), read, waited for and written back together.
-    def _stage(self, indices: list[int]) -> None:
+    def _whole_io(self, verb: str, indices: list[int]) -> None:
+        """The store's `verb` ("stage", "ready" or "release") for the stored states of the
+        whole-parameter groups at `indices` and for their masters where a store holds them (stage
+        3's parameter store): read, waited for and written back together."""
         assert self.stored is not None
-        self.stored.stage(self._whole_views(indices))
+        self.stored.move(verb, self._whole_views(indices))
         for group in self._offloaded_masters(indices):
-            group.master_store.stage([group.master])
-
-    def _ready(self, indices: list[int]) -> None:
-        assert self.stored is not None
-        self.stored.ready(self._whole_views(indices))
-        for group in self._offloaded_masters(indices):
-            group.master_store.ready([group.master])
-
-    def _release(self, indices: list[int]) -> None:
-        assert self.stored is not None
-        self.stored.release(self._whole_views(indices))
-        for group in self._offloaded_masters(indices):
-            group.master_store.release([group.master])
+            getattr(group.master_store, verb)([group.master])
 
     def _offloaded_masters(self, indices: list[int]) -> list[FlatGroup]:
         groups = (self.groups[i] for i in indices)
@@ -606,7 +595,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.stored is not None:  # into the files at once: a loaded model's states never all in memory
             index = next(i for i, g in enumerate(self.groups) if g is group)
             self.stored.adopt(self.optimizer.state, self._whole_names([index]))
-            self.stored.release(self._whole_views([index]))
+            self.stored.move("release", self._whole_views([index]))
             self.stored.wait()
         if state:
             self._note_whole_keys()

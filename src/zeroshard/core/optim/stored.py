@@ -78,14 +78,9 @@ class StoredStates:
         homes[key] = (file, file.view(value.shape))
         return homes[key][1]
 
-    def stage(self, views) -> None:
-        self.store.stage(self.files(views))
-
-    def ready(self, views) -> None:
-        self.store.ready(self.files(views))
-
-    def release(self, views) -> None:
-        self.store.release(self.files(views))
+    def move(self, verb: str, views) -> None:
+        """The store's `verb` ("stage", "ready" or "release") for these views' state files."""
+        getattr(self.store, verb)(self.files(views))
 
     def check(self) -> None:
         self.store.check([home for homes in self._homes.values() for home, _ in homes.values()])
