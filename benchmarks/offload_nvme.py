@@ -64,9 +64,12 @@ def dd_throughput(path: str, gigabytes: int = 2) -> dict:
 
 
 class RSSSampler(threading.Thread):
+    """Peak RSS and peak anonymous RSS, the latter per phase (`phase` is set by the main thread)."""
+
     def __init__(self, period: float = 0.2):
         super().__init__(daemon=True)
         self.period, self.peak, self.peak_anon, self.stop = period, 0, 0, False
+        self.phase, self.anon_by_phase = "start", {}
 
     def run(self):
         while not self.stop:
@@ -74,6 +77,8 @@ class RSSSampler(threading.Thread):
             anon = int(info["RssAnon"].split()[0]) * 1024
             rss = psutil.Process().memory_info().rss
             self.peak, self.peak_anon = max(self.peak, rss), max(self.peak_anon, anon)
+            phase = self.phase
+            self.anon_by_phase[phase] = max(self.anon_by_phase.get(phase, 0), anon)
             time.sleep(self.period)
 
 
@@ -157,6 +162,14 @@ def main() -> None:
         "passed as the client optimizer (the lowbit extra)",
     )
     parser.add_argument(
+        "--slices",
+        choices=["config", "memory"],
+        default="config",
+        help="where zero.Init keeps each rank's slices until the engine takes them: 'config' passes the "
+        "config to zero.Init, whose offload_param puts them in files (DeepSpeed's remote_device='nvme'); "
+        "'memory': zero.Init() without a config, slices in memory",
+    )
+    parser.add_argument(
         "--nvme-io",
         choices=["direct", "buffered", "mapped"],
         default=None,
@@ -173,20 +186,6 @@ def main() -> None:
     dd = dd_throughput(args.nvme) if rank == 0 else None
     dist.barrier()
 
-    torch.manual_seed(0)
-    started = time.monotonic()
-    with zeroshard.zero.Init():  # no rank ever holds the whole model
-        model = GPT(
-            GPTConfig(
-                vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
-            )
-        )
-    params = sum(p.numel() for p in model.parameters())
-    client = None
-    if args.optimizer != "adamw":
-        import torchao.optim
-
-        client = getattr(torchao.optim, OPTIMIZERS[args.optimizer])(model.parameters(), lr=1e-4, weight_decay=0.1)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
@@ -199,11 +198,29 @@ def main() -> None:
     }
     if args.nvme_io is not None:
         config["zeroshard"] = {"nvme_io": args.nvme_io}
-    if client is not None:
+    torch.manual_seed(0)
+    started = time.monotonic()
+    sampler.phase = "construction"
+    # No rank ever holds the whole model; with the config, each slice goes to a file as it is cut.
+    with zeroshard.zero.Init(config_dict_or_path=config if args.slices == "config" else None):
+        model = GPT(
+            GPTConfig(
+                vocab_size=args.vocab, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+            )
+        )
+    constructed_s = time.monotonic() - started
+    sampler.phase = "initialize"
+    params = sum(p.numel() for p in model.parameters())
+    client = None
+    if args.optimizer != "adamw":
+        import torchao.optim
+
+        client = getattr(torchao.optim, OPTIMIZERS[args.optimizer])(model.parameters(), lr=1e-4, weight_decay=0.1)
         del config["optimizer"]
     engine, *_ = zeroshard.initialize(model=model, optimizer=client, config=config)
     build_s = time.monotonic() - started
     peak_after_build = sampler.peak
+    sampler.phase = "steps"
     store = engine.placement.optimizer_store
     clock = store.io.clock if hasattr(store, "io") else NoClock()  # a store before the aligned path: no clock
     clock.keep_spans = True
@@ -253,10 +270,13 @@ def main() -> None:
         params=params,
         model_state_bytes_fp32_adam=16 * params,
         optimizer=args.optimizer,
+        slices=args.slices,
+        construction_s=constructed_s,
         build_s=build_s,
         peak_rss=sampler.peak,
         peak_rss_anon=sampler.peak_anon,
         peak_rss_after_build=peak_after_build,
+        peak_rss_anon_by_phase=dict(sampler.anon_by_phase),  # start, construction, initialize, steps
         ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         offloaded_bytes=engine.memory_report()["offloaded_nvme"],
         steps=steps,

@@ -20,6 +20,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 import zeroshard
 from tests.harness import run_distributed_expect_failure
@@ -131,3 +132,24 @@ def test_full_disk_names_the_directories_that_hold_space(tmp_path, monkeypatch):
         assert root.name in str(error.value), str(error.value)
     finally:
         proc.communicate("\n", timeout=60)
+
+
+def test_a_passing_store_counts_as_free_space(tmp_path, monkeypatch):
+    """A model built under zero.Init(remote_device="nvme") holds its slices in a passing store, which
+    the engine's store may count as free: its files go as the engine takes each parameter."""
+    nvme = tmp_path / "nvme"
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    slices = NVMeStore(nvme, 0, 0, passing=True)
+    try:
+        piece = slices.tensor("zero_init.1", 2**20, torch.float32)  # 4 MiB
+        real = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=2**20))
+        NVMeStore(nvme, 0, 4 * 2**20).destroy()  # 1 MiB free + 4 MiB passing
+        with pytest.raises(StoreError, match="GB free"):
+            NVMeStore(nvme, 0, 6 * 2**20)
+        slices.drop([piece])  # the engine took it: nothing passes now
+        assert slices.empty and not list(slices.root.glob("*.swp"))
+        with pytest.raises(StoreError, match="GB free"):
+            NVMeStore(nvme, 0, 4 * 2**20)
+    finally:
+        slices.destroy()

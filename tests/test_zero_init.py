@@ -17,6 +17,7 @@ from torch import nn
 import zeroshard
 from tests.harness import run_distributed, subtests
 from tests.zs_common import adamw, make_config
+from zeroshard.compat.zero import partition as part
 from zeroshard.tools.models.gpt import GPT, GPTConfig, tiny_gpt_config
 
 MIB = 2**20
@@ -135,14 +136,71 @@ def _construction_peak(world: int) -> dict:
     }
 
 
-def _worker(rank: int, world: int, stages: tuple[int, ...], measure: bool):
+def _nvme_config(path: str, stage: int = 3, engine_offload: bool = False) -> dict:
+    config = make_config(stage)
+    zero = config.setdefault("zero_optimization", {})
+    zero["offload_param"] = {"device": "nvme", "nvme_path": path}
+    if engine_offload:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": path}
+    return config
+
+
+def _slices_in_files(kind: str, stage: int, tmp: str) -> None:
+    """remote_device="nvme" (here from the config's offload_param, DeepSpeed's rule): every slice is
+    a file of its own store while the model waits for its engine; the engine built from them has the
+    weights of normal construction; the files and their directory go once the engine holds them all."""
+    path = f"{tmp}/{kind}-{stage}"
+    expected = _full_weights(_build(kind, partitioned=False), stage)
+    torch.manual_seed(0)
+    with zeroshard.zero.Init(config_dict_or_path=_nvme_config(path)) as init:
+        model = GPT(tiny_gpt_config(n_layer=3)) if kind == "gpt" else PostInitModel()
+    store = init.partition.store
+    assert store is not None and store.root.parent == Path(path)
+    slices = [part.record_of(p).shard for p in model.parameters()]
+    assert all(store.holds(s) for s in slices), "a slice outside the files"
+    assert len(list(store.root.glob("*.swp"))) == len(slices), "a replaced or freed slice's file is left"
+    name, changed = next(iter(model.named_parameters()))
+    with zeroshard.zero.GatheredParameters(changed, modifier_rank=0), torch.no_grad():
+        changed.add_(1.0)  # rank 0's values are cut into new files; the old ones go
+    expected[name] = expected[name] + 1.0
+    assert len(list(store.root.glob("*.swp"))) == len(slices), "GatheredParameters left the old slice's file"
+    config = _nvme_config(path, stage, engine_offload=stage == 3)
+    engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
+    assert init.partition.store is None and not store.root.exists(), "the slices' store outlived the handover"
+    with engine.gathered_parameters(list(model.parameters())):
+        got = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), f"{kind} stage {stage}: '{name}' differs"
+
+
+def _remote_device_checked(tmp: str) -> None:
+    with pytest.raises(ValueError, match=r"remote_device='disk'.*allowed: None .*'nvme'"):
+        zeroshard.zero.Init(remote_device="disk")
+    with pytest.raises(ValueError, match="offload_param.nvme_path"):
+        zeroshard.zero.Init(remote_device="nvme")
+    with pytest.warns(UserWarning, match=r"remote_device='cpu'.*overridden.*offload_param.device='nvme'"):
+        init = zeroshard.zero.Init(remote_device="cpu", config_dict_or_path=_nvme_config(f"{tmp}/checked"))
+    assert init.partition.home == "nvme"
+    init.partition.close_if_done()  # nothing was built: the store goes with its (no) files
+    assert init.partition.store is None
+    cpu = zeroshard.zero.Init(remote_device="cpu")
+    with cpu:
+        layer = nn.Linear(4, 3)
+    assert cpu.partition.home == "cpu" and part.record_of(layer.weight).shard.device.type == "cpu"
+
+
+def _worker(rank: int, world: int, stages: tuple[int, ...], measure: bool, tmp: str | None = None):
     report = subtests([dict(world=world)], _construction_peak) if measure else None  # first: a fresh process
     subtests([dict(kind=k, stage=s) for k in ("gpt", "post-init") for s in stages], _same_weights)
+    if tmp is not None:
+        subtests([dict(kind=k, stage=s, tmp=tmp) for k in ("gpt", "post-init") for s in (1, 3)], _slices_in_files)
+        _remote_device_checked(tmp)
     return report
 
 
-def test_partitioned_construction_equals_normal_at_world_2():
-    run_distributed(_worker, 2, timeout=300, stages=(0, 1, 2, 3), measure=False)
+def test_partitioned_construction_equals_normal_at_world_2(tmp_path):
+    run_distributed(_worker, 2, timeout=300, stages=(0, 1, 2, 3), measure=False, tmp=str(tmp_path))
 
 
 @pytest.mark.slow

@@ -55,6 +55,15 @@ log = logging.getLogger(__name__)
 
 WRITE_BEHIND_BYTES = 32 * 2**20  # released bytes that may wait for their write-back (see NVMeStore.release)
 
+# [Note: a build's files count as free]
+# A model built under zero.Init(remote_device="nvme") keeps its slices in a store of its own
+# (`passing=True`), whose files are deleted as the engine takes each parameter, before the states
+# that replace them are complete: at any moment the two together exceed the engine's bytes by at
+# most one unit's slices. So the engine's free-space check counts the passing stores' bytes on the
+# same file system as free; otherwise a model whose slices fill a third of the disk could not be
+# trained on it, although it fits.
+_PASSING: weakref.WeakSet = weakref.WeakSet()
+
 
 @dataclass
 class IOCounters:
@@ -136,10 +145,12 @@ class NVMeStore:
         threads: int = 2,
         coordinate: dict | None = None,
         io: IOPool | None = None,
+        passing: bool = False,
     ):
         """`rank`: the data-parallel rank; `coordinate`: under tensor/pipeline parallelism this rank's
         {"tp": t, "pp": p} too, named in the directory (see `store_stem`); `io`: the threads and
-        request size of aligned reads and writes (default: offload/blockio.py's)."""
+        request size of aligned reads and writes (default: offload/blockio.py's); `passing`: its
+        files are deleted while another store fills ([Note: a build's files count as free])."""
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise StoreError(f"NVMe store: threads must be a positive integer (aio.thread_count), got {threads!r}")
         self.threads = threads
@@ -162,6 +173,8 @@ class NVMeStore:
         self._finalizer = weakref.finalize(self, release_root, self.root, lock)
         atexit.register(self._finalizer)
         remove_on_sigterm(self.root)
+        if passing:
+            _PASSING.add(self)
 
     def tensor(self, key: str, numel: int, dtype: torch.dtype, pieces=()) -> torch.Tensor:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -293,6 +306,23 @@ class NVMeStore:
             wait_for([behind.pop(0)[0]])  # its failure stays in _pending for wait() to raise
             self.counters.wait_s += time.perf_counter() - started
 
+    def drop(self, tensors) -> None:
+        """Forget these tensors and delete their files: their values are no longer needed (a
+        zero.Init shard once the engine holds its parameter). A tensor keeps its mapping, valid
+        until the tensor is freed; the disk space returns when the last mapping goes."""
+        for item in self._mapped(tensors):
+            if item.releasing is not None:
+                wait_for([item.releasing])  # a failure stays in _pending for wait() to raise
+            del self._files[id(item.tensor)]
+            item.close()
+            item.path.unlink(missing_ok=True)
+            self.bytes_held -= item.nbytes
+
+    @property
+    def empty(self) -> bool:
+        """No tensor lives in this store (none made yet, or every one dropped)."""
+        return not self._files
+
     def wait(self) -> None:
         """Until every write-back has finished; the first failure is raised once (a retried step
         writes its tensors back again)."""
@@ -323,6 +353,12 @@ def store_stem(rank: int, coordinate: dict | None = None) -> str:
     return f"zeroshard-{os.getpid()}-rank{rank}{extra}"
 
 
+def _passing_bytes(root: Path) -> int:
+    """Bytes held by this process's passing stores on `root`'s file system."""
+    device = root.stat().st_dev
+    return sum(s.bytes_held for s in list(_PASSING) if s.root.exists() and s.root.stat().st_dev == device)
+
+
 def make_root(base: Path, stem: str, bytes_needed: int) -> tuple[Path, int]:
     """This store's directory under `base` and the descriptor of the lock that marks it alive, after
     reclaiming what dead processes left there; StoreError when `base` is unwritable or too full."""
@@ -339,8 +375,9 @@ def make_root(base: Path, stem: str, bytes_needed: int) -> tuple[Path, int]:
     except OSError as error:
         release_root(root, lock)
         raise StoreError(f"offload nvme_path '{base}' is not writable: {error}") from error
-    free = shutil.disk_usage(root).free
-    bytes_needed *= int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the other ranks of this node too
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the other ranks of this node do the same
+    free = shutil.disk_usage(root).free + local_ranks * _passing_bytes(root)
+    bytes_needed *= local_ranks
     if free < bytes_needed:
         release_root(root, lock)
         raise StoreError(

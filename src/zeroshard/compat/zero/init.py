@@ -37,6 +37,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zeroshard.compat.comm import init_distributed
 from zeroshard.compat.zero import partition as part
 from zeroshard.config import ConfigKeyNotActedOnWarning, load_config
+from zeroshard.offload.blockio import IOPool
+from zeroshard.offload.store import NVMeStore
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +169,11 @@ class Init:
     and `zeroshard.initialize` builds the stage-3 engine from the slices. Weights are bit-for-bit those
     of normal construction followed by sharding (same seed, any world size).
 
+    `remote_device`: where the slices live until the engine takes them: None (the engine's device),
+    "cpu" (host memory), or "nvme" (files under the config's `zero_optimization.offload_param.nvme_path`,
+    so that building a model needs memory for one module, whatever the model's size: [Note: where
+    zero.Init's slices live]). As in DeepSpeed, a config's `offload_param` section decides when given.
+
     Rule (as with DeepSpeed): initialise parameters in the module's own `__init__` / `reset_parameters`
     or in the parent's constructor, as usual; to change them after construction, use
     `GatheredParameters(params, modifier_rank=0)`. Call `zeroshard.initialize` after the context.
@@ -207,18 +214,42 @@ class Init:
         init_distributed()
         if data_parallel_group not in (None, dist.group.WORLD):
             raise ValueError("zero.Init(data_parallel_group=...): zeroshard partitions over all ranks; pass None")
-        device = _shard_device(remote_device)
-        for key, given in (("pin_memory", pin_memory), ("mem_efficient_linear", not mem_efficient_linear)):
-            if given:
+        cfg = load_config(config_dict_or_path or config, dist.get_world_size())
+        home, pinned = _slice_home(remote_device, pin_memory, cfg.zero_optimization.offload_param)
+        for key, ignored in (
+            ("pin_memory", pin_memory and home != "cpu"),
+            ("mem_efficient_linear", not mem_efficient_linear),
+        ):
+            if ignored:
                 warnings.warn(
                     f"zeroshard accepts but does not act on zero.Init({key}=...)",
                     ConfigKeyNotActedOnWarning,
                     stacklevel=2,
                 )
-        extras = load_config(config_dict_or_path or config, dist.get_world_size()).zeroshard
+        gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
         self.partition = part.Partition(
-            dist.get_world_size(), dist.get_rank(), device, dtype, extras.comm_timeout_s, extras.check_collectives
+            dist.get_world_size(),
+            dist.get_rank(),
+            torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu"),
+            dtype,
+            cfg.zeroshard.comm_timeout_s,
+            cfg.zeroshard.check_collectives,
+            home=home,
+            pin_memory=pinned,
         )
+        if home == "nvme":
+            section = cfg.zero_optimization.offload_param
+            assert section is not None and section.nvme_path  # _slice_home checked
+            # Sizes are unknown until the model is built: each file reserves its blocks when it is
+            # made, so a full disk fails there, naming the file.
+            self.partition.store = NVMeStore(
+                section.nvme_path,
+                dist.get_rank(),
+                0,
+                threads=cfg.aio.thread_count,
+                io=IOPool(mode="mapped"),
+                passing=True,
+            )
         if module is not None:
             with self._communicator(), torch._C.DisableTorchFunction():
                 self._partition_all(module.parameters())
@@ -299,22 +330,42 @@ class Init:
         full = sum(r.shape.numel() * r.dtype.itemsize for _, r in records)
         kept = sum(r.shard.numel() * r.shard.element_size() for _, r in records)
         log.info(
-            "zero.Init: %d parameters partitioned, %.1f MiB in full, %.1f MiB kept by rank %d",
+            "zero.Init: %d parameters partitioned, %.1f MiB in full, %.1f MiB kept by rank %d (%s)",
             len(records),
             full / 2**20,
             kept / 2**20,
             self.partition.rank,
+            {"device": self.partition.device, "cpu": "host memory", "nvme": "files"}[self.partition.home],
         )
 
 
-def _shard_device(remote_device) -> torch.device:
-    gpu = torch.cuda.is_available() and dist.get_backend() == "nccl"
-    if remote_device not in (None, "none") and not (remote_device == "cpu" and not gpu):
+_HOMES = ("none", "cpu", "nvme")
+
+
+def _slice_home(remote_device, pin_memory: bool, offload_param) -> tuple[str, bool]:
+    """Where the slices live ([Note: where zero.Init's slices live]) and whether host slices are
+    page-locked. As in DeepSpeed, a config's `zero_optimization.offload_param` decides both when it is
+    given (`device`, `pin_memory`), whatever the arguments say."""
+    given = getattr(remote_device, "value", remote_device)  # DeepSpeed's OffloadDeviceEnum is a str enum
+    if given is not None and given not in _HOMES:
         raise ValueError(
-            f"zero.Init(remote_device={remote_device!r}): parameter offload is not implemented in "
-            "this version of zeroshard; allowed: None"
+            f"zero.Init(remote_device={remote_device!r}): allowed: None (the engine's device), "
+            + ", ".join(map(repr, _HOMES))
         )
-    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    if offload_param is not None:
+        if given not in (None, offload_param.device):
+            warnings.warn(
+                f"zero.Init(remote_device={given!r}) is overridden by the config's "
+                f"zero_optimization.offload_param.device={offload_param.device!r} (as in DeepSpeed)",
+                stacklevel=3,
+            )
+        given, pin_memory = offload_param.device, offload_param.pin_memory
+    elif given == "nvme":
+        raise ValueError(
+            "zero.Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path in "
+            "config_dict_or_path: the directory of the slices' files"
+        )
+    return ("device" if given in (None, "none") else given), bool(pin_memory)
 
 
 def _refuse(**given) -> None:

@@ -12,6 +12,16 @@ fails (torch refuses to write through overlapping memory). `zeroshard.initialize
 parameters back unit by unit while it lays out that unit's flat groups ([Note: flat layout]), so no
 rank ever holds more than one unit in full.
 
+[Note: where zero.Init's slices live]
+A slice lives on the engine's device by default ("device"); `remote_device="cpu"` keeps it in host
+memory (page-locked with pin_memory, where a GPU exists), `"nvme"` in a file of an NVMe store of its
+own under `offload_param.nvme_path` (offload/store.py), one memory-mapped file per slice. A slice in a
+file is written back and dropped from memory as soon as it is cut, and again after every read, so
+building a model needs memory for the module under construction only, whatever the model's size; the
+file is deleted when the engine has taken its parameter, and the store when its last file is gone.
+Collectives run on `Partition.device` (the GPU under NCCL): a slice elsewhere is copied there for
+them.
+
 `_SHARDS` below is one of the weak maps of [Note: the parameter registry] (core/registry.py): a
 partitioned parameter's record, from its partitioning until an engine takes it. Each record is also
 held in the core's registry with `materialize` as its hand-over, which the core calls unit by unit
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zeroshard.core import registry
 from zeroshard.core.comm import Communicator
+from zeroshard.offload.store import NVMeStore
 
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # see [Note: the parameter registry]
 
@@ -46,15 +58,48 @@ class Partition:
 
     world_size: int
     rank: int
-    device: torch.device  # where shards (and, after the context, stubs) live
+    device: torch.device  # where collectives run and, after the context, stubs live
     dtype: torch.dtype | None  # shards are cast to it (Init(dtype=...)); None keeps each parameter's
     comm_timeout_s: float = 300.0
     check_collectives: bool = False
     comm: Communicator | None = None  # open only inside the Init context
     live: list = field(default_factory=list)  # parameters UNSHARDED by Init's initialisation tracking
+    home: str = "device"  # where slices live: "device", "cpu" or "nvme" ([Note: where zero.Init's slices live])
+    store: NVMeStore | None = None  # the slices' files when home is "nvme"
+    pin_memory: bool = False  # home "cpu" with a GPU: page-locked slices
+    made: int = 0  # slices made so far: names their files
+    orphans: list = field(default_factory=list)  # records of parameters freed before an engine took them
 
     def communicator(self) -> Communicator:
         return self.comm or Communicator(self.comm_timeout_s, self.check_collectives)
+
+    def new_slice(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled 1-D slice in the slices' home."""
+        if self.store is not None:
+            self.made += 1
+            return self.store.tensor(f"zero_init.{self.made}", numel, dtype)  # a new file reads as zeros
+        if self.home == "cpu":
+            pin = self.pin_memory and self.device.type == "cuda"
+            return torch.zeros(numel, dtype=dtype, pin_memory=pin)
+        return torch.zeros(numel, dtype=dtype, device=self.device)
+
+    def settle(self, slices) -> None:
+        """`slices` were just written or read: a file's pages go back to disk and out of memory."""
+        if self.store is not None:
+            self.store.release(slices)
+
+    def retire(self, slices) -> None:
+        """`slices` are no longer needed: their files go, with those of parameters freed meanwhile."""
+        orphans, self.orphans[:] = list(self.orphans), []
+        if self.store is not None:
+            self.store.drop([*slices, *(record.shard for record in orphans)])
+
+    def close_if_done(self) -> None:
+        """The store goes with its last file (the engine has taken every parameter)."""
+        self.retire([])
+        if self.store is not None and self.store.empty:
+            self.store.destroy()
+            self.store = None
 
 
 @dataclass(eq=False)
@@ -63,8 +108,12 @@ class ParamShard:
     shape: torch.Size  # of the full parameter
     dtype: torch.dtype  # of the full parameter
     device: torch.device  # of the full parameter and its stub
-    shard: torch.Tensor  # 1-D, numel = ceil(numel / world_size), on partition.device
+    shard: torch.Tensor  # 1-D, numel = ceil(numel / world_size), in the partition's home
     state: ShardState = ShardState.SHARDED
+    # When the parameter is freed before an engine takes it (a weight replaced by a tied one), its
+    # slice is retired at the partition's next use: a finalizer may run on any thread, the store's
+    # own included, so it only queues the record.
+    forget: weakref.finalize | None = None
 
 
 def record_of(param) -> ParamShard | None:
@@ -94,7 +143,11 @@ def partition_param(param: nn.Parameter, partition: Partition, comm: Communicato
     if record is None:
         record = _SHARDS[param] = ParamShard(partition, data.shape, data.dtype, data.device, shard)
         registry.hold(param, materialize)  # the engine takes its values unit by unit
+        if partition.store is not None:
+            record.forget = weakref.finalize(param, partition.orphans.append, record)
+            record.forget.atexit = False  # at exit the store removes its directory itself
     else:  # partitioned again after Init's mode made it full: `.data = ...` may have changed anything
+        partition.retire([record.shard])
         record.shape, record.dtype, record.device, record.shard = data.shape, data.dtype, data.device, shard
     release(param, record)
 
@@ -103,21 +156,24 @@ def _broadcast_and_cut(
     data: torch.Tensor, partition: Partition, comm: Communicator, src: int, what: str
 ) -> torch.Tensor:
     """This rank's slice (1-D, numel = ceil(numel / world), zero padded) of rank `src`'s `data`."""
-    full = data.to(partition.device).contiguous()  # collectives run on the shard device (NCCL: the GPU)
+    full = data.to(partition.device).contiguous()  # collectives run on partition.device (NCCL: the GPU)
     comm.broadcast(full, src, what)
     numel, rank = full.numel(), partition.rank
     shard_numel = -(-numel // partition.world_size)  # ceil
-    shard = torch.zeros(shard_numel, dtype=partition.dtype or full.dtype, device=partition.device)
+    shard = partition.new_slice(shard_numel, partition.dtype or full.dtype)
     lo, hi = min(rank * shard_numel, numel), min((rank + 1) * shard_numel, numel)
     shard[: hi - lo].copy_(full.reshape(-1)[lo:hi])
+    partition.settle([shard])
     return shard
 
 
 def gather_param(param: nn.Parameter, record: ParamShard, comm: Communicator, what: str) -> None:
     """`.data` <- the full parameter, all-gathered from every rank's slice."""
-    shard = record.shard
-    full = torch.empty(shard.numel() * record.partition.world_size, dtype=shard.dtype, device=shard.device)
+    partition = record.partition
+    shard = record.shard.to(partition.device)  # a slice in host memory or a file goes where collectives run
+    full = torch.empty(shard.numel() * partition.world_size, dtype=shard.dtype, device=shard.device)
     comm.all_gather(full, shard, f"zero: gather {what}")  # 1-D, numel = world * shard_numel, padded
+    partition.settle([record.shard])
     param.data = full[: record.shape.numel()].view(record.shape).to(record.device, record.dtype)
 
 
@@ -180,9 +236,11 @@ def gathered(params: list, modifier_rank: int | None):
 
 
 def partition_modified(param: nn.Parameter, record: ParamShard, comm: Communicator, modifier_rank: int) -> None:
+    old = record.shard
     record.shard = _broadcast_and_cut(
         param.data, record.partition, comm, modifier_rank, "GatheredParameters: values of the modifier rank"
     )
+    record.partition.retire([old])
 
 
 # -- handing over to an engine -------------------------------------------------------------------------------
@@ -204,15 +262,21 @@ def materialize(params: list, comm: Communicator) -> None:
                 f"the model was partitioned by zero.Init over {record.partition.world_size} ranks, "
                 f"the engine runs on {comm.world_size}: build it again under the engine's world"
             )
-        todo.setdefault((record.shard.dtype, record.shard.device), []).append((param, record))
+        todo.setdefault((record.shard.dtype, record.partition.device), []).append((param, record))
     for items in todo.values():
         _gather_together(items, comm)
-        for param, _ in items:
+        for param, record in items:
             del _SHARDS[param]
+            if record.forget is not None:
+                record.forget.detach()
+            record.partition.retire([record.shard])
+    for partition in {id(r.partition): r.partition for items in todo.values() for _, r in items}.values():
+        partition.close_if_done()
 
 
 def _gather_together(items: list, comm: Communicator) -> None:
-    local = torch.cat([record.shard for _, record in items])  # 1-D, this rank's slices back to back
+    device = items[0][1].partition.device  # where collectives run
+    local = torch.cat([record.shard.to(device) for _, record in items])  # 1-D, this rank's slices back to back
     out = torch.empty(comm.world_size * local.numel(), dtype=local.dtype, device=local.device)
     comm.all_gather(out, local, f"zero.Init slices of {len(items)} parameters for the engine's flat layout")
     by_rank = out.view(comm.world_size, local.numel())  # (world, sum of shard_numel)
