@@ -19,8 +19,12 @@ own under `offload_param.nvme_path` (offload/store.py), one memory-mapped file p
 file is written back and dropped from memory as soon as it is cut, and again after every read, so
 building a model needs memory for the module under construction only, whatever the model's size; the
 file is deleted when the engine has taken its parameter, and the store when its last file is gone.
-Collectives run on `Partition.device` (the GPU under NCCL): a slice elsewhere is copied there for
-them.
+The full tensors a constructor makes and frees (a 2048 x 2048 fp32 weight is 16 MB) come from
+glibc's heap once its mmap threshold has risen past them, and freed heap memory stays with the
+process, growing with the model although none of it is in use (measured:
+docs/bench/offload_nvme_lowbit.txt). With slices in files, each slice's release trims the heap
+(malloc_trim), which gives it back. Collectives run on `Partition.device` (the GPU under NCCL): a
+slice elsewhere is copied there for them.
 
 `_SHARDS` below is one of the weak maps of [Note: the parameter registry] (core/registry.py): a
 partitioned parameter's record, from its partitioning until an engine takes it. Each record is also
@@ -31,6 +35,7 @@ while it lays out the engine's flat groups.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import enum
 import weakref
 from dataclasses import dataclass, field
@@ -84,9 +89,11 @@ class Partition:
         return torch.zeros(numel, dtype=dtype, device=self.device)
 
     def settle(self, slices) -> None:
-        """`slices` were just written or read: a file's pages go back to disk and out of memory."""
+        """`slices` were just written or read: a file's pages go back to disk and out of memory, and
+        so does the heap memory of the full tensors freed since ([Note: where zero.Init's slices live])."""
         if self.store is not None:
             self.store.release(slices)
+            _trim_heap()
 
     def retire(self, slices) -> None:
         """`slices` are no longer needed: their files go, with those of parameters freed meanwhile."""
@@ -114,6 +121,22 @@ class ParamShard:
     # slice is retired at the partition's next use: a finalizer may run on any thread, the store's
     # own included, so it only queues the record.
     forget: weakref.finalize | None = None
+
+
+def _trim_heap() -> None:
+    """glibc's malloc_trim(0): free pages inside the heap go back to the system (elsewhere: nothing)."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 def record_of(param) -> ParamShard | None:
