@@ -106,9 +106,17 @@ def _owner_is_gone(entry: Path) -> bool:
         os.close(fd)
 
 
+PASSING_MARK = "-slices"  # in the name of a passing store's directory (offload/store.py)
+
+
 def describe_others(base: Path) -> str:
-    """A sentence on the other store directories still under `base` (for a free-space error)."""
-    others = [(entry, _tree_bytes(entry)) for entry in sorted(base.glob(f"{PREFIX}*")) if entry.is_dir()]
+    """A sentence on the other store directories still under `base` (for a free-space error); those
+    of passing stores are not listed: the free-space check counts them as free."""
+    others = [
+        (entry, _tree_bytes(entry))
+        for entry in sorted(base.glob(f"{PREFIX}*"))
+        if entry.is_dir() and f"{PASSING_MARK}-" not in entry.name
+    ]
     others = [(entry, size) for entry, size in others if size > 0]
     if not others:
         return ""

@@ -41,6 +41,7 @@ import torch
 
 from zeroshard.offload.blockio import ALIGN, DirectFile, IOPool, Workers, round_up
 from zeroshard.offload.cleanup import (
+    PASSING_MARK,
     create_locked_dir,
     describe_others,
     keep_on_sigterm,
@@ -155,7 +156,8 @@ class NVMeStore:
             raise StoreError(f"NVMe store: threads must be a positive integer (aio.thread_count), got {threads!r}")
         self.threads = threads
         self.io = io if io is not None else IOPool()
-        self.root, lock = make_root(Path(nvme_path), store_stem(rank, coordinate), bytes_needed)
+        stem = store_stem(rank, coordinate) + (PASSING_MARK if passing else "")
+        self.root, lock = make_root(Path(nvme_path), stem, bytes_needed)
         self.counters = IOCounters()
         self.bytes_held = 0
         self._files: dict[int, SwapFile] = {}  # id(tensor) -> its swap file
@@ -353,10 +355,10 @@ def store_stem(rank: int, coordinate: dict | None = None) -> str:
     return f"zeroshard-{os.getpid()}-rank{rank}{extra}"
 
 
-def _passing_bytes(root: Path) -> int:
-    """Bytes held by this process's passing stores on `root`'s file system."""
+def _passing(root: Path) -> list[NVMeStore]:
+    """This process's passing stores on `root`'s file system."""
     device = root.stat().st_dev
-    return sum(s.bytes_held for s in list(_PASSING) if s.root.exists() and s.root.stat().st_dev == device)
+    return [s for s in list(_PASSING) if s.root.exists() and s.root.stat().st_dev == device]
 
 
 def make_root(base: Path, stem: str, bytes_needed: int) -> tuple[Path, int]:
@@ -376,12 +378,16 @@ def make_root(base: Path, stem: str, bytes_needed: int) -> tuple[Path, int]:
         release_root(root, lock)
         raise StoreError(f"offload nvme_path '{base}' is not writable: {error}") from error
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # the other ranks of this node do the same
-    free = shutil.disk_usage(root).free + local_ranks * _passing_bytes(root)
+    passing = _passing(root)
+    passing_bytes = local_ranks * sum(store.bytes_held for store in passing)
+    free = shutil.disk_usage(root).free + passing_bytes
     bytes_needed *= local_ranks
     if free < bytes_needed:
         release_root(root, lock)
+        counted = f" (counting {passing_bytes / 1e9:.2f} GB of zero.Init's slices, deleted as the engine takes them)"
         raise StoreError(
-            f"offload nvme_path '{base}' has {free / 1e9:.2f} GB free, this rank needs "
-            f"{bytes_needed / 1e9:.2f} GB for the offloaded states of this node's ranks" + describe_others(base)
+            f"offload nvme_path '{base}' has {free / 1e9:.2f} GB free{counted if passing_bytes else ''}, this "
+            f"rank needs {bytes_needed / 1e9:.2f} GB for the offloaded states of this node's ranks"
+            + describe_others(base)
         )
     return root, lock
