@@ -97,7 +97,9 @@ class Partition:
 
     def retire(self, slices) -> None:
         """`slices` are no longer needed: their files go, with those of parameters freed meanwhile."""
-        orphans, self.orphans[:] = list(self.orphans), []
+        orphans = []
+        while self.orphans:  # pop: a finalizer may append meanwhile
+            orphans.append(self.orphans.pop())
         if self.store is not None:
             self.store.drop([*slices, *(record.shard for record in orphans)])
 
