@@ -35,7 +35,6 @@ while it lays out the engine's flat groups.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import enum
 import weakref
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zeroshard.core import registry
 from zeroshard.core.comm import Communicator
+from zeroshard.offload.blockio import trim_heap
 from zeroshard.offload.store import NVMeStore
 
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # see [Note: the parameter registry]
@@ -93,7 +93,7 @@ class Partition:
         so does the heap memory of the full tensors freed since ([Note: where zero.Init's slices live])."""
         if self.store is not None:
             self.store.release(slices)
-            _trim_heap()
+            trim_heap()
 
     def retire(self, slices) -> None:
         """`slices` are no longer needed: their files go, with those of parameters freed meanwhile."""
@@ -123,22 +123,6 @@ class ParamShard:
     # slice is retired at the partition's next use: a finalizer may run on any thread, the store's
     # own included, so it only queues the record.
     forget: weakref.finalize | None = None
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim(0): free pages inside the heap go back to the system (elsewhere: nothing)."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _malloc_trim():
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-
-
-_MALLOC_TRIM = _malloc_trim()
 
 
 def record_of(param) -> ParamShard | None:

@@ -16,8 +16,6 @@ one ran.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import gc
 import statistics
 import threading
@@ -29,6 +27,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from zeroshard.offload.blockio import trim_heap
+
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -36,12 +36,7 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 def trim() -> None:
     """Collect garbage and hand glibc's free heap pages back to the kernel."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-            pass
+    trim_heap()
 
 
 def rss() -> int:
