@@ -53,12 +53,12 @@ class PostInitModel(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def _build(kind: str, partitioned: bool, seed: int = 0) -> nn.Module:
+def _build(kind: str, partitioned: bool, seed: int = 0, **init) -> nn.Module:
     torch.manual_seed(seed)
     make = (lambda: GPT(tiny_gpt_config(n_layer=3))) if kind == "gpt" else PostInitModel
     if not partitioned:
         return make()
-    with zeroshard.zero.Init():
+    with zeroshard.zero.Init(**init):
         model = make()
     for name, param in model.named_parameters():  # nobody holds values: one NaN element per parameter
         assert param.untyped_storage().nbytes() <= param.element_size(), name
@@ -151,10 +151,9 @@ def _slices_in_files(kind: str, stage: int, tmp: str) -> None:
     weights of normal construction; the files and their directory go once the engine holds them all."""
     path = f"{tmp}/{kind}-{stage}"
     expected = _full_weights(_build(kind, partitioned=False), stage)
-    torch.manual_seed(0)
-    with zeroshard.zero.Init(config_dict_or_path=_nvme_config(path)) as init:
-        model = GPT(tiny_gpt_config(n_layer=3)) if kind == "gpt" else PostInitModel()
-    store = init.partition.store
+    model = _build(kind, partitioned=True, config_dict_or_path=_nvme_config(path))
+    partition = part.record_of(next(model.parameters())).partition
+    store = partition.store
     assert store is not None and store.root.parent == Path(path)
     slices = [part.record_of(p).shard for p in model.parameters()]
     assert all(store.holds(s) for s in slices), "a slice outside the files"
@@ -166,7 +165,7 @@ def _slices_in_files(kind: str, stage: int, tmp: str) -> None:
     assert len(list(store.root.glob("*.swp"))) == len(slices), "GatheredParameters left the old slice's file"
     config = _nvme_config(path, stage, engine_offload=stage == 3)
     engine, *_ = zeroshard.initialize(model=model, optimizer=adamw(model.parameters()), config=config)
-    assert init.partition.store is None and not store.root.exists(), "the slices' store outlived the handover"
+    assert partition.store is None and not store.root.exists(), "the slices' store outlived the handover"
     with engine.gathered_parameters(list(model.parameters())):
         got = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.destroy()
