@@ -162,6 +162,14 @@ def main() -> None:
         "passed as the client optimizer (the lowbit extra)",
     )
     parser.add_argument(
+        "--masters",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="fp32: fp32 compute and masters; bf16: bf16 compute with bf16 masters and optimizer states "
+        "(bf16.bf16_master_weights_and_grads and bf16_optimizer_states; a torchao optimizer rounds "
+        "stochastically)",
+    )
+    parser.add_argument(
         "--slices",
         choices=["config", "memory"],
         default="config",
@@ -196,6 +204,8 @@ def main() -> None:
             "offload_param": {"device": "nvme", "nvme_path": args.nvme},
         },
     }
+    if args.masters == "bf16":
+        config["bf16"] = {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
     if args.nvme_io is not None:
         config["zeroshard"] = {"nvme_io": args.nvme_io}
     torch.manual_seed(0)
@@ -215,7 +225,10 @@ def main() -> None:
     if args.optimizer != "adamw":
         import torchao.optim
 
-        client = getattr(torchao.optim, OPTIMIZERS[args.optimizer])(model.parameters(), lr=1e-4, weight_decay=0.1)
+        rounding = {"bf16_stochastic_round": True} if args.masters == "bf16" else {}
+        client = getattr(torchao.optim, OPTIMIZERS[args.optimizer])(
+            model.parameters(), lr=1e-4, weight_decay=0.1, **rounding
+        )
         del config["optimizer"]
     engine, *_ = zeroshard.initialize(model=model, optimizer=client, config=config)
     build_s = time.monotonic() - started
@@ -270,6 +283,7 @@ def main() -> None:
         params=params,
         model_state_bytes_fp32_adam=16 * params,
         optimizer=args.optimizer,
+        masters=args.masters,
         slices=args.slices,
         construction_s=constructed_s,
         build_s=build_s,
