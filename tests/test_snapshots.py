@@ -11,6 +11,7 @@ sample index (tests/elastic_job.py), so the global batch is the same at every wo
 
 from __future__ import annotations
 
+import filecmp
 import logging
 import math
 import os
@@ -31,6 +32,7 @@ from tests.zs_common import adamw, gpt_model_fn
 from zeroshard.checkpoint import snapshot
 from zeroshard.checkpoint.manifest import rank_file
 from zeroshard.checkpoint.pace import SnapshotPace
+from zeroshard.core.comm import Communicator
 
 BATCH = 8  # train_batch_size: 1 micro step per rank at 4 ranks, 2 at 2 ranks
 
@@ -88,13 +90,29 @@ def _four_ranks_snapshot(rank: int, world: int, root: str, disk: str) -> None:
     assert held == [rank_file(r) for r in range(4)], held  # its own, and the other machine's
 
 
-def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int) -> None:
+def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int, replacement: bool = False) -> None:
     """Machine 1 is gone: the survivors recover snapshot4 at 2 ranks (another stage too) and train
     on exactly as the run that loaded the disk checkpoint of step 4; at stage 1 they go on taking a
-    snapshot every step, each after the last micro step of its 2 (gradient accumulation)."""
-    recovered = _engine(stage, _machine(root, rank), every=1 if stage == 1 else 0)
+    snapshot every step, each after the last micro step of its 2 (gradient accumulation).
+    `replacement`: the 2 ranks are 2 machines of one rank, machine 0 and a new, empty one, to which
+    recovery sends every file of the snapshot before loading it."""
+    if replacement:
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        home = _machine(root, 0) if rank == 0 else Path(root) / "replacement"
+    else:
+        home = _machine(root, rank)
+    try:
+        recovered = _engine(stage, home, every=1 if stage == 1 else 0)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
     result = recovered.recover(checkpoint_dir=disk)
     assert (result.source, result.step, result.reason) == ("snapshot", 4, None), result
+    if replacement:
+        copied = Path(root) / "replacement" / "snapshot4"
+        assert sorted(p.name for p in copied.iterdir()) == sorted(
+            p.name for p in (_machine(root, 0) / "snapshot4").iterdir()
+        )
+        assert all(filecmp.cmp(p, _machine(root, 0) / "snapshot4" / p.name, shallow=False) for p in copied.iterdir())
     assert recovered.global_steps == 4 and recovered.gradient_accumulation_steps() == 2
     losses = _train(recovered, 4, 3)
     if stage == 1:
@@ -108,8 +126,16 @@ def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int
     theirs = full_params(from_disk)
     assert all(torch.equal(theirs[name], value) for name, value in params.items())
     from_disk.destroy()
-    if stage == 3:
+    if stage == 3 and not replacement:
         _keeps_client_state_and_generators(rank, root)
+
+
+def _fills_every_machine(rank: int, world: int, root: str) -> None:
+    comm = Communicator(timeout_s=60)
+    home = Path(root) / f"machine{rank}"
+    inventories = comm.all_gather_objects(snapshot._inventory(home), "snapshot inventories")
+    snapshot._fill(comm, home, "snapshot4", inventories, ranks_per_machine=1)
+    comm.destroy()
 
 
 def _keeps_client_state_and_generators(rank: int, root: str) -> None:
@@ -163,6 +189,26 @@ def test_a_lost_machine_is_recovered_from_its_buddys_snapshot(tmp_path):
         shutil.rmtree(_machine(root, 0))
         shutil.copytree(saved, _machine(root, 0))
         run_distributed(_recovers_at_2_ranks, 2, timeout=300, root=root, disk=disk, stage=stage)
+    # Machine 1 replaced by an empty one: machine 0 fills it.
+    shutil.rmtree(_machine(root, 0))
+    shutil.copytree(saved, _machine(root, 0))
+    run_distributed(_recovers_at_2_ranks, 2, timeout=300, root=root, disk=disk, stage=3, replacement=True)
+    # Three machines of one rank, each lacking other rank files: the fill sends from several holders
+    # to several machines at once, and every machine ends with the whole snapshot, byte for byte.
+    holding = [[0, 1], [2], [3, 0]]
+    for machine, ranks in enumerate(holding):
+        partial = tmp_path / "partial" / f"machine{machine}" / "snapshot4"
+        shutil.copytree(
+            saved / "snapshot4", partial, ignore=lambda _, names: [n for n in names if n.startswith("rank_")]
+        )
+        for r in ranks:
+            shutil.copy(saved / "snapshot4" / rank_file(r), partial / rank_file(r))
+    run_distributed(_fills_every_machine, 3, timeout=300, root=str(tmp_path / "partial"))
+    for machine in range(3):
+        filled = tmp_path / "partial" / f"machine{machine}" / "snapshot4"
+        names = sorted(p.name for p in (saved / "snapshot4").iterdir())
+        assert sorted(p.name for p in filled.iterdir()) == names
+        assert all(filecmp.cmp(filled / n, saved / "snapshot4" / n, shallow=False) for n in names)
     # Bad cases, each from machine 0's snapshot as it was.
     shutil.rmtree(_machine(root, 0))
     shutil.copytree(saved, _machine(root, 0))

@@ -279,7 +279,7 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
-def write_atomic(path, data: bytes) -> dict:
+def write_atomic(path, data: bytes | memoryview) -> dict:
     """Write `data` to a temporary name beside `path`, fsync, then rename over `path`."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")

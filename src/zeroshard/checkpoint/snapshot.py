@@ -33,11 +33,11 @@ its own), and the caller's `client_state` (the data position, an epoch), handed 
 Recovery (collective, `recover`, on the ranks torchrun restarted): every rank reports the complete
 snapshots its machine holds and which rank files each has; all ranks pick the same newest snapshot
 whose manifest and rank files are all on some survivor. A file a machine lacks is sent to it from
-one that holds it (a broadcast per such file, checked against the manifest's sha256), after which
-every machine's directory holds the whole checkpoint and `load_checkpoint` reads it like any
-other: resharded to the new world size and stage ([Note: resharding by element ranges] in
-reader.py). Without a complete snapshot, or when the disk checkpoint is newer, the disk
-checkpoint is loaded instead, with a warning that says why.
+one that holds it (point to point, to the machine's first rank, checked against the manifest's
+sha256), after which every machine's directory holds the whole checkpoint and `load_checkpoint`
+reads it like any other: resharded to the new world size and stage
+([Note: resharding by element ranges] in reader.py). Without a complete snapshot, or when the
+disk checkpoint is newer, the disk checkpoint is loaded instead, with a warning that says why.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class _Staged:
         leader = comm.rank % self.ranks_per_machine == 0
         files: dict[str, bytes | memoryview] = {}
         if source != comm.rank:
-            arrived = memoryview(received.numpy())  # type: ignore[arg-type]  # an ndarray is a buffer
+            arrived = received.numpy().data  # an ndarray is a buffer
             theirs, record = everyone[source][0], everyone[source][1]
             files[theirs], error = attempt(_checked, arrived, record["sha256"], theirs)
         if leader and error is None:
@@ -210,14 +210,25 @@ def _naming(path: Path):
 
 def _send_file(comm, path: Path, to: int, received: torch.Tensor, source: int, what: str) -> None:
     """Send the file at `path` (mapped, not copied) to rank `to` while `received` fills from `source`."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        with warnings.catch_warnings():  # a read-only buffer: the send only reads it
-            warnings.simplefilter("ignore", UserWarning)
-            sent = torch.frombuffer(mapped, dtype=torch.uint8)
-        try:
-            comm.shift(sent, to, received, source, what)
-        finally:
-            del sent  # the map cannot close while a tensor still points into it
+    with _mapped(path) as sent:
+        comm.shift(sent, to, received, source, what)
+
+
+@contextlib.contextmanager
+def _mapped(path: Path):
+    """The file's bytes as a uint8 tensor over a read-only mapping, for as long as the block lasts."""
+    with open(path, "rb") as file:
+        if os.fstat(file.fileno()).st_size == 0:  # nothing to map
+            yield torch.empty(0, dtype=torch.uint8)
+            return
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            with warnings.catch_warnings():  # a read-only buffer: a send only reads it
+                warnings.simplefilter("ignore", UserWarning)
+                tensor = torch.frombuffer(mapped, dtype=torch.uint8)
+            try:
+                yield tensor
+            finally:
+                del tensor  # the map cannot close while a tensor still points into it
 
 
 def _common_files(engine, states: list[dict], tag: str, client_state, rng: list) -> tuple[dict, dict[str, bytes]]:
@@ -235,7 +246,7 @@ def _with_records(manifest: dict, out: dict[str, bytes], records: dict[str, dict
     return {**out, MANIFEST: manifest_text({**manifest, "files": files}).encode()}
 
 
-def _record(data: bytes) -> dict:
+def _record(data: bytes | memoryview) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
@@ -380,7 +391,10 @@ def _disk_step(checkpoint_dir) -> int | None:
 
 
 def _fill(comm, directory: Path, tag: str, inventories: list[dict], ranks_per_machine: int) -> None:
-    """Give every machine each file of `tag` it lacks, from the first rank whose machine has it."""
+    """Give every machine each file of `tag` it lacks: sent point to point from a rank whose machine
+    holds it (the holders take turns, file by file) to the first rank of each machine that lacks it,
+    so a file crosses the network once per machine that needs it and only its receivers hold it in
+    memory."""
     holders: dict[str, list[int]] = {}
     for rank, inventory in enumerate(inventories):
         for name in inventory.get(tag, {}).get("files", []):
@@ -391,18 +405,23 @@ def _fill(comm, directory: Path, tag: str, inventories: list[dict], ranks_per_ma
         read_manifest(directory / tag) if comm.rank == manifest_holder else None, "recovery: manifest"
     )[manifest_holder]
     target = directory / tag
-    for name in sorted(manifest["files"]):
+    for index, name in enumerate(sorted(manifest["files"])):
         have = holders.get(name, [])
-        if not have or all(leader in have for leader in leaders):
+        lacking = [leader for leader in leaders if leader not in have]
+        if not have or not lacking:
             continue  # everywhere already (or a file the snapshot may lack, as buffers without buffers)
-        record, source = manifest["files"][name], have[0]
-        data = torch.empty(record["bytes"], dtype=torch.uint8)
-        if comm.rank == source:
-            data.copy_(torch.frombuffer(bytearray((target / name).read_bytes()), dtype=torch.uint8))
-        comm.broadcast(data, source, f"recovery: {tag}/{name}")
+        record, source = manifest["files"][name], have[index % len(have)]
+        received = torch.empty(record["bytes"], dtype=torch.uint8) if comm.rank in lacking else None
+        receives = [] if received is None else [(source, received)]
+        with contextlib.ExitStack() as stack:
+            sends = []
+            if comm.rank == source:
+                sent = stack.enter_context(_mapped(target / name))
+                sends = [(leader, sent) for leader in lacking]
+            comm.exchange(sends, receives, f"recovery: {tag}/{name}")
         error = None
-        if comm.rank in leaders and comm.rank not in have:
-            _, error = attempt(_write_checked, target, name, data.numpy().tobytes(), record)
+        if received is not None:
+            _, error = attempt(_write_checked, target, name, received.numpy().data, record)
         agree(comm, error, f"recovery: copying {tag}/{name}")
     error = None
     if comm.rank in leaders and comm.rank not in holders[MANIFEST]:  # last: it makes the directory a snapshot
@@ -410,7 +429,7 @@ def _fill(comm, directory: Path, tag: str, inventories: list[dict], ranks_per_ma
     agree(comm, error, f"recovery: copying {tag}/{MANIFEST}")
 
 
-def _write_checked(target: Path, name: str, data: bytes, record: dict) -> None:
+def _write_checked(target: Path, name: str, data: bytes | memoryview, record: dict) -> None:
     if _record(data) != record:
         raise CheckpointError(f"{target / name}: the copy does not match the manifest's size and sha256")
     target.mkdir(parents=True, exist_ok=True)

@@ -427,16 +427,37 @@ class Communicator:
 
     def shift(self, send: torch.Tensor, to: int, recv: torch.Tensor, source: int, what: str) -> Handle:
         """Send `send` to rank `to` while `recv` arrives from rank `source` (ranks of this group): one
-        step of a ring, such as each rank's snapshot to its buddy on the next machine. Counted as an
-        all-to-all, of which it is the sparse case."""
+        step of a ring, such as each rank's snapshot to its buddy on the next machine."""
+        return self.exchange([(to, send)], [(source, recv)], what)
+
+    def exchange(
+        self,
+        sends: list[tuple[int, torch.Tensor]],
+        receives: list[tuple[int, torch.Tensor]],
+        what: str,
+    ) -> Handle:
+        """Point to point: each `(to, tensor)` of `sends` goes to rank `to` while each `(source,
+        tensor)` of `receives` fills from rank `source` (ranks of this group), all in flight together.
+        Every rank calls it, with empty lists where it has nothing to move, so that the collective
+        checks see it as one call; counted as an all-to-all, of which it is the sparse case, by the
+        bytes this rank sends."""
         stage = Staging(self.device, self.counter)
-        out, into = stage(send), stage(recv, read=False, written=True)
         ops = [
-            dist.P2POp(dist.isend, out, dist.get_global_rank(self.group, to), self.group),
-            dist.P2POp(dist.irecv, into, dist.get_global_rank(self.group, source), self.group),
+            dist.P2POp(dist.isend, stage(tensor), dist.get_global_rank(self.group, to), self.group)
+            for to, tensor in sends
         ]
-        launch = lambda: _Works(dist.batch_isend_irecv(ops))  # noqa: E731
-        return self._run("all_to_all", send, what, False, launch, stage, sizes_differ=True)
+        ops += [
+            dist.P2POp(
+                dist.irecv,
+                stage(tensor, read=False, written=True),
+                dist.get_global_rank(self.group, source),
+                self.group,
+            )
+            for source, tensor in receives
+        ]
+        launch = lambda: _Works(dist.batch_isend_irecv(ops) if ops else [])  # noqa: E731
+        sent = sum(tensor.numel() * tensor.element_size() for _, tensor in sends)
+        return self._run("all_to_all", sent, what, False, launch, stage, sizes_differ=True)
 
     def all_gather_objects(self, obj, what: str) -> list:
         """Small Python objects (control data: manifests, error reports); counted as control."""
@@ -458,16 +479,17 @@ class Communicator:
     def _run(
         self,
         kind: str,
-        tensor: torch.Tensor,
+        tensor: torch.Tensor | int,
         what: str,
         async_op: bool,
         launch,
         staging: Staging | None = None,
         sizes_differ: bool = False,
     ) -> Handle:
-        """`sizes_differ`: each rank sends its own number of bytes (a shift), so the ranks' checks
-        compare the kind and description only."""
-        nbytes = tensor.numel() * tensor.element_size()
+        """`tensor`: the tensor whose bytes the call moves, or their number. `sizes_differ`: each rank
+        sends its own number of bytes (an exchange), so the ranks' checks compare the kind and
+        description only."""
+        nbytes = tensor if isinstance(tensor, int) else tensor.numel() * tensor.element_size()
         check = self._start_check(kind, 0 if sizes_differ else nbytes, what)  # queued first, not waited here
         if check is not None and self.verify_before_launch:
             check.verify()  # raises, launching nothing, if the ranks diverged
