@@ -279,8 +279,9 @@ def fsync_dir(path) -> None:
         os.close(fd)
 
 
-def write_atomic(path, data: bytes | memoryview) -> dict:
-    """Write `data` to a temporary name beside `path`, fsync, then rename over `path`."""
+def write_atomic(path, data: bytes | memoryview, record: dict | None = None) -> dict:
+    """Write `data` to a temporary name beside `path`, fsync, then rename over `path`; return its
+    size and sha256 (`record`, where the caller has already computed them)."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -293,4 +294,4 @@ def write_atomic(path, data: bytes | memoryview) -> dict:
         temporary.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return record if record is not None else {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

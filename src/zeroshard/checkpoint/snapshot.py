@@ -433,4 +433,4 @@ def _write_checked(target: Path, name: str, data: bytes | memoryview, record: di
     if _record(data) != record:
         raise CheckpointError(f"{target / name}: the copy does not match the manifest's size and sha256")
     target.mkdir(parents=True, exist_ok=True)
-    write_atomic(target / name, data)
+    write_atomic(target / name, data, record)  # hashed once, above
