@@ -239,3 +239,19 @@ def test_collectives_stage_tensors_off_the_communicators_device():
     assert plain["all_gather"].tolist() == [0, 1, 2, 10, 11, 12]
     assert plain["sum"].tolist() == [3.0, 9.0] and plain["max"].tolist() == [2.0, 5.0]
     assert plain["broadcast"].tolist() == [14.0]
+
+
+def test_only_a_store_in_files_trims_the_heap(tmp_path, monkeypatch):
+    """[Note: trimming the heap]: a placement with a store in files hands the freed heap back; one
+    with stores in memory, or none, leaves it alone."""
+    calls = []
+    monkeypatch.setattr("zeroshard.core.placement.trim_heap", lambda: calls.append(1))
+    Placement().trim_heap()
+    Placement(optimizer_store=CPUStore()).trim_heap()
+    assert calls == []
+    store = NVMeStore(tmp_path, rank=0, bytes_needed=1 << 20)
+    try:
+        Placement(optimizer_store=CPUStore(), param_store=store).trim_heap()
+    finally:
+        store.destroy()
+    assert calls == [1]

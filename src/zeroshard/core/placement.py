@@ -14,6 +14,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from zeroshard.core.heap import trim_heap
+
 
 @runtime_checkable
 class Store(Protocol):
@@ -135,6 +137,12 @@ class Placement:
 
     def stores(self) -> list[Store]:
         return list({id(s): s for s in (self.optimizer_store, self.param_store) if s is not None}.values())
+
+    def trim_heap(self) -> None:
+        """Where a store keeps its tensors in files, hand the process's freed heap back to the kernel
+        ([Note: trimming the heap] in heap.py)."""
+        if any(not store.in_memory for store in self.stores()):
+            trim_heap()
 
     def destroy(self) -> None:
         for store in self.stores():

@@ -246,6 +246,7 @@ class Sharded:
         self._requires_gradient_sync = True  # set_requires_gradient_sync
         self._gradient_scale = 1.0  # set_gradient_scale
         self.completed_backwards = 0  # backwards that ended, by backward() or loss.backward()
+        self._placement.trim_heap()  # what building it freed: [Note: trimming the heap] in heap.py
 
     # -- runtime knobs ---------------------------------------------------------------------------------
     def set_gradient_clipping(self, max_norm: float) -> None:
@@ -421,12 +422,14 @@ class Sharded:
         self._lifecycle.release_retained()  # the shards change under them
         assert self.optimizer is not None  # _require_optimizer raised otherwise
         try:
-            return self.optimizer.step()
+            stepped = self.optimizer.step()
         except BaseException as error:
             self._grads_lost = f"step raised {type(error).__name__}: {error}"
             if isinstance(error, CollectiveError):
                 self._broken = str(error)
             raise
+        self._placement.trim_heap()  # the step's temporaries: [Note: trimming the heap] in heap.py
+        return stepped
 
     def zero_grad(self) -> None:
         """Discard the gradients accumulated since the last step."""

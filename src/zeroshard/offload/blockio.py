@@ -55,13 +55,6 @@ _PROT_READ, _PROT_WRITE = 1, 2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x02, 0x10, 0x20
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc's; musl and macOS have none
-
-
-def trim_heap() -> None:
-    """Hand glibc's free heap pages back to the kernel (malloc_trim(0)); elsewhere nothing."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
 
 
 class BlockIOError(StoreError):

@@ -23,8 +23,8 @@ The full tensors a constructor makes and frees (a 2048 x 2048 fp32 weight is 16 
 glibc's heap once its mmap threshold has risen past them, and freed heap memory stays with the
 process, growing with the model although none of it is in use (measured:
 docs/bench/offload_nvme_lowbit.txt). With slices in files, each slice's release trims the heap
-(malloc_trim), which gives it back. Collectives run on `Partition.device` (the GPU under NCCL): a
-slice elsewhere is copied there for them.
+(malloc_trim), which gives it back ([Note: trimming the heap] in core/heap.py). Collectives run on
+`Partition.device` (the GPU under NCCL): a slice elsewhere is copied there for them.
 
 `_SHARDS` below is one of the weak maps of [Note: the parameter registry] (core/registry.py): a
 partitioned parameter's record, from its partitioning until an engine takes it. Each record is also
@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zeroshard.core import registry
 from zeroshard.core.comm import Communicator
-from zeroshard.offload.blockio import trim_heap
+from zeroshard.core.heap import trim_heap
 from zeroshard.offload.store import NVMeStore
 
 _SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # see [Note: the parameter registry]
