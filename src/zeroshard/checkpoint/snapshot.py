@@ -413,11 +413,8 @@ def _fill(comm, directory: Path, tag: str, inventories: list[dict], ranks_per_ma
         record, source = manifest["files"][name], have[index % len(have)]
         received = torch.empty(record["bytes"], dtype=torch.uint8) if comm.rank in lacking else None
         receives = [] if received is None else [(source, received)]
-        with contextlib.ExitStack() as stack:
-            sends = []
-            if comm.rank == source:
-                sent = stack.enter_context(_mapped(target / name))
-                sends = [(leader, sent) for leader in lacking]
+        with _mapped(target / name) if comm.rank == source else contextlib.nullcontext() as sent:
+            sends = [] if sent is None else [(leader, sent) for leader in lacking]
             comm.exchange(sends, receives, f"recovery: {tag}/{name}")
         error = None
         if received is not None:
