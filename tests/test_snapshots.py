@@ -108,11 +108,7 @@ def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int
     result = recovered.recover(checkpoint_dir=disk)
     assert (result.source, result.step, result.reason) == ("snapshot", 4, None), result
     if replacement:
-        copied = Path(root) / "replacement" / "snapshot4"
-        assert sorted(p.name for p in copied.iterdir()) == sorted(
-            p.name for p in (_machine(root, 0) / "snapshot4").iterdir()
-        )
-        assert all(filecmp.cmp(p, _machine(root, 0) / "snapshot4" / p.name, shallow=False) for p in copied.iterdir())
+        _assert_same_files(Path(root) / "replacement" / "snapshot4", _machine(root, 0) / "snapshot4")
     assert recovered.global_steps == 4 and recovered.gradient_accumulation_steps() == 2
     losses = _train(recovered, 4, 3)
     if stage == 1:
@@ -128,6 +124,13 @@ def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int
     from_disk.destroy()
     if stage == 3 and not replacement:
         _keeps_client_state_and_generators(rank, root)
+
+
+def _assert_same_files(copy: Path, original: Path) -> None:
+    """`copy` holds the files of `original`, no more, no fewer, byte for byte."""
+    names = sorted(p.name for p in original.iterdir())
+    assert sorted(p.name for p in copy.iterdir()) == names
+    assert all(filecmp.cmp(copy / n, original / n, shallow=False) for n in names)
 
 
 def _fills_every_machine(rank: int, world: int, root: str) -> None:
@@ -205,10 +208,7 @@ def test_a_lost_machine_is_recovered_from_its_buddys_snapshot(tmp_path):
             shutil.copy(saved / "snapshot4" / rank_file(r), partial / rank_file(r))
     run_distributed(_fills_every_machine, 3, timeout=300, root=str(tmp_path / "partial"))
     for machine in range(3):
-        filled = tmp_path / "partial" / f"machine{machine}" / "snapshot4"
-        names = sorted(p.name for p in (saved / "snapshot4").iterdir())
-        assert sorted(p.name for p in filled.iterdir()) == names
-        assert all(filecmp.cmp(filled / n, saved / "snapshot4" / n, shallow=False) for n in names)
+        _assert_same_files(tmp_path / "partial" / f"machine{machine}" / "snapshot4", saved / "snapshot4")
     # Bad cases, each from machine 0's snapshot as it was.
     shutil.rmtree(_machine(root, 0))
     shutil.copytree(saved, _machine(root, 0))
