@@ -321,3 +321,29 @@ def _fail_one_shard_write(engine, root: Path) -> None:
 
 def test_tags_and_latest_follow_deepspeed(tmp_path):
     run_distributed(_tags_worker, 2, timeout=120, root=str(tmp_path / "ckpt"))
+
+
+def _handover_worker(rank: int, world: int) -> None:
+    engine = build_engine(1)
+    train_micro_steps(engine, tiny_batches(), 0, 2)
+    optimizer, group = engine.optimizer, engine.groups[0]
+    held = optimizer.optimizer.state
+    given = {k: v.clone() for k, v in optimizer.group_state(group).items()}
+    optimizer.load_group_state(group, given, take=True)
+    assert held[group.master]["exp_avg"] is given["exp_avg"], "an elementwise tensor given up is kept"
+    assert held[group.master]["step"] is not given["step"], "scalar state may be shared between groups"
+    whole = torch.zeros(2 * group.master.numel())
+    viewed = {**given, "exp_avg": whole[group.master.numel() :]}
+    optimizer.load_group_state(group, viewed, take=True)
+    kept = held[group.master]["exp_avg"]
+    assert kept is not viewed["exp_avg"] and kept.untyped_storage().nbytes() == kept.nbytes, "a view is copied"
+    copied = {k: v.clone() for k, v in given.items()}
+    optimizer.load_group_state(group, copied)
+    assert all(held[group.master][k] is not v for k, v in copied.items()), "by default every tensor is copied"
+    engine.destroy()
+
+
+def test_a_load_gives_its_read_states_to_the_optimizer_instead_of_copying_them():
+    """[Note: a load hands its tensors over]: load_group_state(take=True) keeps an elementwise tensor
+    that is all of its storage; views and scalars are copied, and without `take` everything is."""
+    run_distributed(_handover_worker, 2, timeout=120)

@@ -36,7 +36,10 @@ whose manifest and rank files are all on some survivor. A file a machine lacks i
 one that holds it (point to point, to the machine's first rank, checked against the manifest's
 sha256), after which every machine's directory holds the whole checkpoint and `load_checkpoint`
 reads it like any other: resharded to the new world size and stage
-([Note: resharding by element ranges] in reader.py). Without a complete snapshot, or when the
+([Note: resharding by element ranges] in reader.py), but without hashing the files again: each was
+hashed as its rank wrote it, or checked against its sender's sha256 when it arrived, and a file in
+host memory reads back what was written, while hashing it again would take longer than reading it
+(a checkpoint on disk is verified, as every load's is). Without a complete snapshot, or when the
 disk checkpoint is newer, the disk checkpoint is loaded instead, with a warning that says why.
 """
 
@@ -374,7 +377,8 @@ def recover(engine, directory, ranks_per_machine: int, checkpoint_dir=None) -> R
         path, client_state = load_checkpoint(engine, checkpoint_dir)
         return Recovered("checkpoint", path, disk_step, reason, client_state)
     _fill(comm, directory, tag, inventories, ranks_per_machine)
-    path, client_state = load_checkpoint(engine, directory, tag=tag, name=f"snapshot {tag}")  # generators too
+    # generators too; not hashed again ([Note: snapshots on a buddy])
+    path, client_state = load_checkpoint(engine, directory, tag=tag, name=f"snapshot {tag}", verify=False)
     log.info("zeroshard: recovered snapshot %s from host memory (%s)", tag, directory)
     return Recovered("snapshot", path, _step_of(tag), reason, client_state)
 

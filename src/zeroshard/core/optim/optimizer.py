@@ -524,8 +524,11 @@ class ZeroOptimizer(torch.optim.Optimizer):
             state.update(self.slot_states.expand(group))
         return state
 
-    def load_group_state(self, group: FlatGroup, state: dict) -> None:
-        """Replace one group's optimizer state with `state` (the form `group_state` returns)."""
+    def load_group_state(self, group: FlatGroup, state: dict, take: bool = False) -> None:
+        """Replace one group's optimizer state with `state` (the form `group_state` returns), copied
+        as torch's load_state_dict copies. `take=True`: `state` is the caller's to give up (a load's
+        freshly read tensors, [Note: a load hands its tensors over] in checkpoint/apply.py), and an
+        elementwise tensor that is the whole of its storage is kept rather than copied."""
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() == 1 and not is_elementwise(value, group.master):
                 raise ValueError(
@@ -538,10 +541,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         state = self.slot_states.absorb(group, state)
         if self.streamed is not None:
             self.streamed.load_state(group, state)
-        elif state:  # copies, as torch's load_state_dict makes: the caller keeps its tensors
-            self.optimizer.state[group.master] = {
-                k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()
-            }
+        elif state:  # copies unless taken, as torch's load_state_dict copies: the caller keeps its tensors
+            self.optimizer.state[group.master] = {k: _loaded(v, group.master, take) for k, v in state.items()}
         else:
             self.optimizer.state.pop(group.master, None)
 
@@ -641,3 +642,16 @@ class _Update:
         if self.snapshot is not None:
             self.snapshot.keep(group, params)
         self.began.append(group)
+
+
+def _loaded(value, master: torch.Tensor, take: bool):
+    """One value of a loaded state as the optimizer keeps it (ZeroOptimizer.load_group_state): a
+    copy, unless taken. Only a plain elementwise tensor that is all of its storage is taken: a view
+    would keep the rest of its storage alive, and scalar state (Adam's `step`, updated in place) may
+    be shared between groups loaded from one saved group."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    whole = value.storage_offset() == 0 and value.untyped_storage().nbytes() == value.nbytes
+    if take and whole and type(value) is torch.Tensor and is_elementwise(value, master):
+        return value
+    return value.clone()
