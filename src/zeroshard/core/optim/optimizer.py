@@ -651,7 +651,7 @@ def _loaded(value, master: torch.Tensor, take: bool):
     be shared between groups loaded from one saved group."""
     if not isinstance(value, torch.Tensor):
         return value
-    whole = value.storage_offset() == 0 and value.untyped_storage().nbytes() == value.nbytes
-    if take and whole and type(value) is torch.Tensor and is_elementwise(value, master):
+    plain = take and type(value) is torch.Tensor and is_elementwise(value, master)
+    if plain and value.storage_offset() == 0 and value.untyped_storage().nbytes() == value.nbytes:
         return value
     return value.clone()
