@@ -4,26 +4,25 @@ over] in checkpoint/apply.py).
     torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint_load.py --dir CKPT --save
     torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint_load.py --dir CKPT
 
-The first launch trains one step of the GPT (default: the 218M one, 16 layers of width 1024, vocab
-8192, sequence 128) at ZeRO stage 3 with torch's AdamW and saves a checkpoint to `--dir`; the second,
+The first launch trains one step of the GPT (default: 210M parameters, 16 layers of width 1024,
+vocab 8192, sequence 128) at ZeRO stage 3 with torch's AdamW and saves a checkpoint to `--dir`; the second,
 in fresh processes as after a restart, builds the same engine and loads it. Each rank prints how long
 the load took and its resident memory: at the start of the load, the most above it while loading
-(psutil, sampled every 2 ms by a thread) and above it once loaded. The page cache holds the checkpoint
+(zeroshard.tools.bench.measure.PeakMemory, the bench's meter) and above it once loaded. The page cache holds the checkpoint
 the first launch wrote unless it is dropped between the two.
 """
 
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.tools.bench.measure import PeakMemory, rss
 from zeroshard.tools.models.gpt import GPT, GPTConfig
 
 VOCAB, SEQ = 8192, 128
@@ -55,26 +54,17 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(f"saved {count:,} parameters to {args.dir}", flush=True)
     else:
-        process, peak, done = psutil.Process(), [0], threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], process.memory_info().rss)
-                time.sleep(0.002)
-
+        meter = PeakMemory(torch.device("cpu"))
         dist.barrier()
-        start = process.memory_info().rss
-        sampler = threading.Thread(target=sample)
-        sampler.start()
+        start = rss()
+        meter.reset()
         began = time.perf_counter()
         engine.load_checkpoint(args.dir)
         took = time.perf_counter() - began
-        done.set()
-        sampler.join()
-        after = process.memory_info().rss
+        peak, after = meter.peak(), rss()
         print(
             f"rank {dist.get_rank()}: load {took:.2f} s; resident {start / 1e9:.3f} GB at the start, "
-            f"+{(peak[0] - start) / 1e9:.3f} GB at most while loading, +{(after - start) / 1e9:.3f} GB once loaded",
+            f"+{(peak - start) / 1e9:.3f} GB at most while loading, +{(after - start) / 1e9:.3f} GB once loaded",
             flush=True,
         )
     engine.destroy()
