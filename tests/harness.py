@@ -37,6 +37,8 @@ import contextlib
 import dataclasses
 import datetime
 import faulthandler
+import functools
+import gc
 import itertools
 import os
 import pickle
@@ -48,7 +50,8 @@ import threading
 import time
 import traceback
 import warnings
-from multiprocessing import connection, forkserver, get_context
+from multiprocessing import connection, forkserver, get_context, popen_forkserver
+from multiprocessing.context import ForkServerProcess
 from pathlib import Path
 
 import psutil
@@ -250,21 +253,21 @@ class _RankGroup:
         )
         self.tmp = tempfile.TemporaryDirectory(prefix="zeroshard-ranks-")
         self.stack_files = [os.path.join(self.tmp.name, f"rank{rank}.stacks") for rank in range(world_size)]
-        ctx, self.procs, self.conns = _context(env), [], []
+        (ctx, process), self.procs, self.conns = _context(env), [], []
         try:
             with _START_LOCK:  # os.environ is set around each start (run_at_once calls from threads)
-                self._start(ctx, world_size, env, pg_timeout, one_call)
+                self._start(ctx, process, world_size, env, pg_timeout, one_call)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, ctx, world_size: int, env: dict | None, pg_timeout: float, one_call: bool) -> None:
+    def _start(self, ctx, process, world_size: int, env: dict | None, pg_timeout: float, one_call: bool) -> None:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             with _rank_environ(rank, world_size, self.store.port, env):
                 environ = dict(os.environ)
                 args = (rank, world_size, self.store.port, pg_timeout, self.stack_files[rank], child_end, one_call)
-                self.procs.append(ctx.Process(target=_child_main, args=(*args, environ), name=f"zeroshard-rank{rank}"))
+                self.procs.append(process(target=_child_main, args=(*args, environ), name=f"zeroshard-rank{rank}"))
                 self.procs[-1].start()
             self.conns.append(parent_end)
             child_end.close()  # so the parent sees EOF when the child dies
@@ -310,6 +313,10 @@ class _RankGroup:
 # which the first torch.optim.Optimizer() of a process imports (~1 s of a core, sympy included), and
 # the test helpers workers live in. transformers is left out: few workers use it, and every forked
 # rank's memory would count its pages.
+# Each rank freezes what it starts with (gc.freeze(): the imports, ~300,000 objects), so that a
+# collection in it, automatic or a test's gc.collect(), walks only what its calls created instead of
+# 0.2 s of a core's worth of imported objects; and a forked rank does not copy the server's pages by
+# writing their objects' collector headers.
 _READ_AT_START = ("MALLOC_", "OMP_", "KMP_", "GOMP_")
 _MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # a forked rank sets it with mallopt (_set_mmap_threshold)
 _FORKABLE = {("OMP_NUM_THREADS", "1")}  # what every rank has
@@ -331,19 +338,61 @@ _PRELOAD = [
 
 
 def _context(env: dict | None):
+    """(multiprocessing context, Process class) for a group's ranks; see the note above."""
     set_at_start = [
         k
         for k, v in (env or {}).items()
         if k.startswith(_READ_AT_START) and k != _MMAP_THRESHOLD and (k, str(v)) not in _FORKABLE
     ]
     if os.environ.get("ZS_TEST_SPAWN_RANKS") == "1" or set_at_start:
-        return get_context("spawn")
+        ctx = get_context("spawn")
+        return ctx, ctx.Process
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     # Started here, in the suite's own environment: started by a group's first rank, the server would
     # read that group's MALLOC_* at its start and hand it to every rank forked after.
     forkserver.ensure_running()
-    return ctx
+    if not (extra := tuple(m for m in (env or {}).get(PRELOAD_VAR, "").split(",") if m)):
+        return ctx, ctx.Process
+    if extra not in _SERVERS:
+        _SERVERS[extra] = forkserver.ForkServer()
+        _SERVERS[extra].set_forkserver_preload([*_PRELOAD, *extra])
+        _SERVERS[extra].ensure_running()
+    return ctx, functools.partial(_PreloadedProcess, extra)
+
+
+# [Note: a fork server per preload list]
+# The libraries that only some groups use (transformers, peft and the bitsandbytes it imports: ~5 s of
+# a core per rank) are imported by a fork server of their own, one per list named in a group's
+# PRELOAD_VAR, so that the other ranks neither pay for them nor hold their pages. multiprocessing keeps
+# one fork server per process (multiprocessing.forkserver._forkserver); a second one is a
+# forkserver.ForkServer of its own, and _PreloadedPopen hands its connection to the standard launch
+# while a rank starts (under _START_LOCK, so no other start sees it). A forked child reaches its server
+# through the module's global, which the server sets in every child it forks.
+PRELOAD_VAR = "ZS_TEST_PRELOAD"  # in a group's env: comma-separated modules its ranks are forked with
+_SERVERS: dict = {}  # preload list beyond _PRELOAD -> its running forkserver.ForkServer
+
+
+class _PreloadedPopen(popen_forkserver.Popen):
+    def _launch(self, process_obj):
+        standard = forkserver.connect_to_new_process
+        forkserver.connect_to_new_process = _SERVERS[process_obj.preload].connect_to_new_process
+        try:
+            super()._launch(process_obj)
+        finally:
+            forkserver.connect_to_new_process = standard
+
+
+class _PreloadedProcess(ForkServerProcess):
+    """A rank forked from the server that imported `preload` too."""
+
+    def __init__(self, preload: tuple, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.preload = preload
+
+    @staticmethod
+    def _Popen(process_obj):
+        return _PreloadedPopen(process_obj)
 
 
 _QUIT_WAIT_S = 10.0  # for ranks asked to leave, before they are killed
@@ -470,6 +519,7 @@ def _child_main(rank, world_size, port, pg_timeout, stack_file, conn, one_call, 
     os.environ.clear()  # a forked rank starts with the fork server's (note above)
     os.environ.update(environ)
     _set_mmap_threshold(environ.get(_MMAP_THRESHOLD))
+    gc.freeze()  # the imports, out of every collection (note above)
     _channel = conn
     stacks = _arm_guards(stack_file)
     sys.path.insert(0, _REPO_ROOT)  # harmless when already there

@@ -6,12 +6,26 @@ from __future__ import annotations
 
 import torch
 
+from tests.harness import PRELOAD_VAR
+
 VOCAB, SEQ, BATCH = 96, 16, 4
+# The libraries these ranks use, imported once by their fork server ([Note: a fork server per
+# preload list] in tests/harness.py); a library that is not installed is left out there.
+PRELOAD = (
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "peft",
+    "datasets",
+    "trl",
+)
 ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "TRANSFORMERS_VERBOSITY": "error",
+    PRELOAD_VAR: ",".join(PRELOAD),
 }
 
 

@@ -1,6 +1,7 @@
 """The multi-process harness itself: values come back, failures and hangs are reported, nothing leaks."""
 
 import os
+import sys
 import time
 
 import psutil
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import (
+    PRELOAD_VAR,
     grid,
     kept_rank_pids,
     run_distributed,
@@ -238,6 +240,19 @@ def test_a_forked_rank_takes_the_mmap_threshold_of_its_env():
     assert all(r["forked"] and r["mapped"] >= 32 for r in fixed), fixed  # some come from free heap space
     default = run_distributed(_malloc_worker, 2)
     assert all(r["forked"] and r["mapped"] == 0 for r in default), default
+
+
+def _preloaded_worker(rank, world_size):
+    return {"preloaded": "tabnanny" in sys.modules, "forked": "spawn_main" not in " ".join(psutil.Process().cmdline())}
+
+
+def test_a_groups_preload_list_is_imported_by_a_fork_server_of_its_own():
+    """[Note: a fork server per preload list]: ranks of a group that names modules in PRELOAD_VAR are
+    forked with them imported; the other groups' ranks come from the standard server, without them."""
+    preloaded = run_distributed(_preloaded_worker, 2, env={PRELOAD_VAR: "tabnanny"}, fresh=True)
+    assert all(r["forked"] and r["preloaded"] for r in preloaded), preloaded
+    plain = run_distributed(_preloaded_worker, 2, fresh=True)
+    assert all(r["forked"] and not r["preloaded"] for r in plain), plain
 
 
 def test_every_serial_test_is_in_a_module_make_test_runs_alone():

@@ -168,6 +168,7 @@ def work(ctx: RankContext) -> dict:
     corpus = load_corpus()
     tokenizer = CharTokenizer(corpus.text)
     bench = Bench(ctx, tokenizer.encode(corpus.text), tokenizer.vocab_size)
+    measure.freeze_survivors()
     bench.warm_up_process(spec)
     results = []
     for run in spec["runs"]:
