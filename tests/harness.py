@@ -311,12 +311,12 @@ class _RankGroup:
 # thing in the child (_child_main). ZS_TEST_SPAWN_RANKS=1 spawns every rank.
 # The server also imports what nearly every worker would import on its first call: torch._dynamo,
 # which the first torch.optim.Optimizer() of a process imports (~1 s of a core, sympy included), and
-# the test helpers workers live in. transformers is left out: few workers use it, and every forked
-# rank's memory would count its pages.
-# Each rank freezes what it starts with (gc.freeze(): the imports, ~300,000 objects), so that a
-# collection in it, automatic or a test's gc.collect(), walks only what its calls created instead of
-# 0.2 s of a core's worth of imported objects; and a forked rank does not copy the server's pages by
-# writing their objects' collector headers.
+# the test helpers workers live in. transformers is left out of it: few workers use it, and every
+# forked rank's memory would count its pages (the groups that use it have a server of their own, note
+# below).
+# Each rank freezes what it starts with (gc.freeze(): the imports), so that a collection in it,
+# automatic or a test's gc.collect(), walks only what its calls created, and a forked rank does not
+# copy the server's pages by writing their objects' collector headers.
 _READ_AT_START = ("MALLOC_", "OMP_", "KMP_", "GOMP_")
 _MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # a forked rank sets it with mallopt (_set_mmap_threshold)
 _FORKABLE = {("OMP_NUM_THREADS", "1")}  # what every rank has
@@ -362,9 +362,10 @@ def _context(env: dict | None):
 
 
 # [Note: a fork server per preload list]
-# The libraries that only some groups use (transformers, peft and the bitsandbytes it imports: ~5 s of
-# a core per rank) are imported by a fork server of their own, one per list named in a group's
-# PRELOAD_VAR, so that the other ranks neither pay for them nor hold their pages. multiprocessing keeps
+# The libraries that only some groups use (transformers, peft and the bitsandbytes it imports; their
+# cost per rank: docs/bench/test_suite.txt) are imported by a fork server of their own, one per list
+# named in a group's PRELOAD_VAR, so that the other ranks neither pay for them nor hold their pages.
+# multiprocessing keeps
 # one fork server per process (multiprocessing.forkserver._forkserver); a second one is a
 # forkserver.ForkServer of its own, and _PreloadedPopen hands its connection to the standard launch
 # while a rank starts (under _START_LOCK, so no other start sees it). A forked child reaches its server

@@ -48,11 +48,12 @@ def freeze_survivors() -> None:
 
 # [Note: collections that skip the imports]
 # `trim()` runs before and after every measured configuration. A full collection walks every object
-# the process holds, and with torch, sympy and torch._dynamo imported that is about 300,000 of them:
-# 0.2 s of a core per collection on a 2-core EPYC, six per configuration, for objects that live as
-# long as the process. gc.freeze() moves them to the permanent generation, which collections skip, so
-# a collection after it walks only what the configurations created. The frozen objects are never
-# freed; they are the imports and the corpus, counted in every configuration's baseline alike.
+# the process holds, and with torch, sympy and torch._dynamo imported that is hundreds of thousands of
+# objects that live as long as the process, walked again at each of a configuration's collections.
+# gc.freeze() moves them to the permanent generation, which collections skip, so a collection after
+# it walks only what the configurations created (the command's time before and after:
+# docs/bench/bench_command.txt). The frozen objects are never freed; they are the imports and the
+# corpus, counted in every configuration's baseline alike.
 
 
 def rss() -> int:
