@@ -1,11 +1,12 @@
 """Time and memory of `engine.load_checkpoint` into a fresh engine ([Note: a load hands its tensors
-over] in checkpoint/apply.py).
+over] in checkpoint/apply.py), and the time of the synchronous save before it.
 
     torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint_load.py --dir CKPT --save
     torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint_load.py --dir CKPT
 
 The first launch trains one step of the GPT (default: 210M parameters, 16 layers of width 1024,
-vocab 8192, sequence 128) at ZeRO stage 3 with torch's AdamW and saves a checkpoint to `--dir`; the second,
+vocab 8192, sequence 128) at ZeRO stage 3 with torch's AdamW and saves a checkpoint to `--dir` (rank 0
+prints how long `save_checkpoint` took, from a barrier); the second,
 in fresh processes as after a restart, builds the same engine and loads it. Each rank prints how long
 the load took and its resident memory: at the start of the load, the most above it while loading
 (zeroshard.tools.bench.measure.PeakMemory, the bench's meter) and above it once loaded. The page cache holds the checkpoint
@@ -50,9 +51,12 @@ def main() -> None:
         _, loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         engine.step()
+        dist.barrier()
+        began = time.perf_counter()
         engine.save_checkpoint(args.dir)
+        took = time.perf_counter() - began
         if dist.get_rank() == 0:
-            print(f"saved {count:,} parameters to {args.dir}", flush=True)
+            print(f"saved {count:,} parameters to {args.dir} in {took:.2f} s", flush=True)
     else:
         meter = PeakMemory(torch.device("cpu"))
         dist.barrier()

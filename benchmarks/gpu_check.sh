@@ -82,7 +82,7 @@ print("python", platform.python_version(), "torch", torch.__version__, "cuda", t
       "available", torch.cuda.is_available())
 if torch.cuda.is_available():
     print("device", torch.cuda.get_device_name(0), "nccl", torch.cuda.nccl.version())
-for name in ("pydantic", "safetensors", "psutil", "tqdm", "numpy", "pytest"):
+for name in ("pydantic", "safetensors", "psutil", "tqdm", "numpy", "xxhash", "pytest"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as error:  # noqa: BLE001 - a report, not a check

@@ -7,11 +7,14 @@ and saves in the middle of an accumulation.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from tests.checkpoint_helpers import assert_equal_params, build_engine, full_params, tiny_batches, train_micro_steps
@@ -190,8 +193,10 @@ def _damage(path: Path, case: str) -> None:
     elif case == "truncated":
         data = (tag / "rank_00000.safetensors").read_bytes()
         (tag / "rank_00000.safetensors").write_bytes(data[: len(data) // 2])
-    elif case in ("corrupted", "corrupted_objects"):
-        file = tag / ("rank_00001.safetensors" if case == "corrupted" else "objects.pt")
+    elif case in ("corrupted", "corrupted_objects", "corrupted_sha256"):
+        if case == "corrupted_sha256":
+            _as_format_version_2(tag)
+        file = tag / ("rank_00001.safetensors" if case != "corrupted_objects" else "objects.pt")
         data = bytearray(file.read_bytes())
         data[len(data) // 2] ^= 0xFF  # same size, one byte differs
         file.write_bytes(bytes(data))
@@ -201,13 +206,30 @@ def _damage(path: Path, case: str) -> None:
         (tag / "manifest.json").write_text('{"format": "zeroshard.checkpoint", ')
     elif case == "latest_dangling":
         (path / "latest").write_text("global_step99")
+    elif case == "record_without_checksum":
+        manifest = json.loads((tag / "manifest.json").read_text())
+        del manifest["files"]["objects.pt"]["xxh3_128"]
+        (tag / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _as_format_version_2(tag: Path) -> None:
+    """Rewrite a checkpoint's manifest as format version 2 wrote it: each file recorded by sha256."""
+    manifest = json.loads((tag / "manifest.json").read_text())
+    manifest["format_version"] = 2
+    for name, record in manifest["files"].items():
+        data = (tag / name).read_bytes()
+        assert record == {"xxh3_128": xxhash.xxh3_128(data).hexdigest(), "bytes": len(data)}, name
+        manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    (tag / "manifest.json").write_text(json.dumps(manifest))
 
 
 DAMAGE = {  # case -> words the message must contain
     "missing_shard": ["rank_00001.safetensors", "file is missing"],
     "truncated": ["rank_00000.safetensors", "truncated"],
-    "corrupted": ["rank_00001.safetensors", "corrupted", "sha256"],
-    "corrupted_objects": ["objects.pt", "corrupted", "sha256"],
+    "corrupted": ["rank_00001.safetensors", "corrupted", "xxh3_128"],
+    "corrupted_objects": ["objects.pt", "corrupted", "xxh3_128"],
+    "corrupted_sha256": ["rank_00001.safetensors", "corrupted", "sha256"],  # format version 2's records
+    "record_without_checksum": ["manifest.json", "files['objects.pt']", "exactly one checksum"],
     "manifest_missing": ["manifest.json", "manifest is missing"],
     "manifest_garbled": ["manifest.json", "not valid JSON"],
     "latest_dangling": ["global_step99", "no checkpoint with tag"],
@@ -252,6 +274,14 @@ def _damage_worker(rank: int, world: int, *, root: str) -> list:
 
     messages = subtests([dict(case=c) for c in DAMAGE], file_case)
     messages += subtests([dict(case=c) for c in ("more_layers", "wider")], model_case)
+    if rank == 0:  # a checkpoint whose files format version 2 recorded by sha256 loads as it did
+        shutil.copytree(root / "good", root / "version2")
+        _as_format_version_2(root / "version2" / "global_step2")
+    engine.comm.barrier("version 2 copy ready")
+    older = build_engine(2, seed=3)
+    older.load_checkpoint(root / "version2")
+    assert_equal_params(full_params(older), full_params(engine), "format version 2")
+    older.destroy()
     sgd = build_engine(2, optimizer_fn=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     with pytest.raises(CheckpointError, match="optimizer states of AdamW .* cannot be loaded into SGD"):
         sgd.load_checkpoint(root / "good")

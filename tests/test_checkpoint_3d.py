@@ -32,7 +32,7 @@ from tests.harness import grid, run_distributed, subtests
 from tests.tp_helpers import Mpu, dtensor_model, megatron_model
 from zeroshard.checkpoint import CheckpointError, consolidate, load_checkpoint, load_full_weights, save_checkpoint
 from zeroshard.checkpoint.contract import CheckpointableSharded
-from zeroshard.checkpoint.manifest import read_manifest
+from zeroshard.checkpoint.manifest import FORMAT_VERSION, read_manifest
 from zeroshard.checkpoint.reader import CheckpointReader
 from zeroshard.compat.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 from zeroshard.core.mesh import from_mpu
@@ -356,7 +356,7 @@ def saved(tmp_path_factory):
 def test_manifest_records_mesh_and_every_shard_coordinate(saved):
     root, _ = saved
     top = json.loads((root / "tp2" / "resume" / "manifest.json").read_text())
-    assert top["format_version"] == 2 and top["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
+    assert top["format_version"] == FORMAT_VERSION and top["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
     assert [(p["tp"], p["pp"]) for p in top["parts"]] == [(0, 0), (1, 0)]
     assert top["shards"]["tp01_pp00/rank_00001.safetensors"] == {"dp": 1, "tp": 1, "pp": 0}
     part = read_manifest(root / "tp2" / "resume" / "tp01_pp00")

@@ -14,7 +14,6 @@ sub-cases:
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -25,6 +24,7 @@ import torch
 from tests.checkpoint_helpers import build_engine, full_params, tiny_batches, train_micro_steps
 from tests.harness import run_distributed, subtests
 from zeroshard.checkpoint import CheckpointError
+from zeroshard.checkpoint.files import record_of
 
 
 class Payload:
@@ -48,7 +48,7 @@ def _forge(checkpoint: Path, name: str, data: bytes) -> None:
     """Replace a file of the checkpoint and fix its size and checksum in the manifest."""
     (checkpoint / name).write_bytes(data)
     manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest["files"][name] = record_of(data)
     (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -9,8 +9,8 @@ consolidation to one file, and full weights in and out of a live engine.
                                  param dtype, optimizer class, scheduler and loss-scaler state,
                                  tied aliases, buffer names, every flat group (unit, optimizer
                                  group, numel, shard size, each parameter's name, shape, dtype and
-                                 offset, the kinds of optimizer state), and the size and sha256 of
-                                 every other file
+                                 offset, the kinds of optimizer state), and the size and XXH3
+                                 checksum of every other file ([Note: checksums] in files.py)
         rank_<r>.safetensors     rank r: per group g, `g<g>/master` = elements [r*S, (r+1)*S) of the
                                  fp32 master buffer (its own slice where the group's slices are
                                  uneven: the manifest's `shard_counts`), `g<g>/state/<name>` the same slice of each

@@ -1,6 +1,19 @@
 """The files of a checkpoint: safetensors written as a stream and read by element range, checksums,
 atomic small files.
 
+[Note: checksums]
+Every file a checkpoint or snapshot writes is recorded in its manifest with its size and a checksum,
+checked when it is read. The checksum guards against files that were torn, truncated or damaged
+on their way (a crash mid-write, a full disk, a copy between machines), not against someone who
+edits them: the manifest that holds the checksums lies beside the files. So it is xxHash's
+128-bit XXH3 (the `xxhash` package), not a cryptographic hash. Hashing runs over every byte a save
+writes, a snapshot sends and receives, and a load verifies. sha256 on one core is no faster than
+writing the same bytes to a file in host memory and several times slower than copying them, so it
+would set the pace of a save, a snapshot and a load; XXH3 is faster than both
+(docs/bench/checksums.txt). A record names its algorithm by its key: `{"xxh3_128": <hex>,
+"bytes": n}`; checkpoints of format versions 1 and 2 carry `{"sha256": <hex>, "bytes": n}` and are
+verified with sha256.
+
 [Note: our own safetensors reader and writer]
 A safetensors file is 8 bytes of header length (little-endian u64), a JSON header giving each
 tensor's dtype, shape and byte range, then the raw little-endian bytes, back to back. The
@@ -24,11 +37,24 @@ import math
 import os
 import struct
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
+import xxhash
 
 _HEADER_LIMIT = 100 * 1024 * 1024  # the safetensors reference reader's limit, too
+
+
+class _Digest(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+    def hexdigest(self) -> str: ...
+
+
+# [Note: checksums]: the algorithm a record is written with, and every one a record may name
+CHECKSUM = "xxh3_128"
+CHECKSUMS: dict[str, Callable[..., _Digest]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _HASH_CHUNK = 1024 * 1024  # small: hashing must not add to the peak memory of consolidation
 
 DTYPE_CODES = {
@@ -72,7 +98,8 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 
 class SafetensorsWriter:
     """A safetensors file whose header is known up front and whose tensors are written one by one,
-    in `specs` order. The sha256 of the file is computed while writing; `close()` returns it."""
+    in `specs` order. The file's checksum is computed while writing; `close()` returns its record
+    ([Note: checksums])."""
 
     def __init__(
         self, path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
@@ -94,7 +121,7 @@ class SafetensorsWriter:
         self.path = Path(path)
         self._pending = list(specs)
         self._next = 0
-        self._hash = hashlib.sha256()
+        self._hash = CHECKSUMS[CHECKSUM]()
         self._bytes = 0
         self._file = open(self.path, "wb")
         self._emit(memoryview(struct.pack("<Q", len(raw))))
@@ -118,14 +145,14 @@ class SafetensorsWriter:
         self._next += 1
 
     def close(self) -> dict:
-        """Flush and fsync; returns {"sha256": ..., "bytes": ...}."""
+        """Flush and fsync; returns the file's record, {"xxh3_128": ..., "bytes": ...}."""
         if self._next != len(self._pending):
             missing = [name for name, _, _ in self._pending[self._next :]]
             raise ValueError(f"{self.path.name}: {len(missing)} tensors never written, first '{missing[0]}'")
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        return {"sha256": self._hash.hexdigest(), "bytes": self._bytes}
+        return {CHECKSUM: self._hash.hexdigest(), "bytes": self._bytes}
 
     def abort(self) -> None:
         self._file.close()
@@ -133,7 +160,7 @@ class SafetensorsWriter:
 
 
 def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
-    """All of `tensors` into one file; returns its {"sha256", "bytes"}."""
+    """All of `tensors` into one file; returns its record ([Note: checksums])."""
     writer = SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata)
     try:
         for name, tensor in tensors.items():
@@ -253,16 +280,32 @@ class SafetensorsReader:
         self.close()
 
 
-def hash_file(path) -> dict:
-    """{"sha256", "bytes"} of a file, read in chunks (constant memory)."""
-    digest, size = hashlib.sha256(), 0
+def record_of(data: bytes | memoryview) -> dict:
+    """The record of bytes in memory: {"xxh3_128": ..., "bytes": ...} ([Note: checksums])."""
+    return {CHECKSUM: CHECKSUMS[CHECKSUM](data).hexdigest(), "bytes": len(data)}
+
+
+def algorithm_of(record: dict) -> str:
+    """The checksum a record carries (one of CHECKSUMS)."""
+    return next(name for name in CHECKSUMS if name in record)
+
+
+def matches(data: bytes | memoryview, record: dict) -> bool:
+    """Whether bytes in memory have the size and checksum of `record`, in the record's algorithm."""
+    algorithm = algorithm_of(record)
+    return len(data) == record["bytes"] and CHECKSUMS[algorithm](data).hexdigest() == record[algorithm]
+
+
+def hash_file(path, algorithm: str = CHECKSUM) -> dict:
+    """The record of a file, {algorithm: ..., "bytes": ...}, read in chunks (constant memory)."""
+    digest, size = CHECKSUMS[algorithm](), 0
     chunk = bytearray(_HASH_CHUNK)
     view = memoryview(chunk)
     with open(path, "rb") as file:
         while got := file.readinto(chunk):
             digest.update(view[:got])
             size += got
-    return {"sha256": digest.hexdigest(), "bytes": size}
+    return {algorithm: digest.hexdigest(), "bytes": size}
 
 
 def fsync_dir(path) -> None:
@@ -281,7 +324,7 @@ def fsync_dir(path) -> None:
 
 def write_atomic(path, data: bytes | memoryview, record: dict | None = None) -> dict:
     """Write `data` to a temporary name beside `path`, fsync, then rename over `path`; return its
-    size and sha256 (`record`, where the caller has already computed them)."""
+    record (`record`, where the caller has already computed it; [Note: checksums])."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
@@ -294,4 +337,4 @@ def write_atomic(path, data: bytes | memoryview, record: dict | None = None) -> 
         temporary.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
-    return record if record is not None else {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return record if record is not None else record_of(data)

@@ -8,10 +8,9 @@ dp group ([Note: ZeRO over the data-parallel dimension] in core/mesh.py). So a c
 dp-only checkpoint per part, side by side, under one manifest:
 
     global_step<N>/
-      manifest.json               world rank 0: format version 2, "mesh" {"dp", "tp", "pp"}, "parts"
-                                  (each part's tp, pp and directory), "shards" (every rank file's
-                                  (dp, tp, pp) coordinate), and the size and sha256 of every part's
-                                  manifest
+      manifest.json               world rank 0: "mesh" {"dp", "tp", "pp"}, "parts" (each part's tp,
+                                  pp and directory), "shards" (every rank file's (dp, tp, pp)
+                                  coordinate), and the size and checksum of every part's manifest
       tp<t>_pp<p>/                the part at tp rank t, pp rank p, written by its dp group exactly
         manifest.json             as a dp-only checkpoint is ([Note: checkpoint layout]), plus its
         rank_<r>.safetensors      "mesh", "coordinate" and "shards"; each parameter also records
@@ -24,7 +23,7 @@ re-slices it over dp as any checkpoint is ([Note: resharding by element ranges] 
 exact. Another tp or pp has other local shapes and parameters: that goes through the full state
 dict (`consolidate`, which concatenates tp slices along `tp_split_dim` and joins the pipeline
 stages' parameters), and a direct load is refused, naming both layouts. A grid of tp = pp = 1 is
-dp-only: it writes and reads the dp-only format, unchanged (format version 1).
+dp-only: it writes and reads the dp-only format.
 Every collective goes through the dp communicator and the model-parallel ones (`GridComm`):
 gathering over dp, then over tp, then over pp reaches every rank of the grid, with no
 communicator of the world needed.
@@ -39,8 +38,6 @@ from typing import Literal
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.manifest import MANIFEST
 from zeroshard.core.mesh import MESH_DIMS
-
-LAYOUT_FORMAT_VERSION = 2
 
 
 def part_dir(tp: int, pp: int) -> str:

@@ -15,14 +15,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from zeroshard.checkpoint.files import CheckpointError, dtype_name, hash_file
+from zeroshard.checkpoint.files import CHECKSUMS, CheckpointError, algorithm_of, dtype_name, hash_file
 from zeroshard.core.optim.streamed import is_elementwise
 
 log = logging.getLogger(__name__)
 
 FORMAT = "zeroshard.checkpoint"
-FORMAT_VERSION = 1  # what a dp-only checkpoint is written as (unchanged since it was first written)
-READABLE_VERSION = 2  # the newest this zeroshard reads: 2 adds tp/pp parts ([Note: checkpoints across layouts])
+# Format versions: 1 dp-only, 2 with tp/pp parts ([Note: checkpoints across layouts] in layout.py), both
+# recording files by sha256; 3 records them by XXH3 ([Note: checksums] in files.py). Every checkpoint is
+# written as 3; all three are read.
+FORMAT_VERSION = 3
+READABLE_VERSION = 3
 MANIFEST = "manifest.json"
 LATEST = "latest"
 OBJECTS = "objects.pt"
@@ -246,7 +249,9 @@ _GROUP_FIELDS = {
 _GROUP_OPTIONAL = {"shard_counts": list}  # uneven slices: each rank's size ([Note: uneven slices])
 _PARAM_FIELDS = {"name": str, "shape": list, "dtype": str, "offset": int, "numel": int}
 _PARAM_OPTIONAL = {"tp_split_dim": _JSON}  # int, null (whole on every tp rank) or "unknown"
-_FILE_FIELDS = {"sha256": str, "bytes": int}
+# a file's size and one checksum, named by its algorithm ([Note: checksums] in files.py)
+_FILE_FIELDS = {"bytes": int}
+_FILE_CHECKSUMS = dict.fromkeys(CHECKSUMS, str)
 
 
 def check_schema(file: Path, manifest: dict) -> None:
@@ -289,8 +294,7 @@ def check_schema(file: Path, manifest: dict) -> None:
                 raise CheckpointError(
                     f"{file}: field '{where}.state[{number}]' must be [name, 'elementwise' or 'scalar'], got {entry!r}"
                 )
-    for name, entry in manifest["files"].items():
-        _check_fields(file, f"files[{name!r}]", entry, _FILE_FIELDS)
+    _check_files(file, manifest["files"])
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in manifest["aliases"].items()):
         raise CheckpointError(f"{file}: field 'aliases' must map parameter names to parameter names")
     if not all(isinstance(name, str) for name in manifest["buffers"]):
@@ -304,8 +308,17 @@ def _check_layout_schema(file: Path, manifest: dict) -> None:
         _check_fields(file, f"parts[{number}]", part, _PART_FIELDS)
     for name, coordinate in manifest["shards"].items():
         _check_grid(file, f"shards[{name!r}]", coordinate)
-    for name, entry in manifest["files"].items():
-        _check_fields(file, f"files[{name!r}]", entry, _FILE_FIELDS)
+    _check_files(file, manifest["files"])
+
+
+def _check_files(file: Path, files: dict) -> None:
+    for name, entry in files.items():
+        _check_fields(file, f"files[{name!r}]", entry, _FILE_FIELDS, _FILE_CHECKSUMS)
+        if sum(algorithm in entry for algorithm in CHECKSUMS) != 1:
+            raise CheckpointError(
+                f"{file}: field 'files[{name!r}]' must carry exactly one checksum, one of "
+                f"{', '.join(CHECKSUMS)}; got the fields {', '.join(sorted(entry))}"
+            )
 
 
 def _check_grid(file: Path, where: str, value) -> None:
@@ -360,8 +373,9 @@ def check_file(path: Path, name: str, expected: dict) -> str | None:
     if size != expected["bytes"]:
         shorter = "truncated" if size < expected["bytes"] else "longer than written"
         return f"{file}: {shorter}, {size} bytes on disk but {expected['bytes']} were written"
-    if hash_file(file)["sha256"] != expected["sha256"]:
-        return f"{file}: corrupted, its sha256 checksum does not match the manifest's"
+    algorithm = algorithm_of(expected)
+    if hash_file(file, algorithm)[algorithm] != expected[algorithm]:
+        return f"{file}: corrupted, its {algorithm} checksum does not match the manifest's"
     return None
 
 

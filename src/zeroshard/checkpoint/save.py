@@ -53,7 +53,7 @@ from zeroshard.checkpoint.common import (
     replica_of,
 )
 from zeroshard.checkpoint.files import CheckpointError, dtype_name, fsync_dir, write_atomic, write_safetensors
-from zeroshard.checkpoint.layout import LAYOUT_FORMAT_VERSION, Layout, layout_of, tp_split_dim
+from zeroshard.checkpoint.layout import Layout, layout_of, tp_split_dim
 from zeroshard.checkpoint.manifest import (
     BUFFERS,
     FORMAT,
@@ -261,7 +261,7 @@ def part_contents(engine, states: list[dict], tag: str, layout: Layout | None, c
     shards = {}
     if layout is not None:
         shards = {rank_file(r): {**layout.coordinate, "dp": r} for r in range(partition_of(engine).world_size)}
-        manifest.update(format_version=LAYOUT_FORMAT_VERSION, mesh=dict(layout.sizes), shards=shards)
+        manifest.update(mesh=dict(layout.sizes), shards=shards)
         if layout.sizes["tp"] > 1:
             _record_tp_splits(engine, manifest["groups"])
     return {
@@ -317,7 +317,7 @@ def _publish(
         parts = sorted(parts, key=lambda p: (p["pp"], p["tp"]))
         manifest = {
             "format": FORMAT,
-            "format_version": LAYOUT_FORMAT_VERSION,
+            "format_version": FORMAT_VERSION,
             "library_version": __version__,
             "tag": tag,
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

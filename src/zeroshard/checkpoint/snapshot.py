@@ -17,7 +17,7 @@ recovery then finds the snapshot incomplete and says so.
 Writing (collective, `take_snapshot`): each rank writes its shard file, hashed as it is written, into
 `.partial-<tag>-<nonce>/`, then sends the file's bytes (mapped, not copied) to its buddy while
 receiving its source's (one ring shift, Communicator.shift); the receiver checks them against the
-sender's sha256 before writing them beside its own. Once every rank reports its files written,
+sender's checksum before writing them beside its own ([Note: checksums] in files.py). Once every rank reports its files written,
 the first rank of each machine renames the directory to `<tag>` and only then removes older
 snapshots, so a failure at any point leaves the previous snapshot whole. A snapshot of the same
 step already there (taken again, e.g. after a recovery) is first renamed away to
@@ -34,10 +34,10 @@ Recovery (collective, `recover`, on the ranks torchrun restarted): every rank re
 snapshots its machine holds and which rank files each has; all ranks pick the same newest snapshot
 whose manifest and rank files are all on some survivor. A file a machine lacks is sent to it from
 one that holds it (point to point, to the machine's first rank, checked against the manifest's
-sha256), after which every machine's directory holds the whole checkpoint and `load_checkpoint`
+record), after which every machine's directory holds the whole checkpoint and `load_checkpoint`
 reads it like any other: resharded to the new world size and stage
 ([Note: resharding by element ranges] in reader.py), but without hashing the files again: each was
-hashed as its rank wrote it, or checked against its sender's sha256 when it arrived, and a file in
+hashed as its rank wrote it, or checked against its sender's checksum when it arrived, and a file in
 host memory reads back what was written, while hashing it again would take longer than reading it
 (a checkpoint on disk is verified, as every load's is). Without a complete snapshot, or when the
 disk checkpoint is newer, the disk checkpoint is loaded instead, with a warning that says why.
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import logging
 import mmap
 import os
@@ -62,7 +61,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.common import agree, attempt, optimizer_states, replica_of
-from zeroshard.checkpoint.files import CheckpointError, fsync_dir, write_atomic, write_safetensors
+from zeroshard.checkpoint.files import CheckpointError, fsync_dir, matches, record_of, write_atomic, write_safetensors
 from zeroshard.checkpoint.layout import layout_of
 from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.manifest import (
@@ -177,7 +176,7 @@ class _Staged:
         if source != comm.rank:
             arrived = received.numpy().data  # an ndarray is a buffer
             theirs, record = everyone[source][0], everyone[source][1]
-            files[theirs], error = attempt(_checked, arrived, record["sha256"], theirs)
+            files[theirs], error = attempt(_checked, arrived, record, theirs)
         if leader and error is None:
             files.update(common)
         if error is None:
@@ -245,23 +244,19 @@ def _common_files(engine, states: list[dict], tag: str, client_state, rng: list)
 
 def _with_records(manifest: dict, out: dict[str, bytes], records: dict[str, dict]) -> dict[str, bytes]:
     files = dict(records)
-    files.update({name: _record(data) for name, data in out.items()})
+    files.update({name: record_of(data) for name, data in out.items()})
     return {**out, MANIFEST: manifest_text({**manifest, "files": files}).encode()}
 
 
-def _record(data: bytes | memoryview) -> dict:
-    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-
-
-def _checked(data: memoryview, digest: str, name: str) -> memoryview:
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise CheckpointError(f"snapshot file {name} arrived from its rank with another sha256 than it was sent with")
+def _checked(data: memoryview, record: dict, name: str) -> memoryview:
+    if not matches(data, record):
+        raise CheckpointError(f"snapshot file {name} arrived from its rank with another checksum than it was sent with")
     return data
 
 
 def _write_files(staging: Path, files: dict) -> None:
     """Into the staging directory, which is renamed whole once every rank wrote (no file is looked
-    for there before): plain writes, checked by size and sha256 when read back."""
+    for there before): plain writes, checked by size and checksum when read back."""
     staging.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         with _naming(staging / name), open(staging / name, "wb") as file:
@@ -431,7 +426,7 @@ def _fill(comm, directory: Path, tag: str, inventories: list[dict], ranks_per_ma
 
 
 def _write_checked(target: Path, name: str, data: bytes | memoryview, record: dict) -> None:
-    if _record(data) != record:
-        raise CheckpointError(f"{target / name}: the copy does not match the manifest's size and sha256")
+    if not matches(data, record):
+        raise CheckpointError(f"{target / name}: the copy does not match the manifest's size and checksum")
     target.mkdir(parents=True, exist_ok=True)
     write_atomic(target / name, data, record)  # hashed once, above

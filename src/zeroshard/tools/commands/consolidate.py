@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="5GB",
         help="--format hf: the largest file, in bytes or like 5GB, 500MB (default 5GB, as save_pretrained)",
     )
-    parser.add_argument("--no-verify", action="store_true", help="skip the sha256 checks of the shard files")
+    parser.add_argument("--no-verify", action="store_true", help="skip the checksum checks of the shard files")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=run)

@@ -1,0 +1,76 @@
+"""How fast the checksums a checkpoint may carry run on this machine, against copying the same bytes
+([Note: checksums] in src/zeroshard/checkpoint/files.py).
+
+    python benchmarks/checksums.py --out docs/bench/checksums.txt
+
+One process, one thread. For a buffer of `--mib` MiB of random bytes, the best of `--repeat` runs of:
+sha256 and XXH3-128 over the buffer (what a save, a snapshot and a verified load compute per byte),
+a copy into a preallocated tensor (host memory's pace), and a write into a file under `--dir` (default
+/dev/shm, host memory through the page cache; point it at a disk to compare). GiB/s = size / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import platform
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+import xxhash
+
+
+def best_seconds(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="buffer size in MiB (default: 256)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs of each, the best counts (default: 5)")
+    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the write goes (default: /dev/shm)")
+    parser.add_argument("--out", type=Path, help="also write the table to this file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    size = args.mib * 2**20
+    data = os.urandom(size)
+    source = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    target = torch.empty_like(source)
+    target.copy_(source)  # the pages exist before the timed copies
+
+    def write() -> None:
+        with tempfile.NamedTemporaryFile(dir=args.dir) as file:
+            file.write(data)
+            file.flush()
+
+    rows = {
+        "sha256": lambda: hashlib.sha256(data).hexdigest(),
+        "xxh3_128": lambda: xxhash.xxh3_128(data).hexdigest(),
+        "copy in memory": lambda: target.copy_(source),
+        f"write to {args.dir}": write,
+    }
+    lines = [
+        f"# {date.today()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
+        f"torch {torch.__version__}, xxhash {xxhash.VERSION}",
+        f"{args.mib} MiB, best of {args.repeat}",
+        f"{'what':<24} {'GiB/s':>8}",
+    ]
+    for name, fn in rows.items():
+        lines.append(f"{name:<24} {size / best_seconds(fn, args.repeat) / 2**30:>8.2f}")
+    text = "\n".join(lines) + "\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
