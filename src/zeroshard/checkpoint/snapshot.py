@@ -17,9 +17,9 @@ recovery then finds the snapshot incomplete and says so.
 Writing (collective, `take_snapshot`): each rank writes its shard file, hashed as it is written, into
 `.partial-<tag>-<nonce>/`, then sends the file's bytes (mapped, not copied) to its buddy while
 receiving its source's (one ring shift, Communicator.shift); the receiver checks them against the
-sender's checksum before writing them beside its own ([Note: checksums] in files.py). Once every rank reports its files written,
-the first rank of each machine renames the directory to `<tag>` and only then removes older
-snapshots, so a failure at any point leaves the previous snapshot whole. A snapshot of the same
+sender's checksum ([Note: checksums] in files.py) before writing them beside its own. Once every
+rank reports its files written, the first rank of each machine renames the directory to `<tag>` and
+only then removes older snapshots, so a failure at any point leaves the previous snapshot whole. A snapshot of the same
 step already there (taken again, e.g. after a recovery) is first renamed away to
 `.old-<tag>-<nonce>` and removed only once the new one is in place; a crash between the two
 renames leaves it under that name, and recovery renames it back. With all ranks on one machine
