@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
-import platform
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 import xxhash
+from two_ranks import write_record
 
 
 def best_seconds(fn, repeat: int) -> float:
@@ -38,7 +37,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=256, help="buffer size in MiB (default: 256)")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each, the best counts (default: 5)")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"), help="where the write goes (default: /dev/shm)")
-    parser.add_argument("--out", type=Path, help="also write the table to this file")
+    parser.add_argument("--out", type=Path, help="also write the record (date, cores, command, table) to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     size = args.mib * 2**20
@@ -58,18 +57,12 @@ def main() -> None:
         "copy in memory": lambda: target.copy_(source),
         f"write to {args.dir}": write,
     }
-    lines = [
-        f"# {date.today()}, {os.cpu_count()} cores, {platform.processor() or platform.machine()}, "
-        f"torch {torch.__version__}, xxhash {xxhash.VERSION}",
-        f"{args.mib} MiB, best of {args.repeat}",
-        f"{'what':<24} {'GiB/s':>8}",
-    ]
+    lines = [f"{args.mib} MiB, best of {args.repeat}, xxhash {xxhash.VERSION}", f"{'what':<24} {'GiB/s':>8}"]
     for name, fn in rows.items():
         lines.append(f"{name:<24} {size / best_seconds(fn, args.repeat) / 2**30:>8.2f}")
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if args.out is not None:
-        args.out.write_text(text)
+    text = "\n".join(lines)
+    print(text)
+    write_record(args.out, __file__, text)
 
 
 if __name__ == "__main__":

@@ -246,8 +246,9 @@ def test_two_nodes_match_one_node_then_a_killed_node_resumes_elsewhere(cluster_e
     """2 nodes x 2 ranks over a 1 Gbit/s link == 1 node x 4 ranks, bit for bit, stages 0-3; then
     node 0, which also hosts the rendezvous store, is SIGKILLed mid-run at stage 3: the other node's
     ranks raise CollectiveError (the first at once: the kernel resets the dead node's connections; a
-    rank waiting on it within its comm_timeout_s) and its torchrun exits; the checkpoint saved before the kill resumes on 4 other ranks (one machine, the
-    host's) and continues with the losses the killed run had.
+    rank waiting on it within its comm_timeout_s) and its torchrun exits; the checkpoint saved before
+    the kill resumes on 4 other ranks (one machine, the host's) and continues with the losses the
+    killed run had.
 
     Exact across machines because the collective algorithms are the same: gloo runs the same ring
     over ranks 0-3 whichever machine a rank is on, so every sum is added in the same order."""
