@@ -381,3 +381,34 @@ def test_full_host_memory_fails_the_snapshot_and_keeps_the_previous_one(tmpfs):
     used = (usage.f_blocks - usage.f_bfree) * usage.f_frsize  # one snapshot, in pages
     subprocess.run(["mount", "-o", f"remount,size={used * 3 // 2}", str(tmpfs)], check=True)
     run_distributed(_memory_runs_out, 2, timeout=300, root=str(tmpfs))
+
+
+def test_a_file_arrives_into_its_place_or_not_at_all(tmpfs):
+    """[Note: receiving into the file]: the bytes land in a mapping of a temporary file that is renamed
+    to the file's name once they match the sender's record; a mismatch or a full tmpfs leaves no file
+    and no temporary behind, and a full tmpfs still gives the exchange a buffer of the right size."""
+    from zeroshard.checkpoint.files import record_of
+
+    data = torch.arange(3_000_000, dtype=torch.int32).view(torch.uint8)
+    target = tmpfs / "snapshot4" / rank_file(1)
+    with snapshot._Arrival(target, data.numel()) as arrival:
+        assert arrival.error is None and not target.exists()
+        arrival.tensor.copy_(data)  # what the exchange does
+        assert arrival.finish(record_of(data.numpy().data), "rank 1's file") is None
+    assert target.read_bytes() == data.numpy().tobytes() and os.listdir(target.parent) == [target.name]
+    # A reader of the file already there (a directory two ranks share) keeps the bytes it opened.
+    with open(target, "rb") as reader, snapshot._Arrival(target, 4) as again:
+        again.tensor.copy_(torch.tensor([1, 2, 3, 4], dtype=torch.uint8))
+        assert again.finish(record_of(b"\x01\x02\x03\x04"), "rank 1's file") is None
+        assert reader.read(4) == data.numpy().tobytes()[:4]
+    assert target.read_bytes() == b"\x01\x02\x03\x04"
+    wrong = snapshot._Arrival(tmpfs / "snapshot4" / rank_file(2), 4)
+    with wrong:
+        error = wrong.finish(record_of(b"\x00\x00\x00\x01"), "snapshot file rank 2 arrived from its rank")
+    assert error == "snapshot file rank 2 arrived from its rank with another checksum than it was sent with"
+    assert os.listdir(target.parent) == [target.name]
+    too_big = 80 * 2**20  # the tmpfs holds 64 MiB
+    with snapshot._Arrival(tmpfs / "snapshot4" / rank_file(3), too_big) as full:
+        assert full.tensor.numel() == too_big and "No space left on device (host memory:" in full.error
+        assert full.finish(record_of(b""), "rank 3's file") == full.error
+    assert os.listdir(target.parent) == [target.name]

@@ -16,14 +16,24 @@ recovery then finds the snapshot incomplete and says so.
 
 Writing (collective, `take_snapshot`): each rank writes its shard file, hashed as it is written, into
 `.partial-<tag>-<nonce>/`, then sends the file's bytes (mapped, not copied) to its buddy while
-receiving its source's (one ring shift, Communicator.shift); the receiver checks them against the
-sender's checksum ([Note: checksums] in files.py) before writing them beside its own. Once every
-rank reports its files written, the first rank of each machine renames the directory to `<tag>` and
-only then removes older snapshots, so a failure at any point leaves the previous snapshot whole. A snapshot of the same
-step already there (taken again, e.g. after a recovery) is first renamed away to
-`.old-<tag>-<nonce>` and removed only once the new one is in place; a crash between the two
-renames leaves it under that name, and recovery renames it back. With all ranks on one machine
+receiving its source's (one ring shift, Communicator.shift) straight into their file beside its own
+([Note: receiving into the file]), then checks them against the sender's checksum ([Note: checksums]
+in files.py). Once every rank reports its files written, the first rank of each machine renames the
+directory to `<tag>` and only then removes older snapshots, so a failure at any point leaves the
+previous snapshot whole. A snapshot of the same step already there (taken again, e.g. after a
+recovery) is first renamed away to `.old-<tag>-<nonce>` and removed only once the new one is in
+place; a crash between the two renames leaves it under that name, and recovery renames it back. With all ranks on one machine
 there is no buddy: a snapshot then survives a worker restart, not the machine.
+
+[Note: receiving into the file]
+A file that arrives (the source's, when a snapshot is written; one a machine lacks, when a run
+recovers) is received into a writable mapping of the file it becomes, not into a buffer written out
+afterwards: host memory is what snapshots are bounded by, and the buffer would hold a second copy of
+the file while it was written, and copying it would cost time besides. The file is allocated whole
+first (posix_fallocate), so that a full /dev/shm is an error naming it before anything is sent, not
+a SIGBUS when the mapping is written. Nothing reads the file until it is checked: at a snapshot it
+lies in the staging directory, at recovery under a temporary name renamed once checked. Timings:
+docs/bench/snapshots.txt.
 
 Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
 happened: every rank's random-number generators (torch's CPU generator, the current CUDA device's,
@@ -55,6 +65,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from safetensors.torch import save as safetensors_bytes
@@ -162,25 +173,19 @@ class _Staged:
         agree(comm, next((e for _, _, e in everyone if e is not None), None), what)
         to = buddy_of(comm.rank, comm.world_size, self.ranks_per_machine)
         source = (comm.rank - self.ranks_per_machine) % comm.world_size
-        received = torch.empty(everyone[source][1]["bytes"], dtype=torch.uint8)
         if to != comm.rank:  # one machine: no buddy
-            _send_file(comm, staging / name, to, received, source, f"{what}: to the buddy")
+            theirs, record = everyone[source][0], everyone[source][1]
+            with _Arrival(staging / theirs, record["bytes"]) as arrival:
+                _send_file(comm, staging / name, to, arrival.tensor, source, f"{what}: to the buddy")
+                error = arrival.finish(record, f"snapshot file {theirs} arrived from its rank")
         common = None
-        if comm.rank == 0:  # the manifest, now with every file's record
+        if comm.rank == 0 and error is None:  # the manifest, now with every file's record
             assert self.common is not None  # rank 0 made it at the step
             common, error = attempt(_with_records, *self.common, {n: r for n, r, _ in everyone})
         common = comm.all_gather_objects(common, f"{what}: manifest")[0]
         agree(comm, error, what)
         leader = comm.rank % self.ranks_per_machine == 0
-        files: dict[str, bytes | memoryview] = {}
-        if source != comm.rank:
-            arrived = received.numpy().data  # an ndarray is a buffer
-            theirs, record = everyone[source][0], everyone[source][1]
-            files[theirs], error = attempt(_checked, arrived, record, theirs)
-        if leader and error is None:
-            files.update(common)
-        if error is None:
-            _, error = attempt(_write_files, staging, files)
+        _, error = attempt(_write_files, staging, common if leader else {})
         agree(comm, error, what)
         if leader:
             _, error = attempt(_publish, self.directory, staging, self.tag, self.keep)
@@ -248,10 +253,65 @@ def _with_records(manifest: dict, out: dict[str, bytes], records: dict[str, dict
     return {**out, MANIFEST: manifest_text({**manifest, "files": files}).encode()}
 
 
-def _checked(data: memoryview, record: dict, name: str) -> memoryview:
-    if not matches(data, record):
-        raise CheckpointError(f"snapshot file {name} arrived from its rank with another checksum than it was sent with")
-    return data
+class _Arrival:
+    """A file received straight into a writable mapping of a temporary file beside `path`, which
+    `finish` checks and renames to `path` ([Note: receiving into the file]). `tensor` is what the
+    exchange fills. Where the file cannot be made, `tensor` is in memory and `error` says why: the
+    rank still takes part in the exchange, and `finish` returns the error."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.temporary = path, path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self._file: BinaryIO | None = None
+        self._mapped: mmap.mmap | None = None
+        self.error: str | None
+        _, self.error = attempt(self._create, size)  # the error as one message, or None
+        self.tensor: torch.Tensor
+        if self._mapped is not None:
+            self.tensor = torch.frombuffer(self._mapped, dtype=torch.uint8)
+        else:
+            self.tensor = torch.empty(0 if self.error is None else size, dtype=torch.uint8)
+
+    def _create(self, size: int) -> None:
+        with _naming(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.temporary, "w+b")
+            if size:
+                os.posix_fallocate(self._file.fileno(), 0, size)
+                self._mapped = mmap.mmap(self._file.fileno(), size)
+
+    def __enter__(self) -> _Arrival:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._close()
+        self.temporary.unlink(missing_ok=True)  # where it was not put in place
+
+    def finish(self, record: dict, what: str) -> str | None:
+        """Check the bytes against the sender's `record`, then put the file in place (durably, as
+        write_atomic puts a file); the error where either failed."""
+        if self.error is None and not matches(self.tensor.numpy().data, record):
+            self.error = f"{what} with another checksum than it was sent with"
+        self._close()
+        if self.error is None:
+            _, self.error = attempt(self._put_in_place)
+        return self.error
+
+    def _put_in_place(self) -> None:
+        with _naming(self.path):
+            with open(self.temporary, "rb+") as file:
+                os.fsync(file.fileno())
+            os.replace(self.temporary, self.path)  # a reader of the file it replaces keeps that one
+        fsync_dir(self.path.parent)
+
+    def _close(self) -> None:
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # the mapping cannot close while a tensor points into it
+        if self._mapped is not None:
+            # Still exported (a tensor of the exchange alive in an error unwinding past us): it
+            # closes with the last one, and the error in flight stays the one raised.
+            with contextlib.suppress(BufferError):
+                self._mapped.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def _write_files(staging: Path, files: dict) -> None:
@@ -410,23 +470,16 @@ def _fill(comm, directory: Path, tag: str, inventories: list[dict], ranks_per_ma
         if not have or not lacking:
             continue  # everywhere already (or a file the snapshot may lack, as buffers without buffers)
         record, source = manifest["files"][name], have[index % len(have)]
-        received = torch.empty(record["bytes"], dtype=torch.uint8) if comm.rank in lacking else None
-        receives = [] if received is None else [(source, received)]
-        with _mapped(target / name) if comm.rank == source else contextlib.nullcontext() as sent:
-            sends = [] if sent is None else [(leader, sent) for leader in lacking]
-            comm.exchange(sends, receives, f"recovery: {tag}/{name}")
-        error = None
-        if received is not None:
-            _, error = attempt(_write_checked, target, name, received.numpy().data, record)
+        arrival = _Arrival(target / name, record["bytes"]) if comm.rank in lacking else None
+        with arrival or contextlib.nullcontext():
+            receives = [] if arrival is None else [(source, arrival.tensor)]
+            with _mapped(target / name) if comm.rank == source else contextlib.nullcontext() as sent:
+                sends = [] if sent is None else [(leader, sent) for leader in lacking]
+                comm.exchange(sends, receives, f"recovery: {tag}/{name}")
+            del receives
+            error = None if arrival is None else arrival.finish(record, f"{target / name}: the copy arrived")
         agree(comm, error, f"recovery: copying {tag}/{name}")
     error = None
     if comm.rank in leaders and comm.rank not in holders[MANIFEST]:  # last: it makes the directory a snapshot
         _, error = attempt(write_atomic, target / MANIFEST, manifest_text(manifest).encode())
     agree(comm, error, f"recovery: copying {tag}/{MANIFEST}")
-
-
-def _write_checked(target: Path, name: str, data: bytes | memoryview, record: dict) -> None:
-    if not matches(data, record):
-        raise CheckpointError(f"{target / name}: the copy does not match the manifest's size and checksum")
-    target.mkdir(parents=True, exist_ok=True)
-    write_atomic(target / name, data, record)  # hashed once, above
