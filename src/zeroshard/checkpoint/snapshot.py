@@ -22,8 +22,9 @@ in files.py). Once every rank reports its files written, the first rank of each 
 directory to `<tag>` and only then removes older snapshots, so a failure at any point leaves the
 previous snapshot whole. A snapshot of the same step already there (taken again, e.g. after a
 recovery) is first renamed away to `.old-<tag>-<nonce>` and removed only once the new one is in
-place; a crash between the two renames leaves it under that name, and recovery renames it back. With all ranks on one machine
-there is no buddy: a snapshot then survives a worker restart, not the machine.
+place; a crash between the two renames leaves it under that name, and recovery renames it back.
+With all ranks on one machine there is no buddy: a snapshot then survives a worker restart, not the
+machine.
 
 [Note: receiving into the file]
 A file that arrives (the source's, when a snapshot is written; one a machine lacks, when a run
@@ -31,8 +32,9 @@ recovers) is received into a writable mapping of the file it becomes, not into a
 afterwards: host memory is what snapshots are bounded by, and the buffer would hold a second copy of
 the file while it was written, and copying it would cost time besides. The file is allocated whole
 first (posix_fallocate), so that a full /dev/shm is an error naming it before anything is sent, not
-a SIGBUS when the mapping is written. Nothing reads the file until it is checked: at a snapshot it
-lies in the staging directory, at recovery under a temporary name renamed once checked. Timings:
+a SIGBUS when the mapping is written. It arrives under a temporary name beside the file's own and is
+renamed to it once checked, so nothing reads it half-written, and a process reading a file of that
+name already there (a directory two ranks share) keeps the one it opened. Timings:
 docs/bench/snapshots.txt.
 
 Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
