@@ -326,15 +326,26 @@ def write_atomic(path, data: bytes | memoryview, record: dict | None = None) -> 
     """Write `data` to a temporary name beside `path`, fsync, then rename over `path`; return its
     record (`record`, where the caller has already computed it; [Note: checksums])."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    temporary = temporary_beside(path)
     try:
         with open(temporary, "wb") as file:
             file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        put_in_place(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
     return record if record is not None else record_of(data)
+
+
+def temporary_beside(path: Path) -> Path:
+    """A fresh name in `path`'s directory for a file that becomes `path` once complete."""
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+
+
+def put_in_place(temporary: Path, path: Path) -> None:
+    """Make the written file `temporary` durable and rename it over `path` (a reader of the file it
+    replaces keeps that one), then make the rename durable."""
+    with open(temporary, "rb+") as file:
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    fsync_dir(path.parent)

@@ -74,7 +74,16 @@ from safetensors.torch import save as safetensors_bytes
 
 from zeroshard.checkpoint.background import BackgroundSaves
 from zeroshard.checkpoint.common import agree, attempt, optimizer_states, replica_of
-from zeroshard.checkpoint.files import CheckpointError, fsync_dir, matches, record_of, write_atomic, write_safetensors
+from zeroshard.checkpoint.files import (
+    CheckpointError,
+    fsync_dir,
+    matches,
+    put_in_place,
+    record_of,
+    temporary_beside,
+    write_atomic,
+    write_safetensors,
+)
 from zeroshard.checkpoint.layout import layout_of
 from zeroshard.checkpoint.load import load_checkpoint
 from zeroshard.checkpoint.manifest import (
@@ -262,7 +271,7 @@ class _Arrival:
     rank still takes part in the exchange, and `finish` returns the error."""
 
     def __init__(self, path: Path, size: int):
-        self.path, self.temporary = path, path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.path, self.temporary = path, temporary_beside(path)
         self._file: BinaryIO | None = None
         self._mapped: mmap.mmap | None = None
         self.error: str | None
@@ -289,8 +298,8 @@ class _Arrival:
         self.temporary.unlink(missing_ok=True)  # where it was not put in place
 
     def finish(self, record: dict, what: str) -> str | None:
-        """Check the bytes against the sender's `record`, then put the file in place (durably, as
-        write_atomic puts a file); the error where either failed."""
+        """Check the bytes against the sender's `record`, then put the file in place (durably:
+        files.put_in_place); the error where either failed."""
         if self.error is None and not matches(self.tensor.numpy().data, record):
             self.error = f"{what} with another checksum than it was sent with"
         self._close()
@@ -300,10 +309,7 @@ class _Arrival:
 
     def _put_in_place(self) -> None:
         with _naming(self.path):
-            with open(self.temporary, "rb+") as file:
-                os.fsync(file.fileno())
-            os.replace(self.temporary, self.path)  # a reader of the file it replaces keeps that one
-        fsync_dir(self.path.parent)
+            put_in_place(self.temporary, self.path)
 
     def _close(self) -> None:
         self.tensor = torch.empty(0, dtype=torch.uint8)  # the mapping cannot close while a tensor points into it
