@@ -201,13 +201,13 @@ def _read_shards(
         if restore_optimizer:
             _check_state_complete(reader, engine)
         for index, group in enumerate(engine.groups):
-            master = group.master.detach().to("cpu", copy=True)  # what the checkpoint lacks stays as it is
-            for slot, lo, hi, dest in group.master_pieces(master):
+            master = torch.empty(group.master.shape, dtype=group.master.dtype)  # each element written once
+            for (slot, lo, hi, dest), (*_, now) in zip(group.master_pieces(master), group.master_pieces()):
                 if slot.name in reader.index:
                     reader.read_param(slot.name, "master", lo, hi, dest)
-            start, end = group.opt_range
-            for lo, hi in group.layout.gaps(start, end):  # padding stays zero
-                master[lo - start : hi - start].zero_()
+                else:
+                    dest.copy_(now)  # what the checkpoint lacks stays as it is
+            _zero_padding(group, master)
             loaded.copies.append((group.master, master))
             if restore_optimizer and group.trainable:
                 state = _load_optimizer_state(reader, group, objects["optimizer"]["scalars"], optimizer)
@@ -308,11 +308,23 @@ def _load_optimizer_state(reader: CheckpointReader, group, scalars: dict, optimi
             for key, (value, on_device) in _saved_scalars(scalars, sources[first_name]).items()
         }
     for key in [k for k, kind in kinds[stepped[0]].items() if kind == "elementwise"]:
-        state[key] = torch.zeros_like(group.master)  # 1-D, numel = end - start
+        state[key] = torch.empty_like(group.master)  # 1-D, numel = end - start; each element written once
         for slot, lo, hi, dest in group.master_pieces(state[key]):
-            if slot.name in sources and kinds[sources[slot.name]]:  # else new to the model, or never stepped
+            if slot.name in sources and kinds[sources[slot.name]]:
                 reader.read_param(slot.name, key, lo, hi, dest)
+            else:
+                dest.zero_()  # new to the model, or never stepped
+        _zero_padding(group, state[key])
     return state
+
+
+def _zero_padding(group, tensor: torch.Tensor) -> None:
+    """The elements of `tensor` (1-D, laid out like the group's master) that no parameter covers:
+    padding, which stays zero. A load fills the rest piece by piece, so its buffers start empty:
+    writing each element once, not zeros first."""
+    start, end = group.opt_range
+    for lo, hi in group.layout.gaps(start, end):
+        tensor[lo - start : hi - start].zero_()
 
 
 def _saved_scalars(scalars: dict, source: int) -> dict:
