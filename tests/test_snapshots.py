@@ -85,7 +85,8 @@ def _four_ranks_snapshot(rank: int, world: int, root: str, disk: str) -> None:
     engine.save_checkpoint(f"{disk}-5")
     engine.destroy()
     mine = _machine(root, rank)
-    assert sorted(p.name for p in mine.iterdir()) == ["snapshot4"], "the newest only, nothing half-written"
+    # the newest only, nothing half-written; snapshot2's files kept for the next one to write over
+    assert sorted(p.name for p in mine.iterdir()) == [".spare", "snapshot4"]
     held = sorted(p.name for p in (mine / "snapshot4").glob("rank_*"))
     assert held == [rank_file(r) for r in range(4)], held  # its own, and the other machine's
 
@@ -113,7 +114,7 @@ def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int
     losses = _train(recovered, 4, 3)
     if stage == 1:
         recovered.wait_checkpoint()
-        assert [p.name for p in _machine(root, rank).iterdir()] == ["snapshot7"]
+        assert sorted(p.name for p in _machine(root, rank).iterdir()) == [".spare", "snapshot7"]
     params = full_params(recovered)
     recovered.destroy()
     from_disk = _engine(stage, None)
@@ -124,6 +125,37 @@ def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int
     from_disk.destroy()
     if stage == 3 and not replacement:
         _keeps_client_state_and_generators(rank, root)
+
+
+def _writes_over_the_replaced_snapshot(rank: int, world: int, root: str) -> None:
+    """[Note: snapshot files written over]: the snapshot a new one replaces is kept as the spare, whose
+    files the next snapshot writes over, a rank's own and the one its buddy sends alike; the snapshot
+    written over them recovers the run's parameters."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        engine = _engine(3, _machine(root, rank), every=1)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    mine, listed, inodes = _machine(root, rank), [], []
+    for step in range(3):
+        _train(engine, step, 1)
+        engine.wait_checkpoint()
+        engine.comm.barrier("snapshot published")  # by the first rank of each machine
+        listed.append(sorted(p.name for p in mine.iterdir()))
+        inodes.append({p.name: p.stat().st_ino for p in mine.glob(f"snapshot{step + 1}/rank_*")})
+    assert listed == [["snapshot1"], [".spare", "snapshot2"], [".spare", "snapshot3"]], listed
+    assert len(inodes[0]) == 4 and inodes[2] == inodes[0], inodes  # own and buddy's files: snapshot1's
+    params = full_params(engine)
+    engine.destroy()
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        again = _engine(3, mine)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    assert again.recover().step == 3
+    recovered = full_params(again)
+    again.destroy()
+    assert all(torch.equal(recovered[name], value) for name, value in params.items())
 
 
 def _assert_same_files(copy: Path, original: Path) -> None:
@@ -185,6 +217,7 @@ def _falls_back(rank: int, world: int, root: str, disk: str, case: str) -> None:
 def test_a_lost_machine_is_recovered_from_its_buddys_snapshot(tmp_path):
     root, disk = str(tmp_path / "shm"), str(tmp_path / "disk")
     run_distributed(_four_ranks_snapshot, 4, timeout=300, root=root, disk=disk)
+    run_distributed(_writes_over_the_replaced_snapshot, 4, timeout=300, root=str(tmp_path / "over"))
     shutil.rmtree(_machine(root, 2))  # machine 1 is lost, with its host memory
     saved = tmp_path / "machine0-before"
     shutil.copytree(_machine(root, 0), saved)
@@ -329,7 +362,7 @@ def _paces_itself(rank: int, world: int, root: str) -> dict:
 def test_auto_snapshots_are_taken_at_the_same_steps_on_every_rank(tmp_path):
     seen = run_distributed(_paces_itself, 2, timeout=300, root=str(tmp_path / "shm"))
     assert seen[0]["every"] == seen[1]["every"] >= 12, seen  # agreed at step 3: the next at step 15
-    assert all(s["snapshots"] == ["snapshot15"] for s in seen), seen
+    assert all(s["snapshots"] == [".spare", "snapshot15"] for s in seen), seen
     assert seen[0]["measured"], seen  # rank 0 measured what its snapshot of step 3 cost
 
 
@@ -412,3 +445,32 @@ def test_a_file_arrives_into_its_place_or_not_at_all(tmpfs):
         assert full.tensor.numel() == too_big and "No space left on device (host memory:" in full.error
         assert full.finish(record_of(b""), "rank 3's file") == full.error
     assert os.listdir(target.parent) == [target.name]
+
+
+@pytest.mark.parametrize("spare_bytes", [0, 1_000, 9_000])
+def test_a_spare_file_written_over_keeps_only_the_new_bytes(tmp_path, spare_bytes):
+    """[Note: snapshot files written over]: a rank's own file and an arriving one take the spare's
+    file of their name, shorter, longer or the same size, and end as the new bytes alone; the spare
+    file is gone, moved, and without a spare the files are made anew."""
+    from zeroshard.checkpoint.files import SafetensorsReader, record_of
+
+    spare = tmp_path / snapshot.SPARE
+    spare.mkdir()
+    staging = tmp_path / ".partial-snapshot2-x"
+    tensors = {"a": torch.arange(700, dtype=torch.float32), "b": torch.ones(3, 5)}
+    for name in (rank_file(0), rank_file(1)):
+        if spare_bytes:
+            (spare / name).write_bytes(b"\xff" * spare_bytes)
+    record = snapshot._write_own(tmp_path, staging, rank_file(0), tensors, {"rank": "0"})
+    own = staging / rank_file(0)
+    header = int.from_bytes(own.read_bytes()[:8], "little")
+    assert own.stat().st_size == record["bytes"] == 8 + header + 4 * (700 + 15)
+    with SafetensorsReader(own) as reader:
+        assert torch.equal(reader.read("a").view(700), tensors["a"])
+        assert torch.equal(reader.read("b").view(3, 5), tensors["b"])
+    data = torch.arange(3_000, dtype=torch.int16).view(torch.uint8)  # 6,000 bytes
+    with snapshot._Arrival(staging / rank_file(1), data.numel(), spare / rank_file(1)) as arrival:
+        arrival.tensor.copy_(data)
+        assert arrival.finish(record_of(data.numpy().data), "rank 1's file") is None
+    assert (staging / rank_file(1)).read_bytes() == data.numpy().tobytes()
+    assert os.listdir(spare) == [] and sorted(os.listdir(staging)) == [rank_file(0), rank_file(1)]

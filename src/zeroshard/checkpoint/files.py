@@ -99,10 +99,16 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
 class SafetensorsWriter:
     """A safetensors file whose header is known up front and whose tensors are written one by one,
     in `specs` order. The file's checksum is computed while writing; `close()` returns its record
-    ([Note: checksums])."""
+    ([Note: checksums]). `write_over`: a file already at `path` is written over from its start and
+    cut to size at `close()`, keeping the storage it has (a tmpfs file's pages), instead of being
+    truncated first."""
 
     def __init__(
-        self, path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None = None
+        self,
+        path,
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+        write_over: bool = False,
     ):
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         offset = 0
@@ -123,7 +129,8 @@ class SafetensorsWriter:
         self._next = 0
         self._hash = CHECKSUMS[CHECKSUM]()
         self._bytes = 0
-        self._file = open(self.path, "wb")
+        self._write_over = write_over and self.path.is_file()
+        self._file = open(self.path, "r+b" if self._write_over else "wb")
         self._emit(memoryview(struct.pack("<Q", len(raw))))
         self._emit(memoryview(raw))
 
@@ -149,6 +156,8 @@ class SafetensorsWriter:
         if self._next != len(self._pending):
             missing = [name for name, _, _ in self._pending[self._next :]]
             raise ValueError(f"{self.path.name}: {len(missing)} tensors never written, first '{missing[0]}'")
+        if self._write_over:
+            self._file.truncate(self._bytes)  # what is left of the file it was written over
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -159,9 +168,13 @@ class SafetensorsWriter:
         self.path.unlink(missing_ok=True)
 
 
-def write_safetensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
-    """All of `tensors` into one file; returns its record ([Note: checksums])."""
-    writer = SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], metadata)
+def write_safetensors(
+    path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, write_over: bool = False
+) -> dict:
+    """All of `tensors` into one file; returns its record ([Note: checksums]). `write_over`: as
+    SafetensorsWriter's."""
+    specs = [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    writer = SafetensorsWriter(path, specs, metadata, write_over)
     try:
         for name, tensor in tensors.items():
             writer.write(name, tensor)

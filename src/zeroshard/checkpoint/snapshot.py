@@ -37,6 +37,18 @@ renamed to it once checked, so nothing reads it half-written, and a process read
 name already there (a directory two ranks share) keeps the one it opened. Timings:
 docs/bench/snapshots.txt.
 
+[Note: snapshot files written over]
+A tmpfs allocates and zeroes a page the first time a file grows into it and frees it when the file
+goes, which costs more than writing the page's bytes (docs/bench/snapshots.txt). A snapshot writes
+files of the same names and sizes at every step it is taken, so the one it replaces is not removed
+but kept as `.spare/`: the next snapshot moves a rank's own file and its source's out of it (by name)
+into its staging directory and writes over them, its own from the start and cut to size, the
+source's received into its mapping, pre-faulted, whose pages are already there. Publishing a
+snapshot removes what was left in `.spare/` and makes the snapshot it replaced the new one. The
+spare is never a snapshot (recovery looks only at `snapshot<step>` directories with a manifest) and
+takes no more host memory than writing the next snapshot beside the last one takes anyway; but it
+holds that memory between snapshots, where removing it would give it back until the next one.
+
 Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
 happened: every rank's random-number generators (torch's CPU generator, the current CUDA device's,
 Python's `random`), restored on the rank of the same number (a rank beyond the old world size keeps
@@ -102,6 +114,7 @@ from zeroshard.checkpoint.save import engine_objects_bytes, part_contents, shard
 log = logging.getLogger(__name__)
 
 PREFIX = "snapshot"
+SPARE = ".spare"  # the files the next snapshot writes over: [Note: snapshot files written over]
 DEFAULT_ROOT = Path("/dev/shm/zeroshard")
 
 
@@ -179,14 +192,14 @@ class _Staged:
         nonce = comm.all_gather_objects(uuid.uuid4().hex[:12], f"{what}: staging name")[0]
         staging = self.directory / f".partial-{self.tag}-{nonce}"
         # the rank's own file first, hashed as written (as a checkpoint's): then its bytes go to the buddy
-        record, error = attempt(_write_own, staging, name, tensors, metadata)
+        record, error = attempt(_write_own, self.directory, staging, name, tensors, metadata)
         everyone = comm.all_gather_objects((name, record, error), f"{what}: files")
         agree(comm, next((e for _, _, e in everyone if e is not None), None), what)
         to = buddy_of(comm.rank, comm.world_size, self.ranks_per_machine)
         source = (comm.rank - self.ranks_per_machine) % comm.world_size
         if to != comm.rank:  # one machine: no buddy
             theirs, record = everyone[source][0], everyone[source][1]
-            with _Arrival(staging / theirs, record["bytes"]) as arrival:
+            with _Arrival(staging / theirs, record["bytes"], self.directory / SPARE / theirs) as arrival:
                 _send_file(comm, staging / name, to, arrival.tensor, source, f"{what}: to the buddy")
                 error = arrival.finish(record, f"snapshot file {theirs} arrived from its rank")
         common = None
@@ -204,10 +217,20 @@ class _Staged:
         log.info("zeroshard: snapshot %s written to %s (its copy on rank %d)", self.tag, self.directory, to)
 
 
-def _write_own(staging: Path, name: str, tensors: dict, metadata: dict) -> dict:
+def _write_own(directory: Path, staging: Path, name: str, tensors: dict, metadata: dict) -> dict:
     with _naming(staging / name):
         staging.mkdir(parents=True, exist_ok=True)
-        return write_safetensors(staging / name, tensors, metadata)
+        _take_spare(directory / SPARE / name, staging / name)  # [Note: snapshot files written over]
+        return write_safetensors(staging / name, tensors, metadata, write_over=True)
+
+
+def _take_spare(spare: Path, path: Path) -> bool:
+    """Move the spare file of this name (the replaced snapshot's) to `path`; False where there is none."""
+    try:
+        os.rename(spare, path)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 @contextlib.contextmanager
@@ -270,25 +293,30 @@ class _Arrival:
     exchange fills. Where the file cannot be made, `tensor` is in memory and `error` says why: the
     rank still takes part in the exchange, and `finish` returns the error."""
 
-    def __init__(self, path: Path, size: int):
+    def __init__(self, path: Path, size: int, spare: Path | None = None):
         self.path, self.temporary = path, temporary_beside(path)
         self._file: BinaryIO | None = None
         self._mapped: mmap.mmap | None = None
         self.error: str | None
-        _, self.error = attempt(self._create, size)  # the error as one message, or None
+        _, self.error = attempt(self._create, size, spare)  # the error as one message, or None
         self.tensor: torch.Tensor
         if self._mapped is not None:
             self.tensor = torch.frombuffer(self._mapped, dtype=torch.uint8)
         else:
             self.tensor = torch.empty(0 if self.error is None else size, dtype=torch.uint8)
 
-    def _create(self, size: int) -> None:
+    def _create(self, size: int, spare: Path | None) -> None:
+        """`spare`: a file to write over where it exists ([Note: snapshot files written over])."""
         with _naming(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.temporary, "w+b")
+            written_over = spare is not None and _take_spare(spare, self.temporary)
+            self._file = open(self.temporary, "r+b" if written_over else "w+b")
+            os.ftruncate(self._file.fileno(), min(size, os.fstat(self._file.fileno()).st_size))
             if size:
                 os.posix_fallocate(self._file.fileno(), 0, size)
-                self._mapped = mmap.mmap(self._file.fileno(), size)
+                # its pages exist: map them all at once rather than fault on each
+                populate = mmap.MAP_POPULATE if written_over else 0
+                self._mapped = mmap.mmap(self._file.fileno(), size, flags=mmap.MAP_SHARED | populate)
 
     def __enter__(self) -> _Arrival:
         return self
@@ -333,7 +361,7 @@ def _write_files(staging: Path, files: dict) -> None:
 
 def _publish(directory: Path, staging: Path, tag: str, keep: int) -> None:
     """Rename the finished staging directory to `tag`, then remove all but the `keep` newest
-    snapshots, and what interrupted writes left."""
+    snapshots (the newest of those it removes becomes the spare) and what interrupted writes left."""
     fsync_dir(staging)
     final = directory / tag
     if final.exists():  # kept whole, under another name, until the new one is in place
@@ -341,10 +369,13 @@ def _publish(directory: Path, staging: Path, tag: str, keep: int) -> None:
     staging.rename(final)
     fsync_dir(directory)
     snapshots = sorted(_complete(directory), key=_step_of)
-    for old in snapshots[: max(0, len(snapshots) - keep)]:
+    replaced = snapshots[: max(0, len(snapshots) - keep)]
+    for entry in [directory / SPARE, *directory.glob(".partial-*"), *directory.glob(".old-*")]:
+        shutil.rmtree(entry, ignore_errors=True)  # what the new snapshot did not take from the spare, ...
+    if replaced:  # the next snapshot writes over its files: [Note: snapshot files written over]
+        (directory / replaced[-1]).rename(directory / SPARE)
+    for old in replaced[:-1]:
         shutil.rmtree(directory / old, ignore_errors=True)
-    for entry in [*directory.glob(".partial-*"), *directory.glob(".old-*")]:
-        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _restore_set_aside(directory: Path) -> None:
