@@ -21,8 +21,9 @@ IP_TIMEOUT_S = 20.0  # one `ip` / `tc` command
 _STALE_AFTER_S = 60.0  # see clean_stale(); NETCLUSTER_STALE_AFTER_S overrides it
 # Kill, look again (a dying agent may still fork), until none is left or this many seconds have
 # passed: a SIGKILLed process is listed until the kernel has torn it down, which on a loaded 2-core
-# box (two other test workers computing) took more than a second for a torch process.
-_KILL_WAIT_S = 10.0
+# box (two other test workers computing) took more than a second for a torch process, and more than
+# ten for two ranks of the 218M GPT, which free gigabytes each while the survivors compute.
+_KILL_WAIT_S = 30.0
 _RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 _counter = itertools.count()
 
