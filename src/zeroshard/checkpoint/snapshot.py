@@ -39,15 +39,16 @@ docs/bench/snapshots.txt.
 
 [Note: snapshot files written over]
 A tmpfs allocates and zeroes a page the first time a file grows into it and frees it when the file
-goes, which costs more than writing the page's bytes (docs/bench/snapshots.txt). A snapshot writes
-files of the same names and sizes at every step it is taken, so the one it replaces is not removed
-but kept as `.spare/`: the next snapshot moves a rank's own file and its source's out of it (by name)
-into its staging directory and writes over them, its own from the start and cut to size, the
-source's received into its mapping, pre-faulted, whose pages are already there. Publishing a
-snapshot removes what was left in `.spare/` and makes the snapshot it replaced the new one. The
-spare is never a snapshot (recovery looks only at `snapshot<step>` directories with a manifest) and
-takes no more host memory than writing the next snapshot beside the last one takes anyway; but it
-holds that memory between snapshots, where removing it would give it back until the next one.
+goes, which costs more than writing the page's bytes (docs/bench/snapshots.txt). Every snapshot
+writes files of the same names and, at one world size, the same sizes. So publishing a snapshot does
+not remove the one it replaces: it keeps it as `.spare/`. The next snapshot moves a rank's own file
+and its source's out of `.spare/`, by name, into its staging directory and writes over their pages:
+its own file from the start, cut to size at the end; the source's file, cut or extended to size
+first, through a mapping that is pre-faulted, since its pages exist. Publishing that snapshot
+removes what it left in `.spare/` and keeps the snapshot it replaced there in turn. The spare is
+never a snapshot: recovery looks only at `snapshot<step>` directories with a manifest. It takes no
+more host memory than writing the next snapshot beside the last one takes anyway, but it holds that
+memory between snapshots, where removing it would give it back until the next one.
 
 Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
 happened: every rank's random-number generators (torch's CPU generator, the current CUDA device's,
@@ -371,7 +372,7 @@ def _publish(directory: Path, staging: Path, tag: str, keep: int) -> None:
     snapshots = sorted(_complete(directory), key=_step_of)
     replaced = snapshots[: max(0, len(snapshots) - keep)]
     for entry in [directory / SPARE, *directory.glob(".partial-*"), *directory.glob(".old-*")]:
-        shutil.rmtree(entry, ignore_errors=True)  # what the new snapshot did not take from the spare, ...
+        shutil.rmtree(entry, ignore_errors=True)  # the spare's files the new snapshot left, and leftovers
     if replaced:  # the next snapshot writes over its files: [Note: snapshot files written over]
         (directory / replaced[-1]).rename(directory / SPARE)
     for old in replaced[:-1]:
