@@ -39,16 +39,17 @@ docs/bench/snapshots.txt.
 
 [Note: snapshot files written over]
 A tmpfs allocates and zeroes a page the first time a file grows into it and frees it when the file
-goes, which costs more than writing the page's bytes (docs/bench/snapshots.txt). Every snapshot
-writes files of the same names and, at one world size, the same sizes. So publishing a snapshot does
-not remove the one it replaces: it keeps it as `.spare/`. The next snapshot moves a rank's own file
-and its source's out of `.spare/`, by name, into its staging directory and writes over their pages:
-its own file from the start, cut to size at the end; the source's file, cut or extended to size
-first, through a mapping that is pre-faulted, since its pages exist. Publishing that snapshot
-removes what it left in `.spare/` and keeps the snapshot it replaced there in turn. The spare is
-never a snapshot: recovery looks only at `snapshot<step>` directories with a manifest. It takes no
-more host memory than writing the next snapshot beside the last one takes anyway, but it holds that
-memory between snapshots, where removing it would give it back until the next one.
+goes, which costs more than writing the page's bytes (docs/bench/checksums.txt; the snapshots it
+speeds up: docs/bench/snapshots.txt). Every snapshot writes files of the same names and, at one
+world size, the same sizes. So publishing a snapshot does not remove the one it replaces: it keeps
+it as `.spare/`. The next snapshot moves a rank's own file and its source's out of `.spare/`, by
+name, into its staging directory and writes over their pages: its own file from the start, cut to
+size at the end; the source's file, cut or extended to size first, through a mapping that is
+pre-faulted, since its pages exist. Publishing that snapshot removes what it left in `.spare/` and
+keeps the snapshot it replaced there in turn. The spare is never a snapshot: recovery looks only at
+`snapshot<step>` directories with a manifest. It takes no more host memory than writing the next
+snapshot beside the last one takes anyway, but it holds that memory between snapshots, where
+removing it would give it back until the next one.
 
 Besides the model states and counters, a snapshot keeps what a run needs to continue as if nothing
 happened: every rank's random-number generators (torch's CPU generator, the current CUDA device's,
@@ -312,7 +313,8 @@ class _Arrival:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             written_over = spare is not None and _take_spare(spare, self.temporary)
             self._file = open(self.temporary, "r+b" if written_over else "w+b")
-            os.ftruncate(self._file.fileno(), min(size, os.fstat(self._file.fileno()).st_size))
+            if written_over and os.fstat(self._file.fileno()).st_size > size:
+                os.ftruncate(self._file.fileno(), size)
             if size:
                 os.posix_fallocate(self._file.fileno(), 0, size)
                 # its pages exist: map them all at once rather than fault on each
