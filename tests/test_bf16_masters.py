@@ -19,7 +19,7 @@ import zeroshard
 from tests.checkpoint_helpers import check_same_states, checkpoint_states, full_params, state_difference
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, gpt_loss, sum_in_order
-from tests.zs_common import gather_masters, gpt_model_fn, make_config
+from tests.zs_common import gather_masters, gpt_model_fn, make_config, torch_compile
 from zeroshard.config import ConfigKeyNotActedOnWarning
 from zeroshard.tools.estimator import model_state_bytes, recipe
 from zeroshard.tools.models.gpt import tiny_gpt_config
@@ -129,7 +129,8 @@ def _stochastic_rounding_trains() -> None:
     import torchao.optim as torchao_optim  # the `lowbit` extra, which make venv installs
 
     engine = _engine(3, lambda params: torchao_optim.AdamW8bit(params, lr=1e-2, bf16_stochastic_round=True))
-    losses = _train(engine, 0, STEPS)
+    with torch_compile(False):  # tests/test_lowbit_optimizers.py runs torchao's compiled update
+        losses = _train(engine, 0, STEPS)
     assert sum(losses[-2:]) < sum(losses[:2]), losses
     engine.destroy()
 

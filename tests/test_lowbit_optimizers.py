@@ -6,9 +6,10 @@ Each parameter lies whole in its owner's slice and is stepped there as a tensor 
 scale is the one DDP's optimizer makes: at 2 ranks fp32, bit for bit at every stage, with CPU
 and NVMe offload too (with NVMe the states live in swap files). Their state saves by parameter name
 (codes and scales, exactly) and resumes at another stage and world size, also into swap files.
-torchao compiles its step (torch.compile) on first use of each shape: a few
-seconds per rank process, once. The distributed cases run AdamW8bit and AdamW4bit; the flat form
-of all three classes is checked in one process.
+torchao compiles its update (torch.compile) for each parameter shape; one parity case runs it so, as
+users do, on a model of two shapes, and the others eagerly (`tests.zs_common.torch_compile`), DDP's
+side as zeroshard's. The distributed cases run AdamW8bit and AdamW4bit; the flat form of all three
+classes is checked in one process.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from tests.checkpoint_helpers import reloads_unchanged_at_stage_2, resumes_at_stage_1
 from tests.harness import run_distributed, subtests
 from tests.reference import gpt_batches, train_ddp
-from tests.zs_common import assert_close, gpt_model_fn, make_config, train_engine
+from tests.zs_common import assert_close, gpt_model_fn, make_config, torch_compile, train_engine
 from zeroshard.core.optim import lowbit
 from zeroshard.tools.models.gpt import tiny_gpt_config
 
@@ -52,33 +53,62 @@ def _blockwise_params(engine) -> int:
 
 def _parity_case(name: str, stage: int, offload: str = "", io: str | None = None) -> None:
     """`io`: zeroshard.nvme_io ("direct": the store reads states into buffers ahead of the update
-    and writes them back with aligned writes; default "mapped")."""
+    and writes them back with aligned writes; default "mapped"). torchao's update runs eagerly."""
     batches = gpt_batches(CONFIG, batch_size=4)
-    ref = train_ddp(
-        gpt_model_fn(), batches, optimizer_fn=_optimizer(name), steps=STEPS, reduce_every_micro_step=stage >= 2
-    )
-    with tempfile.TemporaryDirectory(prefix="zs-lowbit-") as nvme_path:
-        where = {"device": offload, "nvme_path": nvme_path} if offload == "nvme" else {"device": offload}
-        zero: dict = {"offload_optimizer": where} if offload else {}
-        if offload and stage == 3:
-            zero["offload_param"] = where
-        config = make_config(stage, **zero)
-        if io is not None:
-            config["zeroshard"]["nvme_io"] = io
-        ours = train_engine(gpt_model_fn(), batches, config=config, optimizer_fn=_optimizer(name), steps=STEPS)
+    with torch_compile(False):
+        ref = train_ddp(
+            gpt_model_fn(), batches, optimizer_fn=_optimizer(name), steps=STEPS, reduce_every_micro_step=stage >= 2
+        )
+        with tempfile.TemporaryDirectory(prefix="zs-lowbit-") as nvme_path:
+            where = {"device": offload, "nvme_path": nvme_path} if offload == "nvme" else {"device": offload}
+            zero: dict = {"offload_optimizer": where} if offload else {}
+            if offload and stage == 3:
+                zero["offload_param"] = where
+            config = make_config(stage, **zero)
+            if io is not None:
+                config["zeroshard"]["nvme_io"] = io
+            ours = train_engine(gpt_model_fn(), batches, config=config, optimizer_fn=_optimizer(name), steps=STEPS)
     assert_close(ours, ref, exact=True, what=f"{name} stage {stage} offload {offload or 'none'} {io or ''}")
     if offload == "nvme":  # the moments are in the swap files: in memory only the step counters (0-d)
         assert ours["memory"]["optimizer"] <= 8 * 4 * 100, ours["memory"]
 
 
+def _mlp():
+    """Two parameter shapes, so two compiled graphs per rank: a 64x64 weight, moments block-wise,
+    and a bias under torchao's 4096-element minimum, fp32 moments."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64))
+
+
+def _mlp_batches(step: int, micro: int, rank: int):
+    inputs = torch.randn(4, 64, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+    return inputs, inputs.flip(-1)
+
+
+def _mse(model, inputs, targets):
+    return torch.nn.functional.mse_loss(model(inputs), targets)
+
+
+def _compiled_case(name: str, stage: int) -> None:
+    """torchao's update compiled, as users run it, on zeroshard's whole-parameter views: the same
+    steps as DDP's compiled ones, bit for bit."""
+    with torch_compile(True):
+        ref = train_ddp(_mlp, _mlp_batches, optimizer_fn=_optimizer(name), steps=STEPS, loss_fn=_mse)
+        ours = train_engine(
+            _mlp, _mlp_batches, config=make_config(stage), optimizer_fn=_optimizer(name), steps=STEPS, loss_fn=_mse
+        )
+    assert_close(ours, ref, exact=True, what=f"{name} stage {stage}, compiled")
+
+
 def _parity_worker(rank: int, world_size: int, cases: list) -> None:
+    subtests([dict(name="AdamW8bit", stage=3)], _compiled_case)
     subtests(cases, _parity_case)
 
 
 @pytest.mark.slow
 def test_blockwise_optimizers_match_ddp_at_every_stage():
     # AdamWFp8 steps whole parameters the same way; what differs, its codes' layout in a checkpoint,
-    # is checked in one process below (each class compiles its update once per rank).
+    # is checked in one process below.
     cases = [dict(name="AdamW8bit", stage=s) for s in (1, 2, 3)]
     cases += [dict(name="AdamW8bit", stage=3, offload="cpu"), dict(name="AdamW4bit", stage=3)]
     cases += [dict(name="AdamW8bit", stage=3, offload="nvme"), dict(name="AdamW8bit", stage=1, offload="nvme")]
@@ -87,7 +117,8 @@ def test_blockwise_optimizers_match_ddp_at_every_stage():
 
 
 def _resume_worker(rank: int, world_size: int, directory: str) -> None:
-    resumes_at_stage_1(directory, _optimizer("AdamW8bit"), _blockwise_params)
+    with torch_compile(False):
+        resumes_at_stage_1(directory, _optimizer("AdamW8bit"), _blockwise_params)
 
 
 def _nvme_resume_worker(rank: int, world_size: int, directory: str, swap: str) -> None:
@@ -95,11 +126,13 @@ def _nvme_resume_worker(rank: int, world_size: int, directory: str, swap: str) -
     into them at another stage."""
     nvme = {"device": "nvme", "nvme_path": swap}
     zero = ({"offload_optimizer": nvme, "offload_param": nvme}, {"offload_optimizer": nvme})
-    resumes_at_stage_1(directory, _optimizer("AdamW8bit"), _blockwise_params, zero)
+    with torch_compile(False):
+        resumes_at_stage_1(directory, _optimizer("AdamW8bit"), _blockwise_params, zero)
 
 
 def _reshard_worker(rank: int, world_size: int, directory: str, again: str) -> None:
-    reloads_unchanged_at_stage_2(directory, again, _optimizer("AdamW8bit"))
+    with torch_compile(False):
+        reloads_unchanged_at_stage_2(directory, again, _optimizer("AdamW8bit"))
 
 
 @pytest.mark.slow
@@ -171,7 +204,8 @@ def test_the_nvme_free_space_check_counts_blockwise_moments_as_the_optimizer_kee
         optimizer = _torchao(name)(params)
         for param in params:
             param.grad = torch.ones_like(param)
-        optimizer.step()
+        with torch_compile(False):
+            optimizer.step()
         held = sum(lowbit.state_nbytes(v) for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
         bound = state_bytes_per_element(optimizer) * sum(p.numel() for p in params)
         assert held <= bound <= held * 1.001, (name, held, bound)

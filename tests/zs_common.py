@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import zeroshard
@@ -21,6 +23,29 @@ def gpt_model_fn(seed: int = 0, **overrides):
 
 def adamw(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+@contextlib.contextmanager
+def torch_compile(enabled: bool):
+    """Whether torchao's optimizers compile their update inside the block, as they do for users.
+
+    They call `torch.compile` on one function per parameter shape, and inductor builds C++ kernels for
+    each shape in every rank process: much of a test's CPU when the inductor cache is cold, as on a
+    fresh CI machine (docs/bench/test_suite.txt). Off (torch.compiler's "force_eager" stance), the
+    same function runs eagerly, on DDP's side as on zeroshard's, so a parity case still compares like
+    with like. On, the block compiles afresh (code an earlier block of this rank process compiled is
+    dropped first) and must have compiled a graph."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    if not enabled:
+        with torch.compiler.set_stance("force_eager"):
+            yield
+        return
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    yield
+    assert counters["stats"]["unique_graphs"] > before, "torch.compile compiled nothing in a case that runs it"
 
 
 def make_config(stage: int, gas: int = 1, clip: float = 0.0, micro: int = 4, **zero) -> dict:
