@@ -278,7 +278,8 @@ def test_the_newest_complete_snapshot_is_chosen_and_incomplete_ones_named():
 
 def test_a_snapshot_of_the_same_step_is_replaced_without_a_moment_of_neither(tmp_path, monkeypatch):
     """Publishing over a snapshot of the same step sets the old one aside first: a crash before the
-    new one takes its name leaves the old one whole, and recovery's inventory renames it back."""
+    new one takes its name leaves the old one whole, and recovery's inventory renames it back. Once
+    the new one is in place, the old one is the spare."""
 
     def staged(text: str) -> Path:
         staging = tmp_path / f".partial-snapshot5-{text}"
@@ -304,8 +305,13 @@ def test_a_snapshot_of_the_same_step_is_replaced_without_a_moment_of_neither(tmp
     snapshot._restore_set_aside(tmp_path)
     assert (tmp_path / "snapshot5" / "manifest.json").read_text() == "first"
     snapshot._publish(tmp_path, tmp_path / ".partial-snapshot5-second", "snapshot5", keep=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snapshot5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".spare", "snapshot5"]
     assert (tmp_path / "snapshot5" / "manifest.json").read_text() == "second"
+    # The one it replaced is the spare the next snapshot writes over: [Note: snapshot files written over]
+    assert (tmp_path / ".spare" / "manifest.json").read_text() == "first"
+    snapshot._publish(tmp_path, staged("third"), "snapshot5", keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".spare", "snapshot5"]
+    assert (tmp_path / ".spare" / "manifest.json").read_text() == "second"
 
 
 def test_auto_pace_snapshots_as_often_as_the_budget_allows():

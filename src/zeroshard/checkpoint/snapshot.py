@@ -21,8 +21,9 @@ receiving its source's (one ring shift, Communicator.shift) straight into their 
 in files.py). Once every rank reports its files written, the first rank of each machine renames the
 directory to `<tag>` and only then removes older snapshots, so a failure at any point leaves the
 previous snapshot whole. A snapshot of the same step already there (taken again, e.g. after a
-recovery) is first renamed away to `.old-<tag>-<nonce>` and removed only once the new one is in
-place; a crash between the two renames leaves it under that name, and recovery renames it back.
+recovery) is first renamed away to `.old-<tag>-<nonce>` and becomes the spare (below) only once the
+new one is in place; a crash between the two renames leaves it under that name, and recovery renames
+it back.
 With all ranks on one machine there is no buddy: a snapshot then survives a worker restart, not the
 machine.
 
@@ -364,21 +365,26 @@ def _write_files(staging: Path, files: dict) -> None:
 
 def _publish(directory: Path, staging: Path, tag: str, keep: int) -> None:
     """Rename the finished staging directory to `tag`, then remove all but the `keep` newest
-    snapshots (the newest of those it removes becomes the spare) and what interrupted writes left."""
+    snapshots and what interrupted writes left. The newest snapshot it replaces becomes the spare:
+    one of the same step set aside for the new one, else the newest of those beyond `keep`."""
     fsync_dir(staging)
     final = directory / tag
+    aside = None
     if final.exists():  # kept whole, under another name, until the new one is in place
-        final.rename(directory / f".old-{tag}-{uuid.uuid4().hex[:12]}")
+        aside = directory / f".old-{tag}-{uuid.uuid4().hex[:12]}"
+        final.rename(aside)
     staging.rename(final)
     fsync_dir(directory)
     snapshots = sorted(_complete(directory), key=_step_of)
-    replaced = snapshots[: max(0, len(snapshots) - keep)]
+    replaced = [directory / name for name in snapshots[: max(0, len(snapshots) - keep)]]
+    replaced += [aside] if aside is not None else []
     for entry in [directory / SPARE, *directory.glob(".partial-*"), *directory.glob(".old-*")]:
-        shutil.rmtree(entry, ignore_errors=True)  # the spare's files the new snapshot left, and leftovers
+        if entry != aside:  # the spare's files the new snapshot left, and leftovers
+            shutil.rmtree(entry, ignore_errors=True)
     if replaced:  # the next snapshot writes over its files: [Note: snapshot files written over]
-        (directory / replaced[-1]).rename(directory / SPARE)
+        replaced[-1].rename(directory / SPARE)
     for old in replaced[:-1]:
-        shutil.rmtree(directory / old, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _restore_set_aside(directory: Path) -> None:
