@@ -54,6 +54,16 @@ def _engine(stage: int, snapshots: Path | None, every: int | str = 0, **zeroshar
     return engine
 
 
+def _engine_on_machines(ranks_per_machine: int, stage: int, snapshots: Path, every: int = 0):
+    """_engine with the ranks grouped into machines of `ranks_per_machine`: LOCAL_WORLD_SIZE is read
+    when the communicator is made, and removed after, since a kept rank runs other cases."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_machine)
+    try:
+        return _engine(stage, snapshots, every)
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
 def _train(engine, first: int, count: int) -> list[float]:
     rank, world, gas = engine.global_rank, engine.world_size, engine.gradient_accumulation_steps()
     losses = []
@@ -73,11 +83,7 @@ def _machine(root: str, rank: int) -> Path:
 def _four_ranks_snapshot(rank: int, world: int, root: str, disk: str) -> None:
     """2 machines x 2 ranks, stage 3: a snapshot every 2 steps (steps 2 and 4, one kept), a disk
     checkpoint at step 4; machine 0 ends up with its own ranks' files and machine 1's."""
-    os.environ["LOCAL_WORLD_SIZE"] = "2"  # read when the communicator is made: 2 machines of 2
-    try:
-        engine = _engine(3, _machine(root, rank), every=2)
-    finally:
-        del os.environ["LOCAL_WORLD_SIZE"]  # a kept rank runs other cases after this one
+    engine = _engine_on_machines(2, 3, _machine(root, rank), every=2)
     assert engine.comm.ranks_per_node == 2
     _train(engine, 0, 4)
     engine.save_checkpoint(disk)
@@ -97,15 +103,12 @@ def _recovers_at_2_ranks(rank: int, world: int, root: str, disk: str, stage: int
     snapshot every step, each after the last micro step of its 2 (gradient accumulation).
     `replacement`: the 2 ranks are 2 machines of one rank, machine 0 and a new, empty one, to which
     recovery sends every file of the snapshot before loading it."""
+    every = 1 if stage == 1 else 0
     if replacement:
-        os.environ["LOCAL_WORLD_SIZE"] = "1"
         home = _machine(root, 0) if rank == 0 else Path(root) / "replacement"
+        recovered = _engine_on_machines(1, stage, home, every)
     else:
-        home = _machine(root, rank)
-    try:
-        recovered = _engine(stage, home, every=1 if stage == 1 else 0)
-    finally:
-        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        recovered = _engine(stage, _machine(root, rank), every)
     result = recovered.recover(checkpoint_dir=disk)
     assert (result.source, result.step, result.reason) == ("snapshot", 4, None), result
     if replacement:
@@ -131,11 +134,7 @@ def _writes_over_the_replaced_snapshot(rank: int, world: int, root: str) -> None
     """[Note: snapshot files written over]: the snapshot a new one replaces is kept as the spare, whose
     files the next snapshot writes over, a rank's own and the one its buddy sends alike; the snapshot
     written over them recovers the run's parameters."""
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    try:
-        engine = _engine(3, _machine(root, rank), every=1)
-    finally:
-        del os.environ["LOCAL_WORLD_SIZE"]
+    engine = _engine_on_machines(2, 3, _machine(root, rank), every=1)
     mine, listed, inodes = _machine(root, rank), [], []
     for step in range(3):
         _train(engine, step, 1)
@@ -147,11 +146,7 @@ def _writes_over_the_replaced_snapshot(rank: int, world: int, root: str) -> None
     assert len(inodes[0]) == 4 and inodes[2] == inodes[0], inodes  # own and buddy's files: snapshot1's
     params = full_params(engine)
     engine.destroy()
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
-    try:
-        again = _engine(3, mine)
-    finally:
-        del os.environ["LOCAL_WORLD_SIZE"]
+    again = _engine_on_machines(2, 3, mine)
     assert again.recover().step == 3
     recovered = full_params(again)
     again.destroy()
